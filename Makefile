@@ -1,0 +1,32 @@
+# Two commands for users: `make demo` and `make test`. Both install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install system-deps demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[test,widgets,spark]"
+	touch $@
+
+install: $(VENV)/.installed
+
+# Java for Spark, Podman for containers, Chromium for the browser test.
+system-deps:
+	bash scripts/install_system_deps.sh
+
+demo: install
+	$(BIN)/python scripts/run_notebook.py notebooks/01_quickstart.ipynb
+
+test: install system-deps
+	$(BIN)/python -m pytest -q -rs
+
+bench: install
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,47 @@
+"""The Python API under the magics: ``train()`` and ``TrainingJob``."""
+from __future__ import annotations
+
+from typing import Any
+
+from .config import TrainConfig
+from .data import make_dataset
+from .errors import NbdistError
+from .job import TrainingJob
+from .ui import make_renderer
+
+
+def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, Any] | None = None,
+          namespace: dict[str, Any] | None = None, **options: Any) -> TrainingJob:
+    """Train ``model`` data-parallel on ``x``/``y`` and put the trained weights back into it.
+
+    Options are the fields of ``TrainConfig`` (epochs, batch_size, workers, strategy,
+    backend, averaging_frequency, seed, shuffle, ui, background, ...). Blocks until
+    training ends unless ``background=True``; returns the ``TrainingJob`` either way.
+    The API is silent by default (``ui="none"``).
+    """
+    unknown = set(options) - TrainConfig.field_names()
+    if unknown:
+        raise NbdistError(f"unknown option(s) {', '.join(sorted(unknown))}; see help(nbdist.TrainConfig).")
+    options.setdefault("ui", "none")
+    config = TrainConfig(**options)
+    job = prepare(model, config, x, y, validation_data, namespace)
+    job.start()
+    job.wait()
+    return job
+
+
+def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tuple[Any, Any] | None,
+            namespace: dict[str, Any] | None = None, listeners: list[Any] | None = None) -> TrainingJob:
+    """Check the inputs and build a job, not yet started: nothing has touched the model."""
+    train_set = make_dataset(x, y, "training data")
+    val_set = None
+    if validation_data is not None:
+        if not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2:
+            raise NbdistError("validation_data must be a pair (X_val, y_val).")
+        val_set = make_dataset(validation_data[0], validation_data[1], "validation data")
+        if val_set.x.shape[1:] != train_set.x.shape[1:]:
+            raise NbdistError(f"validation features have shape {val_set.x.shape[1:]} per row but training "
+                              f"features have {train_set.x.shape[1:]}; pass matching arrays.")
+    renderer = make_renderer(config.ui)
+    all_listeners = list(listeners or []) + ([renderer] if renderer else [])
+    return TrainingJob(model, config, train_set, val_set, namespace, all_listeners)

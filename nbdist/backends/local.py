@@ -1,0 +1,115 @@
+"""Local backend: N worker processes on this machine, each in its own process group."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..config import default_local_workers
+from ..worker.main import SECRET_ENV
+
+log = logging.getLogger(__name__)
+
+
+def package_root() -> str:
+    """The directory holding the nbdist package, so workers import the driver's own copy."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def worker_env(secret: bytes, threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env[SECRET_ENV] = secret.hex()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH", "")) if p)
+    env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["TF_NUM_INTRAOP_THREADS"] = str(threads)
+    env["TF_NUM_INTEROP_THREADS"] = str(max(1, min(2, threads)))
+    env["PYTHONUNBUFFERED"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "")  # GPU placement: allreduce issue
+    env.pop("MPLBACKEND", None)  # the kernel's inline backend does not exist in a worker
+    return env
+
+
+class LocalWorker:
+    def __init__(self, rank: int, proc: subprocess.Popen, log_path: Path) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.log_path = log_path
+
+    def exit_status(self) -> int | None:
+        return self.proc.poll()
+
+    def describe(self) -> str:
+        return f"worker {self.rank} (pid {self.proc.pid})"
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 65536))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class LocalBackend:
+    name = "local"
+    bind_host = "127.0.0.1"
+    advertise_host = "127.0.0.1"
+    gloo_ifname = "lo"
+
+    def __init__(self) -> None:
+        self.workers: list[LocalWorker] = []
+        self.run_dir: Path | None = None
+
+    def default_workers(self) -> int:
+        return default_local_workers()
+
+    def launch(self, world_size: int, address: tuple[str, int], secret: bytes,
+               threads_per_worker: int) -> list[LocalWorker]:
+        self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-run-"))
+        env = worker_env(secret, threads_per_worker)
+        host, port = address
+        for rank in range(world_size):
+            log_path = self.run_dir / f"worker-{rank}.log"
+            with open(log_path, "wb") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "nbdist.worker", "--address", f"{host}:{port}",
+                     "--rank", str(rank), "--die-with-parent"],
+                    env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
+                )
+            self.workers.append(LocalWorker(rank, proc, log_path))
+        log.info("started %d local workers, logs in %s", world_size, self.run_dir)
+        return list(self.workers)
+
+    def stop(self, grace: float = 3.0) -> None:
+        alive = [w for w in self.workers if w.exit_status() is None]
+        for w in alive:
+            w.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for w in alive:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.signal(signal.SIGKILL)
+                w.proc.wait(timeout=10)
+        for w in self.workers:  # children a worker may have started in its group
+            w.signal(signal.SIGKILL)
+
+    def cleanup(self) -> None:
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)

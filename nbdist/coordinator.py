@@ -1,0 +1,138 @@
+"""Driver side of the wire: accepts workers, authenticates them, relays their messages.
+
+Each connection gets a reader thread that turns frames into ``Event``s on one
+queue; the run (job.py) consumes that queue on whichever thread waits for it.
+A connection that fails authentication is dropped before anything it sent is
+interpreted.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    kind: str  # "connected" | "message" | "closed"
+    rank: int
+    message: protocol.Message | None = None
+    detail: str = ""
+    at: float = field(default_factory=time.monotonic)
+
+
+class Coordinator:
+    def __init__(self, secret: bytes, world_size: int, bind_host: str = "127.0.0.1",
+                 advertise_host: str | None = None, heartbeat_interval: float = 2.0) -> None:
+        self.secret = secret
+        self.world_size = world_size
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.rejected = 0
+        self.heartbeat_interval = heartbeat_interval
+        self._channels: dict[int, protocol.Channel] = {}
+        self._last_seen: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind((bind_host, 0))
+        self._server.listen(64)
+        self.address = (advertise_host or bind_host, self._server.getsockname()[1])
+        threading.Thread(target=self._accept, name="nbdist-accept", daemon=True).start()
+        threading.Thread(target=self._beat, name="nbdist-driver-heartbeat", daemon=True).start()
+
+    # -- connections ----------------------------------------------------
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, peer = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
+                             name=f"nbdist-conn-{peer[1]}").start()
+
+    def _serve(self, sock: socket.socket, peer: Any) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            channel = protocol.server_handshake(sock, self.secret)
+            sock.settimeout(protocol.HANDSHAKE_TIMEOUT)
+            hello = channel.recv()
+            sock.settimeout(None)
+            rank = hello.body.get("rank")
+            if hello.type != "hello" or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+                raise protocol.ProtocolError(f"bad hello {hello.body!r}")
+            with self._lock:
+                if rank in self._channels:
+                    raise protocol.ProtocolError(f"rank {rank} connected twice")
+                self._channels[rank] = channel
+                self._last_seen[rank] = time.monotonic()
+        except Exception as exc:
+            self.rejected += 1
+            log.warning("rejected a connection from %s: %s", peer, exc)
+            sock.close()
+            return
+        self.events.put(Event("connected", rank, hello))
+        reason = "connection closed"
+        try:
+            while True:
+                msg = channel.recv()
+                self._last_seen[rank] = time.monotonic()
+                if msg.type != "heartbeat":
+                    self.events.put(Event("message", rank, msg))
+        except protocol.ConnectionClosed:
+            pass
+        except Exception as exc:  # an authenticated peer sent garbage: drop it
+            reason = f"protocol error: {exc}"
+        with self._lock:
+            self._channels.pop(rank, None)
+        if not self._closed.is_set():
+            self.events.put(Event("closed", rank, detail=reason))
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self.heartbeat_interval):
+            self.broadcast({"type": "heartbeat"})
+
+    # -- sending --------------------------------------------------------
+    def send(self, rank: int, body: dict[str, Any], arrays: Any = ()) -> None:
+        with self._lock:
+            channel = self._channels.get(rank)
+        if channel is None:
+            raise ConnectionError(f"worker {rank} is not connected")
+        channel.send(body, arrays)
+
+    def broadcast(self, body: dict[str, Any]) -> None:
+        with self._lock:
+            channels = list(self._channels.values())
+        for channel in channels:
+            try:
+                channel.send(body)
+            except OSError:
+                pass  # its reader will report the closed connection
+
+    def silent_for(self, rank: int) -> float:
+        seen = self._last_seen.get(rank)
+        return 0.0 if seen is None else time.monotonic() - seen
+
+    def connected(self) -> set[int]:
+        with self._lock:
+            return set(self._channels)
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._server.close()
+        except OSError:
+            pass
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel in channels:
+            channel.close()

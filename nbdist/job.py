@@ -1,0 +1,332 @@
+"""A training run as the driver sees it: start workers, feed them, follow them, finish.
+
+``TrainingJob`` owns the coordinator and the backend. Events are consumed by
+whichever thread calls ``wait()`` (the notebook's main thread in blocking mode),
+so a kernel interrupt lands here and stops every worker.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from . import protocol
+from .backends import Backend, WorkerHandle, resolve_backend
+from .config import TrainConfig
+from .coordinator import Coordinator, Event
+from .data import Dataset, batches_per_epoch, check_workers, shard_bounds
+from .errors import NbdistError, TrainingFailed
+from .model_io import ModelSpec, build_optimizer, set_optimizer_weights, spec_from_model
+from .progress import RunState
+from .strategies.averaging import rounds_per_epoch
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("done", "failed", "stopped")
+# How long after a worker's connection drops we wait for its process to report an exit code.
+EXIT_GRACE = 2.0
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class TrainingJob:
+    """One run of ``nbdist.train``: ``.status``, ``.history``, ``.wait()``, ``.stop()``."""
+
+    def __init__(self, model: Any, config: TrainConfig, train: Dataset, validation: Dataset | None = None,
+                 namespace: dict[str, Any] | None = None,
+                 listeners: list[Callable[[str, RunState, Any], None]] | None = None) -> None:
+        self.model = model
+        self.config = config
+        self.train_data = train
+        self.validation_data = validation
+        self.listeners = list(listeners or [])
+        self._namespace = namespace
+        self._backend: Backend | None = None
+        self._coordinator: Coordinator | None = None
+        self._handles: list[WorkerHandle] = []
+        self._spec: ModelSpec | None = None
+        self._last_weights: tuple[int, list[np.ndarray], int] | None = None
+        self._done: set[int] = set()
+        self._closing: dict[int, float] = {}
+        self._failure: TrainingFailed | None = None
+        self._launched_at = 0.0
+        self.state: RunState | None = None
+        self.world_size = 0
+
+    # -- public ---------------------------------------------------------
+    @property
+    def status(self) -> str:
+        return self.state.status if self.state else "created"
+
+    @property
+    def history(self) -> dict[str, list[float]]:
+        return self.state.history if self.state else {}
+
+    @property
+    def error(self) -> TrainingFailed | None:
+        return self._failure
+
+    def start(self) -> "TrainingJob":
+        """Validate, serialise the model and launch the workers (from the main thread)."""
+        cfg = self.config
+        self._spec = spec_from_model(self.model, self._namespace)
+        backend = resolve_backend(cfg)
+        world = cfg.workers or backend.default_workers()
+        check_workers(len(self.train_data), world)
+        self.world_size = world
+        self._shards = shard_bounds(len(self.train_data), world)
+        self._val_shards = (shard_bounds(len(self.validation_data), world)
+                            if self.validation_data is not None else None)
+        batches = [batches_per_epoch(b - a, cfg.batch_size) for a, b in self._shards]
+        self._rounds = rounds_per_epoch(batches, cfg.averaging_frequency)
+        self.state = RunState(world, cfg.epochs, backend=backend.name, strategy=cfg.strategy)
+        for w, (a, b) in zip(self.state.workers, self._shards):
+            w.samples = b - a
+            w.batches = batches_per_epoch(b - a, cfg.batch_size)
+        secret = protocol.new_secret()
+        self._coordinator = Coordinator(secret, world, backend.bind_host, backend.advertise_host,
+                                        cfg.heartbeat_interval)
+        self._backend = backend
+        cores = _cores()
+        threads = max(1, cores // world)
+        self._launched_at = time.monotonic()
+        try:
+            self._handles = backend.launch(world, self._coordinator.address, secret, threads)
+        except Exception:
+            self._shutdown()
+            raise
+        self._notify("start")
+        return self
+
+    def wait(self, timeout: float | None = None) -> dict[str, list[float]]:
+        """Follow the run until it ends. Raises TrainingFailed; on interrupt stops every worker."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while self.status not in TERMINAL:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"training still running after {timeout} s")
+                self.pump(0.2)
+        except KeyboardInterrupt:
+            self.stop("interrupted")
+            raise
+        if self._failure is not None:
+            raise self._failure
+        return self.history
+
+    def stop(self, reason: str = "stopped") -> None:
+        """End every worker now; the model keeps the last synchronised weights."""
+        if self.status in TERMINAL:
+            return
+        self._shutdown()
+        self._apply_last_weights()
+        self.state.finish("stopped", reason)
+        self._notify("end")
+
+    # -- event loop -----------------------------------------------------
+    def pump(self, timeout: float) -> None:
+        """Handle the events that arrive within ``timeout`` seconds, then check worker health."""
+        assert self._coordinator is not None
+        end = time.monotonic() + timeout
+        while self.status not in TERMINAL:
+            try:
+                event = self._coordinator.events.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                break
+            self._handle(event)
+        if self.status not in TERMINAL:
+            self._check_health()
+
+    def _handle(self, event: Event) -> None:
+        st = self.state
+        if event.kind == "connected":
+            body = event.message.body
+            st.worker_connected(event.rank, str(body.get("host", "")), body.get("pid"))
+            self._send_job(event.rank)
+            self._notify("worker")
+        elif event.kind == "closed":
+            if event.rank not in self._done:
+                self._closing[event.rank] = time.monotonic()
+        else:
+            self._handle_message(event.rank, event.message)
+
+    def _handle_message(self, rank: int, msg: protocol.Message) -> None:
+        st, kind = self.state, msg.type
+        if kind == "progress":
+            st.worker_progress(rank, msg.body)
+            self._notify("progress", rank)
+        elif kind == "epoch":
+            merged = st.worker_epoch(rank, msg.body)
+            if merged is not None:
+                self._notify("epoch", merged)
+        elif kind == "weights":
+            n = int(msg.body["n_weights"])
+            self._last_weights = (int(msg.body["epoch"]), msg.arrays[:n], len(msg.arrays) - n)
+            self._opt_weights = msg.arrays[n:]
+        elif kind == "store":
+            self._coordinator.broadcast({"type": "rendezvous", "host": msg.body["host"],
+                                         "port": int(msg.body["port"])})
+        elif kind == "done":
+            self._done.add(rank)
+            st.worker_finished(rank, "done")
+            self._notify("worker", rank)
+            if len(self._done) == self.world_size:
+                self._complete()
+        elif kind == "error":
+            text = str(msg.body.get("message", "error"))
+            self._fail(rank, f"{self._name(rank)} failed: {text}", str(msg.body.get("traceback", "")))
+
+    def _send_job(self, rank: int) -> None:
+        cfg, spec = self.config, self._spec
+        a, b = self._shards[rank]
+        shard = self.train_data.slice(a, b)
+        val = None
+        if self._val_shards is not None:
+            va, vb = self._val_shards[rank]
+            val = self.validation_data.slice(va, vb)
+        arrays: list[np.ndarray] = list(spec.weights)
+        if spec.optimizer_weights is not None:
+            arrays += spec.optimizer_weights
+        if spec.custom_objects:
+            arrays.append(np.frombuffer(spec.custom_objects, dtype=np.uint8))
+        arrays.append(shard.x)
+        if shard.y is not None:
+            arrays.append(shard.y)
+        if val is not None:
+            arrays.append(val.x)
+            if val.y is not None:
+                arrays.append(val.y)
+        body = {
+            "type": "job", "rank": rank, "world_size": self.world_size,
+            "config": {k: getattr(cfg, k) for k in ("epochs", "batch_size", "averaging_frequency",
+                                                     "average_optimizer", "seed", "shuffle",
+                                                     "heartbeat_timeout", "strategy")},
+            "model_config": spec.config,
+            "n_weights": len(spec.weights),
+            "n_optimizer": -1 if spec.optimizer_weights is None else len(spec.optimizer_weights),
+            "has_custom": bool(spec.custom_objects),
+            "has_y": shard.y is not None,
+            "has_val": val is not None,
+            "rounds_per_epoch": self._rounds,
+            "initial_epoch": 0,
+            "threads": max(1, _cores() // self.world_size),
+            "bind_host": self._backend.bind_host,
+            "advertise_host": self._backend.advertise_host,
+            "gloo_ifname": getattr(self._backend, "gloo_ifname", None),
+            "sync_timeout": cfg.sync_timeout,
+            "startup_timeout": cfg.startup_timeout,
+        }
+        self._coordinator.send(rank, body, arrays)
+
+    def _check_health(self) -> None:
+        now = time.monotonic()
+        for h in self._handles:
+            if h.rank in self._done:
+                continue
+            code = h.exit_status()
+            closing = self._closing.get(h.rank)
+            if code is not None and code != 0 or (code is None and closing and now - closing > EXIT_GRACE):
+                self._drain_errors()
+                if self.status in TERMINAL:
+                    return
+                how = _describe_exit(code) if code is not None else "closed its connection"
+                self._fail(h.rank, f"{h.describe()} {how} during training", h.log_tail(30))
+                return
+            if code == 0 and h.rank not in self._done:
+                self._drain_errors()
+                if self.status in TERMINAL:
+                    return
+                self._fail(h.rank, f"{h.describe()} exited before finishing", h.log_tail(30))
+                return
+        connected = self._coordinator.connected() | self._done | set(self._closing)
+        if len(connected) < self.world_size and now - self._launched_at > self.config.startup_timeout:
+            missing = sorted(set(range(self.world_size)) - connected)
+            h = self._handles[missing[0]]
+            self._fail(missing[0], f"{h.describe()} did not connect within {self.config.startup_timeout:.0f} s",
+                       h.log_tail(30))
+            return
+        for rank in self._coordinator.connected():
+            if self._coordinator.silent_for(rank) > self.config.heartbeat_timeout:
+                self._fail(rank, f"{self._name(rank)} sent nothing for {self.config.heartbeat_timeout:.0f} s "
+                                 "and is presumed hung", self._handles[rank].log_tail(30))
+                return
+
+    def _drain_errors(self) -> None:
+        """A worker that raised sends its traceback before exiting: prefer that to the exit code."""
+        while True:
+            try:
+                event = self._coordinator.events.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(event)
+            if self.status in TERMINAL:
+                return
+
+    # -- endings --------------------------------------------------------
+    def _fail(self, rank: int, message: str, worker_traceback: str) -> None:
+        self._failure = TrainingFailed(message, worker_traceback, rank)
+        self.state.worker_finished(rank, "failed", worker_traceback)
+        self._shutdown()
+        self.state.finish("failed", message)
+        self._notify("end")
+
+    def _complete(self) -> None:
+        self._shutdown()
+        self._apply_last_weights()
+        self.state.finish("done")
+        self._notify("end")
+
+    def _apply_last_weights(self) -> None:
+        if self._last_weights is None:
+            return
+        _, weights, n_opt = self._last_weights
+        self.model.set_weights(weights)
+        if n_opt and self.config.average_optimizer:
+            build_optimizer(self.model)
+            set_optimizer_weights(self.model, self._opt_weights)
+
+    @property
+    def weights_epoch(self) -> int | None:
+        """The epoch whose end the model's weights come from (None: untouched)."""
+        return None if self._last_weights is None else self._last_weights[0]
+
+    def _shutdown(self) -> None:
+        if self._coordinator is not None:
+            self._coordinator.close()
+        if self._backend is not None:
+            self._backend.stop()
+            cleanup = getattr(self._backend, "cleanup", None)
+            if cleanup:
+                cleanup()
+
+    def _name(self, rank: int) -> str:
+        return self._handles[rank].describe() if rank < len(self._handles) else f"worker {rank}"
+
+    def _notify(self, kind: str, payload: Any = None) -> None:
+        for listener in self.listeners:
+            try:
+                listener(kind, self.state, payload)
+            except Exception:  # a broken renderer must not break training
+                log.exception("progress listener failed")
+
+
+def _cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+__all__ = ["TrainingJob", "NbdistError", "TrainingFailed"]

@@ -1,0 +1,44 @@
+"""Argument bundles shared by the magics, and how their values are looked up."""
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.magic_arguments import argument
+
+from ..errors import NbdistError
+
+# Decorators are applied bottom-up; these bundles keep the order readable.
+data_arguments = [
+    argument("--data", metavar="X,y", required=False,
+             help="notebook variables holding features and labels, e.g. --data X,y"),
+]
+
+worker_arguments = [
+    argument("--workers", type=int, default=None, help="number of workers (default: 2 on the local backend)"),
+    argument("--backend", default="auto", help="auto | local | spark | containers (default: auto)"),
+]
+
+
+def apply(decorators: list[Any]):  # noqa: ANN201
+    def wrap(func):  # noqa: ANN001, ANN202
+        for deco in reversed(decorators):
+            func = deco(func)
+        return func
+
+    return wrap
+
+
+def lookup_pair(spec: str | None, namespace: dict[str, Any], option: str) -> tuple[Any, Any]:
+    """Resolve ``"X,y"`` (or a single name) to the notebook's objects, one clear sentence if not."""
+    if not spec:
+        raise NbdistError(f"{option} is required: name the notebook variables to use, e.g. {option} X,y.")
+    names = [n.strip() for n in spec.split(",")]
+    if len(names) > 2 or not all(n.isidentifier() for n in names):
+        raise NbdistError(f"{option} {spec!r} is not one or two variable names; write it as {option} X,y.")
+    values = []
+    for name in names:
+        if name not in namespace:
+            raise NbdistError(f"{option}: no variable named {name!r} in the notebook; define it first "
+                              "or check the spelling.")
+        values.append(namespace[name])
+    return values[0], values[1] if len(values) == 2 else None

@@ -1,0 +1,133 @@
+"""``%%dist_train``: run the cell to build a model, train it on workers, write back the result."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from ..config import TrainConfig
+from ..errors import NbdistError, TrainingFailed
+from ..model_io import is_keras_model
+from .args import apply, data_arguments, lookup_pair, worker_arguments
+
+log = logging.getLogger(__name__)
+
+
+def _new_models(before: dict[str, int], namespace: dict[str, Any]) -> list[str]:
+    """Names the cell bound (or rebound) to a Keras model."""
+    return [name for name, value in namespace.items()
+            if not name.startswith("_") and before.get(name) != id(value) and is_keras_model(value)]
+
+
+@magics_class
+class DistMagics(Magics):
+    @magic_arguments()
+    @apply(data_arguments)
+    @argument("--validation-data", metavar="Xv,yv", default=None,
+              help="notebook variables for validation, evaluated after every epoch")
+    @argument("--epochs", type=int, default=1, help="passes over the data (default: 1)")
+    @argument("--batch-size", type=int, default=32, help="mini-batch size per worker (default: 32)")
+    @apply(worker_arguments)
+    @argument("--strategy", default="averaging", help="averaging | allreduce (default: averaging)")
+    @argument("--averaging-frequency", type=int, default=5, metavar="K",
+              help="average parameters every K mini-batches (default: 5)")
+    @argument("--model", default=None, metavar="NAME",
+              help="the model variable to train (default: the one Keras model the cell assigns)")
+    @argument("--out", default="history", metavar="NAME",
+              help="variable to receive per-epoch metrics (default: history)")
+    @argument("--seed", type=int, default=None, help="random seed; worker r uses seed + r")
+    @argument("--ui", default="auto", help="auto | widgets | html | text | none (default: auto)")
+    @argument("--checkpoint-dir", default=None, metavar="DIR", help="save a checkpoint after every epoch")
+    @argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
+    @argument("--background", action="store_true", help="return at once; training continues")
+    @argument("--max-restarts", type=int, default=0, metavar="N", help="restart failed workers up to N times")
+    @argument("--engine", default=None, help="collective engine: gloo | nccl | horovod")
+    @argument("--image", default=None, help="container image for --backend containers")
+    @cell_magic
+    def dist_train(self, line: str, cell: str) -> None:
+        """Train the Keras model this cell builds on several workers, data-parallel.
+
+        The cell runs in the notebook's namespace and must build and compile one
+        Keras model. When the cell returns, that model holds the trained weights
+        and ``history`` (or ``--out``) holds the per-epoch metrics, averaged over
+        workers weighted by samples.
+
+        Example::
+
+            %%dist_train --data X,y --epochs 20 --batch-size 32 --workers 2
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+            model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+        """
+        try:
+            self._train(line, cell)
+        except NbdistError as exc:
+            raise UsageError(str(exc)) from None
+
+    def _train(self, line: str, cell: str) -> None:
+        args = parse_argstring(self.dist_train, line)
+        ns = self.shell.user_ns
+        options = {
+            "epochs": args.epochs, "batch_size": args.batch_size, "workers": args.workers,
+            "strategy": args.strategy, "backend": args.backend,
+            "averaging_frequency": args.averaging_frequency, "seed": args.seed, "ui": args.ui,
+            "checkpoint_dir": args.checkpoint_dir, "resume": args.resume, "background": args.background,
+            "max_restarts": args.max_restarts, "engine": args.engine, "image": args.image,
+        }
+        config = TrainConfig(**options)
+        if not args.out.isidentifier():
+            raise NbdistError(f"--out {args.out!r} is not a valid variable name; use e.g. --out history.")
+        x, y = lookup_pair(args.data, ns, "--data")
+        validation = None
+        if args.validation_data:
+            xv, yv = lookup_pair(args.validation_data, ns, "--validation-data")
+            validation = (xv, yv)
+        from ..api import prepare
+        from ..data import make_dataset
+
+        # Check the data before running the cell, so a typo costs nothing.
+        make_dataset(x, y, "training data")
+
+        before = {name: id(value) for name, value in ns.items()}
+        result = self.shell.run_cell(cell, store_history=False, silent=False)
+        if not result.success:
+            raise NbdistError("the cell raised an error (shown above) before training started; fix it and rerun.")
+        model = ns[self._pick_model(args.model, before, ns)]
+        job = prepare(model, config, x, y, validation, namespace=ns)
+        job.start()
+        try:
+            job.wait()
+        except TrainingFailed as exc:
+            self._show_failure(exc)
+            raise
+        except KeyboardInterrupt:
+            pass  # stop() ended every worker and kept the last averaged weights; the renderer said so
+        finally:
+            ns[args.out] = dict(job.history)
+
+    @staticmethod
+    def _pick_model(name: str | None, before: dict[str, int], ns: dict[str, Any]) -> str:
+        if name is not None:
+            if name not in ns:
+                raise NbdistError(f"--model {name}: no variable named {name!r} after running the cell; "
+                                  "check the name the cell assigns.")
+            if not is_keras_model(ns[name]):
+                raise NbdistError(f"--model {name} is a {type(ns[name]).__name__}, not a Keras model.")
+            return name
+        names = _new_models(before, ns)
+        if not names:
+            raise NbdistError("the cell assigned no Keras model; build and compile one in the cell, "
+                              "e.g. model = keras.Sequential([...]), or name an existing one with --model NAME.")
+        if len(names) > 1:
+            raise NbdistError(f"the cell assigned {len(names)} Keras models ({', '.join(names)}); "
+                              "name the one to train with --model NAME.")
+        return names[0]
+
+    @staticmethod
+    def _show_failure(exc: TrainingFailed) -> None:
+        if exc.worker_traceback:
+            sys.stderr.write(f"--- traceback from worker {exc.rank} ---\n{exc.worker_traceback.rstrip()}\n")
+            sys.stderr.flush()

@@ -1,0 +1,152 @@
+"""What a run looks like from the driver: pure state built from worker events.
+
+Renderers (text, HTML, widgets) read this state; nothing here knows about
+IPython, sockets or Keras.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+WORKER_STATES = ("starting", "training", "synchronising", "done", "failed", "stopped")
+
+
+@dataclass
+class WorkerProgress:
+    rank: int
+    state: str = "starting"
+    host: str = ""
+    pid: int | None = None
+    epoch: int = 0
+    batch: int = 0
+    batches: int = 0
+    samples: int = 0  # training samples in this worker's shard
+    samples_done: int = 0  # over the whole run
+    compute_seconds: float = 0.0
+    sync_seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class EpochAggregator:
+    """Averages each epoch's metrics over workers, weighted by the samples behind them."""
+
+    world_size: int
+    _pending: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)
+
+    def add(self, rank: int, epoch: int, report: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Keep one worker's report; return every worker's once the epoch is complete."""
+        reports = self._pending.setdefault(epoch, {})
+        reports[rank] = report
+        if len(reports) < self.world_size:
+            return None
+        del self._pending[epoch]
+        return list(reports.values())
+
+
+def merge_epoch_logs(reports: list[dict[str, Any]]) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for r in reports:
+        for key, value in r["logs"].items():
+            w = r["val_samples"] if key.startswith("val_") else r["samples"]
+            if w <= 0 or value is None:
+                continue
+            sums[key] = sums.get(key, 0.0) + float(value) * w
+            weights[key] = weights.get(key, 0.0) + w
+    return {k: sums[k] / weights[k] for k in sums}
+
+
+@dataclass
+class RunState:
+    world_size: int
+    epochs: int
+    backend: str = "local"
+    strategy: str = "averaging"
+    initial_epoch: int = 0
+    status: str = "starting"
+    started: float = field(default_factory=time.monotonic)
+    first_metric_at: float | None = None
+    finished_at: float | None = None
+    history: dict[str, list[float]] = field(default_factory=dict)
+    epoch_seconds: list[float] = field(default_factory=list)
+    epoch_samples: list[int] = field(default_factory=list)
+    error: str = ""
+    workers: list[WorkerProgress] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            self.workers = [WorkerProgress(rank=r) for r in range(self.world_size)]
+        self._aggregator = EpochAggregator(self.world_size)
+
+    # -- derived --------------------------------------------------------
+    @property
+    def epochs_done(self) -> int:
+        return len(self.epoch_seconds)
+
+    @property
+    def elapsed(self) -> float:
+        end = self.finished_at if self.finished_at is not None else time.monotonic()
+        return end - self.started
+
+    @property
+    def eta(self) -> float | None:
+        if not self.epoch_seconds:
+            return None
+        per_epoch = sum(self.epoch_seconds) / len(self.epoch_seconds)
+        return per_epoch * (self.epochs - self.initial_epoch - self.epochs_done)
+
+    @property
+    def throughput(self) -> float:
+        """Training samples per second in the last finished epoch, all workers together."""
+        if not self.epoch_seconds or self.epoch_seconds[-1] <= 0:
+            return 0.0
+        return self.epoch_samples[-1] / self.epoch_seconds[-1]
+
+    # -- events ---------------------------------------------------------
+    def worker_connected(self, rank: int, host: str, pid: int | None) -> None:
+        w = self.workers[rank]
+        w.host, w.pid = host, pid
+        self.status = "running" if self.status == "starting" else self.status
+
+    def worker_progress(self, rank: int, body: dict[str, Any]) -> None:
+        w = self.workers[rank]
+        w.state = body.get("state", "training")
+        w.epoch = int(body.get("epoch", w.epoch))
+        w.batch = int(body.get("batch", w.batch))
+        w.batches = int(body.get("batches", w.batches))
+        w.samples_done = int(body.get("samples_done", w.samples_done))
+        w.compute_seconds = float(body.get("compute_seconds", w.compute_seconds))
+        w.sync_seconds = float(body.get("sync_seconds", w.sync_seconds))
+
+    def worker_epoch(self, rank: int, body: dict[str, Any]) -> dict[str, float] | None:
+        """Record one worker's epoch end; return the merged logs once every worker reported."""
+        self.worker_progress(rank, body)
+        report = {"logs": body.get("logs", {}), "samples": int(body.get("samples", 0)),
+                  "val_samples": int(body.get("val_samples", 0)), "seconds": float(body.get("seconds", 0.0))}
+        reports = self._aggregator.add(rank, int(body["epoch"]), report)
+        if reports is None:
+            return None
+        merged = merge_epoch_logs(reports)
+        if self.first_metric_at is None:
+            self.first_metric_at = time.monotonic() - self.started
+        # Workers time their own epochs, so start-up is not billed to epoch 1.
+        self.epoch_seconds.append(max(r["seconds"] for r in reports))
+        self.epoch_samples.append(sum(r["samples"] for r in reports))
+        for key, value in merged.items():
+            self.history.setdefault(key, []).append(value)
+        return merged
+
+    def worker_finished(self, rank: int, state: str, error: str = "") -> None:
+        w = self.workers[rank]
+        w.state = state
+        w.error = error
+
+    def finish(self, status: str, error: str = "") -> None:
+        self.status = status
+        self.error = error
+        self.finished_at = time.monotonic()
+        for w in self.workers:
+            if w.state not in ("done", "failed"):
+                w.state = "stopped" if status != "done" else "done"

@@ -1,0 +1,1 @@
+"""Synchronisation strategies: how workers' models are kept in agreement."""

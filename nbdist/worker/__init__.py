@@ -1,0 +1,1 @@
+"""The worker program every backend starts: ``python -m nbdist.worker``."""

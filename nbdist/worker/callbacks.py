@@ -1,0 +1,111 @@
+"""Keras callbacks that run inside a worker: averaging rounds and the event stream."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import keras
+import numpy as np
+
+from ..strategies.averaging import WeightedAverager, batch_sizes, sync_after
+
+
+class AveragingCallback(keras.callbacks.Callback):
+    """Averages weights every K batches and pads each epoch to the common number of rounds."""
+
+    def __init__(self, averager: WeightedAverager, k: int, samples: int, batch_size: int,
+                 rounds_per_epoch: int) -> None:
+        super().__init__()
+        self.averager = averager
+        self.k = k
+        self.sizes = batch_sizes(samples, batch_size)
+        self.rounds_per_epoch = rounds_per_epoch
+        self._pending = 0
+        self._rounds = 0
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._pending = 0
+        self._rounds = 0
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        batches = len(self.sizes)
+        self._pending += self.sizes[batch]
+        if sync_after(batch, batches, self.k):
+            self._round()
+        if batch == batches - 1:
+            while self._rounds < self.rounds_per_epoch:
+                self._round()
+
+    def _round(self) -> None:
+        self.averager.average(self._pending)
+        self._pending = 0
+        self._rounds += 1
+
+
+def _floats(logs: Any) -> dict[str, float]:
+    out = {}
+    for key, value in (logs or {}).items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+class EventCallback(keras.callbacks.Callback):
+    """Streams progress and per-epoch metrics to the driver; rank 0 also ships the weights."""
+
+    def __init__(self, send: Callable[..., None], samples: int, val_samples: int, batch_size: int,
+                 averager: WeightedAverager | None, ship_weights: Callable[[int], None] | None,
+                 interval: float = 0.25) -> None:
+        super().__init__()
+        self.send = send
+        self.samples = samples
+        self.val_samples = val_samples
+        self.sizes = batch_sizes(samples, batch_size)
+        self.averager = averager
+        self.ship_weights = ship_weights
+        self.interval = interval
+        self._samples_done = 0
+        self._train_start = time.perf_counter()
+        self._epoch_start = 0.0
+        self._last_sent = 0.0
+        self._epoch = 0
+
+    def _timing(self) -> dict[str, float]:
+        sync = self.averager.seconds if self.averager else 0.0
+        total = time.perf_counter() - self._train_start
+        return {"sync_seconds": sync, "compute_seconds": max(0.0, total - sync)}
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._train_start = time.perf_counter()
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch = epoch
+        self._epoch_start = time.perf_counter()
+        self.send({"type": "progress", "state": "training", "epoch": epoch, "batch": 0,
+                   "batches": len(self.sizes), "samples_done": self._samples_done, **self._timing()})
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._samples_done += self.sizes[batch]
+        now = time.perf_counter()
+        if now - self._last_sent >= self.interval:
+            self._last_sent = now
+            self.send({"type": "progress", "state": "training", "epoch": self._epoch, "batch": batch + 1,
+                       "batches": len(self.sizes), "samples_done": self._samples_done, **self._timing()})
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if self.ship_weights is not None:
+            self.ship_weights(epoch)
+        self.send({"type": "epoch", "epoch": epoch, "logs": _floats(logs), "samples": self.samples,
+                   "val_samples": self.val_samples, "batch": len(self.sizes), "batches": len(self.sizes),
+                   "samples_done": self._samples_done, "state": "training",
+                   "seconds": time.perf_counter() - self._epoch_start, **self._timing()})
+
+
+def weights_and_optimizer(model: Any) -> list[np.ndarray]:
+    from ..model_io import averaged_optimizer_variables
+
+    return [np.asarray(w) for w in model.get_weights()] + [
+        np.asarray(v.numpy()) for v in averaged_optimizer_variables(model)
+    ]

@@ -1,0 +1,144 @@
+"""Worker entry point: connect, authenticate, receive the job, train, report.
+
+The same program runs under every backend; only how it is started differs.
+The driver's address comes from ``--address``, the per-run secret from the
+environment (never the command line, which other users can read).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from .. import protocol
+
+log = logging.getLogger("nbdist.worker")
+
+SECRET_ENV = "NBDIST_SECRET"
+
+
+class DriverLink:
+    """The worker's side of the connection: a reader thread and a heartbeat thread.
+
+    If the driver goes away (connection closed, or silent past the timeout) the
+    worker exits at once: a worker never outlives its notebook.
+    """
+
+    def __init__(self, channel: protocol.Channel, heartbeat_interval: float = 2.0,
+                 heartbeat_timeout: float = 60.0) -> None:
+        self.channel = channel
+        self.inbox: queue.Queue[protocol.Message] = queue.Queue()
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self._last_heard = time.monotonic()
+        threading.Thread(target=self._read, name="nbdist-driver-reader", daemon=True).start()
+        threading.Thread(target=self._beat, name="nbdist-heartbeat", daemon=True).start()
+
+    def send(self, body: dict[str, Any], arrays: Any = ()) -> None:
+        self.channel.send(body, arrays)
+
+    def expect(self, kind: str, timeout: float) -> protocol.Message:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no {kind!r} message from the driver within {timeout:.0f} s")
+            try:
+                msg = self.inbox.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if msg.type == kind:
+                return msg
+            log.debug("ignoring %s while waiting for %s", msg.type, kind)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.channel.recv()
+                self._last_heard = time.monotonic()
+                if msg.type == "heartbeat":
+                    continue
+                if msg.type == "stop":
+                    log.info("driver asked this worker to stop")
+                    os._exit(0)
+                self.inbox.put(msg)
+        except Exception as exc:  # closed or forged: either way the driver is gone for us
+            if not self.channel.closed:
+                log.error("lost the driver (%s); exiting", exc)
+                os._exit(3)
+
+    def _beat(self) -> None:
+        while not self.channel.closed:
+            time.sleep(self.heartbeat_interval)
+            if time.monotonic() - self._last_heard > self.heartbeat_timeout:
+                log.error("driver silent for %.0f s; exiting", self.heartbeat_timeout)
+                os._exit(4)
+            try:
+                self.send({"type": "heartbeat"})
+            except Exception:
+                return
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when the process that started it dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        log.debug("prctl unavailable", exc_info=True)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m nbdist.worker", description="nbdist training worker")
+    p.add_argument("--address", required=True, help="driver coordinator HOST:PORT")
+    p.add_argument("--rank", type=int, required=True, help="this worker's rank")
+    p.add_argument("--die-with-parent", action="store_true", help="exit when the parent process dies")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s worker %(process)d %(levelname)s %(message)s")
+    args = _parse(argv)
+    if args.die_with_parent:
+        parent = os.getppid()
+        _die_with_parent()
+        if os.getppid() != parent:
+            return 5
+    secret_hex = os.environ.pop(SECRET_ENV, "")
+    if not secret_hex:
+        log.error("%s is not set; a worker must be started by nbdist", SECRET_ENV)
+        return 2
+    host, _, port = args.address.rpartition(":")
+    channel = protocol.connect((host, int(port)), bytes.fromhex(secret_hex))
+    link = DriverLink(channel)
+    link.send({"type": "hello", "rank": args.rank, "pid": os.getpid(), "host": socket.gethostname()})
+    try:
+        from .training import run_job
+
+        run_job(link, args.rank)
+    except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
+        tb = traceback.format_exc()
+        log.error("training failed:\n%s", tb)
+        try:
+            link.send({"type": "error", "message": f"{type(exc).__name__}: {exc}", "traceback": tb})
+        except Exception:
+            pass
+        channel.closed = True
+        channel.close()
+        return 1
+    channel.closed = True
+    channel.close()
+    return 0

@@ -1,0 +1,107 @@
+"""The training job as a worker runs it: rebuild the model, rendezvous, fit."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("nbdist.worker")
+
+
+def pin_threads(threads: int) -> None:
+    """Keep N workers on one machine from each using every core."""
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, threads)))
+
+
+def unpack_job(msg: Any) -> dict[str, Any]:
+    """Split a job message's arrays into weights, optimizer state, custom objects and data."""
+    body, arrays = msg.body, list(msg.arrays)
+    take = lambda n: [arrays.pop(0) for _ in range(n)]  # noqa: E731
+    job = dict(body)
+    job["weights"] = take(body["n_weights"])
+    job["optimizer_weights"] = take(body["n_optimizer"]) if body["n_optimizer"] >= 0 else None
+    job["custom_objects"] = take(1)[0].tobytes() if body["has_custom"] else None
+    job["x"], job["y"] = take(1)[0], (take(1)[0] if body["has_y"] else None)
+    if body["has_val"]:
+        job["xv"], job["yv"] = take(1)[0], (take(1)[0] if body["has_y"] else None)
+    return job
+
+
+def connect_collective(link: Any, job: dict[str, Any]) -> Any:
+    from ..collective import GlooCollective, SoloCollective, open_store_listener
+
+    rank, world = job["rank"], job["world_size"]
+    if world == 1:
+        return SoloCollective()
+    timeout = float(job["sync_timeout"])
+    listen_fd = None
+    if rank == 0:
+        listen_fd, port = open_store_listener(job["bind_host"])
+        link.send({"type": "store", "host": job["advertise_host"], "port": port})
+    rdv = link.expect("rendezvous", timeout=float(job["startup_timeout"])).body
+    return GlooCollective(rank, world, rdv["host"], int(rdv["port"]), timeout,
+                          listen_fd=listen_fd, ifname=job.get("gloo_ifname"))
+
+
+def run_job(link: Any, rank: int) -> None:
+    job = unpack_job(link.expect("job", timeout=300))
+    cfg = job["config"]
+    link.heartbeat_timeout = float(cfg["heartbeat_timeout"])
+    pin_threads(int(job["threads"]))
+    import keras
+
+    from ..model_io import ModelSpec, build_optimizer, model_from_spec
+    from ..strategies.averaging import WeightedAverager
+    from .callbacks import AveragingCallback, EventCallback, weights_and_optimizer
+
+    if cfg.get("seed") is not None:
+        keras.utils.set_random_seed(int(cfg["seed"]) + rank)
+    custom = None
+    if job["custom_objects"]:
+        import cloudpickle  # only ever reached on an authenticated channel
+
+        custom = cloudpickle.loads(job["custom_objects"])
+    compile_config = job["model_config"].get("compile_config") or {}
+    # Averaging rounds count batches from on_train_batch_end, which fires once per execution.
+    compile_config["steps_per_execution"] = 1
+    spec = ModelSpec(job["model_config"], job["weights"], job["optimizer_weights"], None)
+    model = model_from_spec(spec, custom)
+    build_optimizer(model)
+    link.send({"type": "progress", "state": "starting", "epoch": int(job["initial_epoch"])})
+
+    collective = connect_collective(link, job)
+    try:
+        from ..model_io import averaged_optimizer_variables
+
+        variables = [w for w in model.weights if "float" in str(w.dtype)]
+        if cfg["average_optimizer"]:
+            variables += averaged_optimizer_variables(model)
+        averager = WeightedAverager(collective, variables)
+        x, y = job["x"], job["y"]
+        samples, batch_size = len(x), int(cfg["batch_size"])
+        validation = None
+        val_samples = 0
+        if job.get("xv") is not None and len(job["xv"]) > 0:
+            validation = (job["xv"], job["yv"])
+            val_samples = len(job["xv"])
+
+        def ship(epoch: int) -> None:
+            link.send({"type": "weights", "epoch": epoch, "n_weights": len(model.get_weights())},
+                      weights_and_optimizer(model))
+
+        callbacks = [
+            AveragingCallback(averager, int(cfg["averaging_frequency"]), samples, batch_size,
+                              int(job["rounds_per_epoch"])),
+            EventCallback(link.send, samples, val_samples, batch_size, averager,
+                          ship if rank == 0 else None),
+        ]
+        model.fit(x, y, batch_size=batch_size, epochs=int(cfg["epochs"]), verbose=0,
+                  shuffle=bool(cfg["shuffle"]), validation_data=validation, callbacks=callbacks,
+                  initial_epoch=int(job["initial_epoch"]))
+        link.send({"type": "done", "sync_seconds": averager.seconds, "rounds": averager.rounds})
+    finally:
+        collective.close()
+    log.info("worker %d finished (%d averaging rounds, %.2f s synchronising)",
+             rank, averager.rounds, averager.seconds)

@@ -1,0 +1,43 @@
+"""Execute a notebook headlessly and print what its cells printed (used by `make demo`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import os
+
+import nbformat
+from nbclient import NotebookClient
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("notebook", type=Path)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    p.add_argument("--save", type=Path, default=None, help="write the executed notebook here")
+    args = p.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow start-up noise out of the output
+    nb = nbformat.read(args.notebook, as_version=4)
+    client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(args.notebook.parent)}})
+
+    def show(cell, cell_index, execute_reply=None, **_):  # noqa: ANN001, ANN003
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                sys.stdout.write(out.get("text", ""))
+            elif out.get("output_type") == "error":
+                sys.stdout.write(f"{out.get('ename')}: {out.get('evalue')}\n")
+            elif "text/plain" in out.get("data", {}):
+                sys.stdout.write(out["data"]["text/plain"] + "\n")
+        sys.stdout.flush()
+
+    client.on_cell_executed = show
+    client.execute()
+    if args.save:
+        nbformat.write(nb, args.save)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
