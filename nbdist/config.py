@@ -11,6 +11,7 @@ from .errors import NbdistError
 STRATEGIES = ("averaging", "allreduce")
 BACKENDS = ("auto", "local", "spark", "containers")
 UIS = ("auto", "widgets", "html", "text", "none")
+LR_SCALINGS = ("auto", "none", "linear")
 
 # Options the interface reserves for capabilities that have not landed yet:
 # asking for them gets a sentence, not a crash or a silent ignore.
@@ -33,6 +34,8 @@ class TrainConfig:
     backend: str = "auto"
     averaging_frequency: int = 5
     average_optimizer: bool = True
+    # "auto": linear scaling for adaptive optimizers, none for plain SGD (see strategies/lr_scaling.py).
+    lr_scaling: str = "auto"
     seed: int | None = None
     shuffle: bool = True
     ui: str = "auto"
@@ -63,6 +66,8 @@ class TrainConfig:
             raise NbdistError(f"unknown backend {self.backend!r}; use one of: {', '.join(BACKENDS)}.")
         if self.ui not in UIS:
             raise NbdistError(f"unknown ui {self.ui!r}; use one of: {', '.join(UIS)}.")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise NbdistError(f"unknown lr scaling {self.lr_scaling!r}; use one of: {', '.join(LR_SCALINGS)}.")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise NbdistError(f"seed must be a non-negative integer, got {self.seed!r}.")
         for name in ("startup_timeout", "heartbeat_interval", "heartbeat_timeout", "sync_timeout"):

@@ -40,6 +40,12 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _first_line(text: str, limit: int = 200) -> str:
+    """The head of an exception message: the whole of it is in the worker's traceback."""
+    line = text.strip().splitlines()[0] if text.strip() else "error"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 class TrainingJob:
     """One run of ``nbdist.train``: ``.status``, ``.history``, ``.wait()``, ``.stop()``."""
 
@@ -183,7 +189,7 @@ class TrainingJob:
             if len(self._done) == self.world_size:
                 self._complete()
         elif kind == "error":
-            text = str(msg.body.get("message", "error"))
+            text = _first_line(str(msg.body.get("message", "error")))
             self._fail(rank, f"{self._name(rank)} failed: {text}", str(msg.body.get("traceback", "")))
 
     def _send_job(self, rank: int) -> None:
@@ -209,7 +215,7 @@ class TrainingJob:
         body = {
             "type": "job", "rank": rank, "world_size": self.world_size,
             "config": {k: getattr(cfg, k) for k in ("epochs", "batch_size", "averaging_frequency",
-                                                     "average_optimizer", "seed", "shuffle",
+                                                     "average_optimizer", "seed", "shuffle", "lr_scaling",
                                                      "heartbeat_timeout", "strategy")},
             "model_config": spec.config,
             "n_weights": len(spec.weights),

@@ -129,7 +129,8 @@ def _custom_objects(config: Any, namespace: dict[str, Any]) -> dict[str, Any]:
         if isinstance(node, dict):
             module = node.get("module")
             name = node.get("registered_name") or node.get("class_name")
-            if isinstance(name, str) and isinstance(module, str) and not _importable(module, node):
+            # Keras writes module None for classes it cannot place, e.g. ones defined in a notebook.
+            if isinstance(name, str) and "class_name" in node and not _importable(module):
                 obj = _lookup(name, namespace)
                 if obj is not None:
                     found[name] = obj
@@ -151,8 +152,8 @@ def _custom_objects(config: Any, namespace: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def _importable(module: str, node: dict[str, Any]) -> bool:
-    if module == "__main__":
+def _importable(module: str | None) -> bool:
+    if not isinstance(module, str) or module == "__main__":
         return False
     if module in ("builtins",) or module.startswith("keras"):
         return True

@@ -135,7 +135,7 @@ class Channel:
     # -- messages -------------------------------------------------------
     def send(self, body: dict[str, Any], arrays: list[np.ndarray] | tuple = ()) -> None:
         """Send a JSON body and, after it, the raw bytes of each array."""
-        arrays = [np.ascontiguousarray(a) for a in arrays]
+        arrays = [np.asarray(a, order="C") for a in arrays]  # not ascontiguousarray: it makes 0-d 1-d
         meta = []
         for a in arrays:
             if a.dtype.kind not in _ALLOWED_DTYPE_KINDS:

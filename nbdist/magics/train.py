@@ -35,6 +35,9 @@ class DistMagics(Magics):
     @argument("--strategy", default="averaging", help="averaging | allreduce (default: averaging)")
     @argument("--averaging-frequency", type=int, default=5, metavar="K",
               help="average parameters every K mini-batches (default: 5)")
+    @argument("--lr-scaling", default="auto", metavar="auto|none|linear",
+              help="multiply the learning rate by the number of workers: auto (adaptive optimizers "
+                   "only; plain SGD keeps exact big-batch semantics), linear (always) or none")
     @argument("--model", default=None, metavar="NAME",
               help="the model variable to train (default: the one Keras model the cell assigns)")
     @argument("--out", default="history", metavar="NAME",
@@ -73,7 +76,7 @@ class DistMagics(Magics):
         options = {
             "epochs": args.epochs, "batch_size": args.batch_size, "workers": args.workers,
             "strategy": args.strategy, "backend": args.backend,
-            "averaging_frequency": args.averaging_frequency, "seed": args.seed, "ui": args.ui,
+            "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling, "seed": args.seed, "ui": args.ui,
             "checkpoint_dir": args.checkpoint_dir, "resume": args.resume, "background": args.background,
             "max_restarts": args.max_restarts, "engine": args.engine, "image": args.image,
         }

@@ -86,6 +86,17 @@ class DriverLink:
                 return
 
 
+_GENERIC = ("Graph execution error", "Detected at node", "File ", "Exception encountered")
+
+
+def summarise(exc: BaseException) -> str:
+    """One informative line: TensorFlow buries the real message under generic headers."""
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln[0].isspace() and not ln.startswith(_GENERIC)]
+    head = (useful or lines or [""])[0].strip()
+    return f"{type(exc).__name__}: {head}" if head else type(exc).__name__
+
+
 def _die_with_parent() -> None:
     """Ask Linux to kill this process when the process that started it dies."""
     if not sys.platform.startswith("linux"):
@@ -133,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         tb = traceback.format_exc()
         log.error("training failed:\n%s", tb)
         try:
-            link.send({"type": "error", "message": f"{type(exc).__name__}: {exc}", "traceback": tb})
+            link.send({"type": "error", "message": summarise(exc), "traceback": tb})
         except Exception:
             pass
         channel.closed = True

@@ -15,6 +15,20 @@ def pin_threads(threads: int) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, threads)))
 
 
+def scale_learning_rate(model: Any, mode: str, world_size: int) -> None:
+    from ..strategies.lr_scaling import lr_scale_factor
+
+    opt = model.optimizer
+    factor = lr_scale_factor(mode, type(opt).__name__, world_size)
+    if factor == 1.0:
+        return
+    if not hasattr(opt.learning_rate, "assign"):  # a schedule: the user owns its shape
+        log.warning("learning rate is a schedule; not scaling it by %g", factor)
+        return
+    opt.learning_rate.assign(float(opt.learning_rate.numpy()) * factor)
+    log.info("learning rate scaled by %g for %d workers (lr_scaling=%s)", factor, world_size, mode)
+
+
 def unpack_job(msg: Any) -> dict[str, Any]:
     """Split a job message's arrays into weights, optimizer state, custom objects and data."""
     body, arrays = msg.body, list(msg.arrays)
@@ -69,6 +83,7 @@ def run_job(link: Any, rank: int) -> None:
     spec = ModelSpec(job["model_config"], job["weights"], job["optimizer_weights"], None)
     model = model_from_spec(spec, custom)
     build_optimizer(model)
+    scale_learning_rate(model, cfg.get("lr_scaling", "none"), int(job["world_size"]))
     link.send({"type": "progress", "state": "starting", "epoch": int(job["initial_epoch"])})
 
     collective = connect_collective(link, job)

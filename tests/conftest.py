@@ -1,0 +1,74 @@
+"""Shared fixtures: real data (scikit-learn digits) and a check that no worker outlives a test."""
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return (x / 16).astype("float32"), y.astype("int64")
+
+
+@pytest.fixture(scope="session")
+def digits_split(digits):
+    from sklearn.model_selection import train_test_split
+
+    x, y = digits
+    return train_test_split(x, y, test_size=0.25, random_state=0)
+
+
+def worker_processes() -> list[psutil.Process]:
+    """nbdist workers started by this test process (they are its direct children)."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "nbdist.worker" in " ".join(child.cmdline()):
+                out.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def wait_no_workers(timeout: float = 5.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = worker_processes()
+        if not left:
+            return []
+        time.sleep(0.1)
+    return worker_processes()
+
+
+@pytest.fixture
+def no_leftover_workers():
+    yield
+    left = wait_no_workers()
+    assert not left, f"worker processes left behind: {[p.pid for p in left]}"
+
+
+def mlp(seed: int = 0, optimizer: str | object = "adam"):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def relative_error(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """Largest per-tensor ||a - b|| / ||b||."""
+    return max(float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-12)) for x, y in zip(a, b))

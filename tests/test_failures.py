@@ -1,0 +1,105 @@
+"""A worker that raises, a worker that is killed, an interrupt: fast, clear, nothing left behind."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import nbdist
+from nbdist.errors import TrainingFailed
+
+from .conftest import mlp, wait_no_workers
+from .test_magic import ip  # noqa: F401  (the shared IPython shell fixture)
+
+FAILING_CELL = """
+import keras, tensorflow as tf
+
+class Boom(keras.layers.Layer):
+    '''Raises inside the training step once it has run 20 times: a bug in user code.'''
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+    def call(self, x, training=None):
+        if training:
+            self.calls.assign_add(1.0)
+        tf.debugging.assert_less(self.calls, 20.0, message="injected failure in Boom")
+        return x
+
+model = keras.Sequential([keras.Input((64,)), Boom(), keras.layers.Dense(10, activation="softmax")])
+model.compile("adam", "sparse_categorical_crossentropy")
+"""
+
+
+def test_worker_exception_fails_the_cell_with_its_traceback(ip, capsys):  # noqa: F811
+    start = time.monotonic()
+    result = ip.run_cell(f"%%dist_train --data X,y --epochs 50 --workers 2 --ui none --out h\n{FAILING_CELL}")
+    took = time.monotonic() - start
+    assert not result.success
+    message = str(result.error_in_exec)
+    assert "worker" in message and "injected failure in Boom" in message
+    err = capsys.readouterr().err
+    assert "--- traceback from worker" in err and "Traceback (most recent call last)" in err
+    assert "injected failure in Boom" in err
+    assert not wait_no_workers(5)
+    assert took < 60  # start-up included; the failure itself is reported at once
+    assert ip.user_ns["h"] == {} or all(len(v) >= 1 for v in ip.user_ns["h"].values())
+
+
+def test_killed_worker_fails_the_run_naming_it(digits):
+    x, y = digits
+    model = mlp(seed=0)
+    before = [w.copy() for w in model.get_weights()]
+    killed = {}
+
+    def kill_after_first_epoch(kind, state, payload):
+        if kind == "epoch" and not killed:
+            killed["pid"] = state.workers[1].pid
+            killed["at"] = time.monotonic()
+            os.kill(state.workers[1].pid, signal.SIGKILL)
+
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    job = prepare(model, TrainConfig(epochs=200, workers=2, ui="none"), x, y, None,
+                  listeners=[kill_after_first_epoch])
+    job.start()
+    with pytest.raises(TrainingFailed) as info:
+        job.wait(timeout=120)
+    assert time.monotonic() - killed["at"] < 10
+    assert f"worker 1 (pid {killed['pid']})" in str(info.value)
+    assert "SIGKILL" in str(info.value)
+    assert job.status == "failed"
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert not wait_no_workers(5)
+
+
+def test_interrupt_stops_every_worker_and_keeps_last_averaged_weights(digits):
+    x, y = digits
+    model = mlp(seed=0)
+    before = [w.copy() for w in model.get_weights()]
+    seen = {}
+
+    def interrupt_after_two_epochs(kind, state, payload):
+        if kind == "epoch" and state.epochs_done == 2 and not seen:
+            seen["at"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGINT)  # what the kernel's interrupt button sends
+
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    job = prepare(model, TrainConfig(epochs=200, workers=2, ui="none"), x, y, None,
+                  listeners=[interrupt_after_two_epochs])
+    job.start()
+    with pytest.raises(KeyboardInterrupt):
+        job.wait(timeout=120)
+    assert not wait_no_workers(5)
+    assert time.monotonic() - seen["at"] < 5
+    assert job.status == "stopped"
+    done = len(job.history["loss"])
+    assert done >= 2 and job.weights_epoch is not None and job.weights_epoch >= 1
+    assert not all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    # The next run works.
+    again = nbdist.train(model, x[:400], y[:400], epochs=1, workers=2)
+    assert again.status == "done"

@@ -1,0 +1,92 @@
+"""Pure logic: configuration, sharding, the averaging schedule, metric merging. Milliseconds."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nbdist.config import TrainConfig
+from nbdist.data import make_dataset, shard_bounds
+from nbdist.errors import NbdistError
+from nbdist.progress import RunState, merge_epoch_logs
+from nbdist.strategies.averaging import batch_sizes, rounds_per_epoch, sync_after
+
+
+def test_shards_cover_everything_and_differ_by_at_most_one():
+    for n in (1, 7, 100, 1797):
+        for k in range(1, min(n, 9) + 1):
+            bounds = shard_bounds(n, k)
+            sizes = [b - a for a, b in bounds]
+            assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
+            assert all(bounds[i][1] == bounds[i + 1][0] for i in range(k - 1))
+
+
+def test_rounds_pad_uneven_shards_to_the_longest():
+    # 57 and 56 batches with K=5: 12 rounds each, the last one at each worker's final batch.
+    assert rounds_per_epoch([57, 56], 5) == 12
+    syncs = [b for b in range(56) if sync_after(b, 56, 5)]
+    assert syncs[-1] == 55 and len(syncs) == 12
+    assert batch_sizes(899, 16)[-1] == 3 and sum(batch_sizes(899, 16)) == 899
+
+
+def test_epoch_metrics_are_weighted_by_samples():
+    merged = merge_epoch_logs([
+        {"logs": {"loss": 1.0, "val_loss": 4.0}, "samples": 300, "val_samples": 10},
+        {"logs": {"loss": 2.0, "val_loss": 1.0}, "samples": 100, "val_samples": 30},
+    ])
+    assert merged["loss"] == pytest.approx(1.25)
+    assert merged["val_loss"] == pytest.approx(1.75)
+
+
+def test_run_state_builds_history_once_every_worker_reported():
+    st = RunState(world_size=2, epochs=3)
+    body = {"epoch": 0, "logs": {"loss": 1.0}, "samples": 10, "val_samples": 0, "seconds": 0.5}
+    assert st.worker_epoch(0, body) is None
+    assert st.history == {}
+    assert st.worker_epoch(1, {**body, "logs": {"loss": 3.0}}) == {"loss": 2.0}
+    assert st.history == {"loss": [2.0]} and st.epochs_done == 1
+    assert st.throughput == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"workers": 0}, "workers must be a whole number"),
+    ({"epochs": -1}, "epochs must be"),
+    ({"batch_size": 2.5}, "batch_size must be"),
+    ({"strategy": "magic"}, "unknown strategy"),
+    ({"backend": "cloud"}, "unknown backend"),
+    ({"ui": "fancy"}, "unknown ui"),
+    ({"averaging_frequency": 0}, "averaging_frequency"),
+    ({"seed": -3}, "seed"),
+])
+def test_bad_options_get_one_sentence(options, fragment):
+    with pytest.raises(NbdistError, match=fragment) as info:
+        TrainConfig(**options)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("x, y, fragment", [
+    (np.zeros((5, 2)), np.zeros(4), "5 rows but labels have 4"),
+    (np.array([["a", "b"]]), np.zeros(1), "not numbers"),
+    (np.array([[1.0, np.nan]]), np.zeros(1), "NaN"),
+    (np.zeros((0, 3)), np.zeros(0), "empty"),
+    (3.0, None, "single value"),
+])
+def test_bad_data_gets_one_sentence(x, y, fragment):
+    with pytest.raises(NbdistError, match=fragment):
+        make_dataset(x, y)
+
+
+def test_pandas_and_lists_are_accepted():
+    pd = pytest.importorskip("pandas")
+    ds = make_dataset(pd.DataFrame({"a": [1.0, 2.0], "b": [3.0, 4.0]}), pd.Series([0, 1]))
+    assert ds.x.shape == (2, 2) and ds.x.dtype == np.float32 and len(ds) == 2
+    assert make_dataset([[1, 2], [3, 4]], [0, 1]).x.shape == (2, 2)
+
+
+def test_lr_scaling_keeps_plain_sgd_exact_and_scales_adaptive_optimizers():
+    from nbdist.strategies.lr_scaling import lr_scale_factor
+
+    assert lr_scale_factor("auto", "SGD", 4) == 1.0
+    assert lr_scale_factor("auto", "Adam", 4) == 4.0
+    assert lr_scale_factor("linear", "SGD", 3) == 3.0
+    assert lr_scale_factor("none", "Adam", 3) == 1.0
+    assert lr_scale_factor("auto", "Adam", 1) == 1.0

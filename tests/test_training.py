@@ -1,0 +1,80 @@
+"""Real training on real worker processes: equivalence to local fit, and accuracy."""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import nbdist
+from nbdist.data import shard_bounds
+
+from .conftest import mlp, relative_error
+
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+
+def test_c1_one_worker_equals_local_fit(digits):
+    """C1: one worker, same seed and data order: parameters equal to 1e-6 relative."""
+    x, y = digits
+    local = mlp(seed=1)
+    remote = mlp(seed=1)
+    remote.set_weights(local.get_weights())
+    local.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    job = nbdist.train(remote, x, y, epochs=2, batch_size=32, workers=1, shuffle=False, seed=1)
+    assert job.status == "done"
+    assert relative_error(remote.get_weights(), local.get_weights()) < 1e-6
+    # The optimizer state came back too: both models continue identically.
+    assert relative_error([v.numpy() for v in remote.optimizer.variables[2:]],
+                          [v.numpy() for v in local.optimizer.variables[2:]]) < 1e-6
+
+
+def interleave_batches(x: np.ndarray, workers: int, batch: int) -> np.ndarray:
+    """The order in which one big-batch local fit sees the examples the workers see together."""
+    shards = [x[a:b] for a, b in shard_bounds(len(x), workers)]
+    steps = max(-(-len(s) // batch) for s in shards)
+    return np.concatenate([s[j * batch:(j + 1) * batch] for j in range(steps) for s in shards])
+
+
+def test_c2_averaging_every_step_with_sgd_equals_big_batch(digits):
+    """C2: K=1, plain SGD, 2 workers with batch b == local fit with batch 2b, to 1e-5 relative."""
+    x, y = digits
+    b = 16
+    local = mlp(seed=2, optimizer=keras.optimizers.SGD(0.1))
+    remote = mlp(seed=2, optimizer=keras.optimizers.SGD(0.1))
+    remote.set_weights(local.get_weights())
+    idx = interleave_batches(np.arange(len(x)), 2, b)
+    local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
+    nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False)
+    err = relative_error(remote.get_weights(), local.get_weights())
+    assert err < 1e-5, err
+
+
+def test_averaging_is_not_once_at_the_end(digits):
+    """A control for C2: with K=1000 (one round per epoch) the result must differ from big-batch SGD."""
+    x, y = digits
+    local = mlp(seed=2, optimizer=keras.optimizers.SGD(0.1))
+    remote = mlp(seed=2, optimizer=keras.optimizers.SGD(0.1))
+    remote.set_weights(local.get_weights())
+    idx = interleave_batches(np.arange(len(x)), 2, 16)
+    local.fit(x[idx], y[idx], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    nbdist.train(remote, x, y, epochs=1, batch_size=16, workers=2, averaging_frequency=1000, shuffle=False)
+    assert relative_error(remote.get_weights(), local.get_weights()) > 1e-3
+
+
+def test_accuracy_two_workers_within_one_point_of_local(digits_split):
+    x_train, x_test, y_train, y_test = digits_split
+    local = mlp(seed=3)
+    dist = mlp(seed=3)
+    dist.set_weights(local.get_weights())
+    local.fit(x_train, y_train, batch_size=32, epochs=20, verbose=0)
+    job = nbdist.train(dist, x_train, y_train, epochs=20, batch_size=32, workers=2, seed=3,
+                       validation_data=(x_test, y_test))
+    acc = lambda m: float((m.predict(x_test, verbose=0).argmax(1) == y_test).mean())  # noqa: E731
+    local_acc, dist_acc = acc(local), acc(dist)
+    assert dist_acc >= local_acc - 0.01, (dist_acc, local_acc)
+    h = job.history
+    assert set(h) >= {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert all(len(v) == 20 for v in h.values())
+    assert h["loss"][-1] < h["loss"][0]
+    # The last validation accuracy is measured on the returned weights.
+    assert h["val_accuracy"][-1] == pytest.approx(dist_acc, abs=1e-6)
