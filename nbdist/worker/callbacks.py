@@ -55,6 +55,10 @@ def _floats(logs: Any) -> dict[str, float]:
 class EventCallback(keras.callbacks.Callback):
     """Streams progress and per-epoch metrics to the driver; rank 0 also ships the weights."""
 
+    # It only counts batches and sends messages (the channel is thread-safe), so Keras may
+    # call its batch hook off the training thread instead of blocking every step on it.
+    async_safe = True
+
     def __init__(self, send: Callable[..., None], samples: int, val_samples: int, batch_size: int,
                  averager: WeightedAverager | None, ship_weights: Callable[[int], None] | None,
                  interval: float = 0.25) -> None:

@@ -106,12 +106,11 @@ def run_job(link: Any, rank: int) -> None:
             link.send({"type": "weights", "epoch": epoch, "n_weights": len(model.get_weights())},
                       weights_and_optimizer(model))
 
-        callbacks = [
-            AveragingCallback(averager, int(cfg["averaging_frequency"]), samples, batch_size,
-                              int(job["rounds_per_epoch"])),
-            EventCallback(link.send, samples, val_samples, batch_size, averager,
-                          ship if rank == 0 else None),
-        ]
+        callbacks = [EventCallback(link.send, samples, val_samples, batch_size, averager,
+                                   ship if rank == 0 else None)]
+        if collective.world_size > 1:  # a batch hook costs every step its async dispatch
+            callbacks.insert(0, AveragingCallback(averager, int(cfg["averaging_frequency"]), samples,
+                                                  batch_size, int(job["rounds_per_epoch"])))
         model.fit(x, y, batch_size=batch_size, epochs=int(cfg["epochs"]), verbose=0,
                   shuffle=bool(cfg["shuffle"]), validation_data=validation, callbacks=callbacks,
                   initial_epoch=int(job["initial_epoch"]))
