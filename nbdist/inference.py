@@ -18,7 +18,8 @@ from . import protocol
 from .config import TrainConfig
 from .data import Dataset, check_workers, make_dataset
 from .errors import NbdistError
-from .evaluation import ClassifierSpec, check_labels, classifier_spec, merge_classifier_stats, sum_states
+from .evaluation import (ClassifierSpec, check_labels, classifier_spec, labels_are_classes, merge_classifier_stats,
+                         sum_states)
 from .job import TrainingJob, _cores
 from .model_io import ModelSpec, _custom_objects, _json_default, is_keras_model
 
@@ -257,7 +258,12 @@ def evaluate(model: Any, x: Any, y: Any, *, namespace: dict[str, Any] | None = N
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
     if output_shape:
         check_labels(data.y.shape, output_shape, loss)
-    job = EvaluationJob(model, config, data, namespace, classifier=classifier_spec(loss, output_shape))
+    classifier = classifier_spec(loss, output_shape)
+    if classifier is not None and classifier.kind == "multiclass" and classifier.sparse_labels \
+            and not labels_are_classes(data.y, classifier):
+        raise NbdistError(f"the labels must be whole class ids from 0 to {classifier.classes - 1} for this "
+                          f"{classifier.classes}-output model; check y or the model's last layer.")
+    job = EvaluationJob(model, config, data, namespace, classifier=classifier)
     return job.run()
 
 
