@@ -51,7 +51,9 @@ def digits():
 def test_binary_classifier_metrics_equal_local_keras_and_sklearn(binary) -> None:
     model, x, y = binary
     weights = [w.copy() for w in model.get_weights()]
-    result = nbdist.evaluate(model, x, y, workers=3, backend="local", batch_size=64)
+    import pandas as pd
+
+    result = nbdist.evaluate(model, pd.DataFrame(x), pd.Series(y), workers=3, backend="local", batch_size=64)
     local = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
     for name in ("loss", "accuracy", "auc", "precision", "recall"):
         assert result[name] == pytest.approx(local[name], abs=TOL), name
