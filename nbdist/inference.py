@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 # Options of TrainConfig that make sense for inference; the rest are training's.
 INFERENCE_OPTIONS = {"workers", "backend", "batch_size", "startup_timeout", "heartbeat_interval",
-                     "heartbeat_timeout", "ui"}
+                     "heartbeat_timeout"}
 
 
 # -- checks and the model spec -------------------------------------------------

@@ -91,6 +91,21 @@ def test_multiclass_metrics_equal_local_keras_and_sklearn(digits) -> None:
     assert result["averages"]["weighted_f1"] == pytest.approx(f1_score(y, pred, average="weighted"), abs=TOL)
 
 
+def test_regression_metrics_with_regulariser_equal_local_keras() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(500, 4)).astype("float32")
+    y = (x @ np.array([1.0, 2.0, -1.0, 0.5]) + rng.normal(size=500) * 0.1).astype("float32")
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_regularizer="l2")])
+    model.compile("adam", "mse", metrics=["mae", keras.metrics.R2Score(), keras.metrics.RootMeanSquaredError()])
+    model.fit(x, y, epochs=2, verbose=0)
+    result = nbdist.evaluate(model, x, y, workers=3, backend="local")
+    local = model.evaluate(x, y, verbose=0, return_dict=True)
+    assert set(local) <= set(result) and "confusion_matrix" not in result
+    for name, value in local.items():
+        assert result[name] == pytest.approx(value, abs=TOL, rel=TOL), name
+
+
 def test_bad_input_gets_one_sentence_before_any_worker_starts(digits) -> None:
     model, x, y = digits
     unbuilt = keras.Sequential([keras.layers.Dense(3)])
