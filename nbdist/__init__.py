@@ -20,22 +20,39 @@ def train(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy wrapper, see api
 train.__doc__ = "Train a compiled Keras model data-parallel; see nbdist.api.train."
 
 
+def evaluate(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy wrapper, see inference.evaluate
+    from .inference import evaluate as _evaluate
+
+    return _evaluate(*args, **kwargs)
+
+
+def predict(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy wrapper, see inference.predict
+    from .inference import predict as _predict
+
+    return _predict(*args, **kwargs)
+
+
+evaluate.__doc__ = "Evaluate a compiled Keras model sharded over workers, metrics merged exactly; see nbdist.inference.evaluate."
+predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist.inference.predict."
+
+
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001
-    from .magics import DistMagics
+    from .magics import DistMagics, EvaluateMagics
 
     ipython.register_magics(DistMagics)
+    ipython.register_magics(EvaluateMagics)
 
 
 def unload_ipython_extension(ipython) -> None:  # noqa: ANN001
-    from .magics import DistMagics
+    from .magics import DistMagics, EvaluateMagics
 
     # IPython has no unregister; drop our names so a reload registers afresh.
     for kind in ("cell", "line"):
         table = ipython.magics_manager.magics[kind]
         for name in list(table):
             owner = getattr(table[name], "__self__", None)
-            if isinstance(owner, DistMagics):
+            if isinstance(owner, (DistMagics, EvaluateMagics)):
                 del table[name]
 
 
-__all__ = ["train", "TrainConfig", "NbdistError", "TrainingFailed", "__version__"]
+__all__ = ["train", "evaluate", "predict", "TrainConfig", "NbdistError", "TrainingFailed", "__version__"]

@@ -6,6 +6,7 @@ from typing import Any
 from .config import TrainConfig
 from .data import make_dataset
 from .errors import NbdistError
+from .inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
 from .job import TrainingJob
 from .ui import make_renderer
 

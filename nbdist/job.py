@@ -86,7 +86,7 @@ class TrainingJob:
     def start(self) -> "TrainingJob":
         """Validate, serialise the model and launch the workers (from the main thread)."""
         cfg = self.config
-        self._spec = spec_from_model(self.model, self._namespace)
+        self._spec = self._make_spec()
         backend = resolve_backend(cfg)
         world = cfg.workers or backend.default_workers()
         check_workers(len(self.train_data), world)
@@ -114,6 +114,9 @@ class TrainingJob:
             raise
         self._notify("start")
         return self
+
+    def _make_spec(self) -> ModelSpec:
+        return spec_from_model(self.model, self._namespace)
 
     def wait(self, timeout: float | None = None) -> dict[str, list[float]]:
         """Follow the run until it ends. Raises TrainingFailed; on interrupt stops every worker."""

@@ -61,6 +61,10 @@ def connect_collective(link: Any, job: dict[str, Any]) -> Any:
 
 def run_job(link: Any, rank: int) -> None:
     job = unpack_job(link.expect("job", timeout=300))
+    if job.get("kind", "train") != "train":  # evaluate / predict: see inference.py
+        from .inference import run_inference
+
+        return run_inference(link, job)
     cfg = job["config"]
     link.heartbeat_timeout = float(cfg["heartbeat_timeout"])
     pin_threads(int(job["threads"]))

@@ -1,0 +1,278 @@
+"""Distributed evaluation and prediction on the driver: ``evaluate()``, ``predict()`` and their jobs.
+
+The jobs reuse TrainingJob's machinery (coordinator, backend, health checks,
+shutdown); only the job message and the answers differ. Each worker runs the
+model on its shard and answers with additive state (evaluate) or its rows of
+predictions (predict); the driver sums the state and computes every metric once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from typing import Any
+
+import numpy as np
+
+from . import protocol
+from .config import TrainConfig
+from .data import Dataset, check_workers, make_dataset
+from .errors import NbdistError
+from .evaluation import (ClassifierSpec, check_labels, classifier_spec, labels_are_classes, merge_classifier_stats,
+                         sum_states)
+from .job import TrainingJob, _cores
+from .model_io import ModelSpec, _custom_objects, _json_default, is_keras_model
+
+log = logging.getLogger(__name__)
+
+# Options of TrainConfig that make sense for inference; the rest are training's.
+INFERENCE_OPTIONS = {"workers", "backend", "batch_size", "startup_timeout", "heartbeat_interval",
+                     "heartbeat_timeout"}
+
+
+# -- checks and the model spec -------------------------------------------------
+def check_model(model: Any, name: str, need_compiled: bool) -> None:
+    if not is_keras_model(model):
+        raise NbdistError(f"{name} is a {type(model).__name__}, not a Keras model; pass a keras.Model.")
+    if not model.built or not model.weights:
+        raise NbdistError(f"{name} has no weights yet (it was never built or trained); train it first, "
+                          "e.g. with %%dist_train or model.fit.")
+    if need_compiled and not getattr(model, "compiled", False):
+        raise NbdistError(f"{name} is not compiled, so it has no loss or metrics to evaluate; call "
+                          f"{name}.compile(optimizer, loss, metrics=[...]) first.")
+    if len(getattr(model, "outputs", None) or [None]) > 1:
+        raise NbdistError(f"{name} has several outputs; nbdist evaluates and predicts single-output models "
+                          "only for now.")
+    if need_compiled and not _has_trained(model):
+        warnings.warn(f"{name} has never been trained (its optimizer took no step); the metrics describe its "
+                      "initial weights — ignore this if you loaded trained weights.", stacklevel=3)
+
+
+def _has_trained(model: Any) -> bool:
+    """model.fit builds the optimizer and counts steps; %%dist_train builds it but leaves the count at 0."""
+    opt = getattr(model, "optimizer", None)
+    try:
+        return opt is None or bool(opt.built) or int(np.asarray(opt.iterations)) > 0
+    except Exception:  # an optimizer without a step counter: nothing to judge by
+        return True
+
+
+def inference_spec(model: Any, namespace: dict[str, Any] | None) -> tuple[ModelSpec, dict[str, Any]]:
+    """The model as config + weights (no optimizer state), and the notebook objects it needs."""
+    from keras.saving import serialize_keras_object
+
+    try:
+        config = json.loads(json.dumps(serialize_keras_object(model), default=_json_default))
+    except Exception as exc:
+        raise NbdistError(f"the model cannot be serialised ({exc}); give custom layers a get_config() "
+                          "method.") from None
+    custom = _custom_objects(config, namespace or {})
+    blob = None
+    if custom:
+        import cloudpickle
+
+        blob = cloudpickle.dumps(custom)
+    return ModelSpec(config, [np.asarray(w) for w in model.get_weights()], None, blob), custom
+
+
+def _config(options: dict[str, Any]) -> TrainConfig:
+    unknown = set(options) - INFERENCE_OPTIONS
+    if unknown:
+        raise NbdistError(f"unknown option(s) {', '.join(sorted(unknown))}; use "
+                          f"{', '.join(sorted(INFERENCE_OPTIONS))}.")
+    options.setdefault("ui", "none")
+    options.setdefault("batch_size", 256)
+    return TrainConfig(epochs=1, **options)
+
+
+# -- jobs ----------------------------------------------------------------------
+class InferenceJob(TrainingJob):
+    """A run whose workers evaluate or predict once instead of training."""
+
+    kind = "inference"
+    answer = ""  # the message type that carries a worker's result
+
+    def __init__(self, model: Any, config: TrainConfig, data: Dataset, namespace: dict[str, Any] | None = None,
+                 listeners: list[Any] | None = None) -> None:
+        super().__init__(model, config, data, None, namespace, listeners)
+        self.answers: dict[int, protocol.Message] = {}
+        self._custom: dict[str, Any] = {}
+
+    def _make_spec(self) -> ModelSpec:
+        spec, self._custom = inference_spec(self.model, self._namespace)
+        return spec
+
+    def _extra_body(self) -> dict[str, Any]:
+        return {}
+
+    def _shard(self, rank: int) -> Dataset:
+        """This rank's data. The numpy path slices the driver's arrays; a Spark source would not."""
+        a, b = self._shards[rank]
+        return self.train_data.slice(a, b)
+
+    def _send_job(self, rank: int) -> None:
+        cfg, spec = self.config, self._spec
+        shard = self._shard(rank)
+        arrays: list[np.ndarray] = list(spec.weights)
+        if spec.custom_objects:
+            arrays.append(np.frombuffer(spec.custom_objects, dtype=np.uint8))
+        arrays.append(shard.x)
+        if shard.y is not None:
+            arrays.append(shard.y)
+        body = {
+            "type": "job", "kind": self.kind, "rank": rank, "world_size": self.world_size,
+            "config": {"batch_size": cfg.batch_size, "heartbeat_timeout": cfg.heartbeat_timeout},
+            "model_config": spec.config, "n_weights": len(spec.weights), "n_optimizer": -1,
+            "has_custom": bool(spec.custom_objects), "has_y": shard.y is not None, "has_val": False,
+            "threads": max(1, _cores() // self.world_size), **self._extra_body(),
+        }
+        self._coordinator.send(rank, body, arrays)
+
+    def _handle_message(self, rank: int, msg: protocol.Message) -> None:
+        if msg.type == self.answer:
+            self.answers[rank] = msg
+        elif msg.type == "done" and rank not in self.answers:
+            self._fail(rank, f"{self._name(rank)} finished without sending its {self.answer}", "")
+        else:
+            super()._handle_message(rank, msg)
+
+    def run(self) -> Any:
+        self.start()
+        self.wait()
+        return self.result()
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+
+class EvaluationJob(InferenceJob):
+    kind = "evaluate"
+    answer = "evaluation"
+
+    def __init__(self, *args: Any, classifier: ClassifierSpec | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.classifier = classifier
+
+    def _extra_body(self) -> dict[str, Any]:
+        return {"classifier": self.classifier.to_json() if self.classifier else None}
+
+    def result(self) -> dict[str, Any]:
+        """Merged metrics: the compiled metrics by name, then the classifier report if there is one."""
+        answers = [self.answers[r] for r in range(self.world_size)]
+        names = answers[0].body["names"]
+        n_state = len(names)
+        if any(a.body["names"] != names for a in answers):
+            raise NbdistError("workers reported different metrics; rerun the evaluation.")
+        merged = sum_states([a.arrays[:n_state] for a in answers])
+        out: dict[str, Any] = keras_results(self._spec.config, self._custom, names, merged,
+                                            answers[0].arrays[n_state], answers[0].arrays[n_state + 1])
+        out["samples"] = int(sum(a.body["rows"] for a in answers))
+        if self.classifier is not None:
+            stats = []
+            for a in answers:
+                if not a.body["has_stats"]:
+                    stats.append(None)
+                    continue
+                s = {"confusion": a.arrays[n_state + 2]}
+                if a.body["has_histogram"]:
+                    s["histogram"] = a.arrays[n_state + 3]
+                stats.append(s)
+            report = merge_classifier_stats(stats, self.classifier)
+            if report is not None:
+                out.update(report)
+        return out
+
+
+class PredictionJob(InferenceJob):
+    kind = "predict"
+    answer = "predictions"
+
+    def result(self) -> np.ndarray:
+        """Every worker's rows, in input order (shards are contiguous and in rank order)."""
+        parts = [self.answers[r].arrays for r in range(self.world_size)]
+        outputs = [np.concatenate([p[i] for p in parts], axis=0) for i in range(len(parts[0]))]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+
+def keras_results(config: dict[str, Any], custom: dict[str, Any], names: list[str], state: list[np.ndarray],
+                  y_row: np.ndarray, y_pred_row: np.ndarray) -> dict[str, Any]:
+    """The compiled metrics' values from merged state, computed by Keras's own ``result()``."""
+    from keras.saving import deserialize_keras_object
+
+    template = deserialize_keras_object(config, custom_objects=custom)
+    template.compute_metrics(None, y_row, y_pred_row)  # builds the metric variables for these shapes
+    template.reset_metrics()
+    variables = template.metrics_variables
+    if [v.path for v in variables] != names:
+        raise NbdistError("the driver's copy of the model has different metrics from the workers'; "
+                          "define custom metrics at the top level of the notebook and rerun.")
+    for v, value in zip(variables, state):
+        if value.size != int(np.prod(v.shape)):
+            raise NbdistError(f"metric variable {v.path} has {int(np.prod(v.shape))} values on the driver but "
+                              f"{value.size} on the workers; rerun the evaluation.")
+        # The wire sends 0-d arrays as shape (1,): restore the variable's own shape.
+        v.assign(value.reshape(tuple(v.shape)).astype(v.dtype))
+    out: dict[str, Any] = {}
+    for name, value in template.get_metrics_result().items():
+        arr = np.asarray(value)
+        out[name] = float(arr) if arr.ndim == 0 else arr
+    return out
+
+
+# -- the API -------------------------------------------------------------------
+def _prepare(model: Any, x: Any, y: Any, need_labels: bool, options: dict[str, Any],
+             name: str) -> tuple[TrainConfig, Dataset]:
+    config = _config(options)
+    check_model(model, name, need_compiled=need_labels)
+    if type(x).__module__.startswith("pyspark"):
+        # Evaluating partitions where they live needs the Spark backend's shard source.
+        raise NbdistError("Spark DataFrames and RDDs are not supported by evaluate/predict yet; pass numpy "
+                          "arrays or pandas objects (e.g. df.toPandas() for data that fits in memory).")
+    if need_labels and y is None:
+        raise NbdistError("evaluation needs labels; pass them as y (or --data X,y).")
+    data = make_dataset(x, y, "evaluation data" if need_labels else "prediction data")
+    in_shape = _input_shape(model)
+    if in_shape is not None and tuple(data.x.shape[1:]) != in_shape:
+        raise NbdistError(f"the features have shape {tuple(data.x.shape[1:])} per row but {name} expects "
+                          f"{in_shape}; pass data shaped like the training data.")
+    if config.workers is not None:
+        check_workers(len(data), config.workers, "evaluation data" if need_labels else "prediction data")
+    return config, data
+
+
+def _input_shape(model: Any) -> tuple[int, ...] | None:
+    try:
+        shape = tuple(model.inputs[0].shape[1:]) if len(model.inputs) == 1 else None
+    except (AttributeError, ValueError):
+        return None
+    return None if shape is None or any(d is None for d in shape) else shape
+
+
+def evaluate(model: Any, x: Any, y: Any, *, namespace: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+    """Evaluate ``model`` on ``x``/``y`` sharded over workers, with exact merged metrics.
+
+    Returns the compiled metrics by name (``loss``, ``accuracy``, ``auc``, ...), as
+    ``model.evaluate`` would compute them on the whole data, plus ``samples``; for
+    a classifier also ``confusion_matrix`` (rows: true class), ``per_class``
+    (precision, recall, f1, support) and ``averages`` (accuracy, macro and weighted
+    F1, and for a binary classifier the positive class's precision/recall/F1 and
+    the exact ROC AUC). Options: workers, backend, batch_size (default 256).
+    """
+    config, data = _prepare(model, x, y, True, dict(options), "the model")
+    loss = (model.get_compile_config() or {}).get("loss")
+    output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
+    if output_shape:
+        check_labels(data.y.shape, output_shape, loss)
+    classifier = classifier_spec(loss, output_shape)
+    if classifier is not None and classifier.kind == "multiclass" and classifier.sparse_labels \
+            and not labels_are_classes(data.y, classifier):
+        raise NbdistError(f"the labels must be whole class ids from 0 to {classifier.classes - 1} for this "
+                          f"{classifier.classes}-output model; check y or the model's last layer.")
+    job = EvaluationJob(model, config, data, namespace, classifier=classifier)
+    return job.run()
+
+
+def predict(model: Any, x: Any, *, namespace: dict[str, Any] | None = None, **options: Any) -> np.ndarray:
+    """``model.predict(x)`` sharded over workers; rows come back in input order."""
+    config, data = _prepare(model, x, None, False, dict(options), "the model")
+    return PredictionJob(model, config, data, namespace).run()

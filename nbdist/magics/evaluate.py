@@ -1,0 +1,117 @@
+"""``%dist_evaluate`` and ``%dist_predict``: thin glue from a line to ``nbdist.inference``."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from ..errors import NbdistError, TrainingFailed
+from .args import apply, data_arguments, lookup_pair, worker_arguments
+
+log = logging.getLogger(__name__)
+
+_batch = argument("--batch-size", type=int, default=256, help="rows per batch on each worker (default: 256)")
+
+
+def _model(name: str, ns: dict[str, Any]) -> Any:
+    if not name.isidentifier():
+        raise NbdistError(f"{name!r} is not a variable name; write e.g. %dist_evaluate model --data X,y.")
+    if name not in ns:
+        raise NbdistError(f"no variable named {name!r} in the notebook; train or load the model first.")
+    return ns[name]
+
+
+def _out(name: str) -> str:
+    if not name.isidentifier():
+        raise NbdistError(f"--out {name!r} is not a valid variable name; use e.g. --out evaluation.")
+    return name
+
+
+def _run(fn: Any) -> Any:
+    try:
+        return fn()
+    except TrainingFailed as exc:
+        if exc.worker_traceback:
+            sys.stderr.write(f"--- traceback from worker {exc.rank} ---\n{exc.worker_traceback.rstrip()}\n")
+        raise UsageError(str(exc)) from None
+    except NbdistError as exc:
+        raise UsageError(str(exc)) from None
+
+
+@magics_class
+class EvaluateMagics(Magics):
+    @magic_arguments()
+    @argument("model", help="the notebook variable holding the trained, compiled Keras model")
+    @apply(data_arguments)
+    @apply(worker_arguments)
+    @_batch
+    @argument("--out", default="evaluation", metavar="NAME",
+              help="variable to receive the result dict (default: evaluation)")
+    @line_magic
+    def dist_evaluate(self, line: str) -> None:
+        """Evaluate a model sharded over workers; metrics are merged exactly, never averaged.
+
+        Shows the model's compiled metrics and, for classifiers, per-class
+        precision/recall/F1 and a confusion matrix; stores the result dict in
+        ``evaluation`` (or ``--out``).
+
+        Example::
+
+            %dist_evaluate model --data X_test,y_test --workers 2
+        """
+        _run(lambda: self._evaluate(line))
+
+    def _evaluate(self, line: str) -> None:
+        from IPython.display import display
+
+        from ..inference import evaluate
+        from ..ui.report import EvaluationReport
+
+        args = parse_argstring(self.dist_evaluate, line)
+        ns = self.shell.user_ns
+        out = _out(args.out)
+        model = _model(args.model, ns)
+        x, y = lookup_pair(args.data, ns, "--data")
+        if y is None:
+            raise NbdistError("--data needs features and labels to evaluate; write it as --data X,y.")
+        result = evaluate(model, x, y, namespace=ns, workers=args.workers, backend=args.backend,
+                          batch_size=args.batch_size)
+        ns[out] = result
+        display(EvaluationReport(result))
+
+    @magic_arguments()
+    @argument("model", help="the notebook variable holding the trained Keras model")
+    @apply(data_arguments)
+    @apply(worker_arguments)
+    @_batch
+    @argument("--out", default="predictions", metavar="NAME",
+              help="variable to receive the predictions (default: predictions)")
+    @line_magic
+    def dist_predict(self, line: str) -> None:
+        """Predict with a model sharded over workers; rows come back in input order.
+
+        Example::
+
+            %dist_predict model --data X_new --out y_pred
+        """
+        _run(lambda: self._predict(line))
+
+    def _predict(self, line: str) -> None:
+        from ..inference import predict
+
+        args = parse_argstring(self.dist_predict, line)
+        ns = self.shell.user_ns
+        out = _out(args.out)
+        model = _model(args.model, ns)
+        x, y = lookup_pair(args.data, ns, "--data")
+        if y is not None:
+            raise NbdistError("--data for %dist_predict names only the features, e.g. --data X.")
+        result = predict(model, x, namespace=ns, workers=args.workers, backend=args.backend,
+                         batch_size=args.batch_size)
+        ns[out] = result
+        shape = getattr(result, "shape", None)
+        print(f"{out}: predictions of shape {shape} in input order")

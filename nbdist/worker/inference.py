@@ -1,0 +1,73 @@
+"""Evaluation and prediction as a worker runs them: rebuild the model, run it on the shard, report.
+
+The compute (``evaluate_shard``, ``predict_shard``) takes arrays, not a connection,
+so a backend whose shards come from elsewhere (Spark partitions) can feed it too.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("nbdist.worker")
+
+
+def evaluate_shard(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int,
+                   classifier: dict[str, Any] | None) -> tuple[list[str], list[np.ndarray], dict[str, Any]]:
+    """Metric variables after evaluating this shard, plus the classifier's additive counts."""
+    from ..evaluation import ClassifierSpec, shard_statistics
+
+    model.evaluate(x, y, batch_size=batch_size, verbose=0)
+    names = [v.path for v in model.metrics_variables]
+    state = [np.asarray(v.numpy()) for v in model.metrics_variables]
+    y_pred_row = model.predict(x[:1], batch_size=1, verbose=0)
+    extra: dict[str, Any] = {"y_row": np.asarray(y[:1]), "y_pred_row": np.asarray(y_pred_row)}
+    spec = ClassifierSpec.from_json(classifier)
+    if spec is not None:
+        # A second pass for the predictions: model.evaluate does not hand them out.
+        extra["stats"] = shard_statistics(y, model.predict(x, batch_size=batch_size, verbose=0), spec)
+    return names, state, extra
+
+
+def predict_shard(model: Any, x: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    out = model.predict(x, batch_size=batch_size, verbose=0)
+    return [np.asarray(a) for a in (out if isinstance(out, (list, tuple)) else [out])]
+
+
+def run_inference(link: Any, job: dict[str, Any]) -> None:
+    from ..model_io import ModelSpec, model_from_spec
+    from .training import pin_threads
+
+    cfg = job["config"]
+    link.heartbeat_timeout = float(cfg["heartbeat_timeout"])
+    pin_threads(int(job["threads"]))
+    custom = None
+    if job["custom_objects"]:
+        import cloudpickle  # only ever reached on an authenticated channel
+
+        custom = cloudpickle.loads(job["custom_objects"])
+    model = model_from_spec(ModelSpec(job["model_config"], job["weights"], None, None), custom)
+    x, y, batch_size = job["x"], job["y"], int(cfg["batch_size"])
+    link.send({"type": "progress", "state": job["kind"] + "ing", "epoch": 0, "batch": 0,
+               "batches": -(-len(x) // batch_size)})
+    started = time.perf_counter()
+    if job["kind"] == "predict":
+        outputs = predict_shard(model, x, batch_size)
+        link.send({"type": "predictions", "rows": len(x)}, outputs)
+    elif job["kind"] == "evaluate":
+        names, state, extra = evaluate_shard(model, x, y, batch_size, job.get("classifier"))
+        stats = extra.get("stats")
+        arrays = state + [extra["y_row"], extra["y_pred_row"]]
+        if stats is not None:
+            arrays.append(stats["confusion"])
+            if "histogram" in stats:
+                arrays.append(stats["histogram"])
+        link.send({"type": "evaluation", "rows": len(x), "names": names,
+                   "has_stats": stats is not None, "has_histogram": bool(stats and "histogram" in stats)},
+                  arrays)
+    else:
+        raise ValueError(f"unknown job kind {job['kind']!r}")
+    link.send({"type": "done", "seconds": time.perf_counter() - started})
+    log.info("worker %d %s %d rows in %.2f s", job["rank"], job["kind"], len(x), time.perf_counter() - started)
