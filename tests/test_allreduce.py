@@ -4,24 +4,19 @@ The reference is local training on the same examples in the same order, where lo
 batch j is the concatenation of every worker's batch j (a shorter shard simply has
 no batch j at the end). With plain SGD that is exactly what synchronous allreduce
 computes, so parameters must match to 1e-5 relative.
+
+The `digits` fixture (scikit-learn digits, scaled to [0, 1]) comes from conftest.py.
 """
 import logging
 
 import keras
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
 
 import nbdist
 from nbdist.data import shard_bounds
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def digits():
-    x, y = load_digits(return_X_y=True)
-    return (x / 16).astype("float32"), y.astype("int64")
 
 
 def mlp(seed=0):
@@ -70,7 +65,8 @@ def accuracy(model, x, y):
 def test_c3_two_workers_batch_b_equal_local_batch_2b(digits):
     x, y = digits
     model = compiled(mlp(), keras.optimizers.SGD(0.1))
-    job = nbdist.train(model, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False)
+    job = nbdist.train(model, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
+                       lr_scaling="none")
     ref = local_reference(mlp, keras.optimizers.SGD(0.1), x, y, workers=2, batch_size=16, epochs=1)
     assert_same_parameters(model, ref)
     assert set(job.history) == {"loss", "accuracy"} and len(job.history["loss"]) == 1
@@ -86,7 +82,7 @@ def test_mlp_4_workers_uneven_shards_adam_parity_and_validation(digits):
     assert [len(b) for b in global_batches(1497, 4, 34)][-2:] == [136, 1]
     model = compiled(mlp(2), keras.optimizers.Adam(0.01))
     job = nbdist.train(model, xt, yt, validation_data=(xv, yv), epochs=6, batch_size=34, workers=4,
-                       strategy="allreduce", shuffle=False)
+                       strategy="allreduce", shuffle=False, lr_scaling="none")
     ref = local_reference(lambda: mlp(2), keras.optimizers.Adam(0.01), xt, yt, 4, 34, epochs=6)
     assert_same_parameters(model, ref, rtol=1e-4)
     got, want = accuracy(model, xv, yv), accuracy(ref, xv, yv)
@@ -102,7 +98,7 @@ def test_cnn_accuracy_parity_and_horovod_falls_back(digits, caplog):
     model = compiled(cnn(), keras.optimizers.Adam(0.01))
     with caplog.at_level(logging.WARNING, logger="nbdist"):
         nbdist.train(model, xt, yt, epochs=4, batch_size=32, workers=2, strategy="allreduce",
-                     engine="horovod", shuffle=False)
+                     engine="horovod", shuffle=False, lr_scaling="none")
     warnings = [r.getMessage() for r in caplog.records if "Horovod cannot be imported" in r.getMessage()]
     assert len(warnings) == 1 and "default engine, gloo" in warnings[0]
     ref = local_reference(cnn, keras.optimizers.Adam(0.01), xt, yt, 2, 32, epochs=4)
