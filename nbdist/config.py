@@ -12,6 +12,7 @@ STRATEGIES = ("averaging", "allreduce")
 BACKENDS = ("auto", "local", "spark", "containers")
 UIS = ("auto", "widgets", "html", "text", "none")
 LR_SCALINGS = ("auto", "none", "linear")
+ENGINES = ("gloo", "nccl", "horovod")  # allreduce only; None picks nccl on GPU, else gloo
 
 # Options the interface reserves for capabilities that have not landed yet:
 # asking for them gets a sentence, not a crash or a silent ignore.
@@ -19,7 +20,6 @@ NOT_AVAILABLE_YET: dict[str, Any] = {
     "checkpoint_dir": None,
     "resume": False,
     "max_restarts": 0,
-    "engine": None,
     "image": None,
     "background": False,
 }
@@ -78,10 +78,12 @@ class TrainConfig:
             if getattr(self, name) != default:
                 flag = "--" + name.replace("_", "-")
                 raise NbdistError(f"{flag} is not available yet in nbdist {_version()}; run without it.")
-        if self.strategy == "allreduce":
-            raise NbdistError(
-                f"--strategy allreduce is not available yet in nbdist {_version()}; use --strategy averaging."
-            )
+        if self.engine is not None:
+            if self.engine not in ENGINES:
+                raise NbdistError(f"unknown engine {self.engine!r}; use one of: {', '.join(ENGINES)}.")
+            if self.strategy != "allreduce":
+                raise NbdistError(f"--engine {self.engine} applies to --strategy allreduce; "
+                                  "add --strategy allreduce or drop --engine.")
         if self.backend in ("spark", "containers"):
             raise NbdistError(
                 f"--backend {self.backend} is not available yet in nbdist {_version()}; use --backend local."

@@ -66,6 +66,7 @@ class TrainingJob:
         self._done: set[int] = set()
         self._closing: dict[int, float] = {}
         self._failure: TrainingFailed | None = None
+        self._warned: set[str] = set()
         self._launched_at = 0.0
         self.state: RunState | None = None
         self.world_size = 0
@@ -191,6 +192,11 @@ class TrainingJob:
             self._notify("worker", rank)
             if len(self._done) == self.world_size:
                 self._complete()
+        elif kind == "warning":  # e.g. --engine horovod unavailable on a worker: said once, not fatal
+            text = str(msg.body.get("message", ""))
+            if text not in self._warned:
+                self._warned.add(text)
+                log.warning("%s: %s", self._name(rank), text)
         elif kind == "error":
             text = _first_line(str(msg.body.get("message", "error")))
             self._fail(rank, f"{self._name(rank)} failed: {text}", str(msg.body.get("traceback", "")))
@@ -219,7 +225,7 @@ class TrainingJob:
             "type": "job", "rank": rank, "world_size": self.world_size,
             "config": {k: getattr(cfg, k) for k in ("epochs", "batch_size", "averaging_frequency",
                                                      "average_optimizer", "seed", "shuffle", "lr_scaling",
-                                                     "heartbeat_timeout", "strategy")},
+                                                     "heartbeat_timeout", "strategy", "engine")},
             "model_config": spec.config,
             "n_weights": len(spec.weights),
             "n_optimizer": -1 if spec.optimizer_weights is None else len(spec.optimizer_weights),

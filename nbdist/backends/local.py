@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ..config import default_local_workers
+from ..strategies.placement import local_gpu_env
 from ..worker.main import SECRET_ENV
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,13 @@ class LocalBackend:
         env = worker_env(secret, threads_per_worker)
         host, port = address
         for rank in range(world_size):
+            rank_env = {**env, **local_gpu_env(rank)}  # one GPU per worker by local rank, if any
             log_path = self.run_dir / f"worker-{rank}.log"
             with open(log_path, "wb") as out:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "nbdist.worker", "--address", f"{host}:{port}",
                      "--rank", str(rank), "--die-with-parent"],
-                    env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    env=rank_env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
                 )
             self.workers.append(LocalWorker(rank, proc, log_path))

@@ -84,6 +84,8 @@ def run_job(link: Any, rank: int) -> None:
     compile_config = job["model_config"].get("compile_config") or {}
     # Averaging rounds count batches from on_train_batch_end, which fires once per execution.
     compile_config["steps_per_execution"] = 1
+    if cfg.get("strategy") == "allreduce":  # the gradient allreduce is a Python op: XLA cannot compile it
+        compile_config["jit_compile"] = False
     spec = ModelSpec(job["model_config"], job["weights"], job["optimizer_weights"], None)
     model = model_from_spec(spec, custom)
     build_optimizer(model)
@@ -91,6 +93,14 @@ def run_job(link: Any, rank: int) -> None:
     link.send({"type": "progress", "state": "starting", "epoch": int(job["initial_epoch"])})
 
     collective = connect_collective(link, job)
+    if cfg.get("strategy") == "allreduce":
+        from .allreduce_fit import fit_allreduce
+
+        try:
+            fit_allreduce(link, rank, job, model, collective)
+        finally:
+            collective.close()
+        return
     try:
         from ..model_io import averaged_optimizer_variables
 

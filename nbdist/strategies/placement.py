@@ -1,0 +1,93 @@
+"""Which device and which collective engine each allreduce worker uses (pure logic).
+
+Kept free of TensorFlow, torch and processes so it can be unit-tested on a
+machine without GPUs. NOT VERIFIED ON A GPU: nbdist was developed on a CPU-only
+machine, so the decisions below are tested, but the NCCL and Horovod engines
+they select have never run (see strategies/allreduce.py).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import NbdistError
+
+ENGINES = ("gloo", "nccl", "horovod")
+
+
+def gpu_for_local_rank(local_rank: int, gpu_count: int) -> int | None:
+    """The GPU index (among the visible ones) a worker pins, or None on a CPU-only host.
+
+    One GPU per worker; with more workers than GPUs on a host they share round-robin
+    rather than fail, which is slower but still correct.
+    """
+    if local_rank < 0:
+        raise ValueError("local_rank must be >= 0")
+    if gpu_count <= 0:
+        return None
+    return local_rank % gpu_count
+
+
+def visible_devices(parent_visible: str | None) -> list[str] | None:
+    """The GPU ids the parent may use: its CUDA_VISIBLE_DEVICES list, or None for 'all of them'."""
+    if parent_visible is None:
+        return None
+    return [d.strip() for d in parent_visible.split(",") if d.strip() and d.strip() != "-1"]
+
+
+def cuda_visible_devices_for_rank(local_rank: int, gpu_count: int, parent_visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for the worker with ``local_rank``: exactly one GPU, or none ("").
+
+    ``gpu_count`` is the number of GPUs on the host; a parent restriction
+    (``CUDA_VISIBLE_DEVICES="2,3"``) is honoured, so worker 1 then gets "3".
+    """
+    allowed = visible_devices(parent_visible)
+    ids = allowed if allowed is not None else [str(i) for i in range(max(0, gpu_count))]
+    index = gpu_for_local_rank(local_rank, len(ids))
+    return "" if index is None else ids[index]
+
+
+def count_host_gpus(proc_dir: str = "/proc/driver/nvidia/gpus") -> int:
+    """NVIDIA GPUs on this host as the driver lists them (0 when there is no NVIDIA driver)."""
+    path = Path(proc_dir)
+    try:
+        return sum(1 for p in path.iterdir() if p.is_dir())
+    except OSError:
+        return 0
+
+
+def local_gpu_env(rank: int, environ: dict[str, str] | None = None, gpu_count: int | None = None) -> dict[str, str]:
+    """Environment entries that pin a local worker to its GPU (the local backend's per-rank env)."""
+    environ = os.environ if environ is None else environ
+    count = count_host_gpus() if gpu_count is None else gpu_count
+    return {"CUDA_VISIBLE_DEVICES": cuda_visible_devices_for_rank(rank, count, environ.get("CUDA_VISIBLE_DEVICES"))}
+
+
+def choose_engine(requested: str | None, has_gpu: bool, horovod_error: str | None) -> tuple[str, str | None]:
+    """Resolve ``--engine`` on a worker: (engine to use, warning sentence or None).
+
+    ``horovod_error`` is why ``import horovod.tensorflow`` failed (None: it works).
+    Horovod is optional: when it cannot be imported we say so and use the default.
+    NCCL needs a GPU, so asking for it on a CPU worker is an error with the fix.
+    """
+    default = "nccl" if has_gpu else "gloo"
+    if requested is None:
+        return default, None
+    if requested not in ENGINES:
+        raise NbdistError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}.")
+    if requested == "nccl" and not has_gpu:
+        raise NbdistError("--engine nccl needs a GPU on every worker and this worker has none; "
+                          "use --engine gloo (the default on CPU).")
+    if requested == "horovod" and horovod_error is not None:
+        return default, (f"--engine horovod: Horovod cannot be imported on this worker ({horovod_error}), "
+                         f"so nbdist uses its default engine, {default}.")
+    return requested, None
+
+
+def horovod_import_error() -> str | None:
+    """None if ``horovod.tensorflow`` imports, else a short reason. Horovod is never a dependency."""
+    try:
+        import horovod.tensorflow  # noqa: F401
+    except Exception as exc:  # ImportError, or a build that does not match this TensorFlow
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -1,0 +1,65 @@
+"""A worker's training run under ``--strategy allreduce`` (the model is built, the collective open)."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("nbdist.worker")
+
+
+def resolve_engine(requested: str | None) -> tuple[str, str | None]:
+    import tensorflow as tf
+
+    from ..strategies.placement import choose_engine, horovod_import_error
+
+    has_gpu = bool(tf.config.list_physical_devices("GPU"))
+    horovod_error = horovod_import_error() if requested == "horovod" else None
+    return choose_engine(requested, has_gpu, horovod_error)
+
+
+def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collective: Any) -> None:
+    from ..model_io import averaged_optimizer_variables
+    from ..strategies.allreduce import (AllreduceCallback, GradientAllreduce, broadcast_state,
+                                        common_steps, wrap_optimizer)
+    from ..strategies.averaging import WeightedAverager, batch_sizes
+    from .callbacks import EventCallback, weights_and_optimizer
+
+    cfg = job["config"]
+    engine, warning = resolve_engine(cfg.get("engine"))
+    if warning:
+        log.warning("%s", warning)
+        link.send({"type": "warning", "message": warning})
+    log.info("worker %d: allreduce on engine %s", rank, engine)
+
+    floats = lambda vs: [v for v in vs if "float" in str(v.dtype)]  # noqa: E731
+    # Rank 0's weights and optimizer state are everyone's starting point.
+    broadcast_state(collective, floats(model.weights) + averaged_optimizer_variables(model))
+
+    x, y = job["x"], job["y"]
+    samples, batch_size = len(x), int(cfg["batch_size"])
+    steps = common_steps(collective, len(batch_sizes(samples, batch_size)))
+    reducer = GradientAllreduce(collective, model.trainable_variables, engine)
+    original_apply = wrap_optimizer(model.optimizer, reducer)
+    non_trainable = floats(model.non_trainable_weights)
+    stats = WeightedAverager(collective, non_trainable) if non_trainable else None
+
+    validation, val_samples = None, 0
+    if job.get("xv") is not None and len(job["xv"]) > 0:
+        validation = (job["xv"], job["yv"])
+        val_samples = len(job["xv"])
+
+    def ship(epoch: int) -> None:
+        link.send({"type": "weights", "epoch": epoch, "n_weights": len(model.get_weights())},
+                  weights_and_optimizer(model))
+
+    sync = AllreduceCallback(reducer, original_apply, model.trainable_variables, samples, batch_size,
+                             steps, stats)
+    callbacks = [sync, EventCallback(link.send, samples, val_samples, batch_size, reducer,
+                                     ship if rank == 0 else None)]
+    model.fit(x, y, batch_size=batch_size, epochs=int(cfg["epochs"]), verbose=0,
+              shuffle=bool(cfg["shuffle"]), validation_data=validation, callbacks=callbacks,
+              initial_epoch=int(job["initial_epoch"]))
+    link.send({"type": "done", "sync_seconds": reducer.seconds, "rounds": reducer.steps,
+               "engine": engine, "padded_steps": sync.padded_steps})
+    log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",
+             rank, reducer.steps, sync.padded_steps, reducer.seconds)

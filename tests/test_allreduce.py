@@ -1,0 +1,126 @@
+"""Allreduce strategy end to end: real worker processes, real TensorFlow, scikit-learn digits.
+
+The reference is local training on the same examples in the same order, where local
+batch j is the concatenation of every worker's batch j (a shorter shard simply has
+no batch j at the end). With plain SGD that is exactly what synchronous allreduce
+computes, so parameters must match to 1e-5 relative.
+
+The `digits` fixture (scikit-learn digits, scaled to [0, 1]) comes from conftest.py.
+"""
+import logging
+
+import keras
+import numpy as np
+import pytest
+
+import nbdist
+from nbdist.data import shard_bounds
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                             keras.layers.Dense(10, activation="softmax")])
+
+
+def cnn(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
+                             keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+                             keras.layers.Dense(10, activation="softmax")])
+
+
+def compiled(model, optimizer):
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def global_batches(n, workers, batch_size):
+    """Row indices of each synchronous step: worker 0's batch j, then worker 1's batch j, ..."""
+    per_worker = [[np.arange(i, min(i + batch_size, stop)) for i in range(start, stop, batch_size)]
+                  for start, stop in shard_bounds(n, workers)]
+    steps = max(len(b) for b in per_worker)
+    return [np.concatenate([b[j] for b in per_worker if j < len(b)]) for j in range(steps)]
+
+
+def local_reference(build, optimizer, x, y, workers, batch_size, epochs):
+    model = compiled(build(), optimizer)
+    for _ in range(epochs):
+        for idx in global_batches(len(x), workers, batch_size):
+            model.train_on_batch(x[idx], y[idx])
+    return model
+
+
+def assert_same_parameters(got, want, rtol=1e-5):
+    for a, b in zip(got.get_weights(), want.get_weights()):
+        assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(b), (np.abs(a - b).max(), np.abs(b).max())
+
+
+def accuracy(model, x, y):
+    return float(np.mean(np.argmax(model.predict(x, verbose=0), axis=1) == y))
+
+
+def test_c3_two_workers_batch_b_equal_local_batch_2b(digits):
+    x, y = digits
+    model = compiled(mlp(), keras.optimizers.SGD(0.1))
+    job = nbdist.train(model, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
+                       lr_scaling="none")
+    ref = local_reference(mlp, keras.optimizers.SGD(0.1), x, y, workers=2, batch_size=16, epochs=1)
+    assert_same_parameters(model, ref)
+    assert set(job.history) == {"loss", "accuracy"} and len(job.history["loss"]) == 1
+    assert all(w.sync_seconds > 0 for w in job.state.workers)  # time inside the allreduce is reported
+
+
+def test_mlp_4_workers_uneven_shards_adam_parity_and_validation(digits):
+    # 1497 rows / 4 workers = 375, 374, 374, 374: with batch 34 worker 0 has 12 batches, the others 11,
+    # so they run one zero-sample step per epoch and must neither hang nor drift apart.
+    # (2-worker MLP parity: the C3 test above shows equal parameters, hence equal accuracy.)
+    x, y = digits
+    xt, yt, xv, yv = x[:1497], y[:1497], x[1497:], y[1497:]
+    assert [len(b) for b in global_batches(1497, 4, 34)][-2:] == [136, 1]
+    model = compiled(mlp(2), keras.optimizers.Adam(0.01))
+    job = nbdist.train(model, xt, yt, validation_data=(xv, yv), epochs=6, batch_size=34, workers=4,
+                       strategy="allreduce", shuffle=False, lr_scaling="none")
+    ref = local_reference(lambda: mlp(2), keras.optimizers.Adam(0.01), xt, yt, 4, 34, epochs=6)
+    assert_same_parameters(model, ref, rtol=1e-4)
+    got, want = accuracy(model, xv, yv), accuracy(ref, xv, yv)
+    assert want > 0.85 and abs(got - want) <= 0.01, (got, want)
+    assert len(job.history["val_accuracy"]) == 6
+    assert abs(job.history["val_accuracy"][-1] - got) < 1e-6  # validation ran on the final weights
+
+
+def test_cnn_accuracy_parity_and_horovod_falls_back(digits, caplog):
+    x, y = digits
+    x = x.reshape(-1, 8, 8, 1)
+    xt, yt, xv, yv = x[:1500], y[:1500], x[1500:], y[1500:]
+    model = compiled(cnn(), keras.optimizers.Adam(0.01))
+    with caplog.at_level(logging.WARNING, logger="nbdist"):
+        nbdist.train(model, xt, yt, epochs=4, batch_size=32, workers=2, strategy="allreduce",
+                     engine="horovod", shuffle=False, lr_scaling="none")
+    warnings = [r.getMessage() for r in caplog.records if "Horovod cannot be imported" in r.getMessage()]
+    assert len(warnings) == 1 and "default engine, gloo" in warnings[0]
+    ref = local_reference(cnn, keras.optimizers.Adam(0.01), xt, yt, 2, 32, epochs=4)
+    got, want = accuracy(model, xv, yv), accuracy(ref, xv, yv)
+    assert want > 0.8 and abs(got - want) <= 0.01, (got, want)
+
+
+def test_magic_trains_with_allreduce(digits):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    x, y = digits
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbdist")
+    shell.user_ns.update(X=x[:1500], y=y[:1500], Xv=x[1500:], yv=y[1500:], keras=keras)
+    cell = ("keras.utils.set_random_seed(3)\n"
+            "net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation='relu'),\n"
+            "                        keras.layers.Dense(10, activation='softmax')])\n"
+            "net.compile(keras.optimizers.Adam(0.01), 'sparse_categorical_crossentropy', metrics=['accuracy'])\n")
+    before = [w.copy() for w in shell.run_cell(cell).success and shell.user_ns["net"].get_weights()]
+    shell.run_cell_magic("dist_train", "--data X,y --validation-data Xv,yv --epochs 3 --batch-size 32 "
+                         "--workers 2 --strategy allreduce --engine gloo --ui none --out hist", cell)
+    hist, net = shell.user_ns["hist"], shell.user_ns["net"]
+    assert len(hist["val_accuracy"]) == 3 and hist["val_accuracy"][-1] > 0.8
+    assert any(not np.allclose(a, b) for a, b in zip(net.get_weights(), before))
+    assert abs(accuracy(net, x[1500:], y[1500:]) - hist["val_accuracy"][-1]) < 1e-6
