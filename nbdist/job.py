@@ -63,6 +63,7 @@ class TrainingJob:
         self._handles: list[WorkerHandle] = []
         self._spec: ModelSpec | None = None
         self._last_weights: tuple[int, list[np.ndarray], int] | None = None
+        self._iterations: int | None = None
         self._done: set[int] = set()
         self._closing: dict[int, float] = {}
         self._failure: TrainingFailed | None = None
@@ -183,6 +184,7 @@ class TrainingJob:
             n = int(msg.body["n_weights"])
             self._last_weights = (int(msg.body["epoch"]), msg.arrays[:n], len(msg.arrays) - n)
             self._opt_weights = msg.arrays[n:]
+            self._iterations = msg.body.get("iterations")
         elif kind == "store":
             self._coordinator.broadcast({"type": "rendezvous", "host": msg.body["host"],
                                          "port": int(msg.body["port"])})
@@ -309,6 +311,8 @@ class TrainingJob:
         if n_opt and self.config.average_optimizer:
             build_optimizer(self.model)
             set_optimizer_weights(self.model, self._opt_weights)
+            if self._iterations is not None:  # Adam's bias correction continues, not restarts
+                self.model.optimizer.iterations.assign(int(self._iterations))
 
     @property
     def weights_epoch(self) -> int | None:

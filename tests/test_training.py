@@ -26,6 +26,7 @@ def test_c1_one_worker_equals_local_fit(digits):
     # The optimizer state came back too: both models continue identically.
     assert relative_error([v.numpy() for v in remote.optimizer.variables[2:]],
                           [v.numpy() for v in local.optimizer.variables[2:]]) < 1e-6
+    assert int(remote.optimizer.iterations.numpy()) == int(local.optimizer.iterations.numpy()) > 0
 
 
 def interleave_batches(x: np.ndarray, workers: int, batch: int) -> np.ndarray:

@@ -22,7 +22,7 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     from ..strategies.allreduce import (AllreduceCallback, GradientAllreduce, broadcast_state,
                                         common_steps, wrap_optimizer)
     from ..strategies.averaging import WeightedAverager, batch_sizes
-    from .callbacks import EventCallback, weights_and_optimizer
+    from .callbacks import EventCallback, weight_shipper
 
     cfg = job["config"]
     engine, warning = resolve_engine(cfg.get("engine"))
@@ -48,9 +48,7 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
         validation = (job["xv"], job["yv"])
         val_samples = len(job["xv"])
 
-    def ship(epoch: int) -> None:
-        link.send({"type": "weights", "epoch": epoch, "n_weights": len(model.get_weights())},
-                  weights_and_optimizer(model))
+    ship = weight_shipper(link.send, model)
 
     sync = AllreduceCallback(reducer, original_apply, model.trainable_variables, samples, batch_size,
                              steps, stats)

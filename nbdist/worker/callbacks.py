@@ -113,3 +113,13 @@ def weights_and_optimizer(model: Any) -> list[np.ndarray]:
     return [np.asarray(w) for w in model.get_weights()] + [
         np.asarray(v.numpy()) for v in averaged_optimizer_variables(model)
     ]
+
+
+def weight_shipper(send: Callable[..., None], model: Any) -> Callable[[int], None]:
+    """Rank 0's end-of-epoch message: synchronised weights, optimizer state and step count."""
+
+    def ship(epoch: int) -> None:
+        send({"type": "weights", "epoch": epoch, "n_weights": len(model.get_weights()),
+              "iterations": int(model.optimizer.iterations.numpy())}, weights_and_optimizer(model))
+
+    return ship

@@ -72,7 +72,7 @@ def run_job(link: Any, rank: int) -> None:
 
     from ..model_io import ModelSpec, build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager
-    from .callbacks import AveragingCallback, EventCallback, weights_and_optimizer
+    from .callbacks import AveragingCallback, EventCallback, weight_shipper
 
     if cfg.get("seed") is not None:
         keras.utils.set_random_seed(int(cfg["seed"]) + rank)
@@ -116,9 +116,7 @@ def run_job(link: Any, rank: int) -> None:
             validation = (job["xv"], job["yv"])
             val_samples = len(job["xv"])
 
-        def ship(epoch: int) -> None:
-            link.send({"type": "weights", "epoch": epoch, "n_weights": len(model.get_weights())},
-                      weights_and_optimizer(model))
+        ship = weight_shipper(link.send, model)
 
         callbacks = [EventCallback(link.send, samples, val_samples, batch_size, averager,
                                    ship if rank == 0 else None)]
