@@ -98,7 +98,7 @@ def run_containers(engine: Engine, run_id: str) -> list[str]:
     names = out.stdout.decode().split()
     out = subprocess.run([engine.path, "ps", "-a", "--format", "{{.Names}}"], capture_output=True, timeout=60,
                          check=True)
-    return names + [n for n in out.stdout.decode().split() if n.startswith(f"nbdist-{run_id}-")]
+    return sorted(set(names) | {n for n in out.stdout.decode().split() if n.startswith(f"nbdist-{run_id}-")})
 
 
 @pytest.fixture(scope="module")
@@ -176,11 +176,10 @@ def test_two_containers_match_local_accuracy_and_leave_nothing(engine, split, st
     local_acc, dist_acc = accuracy(local, x_test, y_test), accuracy(dist, x_test, y_test)
     assert dist_acc >= local_acc - 0.01, (dist_acc, local_acc)
     assert len(job.history["loss"]) == EPOCHS and job.history["loss"][-1] < job.history["loss"][0]
-    # The workers really ran in containers: their reported host is the container's, not ours.
-    import socket
-
-    hosts = [w.host for w in job.state.workers]
-    assert all(h and h != socket.gethostname() for h in hosts), hosts
+    # The workers really ran in containers: each has its own PID namespace (init is pid 1,
+    # the worker a small pid), while host processes are numbered in the thousands by now.
+    pids = [w.pid for w in job.state.workers]
+    assert all(p is not None and p < 100 for p in pids), pids
     assert run_containers(engine, job._backend.run_id) == []
 
 
@@ -256,6 +255,21 @@ def test_notebook_05_executes(engine):
     assert "on 2 containers workers" in text
     acc = float(text.split("test accuracy: ")[1].split()[0])
     assert acc > 0.8, text
+    left = subprocess.run([engine.path, "ps", "-a", "--format", "{{.Names}}"], capture_output=True,
+                          timeout=60).stdout.decode().split()
+    assert not [n for n in left if n.startswith("nbdist-")], left
+
+
+
+def test_an_image_without_nbdist_gets_one_sentence_before_any_worker(engine, digits_xy):
+    from nbdist.backends.containers import ensure_base_image
+
+    empty = ensure_base_image(engine)  # nothing mounted: no python inside
+    model = mlp()
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(NbdistError, match=f"--image {empty} cannot run nbdist's worker .*python.*drop --image"):
+        nbdist.train(model, *digits_xy, epochs=1, workers=2, backend="containers", image=empty)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
     left = subprocess.run([engine.path, "ps", "-a", "--format", "{{.Names}}"], capture_output=True,
                           timeout=60).stdout.decode().split()
     assert not [n for n in left if n.startswith("nbdist-")], left

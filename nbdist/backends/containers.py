@@ -142,6 +142,27 @@ def ensure_base_image(engine: Engine) -> str:
     return name
 
 
+_checked_images: set[tuple[str, str]] = set()
+
+
+def check_user_image(engine: Engine, image: str) -> None:
+    """Fail with one sentence, before any worker starts, if ``image`` cannot run nbdist's worker."""
+    if (engine.path, image) in _checked_images:
+        return
+    try:
+        proc = engine.run(["run", "--rm", "--network", "host", image, "python", "-c", "import nbdist"],
+                          timeout=ENGINE_TIMEOUT * 5, check=False)
+    except subprocess.TimeoutExpired:
+        raise NbdistError(f"--image {image}: `{engine.name} run` did not finish within "
+                          f"{ENGINE_TIMEOUT * 5:.0f} s; check that the image exists locally or can be pulled.") from None
+    if proc.returncode != 0:
+        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise NbdistError(f"--image {image} cannot run nbdist's worker ({lines[-1] if lines else 'exit ' + str(proc.returncode)}); "
+                          "use an image with `python` on its PATH and nbdist installed, or drop --image "
+                          "to use the default image.")
+    _checked_images.add((engine.path, image))
+
+
 # -- command lines (pure) ------------------------------------------------------
 def gpu_flags(engine_name: str, gpus: str | None) -> list[str]:
     """Docker: ``--gpus``; Podman: CDI devices (needs the NVIDIA CDI spec on the host; unverified here)."""
@@ -239,6 +260,7 @@ class ContainerBackend:
         t0 = time.monotonic()
         if self.config.image:
             image, python, mounts = self.config.image, "python", []
+            check_user_image(self.engine, image)
         else:
             image, python, mounts = ensure_base_image(self.engine), sys.executable, environment_mounts()
         self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-containers-"))
