@@ -64,7 +64,7 @@ def main() -> int:
     print(f"engine: {engine.name} ({engine.path}), image {image}, median of {args.repeat} for the bare starts")
     print(f"{'measure':<44}{'local (s)':>11}{'containers (s)':>16}{'ratio':>8}")
     print(f"{'python -c pass':<44}{host:>11.3f}{ctr:>16.3f}{ctr / host:>8.2f}")
-    print(f"{'launch -> 2 workers connected (TF import)':<44}{local_conn:>11.3f}{ctr_conn:>16.3f}"
+    print(f"{'launch -> 2 workers connected (pre-TF)':<44}{local_conn:>11.3f}{ctr_conn:>16.3f}"
           f"{ctr_conn / local_conn:>8.2f}")
     print(f"container overhead per start: {ctr - host:.3f} s")
     return 0

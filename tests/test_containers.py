@@ -230,10 +230,14 @@ def test_interrupt_stops_and_removes_every_container(engine, digits_xy):
     def interrupt_after_first_epoch(kind, state, payload):
         if kind == "epoch" and "running" not in seen:
             seen["running"] = run_containers(engine, job._backend.run_id)
+            seen["limits"] = subprocess.run(
+                [engine.path, "inspect", "--format", "{{.HostConfig.NanoCpus}} {{.HostConfig.Memory}}",
+                 seen["running"][0]], capture_output=True, timeout=60).stdout.decode().split()
             os.kill(os.getpid(), signal.SIGINT)  # what a kernel interrupt does
 
     model = mlp()
-    job = prepare(model, TrainConfig(epochs=200, batch_size=32, workers=2, backend="containers", ui="none"),
+    job = prepare(model, TrainConfig(epochs=200, batch_size=32, workers=2, backend="containers", ui="none",
+                                     container_cpus=1, container_memory="1g"),
                   *digits_xy, None)
     job.listeners.append(interrupt_after_first_epoch)
     job.start()
@@ -241,6 +245,7 @@ def test_interrupt_stops_and_removes_every_container(engine, digits_xy):
         job.wait(timeout=240)
     assert job.status == "stopped"
     assert len(seen["running"]) == 2, seen  # both containers existed while training
+    assert seen["limits"] == [str(10**9), str(2**30)], seen  # --cpus 1 --memory 1g reached the engine
     assert run_containers(engine, job._backend.run_id) == []
 
 
