@@ -153,11 +153,12 @@ def check_user_image(engine: Engine, image: str) -> None:
         proc = engine.run(["run", "--rm", "--network", "host", image, "python", "-c", "import nbdist"],
                           timeout=ENGINE_TIMEOUT * 5, check=False)
     except subprocess.TimeoutExpired:
-        raise NbdistError(f"--image {image}: `{engine.name} run` did not finish within "
-                          f"{ENGINE_TIMEOUT * 5:.0f} s; check that the image exists locally or can be pulled.") from None
+        raise NbdistError(f"--image {image}: `{engine.name} run` did not finish within {ENGINE_TIMEOUT * 5:.0f} s;"
+                          " check that the image exists locally or can be pulled.") from None
     if proc.returncode != 0:
         lines = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-        raise NbdistError(f"--image {image} cannot run nbdist's worker ({lines[-1] if lines else 'exit ' + str(proc.returncode)}); "
+        why = lines[-1] if lines else f"exit {proc.returncode}"
+        raise NbdistError(f"--image {image} cannot run nbdist's worker ({why}); "
                           "use an image with `python` on its PATH and nbdist installed, or drop --image "
                           "to use the default image.")
     _checked_images.add((engine.path, image))
@@ -245,7 +246,7 @@ class ContainerBackend:
         self.run_id = secrets.token_hex(4)
         self.workers: list[ContainerWorker] = []
         self.run_dir: Path | None = None
-        self.start_seconds: float | None = None  # launch to every container running (measured)
+        self.start_seconds: float | None = None  # seconds launch() took (image check or build, clients spawned)
 
     def default_workers(self) -> int:
         from ..config import default_local_workers
