@@ -49,7 +49,7 @@ class DistMagics(Magics):
     @argument("--image", default=None, help="container image for --backend containers")
     @argument("--cpus", type=float, default=None, help="CPUs per worker container (--backend containers)")
     @argument("--memory", default=None, help="memory per worker container, e.g. 2g (--backend containers)")
-    @argument("--gpus", default=None, help="GPUs per worker container: all | 0,1 (--backend containers)")
+    @argument("--gpus", default=None, help="GPUs per worker container: all | 0,1 (Docker --gpus; Podman CDI, unverified)")
     @cell_magic
     def dist_train(self, line: str, cell: str) -> None:
         """Train the Keras model this cell builds on several workers, data-parallel.
