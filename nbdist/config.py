@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,6 @@ NOT_AVAILABLE_YET: dict[str, Any] = {
     "checkpoint_dir": None,
     "resume": False,
     "max_restarts": 0,
-    "image": None,
     "background": False,
 }
 
@@ -50,6 +50,10 @@ class TrainConfig:
     max_restarts: int = 0
     engine: str | None = None
     image: str | None = None
+    # --backend containers: per-worker limits and GPU passthrough ("all" or "0,1"); None: no limit/none.
+    container_cpus: float | None = None
+    container_memory: str | None = None
+    container_gpus: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,7 +88,8 @@ class TrainConfig:
             if self.strategy != "allreduce":
                 raise NbdistError(f"--engine {self.engine} applies to --strategy allreduce; "
                                   "add --strategy allreduce or drop --engine.")
-        if self.backend in ("spark", "containers"):
+        _validate_containers(self)
+        if self.backend in ("spark",):
             raise NbdistError(
                 f"--backend {self.backend} is not available yet in nbdist {_version()}; use --backend local."
             )
@@ -99,6 +104,26 @@ class TrainConfig:
 
 def default_local_workers() -> int:
     return max(1, min(2, os.cpu_count() or 1))
+
+
+def _validate_containers(cfg: "TrainConfig") -> None:
+    options = {"image": "--image", "container_cpus": "--cpus", "container_memory": "--memory",
+               "container_gpus": "--gpus"}
+    given = [flag for name, flag in options.items() if getattr(cfg, name) is not None]
+    if given and cfg.backend != "containers":
+        raise NbdistError(f"{', '.join(given)} only applies to --backend containers; add --backend containers "
+                          "or drop the option.")
+    if cfg.image is not None and (not isinstance(cfg.image, str) or not cfg.image.strip()):
+        raise NbdistError(f"--image must name a container image that has nbdist installed, got {cfg.image!r}.")
+    cpus = cfg.container_cpus
+    if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus <= 0):
+        raise NbdistError(f"--cpus must be a positive number of CPUs per worker, got {cpus!r}; for example --cpus 1.")
+    mem = cfg.container_memory
+    if mem is not None and (not isinstance(mem, str) or not re.match(r"^\d+(\.\d+)?[bkmg]?$", mem, re.I)):
+        raise NbdistError(f"--memory must be an amount like 2g or 512m per worker, got {mem!r}.")
+    gpus = cfg.container_gpus
+    if gpus is not None and (not isinstance(gpus, str) or not re.match(r"^(all|\d+(,\d+)*)$", gpus)):
+        raise NbdistError(f"--gpus must be 'all' or GPU indices like 0,1, got {gpus!r}.")
 
 
 def _positive_int(name: str, value: Any, example: str) -> None:

@@ -14,6 +14,10 @@ def resolve_backend(config: TrainConfig) -> Backend:
         from .local import LocalBackend
 
         return LocalBackend()
+    if name == "containers":
+        from .containers import ContainerBackend
+
+        return ContainerBackend(config)
     raise NbdistError(f"--backend {name} is not available yet; use --backend local.")
 
 

@@ -50,6 +50,9 @@ class DistMagics(Magics):
     @argument("--max-restarts", type=int, default=0, metavar="N", help="restart failed workers up to N times")
     @argument("--engine", default=None, help="collective engine: gloo | nccl | horovod")
     @argument("--image", default=None, help="container image for --backend containers")
+    @argument("--cpus", type=float, default=None, help="CPUs per worker container (--backend containers)")
+    @argument("--memory", default=None, help="memory per worker container, e.g. 2g (--backend containers)")
+    @argument("--gpus", default=None, help="GPUs per worker container: all | 0,1 (Docker --gpus; Podman CDI, unverified)")
     @cell_magic
     def dist_train(self, line: str, cell: str) -> None:
         """Train the Keras model this cell builds on several workers, data-parallel.
@@ -79,6 +82,7 @@ class DistMagics(Magics):
             "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling, "seed": args.seed, "ui": args.ui,
             "checkpoint_dir": args.checkpoint_dir, "resume": args.resume, "background": args.background,
             "max_restarts": args.max_restarts, "engine": args.engine, "image": args.image,
+            "container_cpus": args.cpus, "container_memory": args.memory, "container_gpus": args.gpus,
         }
         config = TrainConfig(**options)
         if not args.out.isidentifier():

@@ -1,0 +1,313 @@
+"""Containers backend: N worker containers (Podman or Docker) running the same worker program.
+
+Every container uses the host's network, so a worker reaches the notebook's
+coordinator on loopback exactly like a local worker. Each ``<engine> run`` stays
+attached in a child process whose output goes to a log file: its exit code is the
+container's, and the log holds the worker's traceback. Containers are named and
+labelled after the run, so ``stop()`` finds and removes all of them.
+
+Without ``--image`` the default image is built here, once, from nothing: an empty
+root file system (a few directories and symlinks) imported into the engine. The
+notebook's interpreter, its standard library, its virtual environment, the nbdist
+package and the host's /usr (shared libraries) are mounted into it read-only at the
+same paths, so nothing needs to be pulled from a registry and the workers run the
+notebook's exact environment.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import TrainConfig
+from ..errors import NbdistError
+from ..worker.main import SECRET_ENV
+from .local import package_root
+
+log = logging.getLogger(__name__)
+
+# Which engines to try, in order; a colon-separated list of names or paths overrides it.
+ENGINE_ENV = "NBDIST_CONTAINER_ENGINE"
+DEFAULT_ENGINES = ("podman", "docker")
+LABEL = "nbdist.run"
+# What the default image holds; bump when the layout below changes so the image is rebuilt.
+BASE_LAYOUT = 1
+ENGINE_TIMEOUT = 60.0  # seconds for one engine command (info, import, stop, rm)
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str  # "podman" or "docker": decides the GPU flags
+    path: str
+
+    def run(self, args: list[str], timeout: float = ENGINE_TIMEOUT, input: bytes | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([self.path, *args], input=input, capture_output=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+            raise NbdistError(f"`{self.name} {args[0]}` failed: {err[-1] if err else 'exit ' + str(proc.returncode)}.")
+        return proc
+
+
+def find_engine(candidates: list[str] | None = None) -> Engine:
+    """The first container engine that answers ``info``; one sentence naming what was tried if none."""
+    if candidates is None:
+        override = os.environ.get(ENGINE_ENV, "")
+        candidates = [c for c in override.split(":") if c] or list(DEFAULT_ENGINES)
+    tried: list[str] = []
+    for cand in candidates:
+        path = shutil.which(cand)
+        if path is None:
+            tried.append(f"{cand} (not found)")
+            continue
+        name = "docker" if "docker" in Path(cand).name else "podman"
+        try:
+            proc = subprocess.run([path, "info"], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            tried.append(f"{cand} (`{name} info` did not answer: {exc})")
+            continue
+        if proc.returncode == 0:
+            return Engine(name, path)
+        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        tried.append(f"{cand} (`{name} info` failed: {lines[-1] if lines else 'exit ' + str(proc.returncode)})")
+    raise NbdistError(
+        f"--backend containers needs Podman or Docker, and neither is usable: tried {'; '.join(tried)}; "
+        "install Podman (scripts/install_system_deps.sh does) or start Docker's engine, or use --backend local."
+    )
+
+
+# -- the default image ---------------------------------------------------------
+def environment_mounts() -> list[str]:
+    """Host directories the notebook's Python needs: interpreter, stdlib, venv, nbdist, /usr."""
+    paths = {"/usr", sys.prefix, sys.base_prefix, sys.exec_prefix, package_root(),
+             str(Path(sys.executable).parent)}
+    for entry in sys.path:  # editable installs and .pth additions live outside the prefixes
+        if entry and os.path.isdir(entry):
+            paths.add(entry)
+    resolved = sorted({os.path.realpath(p) for p in paths} | {os.path.abspath(p) for p in paths})
+    keep: list[str] = []
+    for p in resolved:
+        if p in ("/", "/proc", "/sys", "/dev", "/tmp") or p.startswith(("/proc/", "/sys/", "/dev/")):
+            continue
+        if any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep):
+            continue  # already inside a mounted directory
+        keep.append(p)
+    return keep
+
+
+def base_image_name() -> str:
+    """A name+tag derived from what the image holds (its layout), so it is built once."""
+    digest = hashlib.sha256(f"nbdist-base layout {BASE_LAYOUT}".encode()).hexdigest()[:12]
+    return f"localhost/nbdist-base:{digest}"
+
+
+def _base_rootfs() -> bytes:
+    """An empty root file system: mount points, /tmp, and the merged-/usr symlinks."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for d, mode in (("tmp", 0o1777), ("etc", 0o755), ("proc", 0o555), ("sys", 0o555),
+                        ("dev", 0o755), ("usr", 0o755), ("root", 0o700), ("work", 0o755)):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, mode, 0
+            tar.addfile(info)
+        for link, target in (("bin", "usr/bin"), ("sbin", "usr/sbin"), ("lib", "usr/lib"),
+                             ("lib64", "usr/lib64")):
+            info = tarfile.TarInfo(link)
+            info.type, info.linkname, info.mtime = tarfile.SYMTYPE, target, 0
+            tar.addfile(info)
+        for name, text in (("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n"), ("etc/group", "root:x:0:\n")):
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def ensure_base_image(engine: Engine) -> str:
+    name = base_image_name()
+    if engine.run(["image", "inspect", name], check=False).returncode == 0:
+        return name
+    log.info("building the default worker image %s (once)", name)
+    engine.run(["import", "-", name], input=_base_rootfs())
+    return name
+
+
+_checked_images: set[tuple[str, str]] = set()
+
+
+def check_user_image(engine: Engine, image: str) -> None:
+    """Fail with one sentence, before any worker starts, if ``image`` cannot run nbdist's worker."""
+    if (engine.path, image) in _checked_images:
+        return
+    try:
+        proc = engine.run(["run", "--rm", "--network", "host", image, "python", "-c", "import nbdist"],
+                          timeout=ENGINE_TIMEOUT * 5, check=False)
+    except subprocess.TimeoutExpired:
+        raise NbdistError(f"--image {image}: `{engine.name} run` did not finish within {ENGINE_TIMEOUT * 5:.0f} s;"
+                          " check that the image exists locally or can be pulled.") from None
+    if proc.returncode != 0:
+        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        why = lines[-1] if lines else f"exit {proc.returncode}"
+        raise NbdistError(f"--image {image} cannot run nbdist's worker ({why}); "
+                          "use an image with `python` on its PATH and nbdist installed, or drop --image "
+                          "to use the default image.")
+    _checked_images.add((engine.path, image))
+
+
+# -- command lines (pure) ------------------------------------------------------
+def gpu_flags(engine_name: str, gpus: str | None) -> list[str]:
+    """Docker: ``--gpus``; Podman: CDI devices (needs the NVIDIA CDI spec on the host; unverified here)."""
+    if not gpus:
+        return []
+    if engine_name == "docker":
+        return ["--gpus", gpus if gpus == "all" else f'"device={gpus}"']
+    if gpus == "all":
+        return ["--device", "nvidia.com/gpu=all"]
+    return [arg for g in gpus.split(",") for arg in ("--device", f"nvidia.com/gpu={g.strip()}")]
+
+
+def run_command(engine: Engine, *, name: str, run_id: str, rank: int, image: str, python: str,
+                address: str, threads: int, mounts: list[str], config: TrainConfig) -> list[str]:
+    """``<engine> run ...`` for one worker. The secret is passed by name: its value is not on the command line."""
+    cmd = [engine.path, "run", "--rm", "--name", name, "--label", f"{LABEL}={run_id}",
+           "--label", f"nbdist.rank={rank}", "--network", "host", "--init", "--workdir", "/tmp",
+           "--env", SECRET_ENV]
+    env = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+           "OMP_NUM_THREADS": str(threads), "TF_NUM_INTRAOP_THREADS": str(threads),
+           "TF_NUM_INTEROP_THREADS": str(max(1, min(2, threads))), "HOME": "/tmp"}
+    if mounts:  # the default image: the notebook's own environment, read-only
+        env["PYTHONPATH"] = package_root()
+        for m in mounts:
+            cmd += ["--volume", f"{m}:{m}:ro"]
+    if not config.container_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    for k, v in env.items():
+        cmd += ["--env", f"{k}={v}"]
+    if config.container_cpus:
+        cmd += ["--cpus", f"{config.container_cpus:g}"]
+    if config.container_memory:
+        cmd += ["--memory", config.container_memory]
+    cmd += gpu_flags(engine.name, config.container_gpus)
+    cmd += [image, python, "-m", "nbdist.worker", "--address", address, "--rank", str(rank)]
+    return cmd
+
+
+def _exit_code(code: int | None) -> int | None:
+    """Engines report a container killed by signal N as 128+N; the job expects -N."""
+    if code is not None and 128 < code < 128 + 65:
+        return -(code - 128)
+    return code
+
+
+# -- the backend ---------------------------------------------------------------
+class ContainerWorker:
+    def __init__(self, rank: int, name: str, proc: subprocess.Popen, log_path: Path) -> None:
+        self.rank = rank
+        self.name = name
+        self.proc = proc
+        self.log_path = log_path
+
+    def exit_status(self) -> int | None:
+        return _exit_code(self.proc.poll())
+
+    def describe(self) -> str:
+        return f"worker {self.rank} (container {self.name})"
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 65536))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class ContainerBackend:
+    name = "containers"
+    bind_host = "127.0.0.1"  # host network: containers share the host's loopback
+    advertise_host = "127.0.0.1"
+    gloo_ifname = "lo"
+
+    def __init__(self, config: TrainConfig, engine: Engine | None = None) -> None:
+        self.config = config
+        self.engine = engine or find_engine()
+        self.run_id = secrets.token_hex(4)
+        self.workers: list[ContainerWorker] = []
+        self.run_dir: Path | None = None
+        self.start_seconds: float | None = None  # seconds launch() took (image check or build, clients spawned)
+
+    def default_workers(self) -> int:
+        from ..config import default_local_workers
+
+        return default_local_workers()
+
+    def container_names(self, world_size: int) -> list[str]:
+        return [f"nbdist-{self.run_id}-w{r}" for r in range(world_size)]
+
+    def launch(self, world_size: int, address: tuple[str, int], secret: bytes,
+               threads_per_worker: int) -> list[ContainerWorker]:
+        t0 = time.monotonic()
+        if self.config.image:
+            image, python, mounts = self.config.image, "python", []
+            check_user_image(self.engine, image)
+        else:
+            image, python, mounts = ensure_base_image(self.engine), sys.executable, environment_mounts()
+        self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-containers-"))
+        env = dict(os.environ)
+        env[SECRET_ENV] = secret.hex()  # read by `run --env NAME`, so only the engine sees the value
+        host, port = address
+        for rank, name in enumerate(self.container_names(world_size)):
+            cmd = run_command(self.engine, name=name, run_id=self.run_id, rank=rank, image=image,
+                              python=python, address=f"{host}:{port}", threads=threads_per_worker,
+                              mounts=mounts, config=self.config)
+            log_path = self.run_dir / f"worker-{rank}.log"
+            with open(log_path, "wb") as out:
+                proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT,
+                                        start_new_session=True)  # a terminal's Ctrl-C reaches the driver only
+            self.workers.append(ContainerWorker(rank, name, proc, log_path))
+        log.info("starting %d %s containers (run %s, image %s), logs in %s", world_size, self.engine.name,
+                 self.run_id, image, self.run_dir)
+        self.start_seconds = time.monotonic() - t0
+        return list(self.workers)
+
+    def run_containers(self) -> list[str]:
+        """Names of this run's containers that the engine still has (running or not)."""
+        proc = self.engine.run(["ps", "-a", "--filter", f"label={LABEL}={self.run_id}",
+                                "--format", "{{.Names}}"], check=False)
+        return [n for n in proc.stdout.decode().split() if n]
+
+    def stop(self, grace: float = 3.0) -> None:
+        alive = [w.name for w in self.workers if w.proc.poll() is None]
+        if alive:
+            self.engine.run(["stop", "--time", str(max(0, int(grace))), *alive],
+                            timeout=grace + ENGINE_TIMEOUT, check=False)
+        leftover = self.run_containers()  # also any whose attached client died early
+        if leftover:
+            self.engine.run(["rm", "-f", *leftover], check=False)
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait(timeout=10)
+        left = self.run_containers()
+        if left:
+            log.warning("containers still present after stop: %s", ", ".join(left))
+
+    def cleanup(self) -> None:
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
