@@ -77,7 +77,7 @@ class TrainConfig:
             raise NbdistError(
                 f"--strategy allreduce is not available yet in nbdist {_version()}; use --strategy averaging."
             )
-        if self.backend in ("spark", "containers"):
+        if self.backend == "containers":
             raise NbdistError(
                 f"--backend {self.backend} is not available yet in nbdist {_version()}; use --backend local."
             )
