@@ -92,7 +92,11 @@ def _feature_block(values: list[Any], name: str) -> np.ndarray:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"column {name!r} cannot be read as numbers ({exc}); it must hold numbers, "
                          "arrays of numbers or ML vectors, with no nulls (drop them with df.na.drop()).") from None
-    return arr.reshape(len(values), -1)
+    arr = arr.reshape(len(values), -1)
+    if not np.isfinite(arr).all():  # None becomes NaN on the way in
+        raise ValueError(f"column {name!r} holds nulls, NaN or infinite values; drop or fill them first "
+                         "(e.g. df.na.drop()).")
+    return arr
 
 
 def _label_block(values: list[Any], name: str) -> np.ndarray:

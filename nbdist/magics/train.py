@@ -92,6 +92,9 @@ class DistMagics(Magics):
 
         # Check the data before running the cell, so a typo costs nothing (Spark: schema only).
         training_data(x, y, args.features, args.label)
+        from ..backends import resolve_backend
+
+        resolve_backend(config)  # e.g. --backend spark with no SparkContext: say so before the cell runs
 
         before = {name: id(value) for name, value in ns.items()}
         result = self.shell.run_cell(cell, store_history=False, silent=False)
