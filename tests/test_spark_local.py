@@ -58,17 +58,16 @@ def test_dataframe_training_matches_local_fit(spark, data, local_accuracy):
     assert not wait_until_no_workers(job)
 
 
-def test_numpy_data_and_rdd_train_on_spark(spark, data):
+def test_rdd_of_pairs_trains_on_spark(spark, data):
     Xtr, Xte, ytr, yte = data
     model = small_model()
-    job = nbdist.train(model, Xtr, ytr, epochs=2, workers=2, backend="spark")
-    assert job.status == "done" and job.state.backend == "spark"
     rdd = spark.sparkContext.parallelize(list(zip(Xtr.tolist(), ytr.tolist())), 3)  # repartitioned to 2
-    job = nbdist.train(model, rdd, epochs=2, workers=2, backend="spark")
+    job = nbdist.train(model, rdd, epochs=4, workers=2, backend="spark")
     assert job.status == "done"
-    assert sorted(w.samples for w in job.state.workers) == sorted([len(Xtr) // 2, len(Xtr) - len(Xtr) // 2]) \
-        or sum(w.samples for w in job.state.workers) == len(Xtr)
-    assert accuracy(model, Xte, yte) > 0.5  # four epochs in all: learning, not chance (0.1)
+    assert sum(w.samples for w in job.state.workers) == len(Xtr)
+    assert min(w.samples for w in job.state.workers) > 0
+    assert accuracy(model, Xte, yte) > 0.5  # learning, not chance (0.1)
+    assert not wait_until_no_workers(job)
 
 
 def test_bad_columns_are_one_sentence(spark, data):
@@ -84,12 +83,12 @@ def test_bad_columns_are_one_sentence(spark, data):
 
 
 def test_killed_worker_fails_fast_and_leaves_nothing(spark, data):
+    # Numpy data this time: it travels over the wire to workers hosted by Spark tasks.
     Xtr, _, ytr, _ = data
-    df = digits_frame(spark, Xtr, ytr)
     model = small_model()
     before = model.get_weights()
     config = TrainConfig(epochs=500, batch_size=8, workers=2, backend="spark", ui="none")
-    job = prepare(model, config, df, None, None, features=["pixels"], label="digit").start()
+    job = prepare(model, config, Xtr, ytr, None).start()
     deadline = time.monotonic() + 240
     while job.state.epochs_done < 1:
         assert time.monotonic() < deadline, "training did not start"
@@ -103,9 +102,9 @@ def test_killed_worker_fails_fast_and_leaves_nothing(spark, data):
     elapsed = time.monotonic() - killed_at
     assert elapsed < 15, elapsed
     assert "worker 1" in str(info.value) and "SIGKILL" in str(info.value)
-    assert job.status == "failed"
+    assert job.status == "failed" and job.state.backend == "spark"
     # Nothing hangs and no worker process survives its task.
     assert not wait_until_no_workers(job)
     # Spark is still usable afterwards: the job group was ended, not the context.
     assert spark.sparkContext.parallelize(range(10), 2).sum() == 45
-    assert model.get_weights()[0].shape == before[0].shape
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))  # failed: model untouched
