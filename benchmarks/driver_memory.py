@@ -3,6 +3,8 @@
 The DataFrame is generated on the executors (spark.range + rand columns), never on
 the driver. We sample the notebook-side (Python driver) process's RSS during
 training and print its growth next to the size of the data. Goal: < 100 MB.
+In local mode the JVM is both Spark driver and executor, so its growth is shown
+for information only.
 
     python benchmarks/driver_memory.py [--gb 1.0] [--workers 2]
 """
@@ -52,13 +54,17 @@ def main() -> int:
                               keras.layers.Dense(2, activation="softmax")])
     model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
     me = psutil.Process()
+    jvm = next((c for c in me.children(recursive=True) if "java" in c.name()), None)
     base = me.memory_info().rss
-    peak = [base]
+    jvm_base = jvm.memory_info().rss if jvm else 0
+    peak, jvm_peak = [base], [jvm_base]
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.2):
             peak[0] = max(peak[0], me.memory_info().rss)
+            if jvm is not None:
+                jvm_peak[0] = max(jvm_peak[0], jvm.memory_info().rss)
 
     threading.Thread(target=sample, daemon=True).start()
     t0 = time.perf_counter()
@@ -76,6 +82,8 @@ def main() -> int:
         ("driver RSS peak during training", f"{peak[0] / 1e6:,.0f} MB"),
         ("driver RSS growth", f"{growth_mb:,.1f} MB"),
         ("growth / data size", f"{growth_mb / data_mb:.4f}"),
+        ("rows trained (sum over workers)", f"{sum(w.samples for w in job.state.workers):,}"),
+        ("JVM RSS growth (local mode: also the executor)", f"{(jvm_peak[0] - jvm_base) / 1e6:,.0f} MB"),
         ("goal: growth < 100 MB", "met" if growth_mb < 100 else "NOT met"),
         ("training time (1 epoch, incl. partition counts)", f"{seconds:,.1f} s"),
         ("final accuracy", f"{job.history['accuracy'][-1]:.3f}"),
