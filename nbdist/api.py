@@ -8,41 +8,61 @@ from .data import make_dataset
 from .errors import NbdistError
 from .inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
 from .job import TrainingJob
+from .spark_data import SparkData, is_spark_data, spark_dataset
 from .ui import make_renderer
 
 
 def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, Any] | None = None,
-          namespace: dict[str, Any] | None = None, **options: Any) -> TrainingJob:
+          namespace: dict[str, Any] | None = None, features: str | list[str] | None = None,
+          label: str | None = None, **options: Any) -> TrainingJob:
     """Train ``model`` data-parallel on ``x``/``y`` and put the trained weights back into it.
 
     Options are the fields of ``TrainConfig`` (epochs, batch_size, workers, strategy,
     backend, averaging_frequency, seed, shuffle, ui, background, ...). Blocks until
     training ends unless ``background=True``; returns the ``TrainingJob`` either way.
-    The API is silent by default (``ui="none"``).
+    The API is silent by default (``ui="none"``). ``x`` may be a Spark DataFrame (name its
+    columns with ``features`` and ``label``) or an RDD of (features, label) pairs: each Spark
+    task then reads its own partition on its executor.
     """
     unknown = set(options) - TrainConfig.field_names()
     if unknown:
         raise NbdistError(f"unknown option(s) {', '.join(sorted(unknown))}; see help(nbdist.TrainConfig).")
     options.setdefault("ui", "none")
     config = TrainConfig(**options)
-    job = prepare(model, config, x, y, validation_data, namespace)
+    job = prepare(model, config, x, y, validation_data, namespace, features=features, label=label)
     job.start()
     job.wait()
     return job
 
 
 def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tuple[Any, Any] | None,
-            namespace: dict[str, Any] | None = None, listeners: list[Any] | None = None) -> TrainingJob:
+            namespace: dict[str, Any] | None = None, listeners: list[Any] | None = None,
+            features: str | list[str] | None = None, label: str | None = None) -> TrainingJob:
     """Check the inputs and build a job, not yet started: nothing has touched the model."""
-    train_set = make_dataset(x, y, "training data")
+    train_set = training_data(x, y, features, label)
     val_set = None
     if validation_data is not None:
         if not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2:
             raise NbdistError("validation_data must be a pair (X_val, y_val).")
+        if is_spark_data(validation_data[0]):
+            raise NbdistError("validation data must be numpy or pandas (a Spark DataFrame is not supported "
+                              "for validation yet); collect a small sample, e.g. df.limit(1000).toPandas().")
         val_set = make_dataset(validation_data[0], validation_data[1], "validation data")
-        if val_set.x.shape[1:] != train_set.x.shape[1:]:
+        if isinstance(train_set, SparkData):
+            pass  # feature width is only known on the executors; the worker's fit checks it
+        elif val_set.x.shape[1:] != train_set.x.shape[1:]:
             raise NbdistError(f"validation features have shape {val_set.x.shape[1:]} per row but training "
                               f"features have {train_set.x.shape[1:]}; pass matching arrays.")
     renderer = make_renderer(config.ui)
     all_listeners = list(listeners or []) + ([renderer] if renderer else [])
     return TrainingJob(model, config, train_set, val_set, namespace, all_listeners)
+
+
+def training_data(x: Any, y: Any, features: str | list[str] | None = None, label: str | None = None) -> Any:
+    """Numpy/pandas data as a Dataset, Spark data as SparkData (left on the executors)."""
+    if is_spark_data(x):
+        return spark_dataset(x, y, features, label)
+    if features is not None or label is not None:
+        raise NbdistError("--features and --label name the columns of a Spark DataFrame; with numpy or "
+                          "pandas data pass --data X,y instead.")
+    return make_dataset(x, y, "training data")

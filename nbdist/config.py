@@ -89,10 +89,6 @@ class TrainConfig:
                 raise NbdistError(f"--engine {self.engine} applies to --strategy allreduce; "
                                   "add --strategy allreduce or drop --engine.")
         _validate_containers(self)
-        if self.backend in ("spark",):
-            raise NbdistError(
-                f"--backend {self.backend} is not available yet in nbdist {_version()}; use --backend local."
-            )
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

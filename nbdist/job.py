@@ -22,6 +22,7 @@ from .data import Dataset, batches_per_epoch, check_workers, shard_bounds
 from .errors import NbdistError, TrainingFailed
 from .model_io import ModelSpec, build_optimizer, set_optimizer_weights, spec_from_model
 from .progress import RunState
+from .spark_data import SparkData
 from .strategies.averaging import rounds_per_epoch
 
 log = logging.getLogger(__name__)
@@ -91,9 +92,18 @@ class TrainingJob:
         self._spec = self._make_spec()
         backend = resolve_backend(cfg)
         world = cfg.workers or backend.default_workers()
-        check_workers(len(self.train_data), world)
+        if isinstance(self.train_data, SparkData):  # stays on the executors; only counts come back
+            if backend.name != "spark":
+                raise NbdistError("a Spark DataFrame or RDD trains on the Spark backend; use --backend spark "
+                                  "(or auto with the SparkContext active), or convert it to numpy first.")
+            sizes = self.train_data.partition_sizes(world)
+            check_workers(sum(sizes), world)
+            backend.train_data = self.train_data
+            self._shards = [(sum(sizes[:r]), sum(sizes[:r + 1])) for r in range(world)]
+        else:
+            check_workers(len(self.train_data), world)
+            self._shards = shard_bounds(len(self.train_data), world)
         self.world_size = world
-        self._shards = shard_bounds(len(self.train_data), world)
         self._val_shards = (shard_bounds(len(self.validation_data), world)
                             if self.validation_data is not None else None)
         batches = [batches_per_epoch(b - a, cfg.batch_size) for a, b in self._shards]
@@ -206,7 +216,8 @@ class TrainingJob:
     def _send_job(self, rank: int) -> None:
         cfg, spec = self.config, self._spec
         a, b = self._shards[rank]
-        shard = self.train_data.slice(a, b)
+        on_task = isinstance(self.train_data, SparkData)  # the worker's Spark task wrote its shard
+        shard = None if on_task else self.train_data.slice(a, b)
         val = None
         if self._val_shards is not None:
             va, vb = self._val_shards[rank]
@@ -216,9 +227,10 @@ class TrainingJob:
             arrays += spec.optimizer_weights
         if spec.custom_objects:
             arrays.append(np.frombuffer(spec.custom_objects, dtype=np.uint8))
-        arrays.append(shard.x)
-        if shard.y is not None:
-            arrays.append(shard.y)
+        if shard is not None:
+            arrays.append(shard.x)
+            if shard.y is not None:
+                arrays.append(shard.y)
         if val is not None:
             arrays.append(val.x)
             if val.y is not None:
@@ -232,7 +244,9 @@ class TrainingJob:
             "n_weights": len(spec.weights),
             "n_optimizer": -1 if spec.optimizer_weights is None else len(spec.optimizer_weights),
             "has_custom": bool(spec.custom_objects),
-            "has_y": shard.y is not None,
+            "has_y": on_task or shard.y is not None,
+            "data_source": "task" if on_task else "wire",
+            "store_on_link": bool(getattr(self._backend, "store_on_link", False)),
             "has_val": val is not None,
             "rounds_per_epoch": self._rounds,
             "initial_epoch": 0,

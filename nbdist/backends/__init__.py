@@ -8,7 +8,14 @@ from .base import Backend, WorkerHandle
 
 def resolve_backend(config: TrainConfig) -> Backend:
     name = config.backend
-    if name == "auto":
+    if name in ("auto", "spark"):
+        from .spark import NO_SPARK, SparkBackend, active_spark_context
+
+        sc = active_spark_context()
+        if sc is not None:
+            return SparkBackend(sc)
+        if name == "spark":
+            raise NbdistError(NO_SPARK)
         name = "local"
     if name == "local":
         from .local import LocalBackend

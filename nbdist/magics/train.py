@@ -27,6 +27,9 @@ def _new_models(before: dict[str, int], namespace: dict[str, Any]) -> list[str]:
 class DistMagics(Magics):
     @magic_arguments()
     @apply(data_arguments)
+    @argument("--features", default=None, metavar="COLS",
+              help="Spark DataFrame feature columns, comma-separated (numeric, array or ML Vector)")
+    @argument("--label", default=None, metavar="COL", help="Spark DataFrame label column")
     @argument("--validation-data", metavar="Xv,yv", default=None,
               help="notebook variables for validation, evaluated after every epoch")
     @argument("--epochs", type=int, default=1, help="passes over the data (default: 1)")
@@ -92,18 +95,20 @@ class DistMagics(Magics):
         if args.validation_data:
             xv, yv = lookup_pair(args.validation_data, ns, "--validation-data")
             validation = (xv, yv)
-        from ..api import prepare
-        from ..data import make_dataset
+        from ..api import prepare, training_data
 
-        # Check the data before running the cell, so a typo costs nothing.
-        make_dataset(x, y, "training data")
+        # Check the data before running the cell, so a typo costs nothing (Spark: schema only).
+        training_data(x, y, args.features, args.label)
+        from ..backends import resolve_backend
+
+        resolve_backend(config)  # e.g. --backend spark with no SparkContext: say so before the cell runs
 
         before = {name: id(value) for name, value in ns.items()}
         result = self.shell.run_cell(cell, store_history=False, silent=False)
         if not result.success:
             raise NbdistError("the cell raised an error (shown above) before training started; fix it and rerun.")
         model = ns[self._pick_model(args.model, before, ns)]
-        job = prepare(model, config, x, y, validation, namespace=ns)
+        job = prepare(model, config, x, y, validation, namespace=ns, features=args.features, label=args.label)
         job.start()
         try:
             job.wait()

@@ -37,7 +37,12 @@ def unpack_job(msg: Any) -> dict[str, Any]:
     job["weights"] = take(body["n_weights"])
     job["optimizer_weights"] = take(body["n_optimizer"]) if body["n_optimizer"] >= 0 else None
     job["custom_objects"] = take(1)[0].tobytes() if body["has_custom"] else None
-    job["x"], job["y"] = take(1)[0], (take(1)[0] if body["has_y"] else None)
+    if body.get("data_source") == "task":  # the Spark task wrote this worker's shard next to it
+        from ..backends.spark_task import load_task_data
+
+        job["x"], job["y"] = load_task_data()
+    else:
+        job["x"], job["y"] = take(1)[0], (take(1)[0] if body["has_y"] else None)
     if body["has_val"]:
         job["xv"], job["yv"] = take(1)[0], (take(1)[0] if body["has_y"] else None)
     return job
@@ -52,8 +57,11 @@ def connect_collective(link: Any, job: dict[str, Any]) -> Any:
     timeout = float(job["sync_timeout"])
     listen_fd = None
     if rank == 0:
-        listen_fd, port = open_store_listener(job["bind_host"])
-        link.send({"type": "store", "host": job["advertise_host"], "port": port})
+        bind, advertise = job["bind_host"], job["advertise_host"]
+        if job.get("store_on_link"):  # on a Spark executor: this host's address toward the driver
+            bind = advertise = link.channel.sock.getsockname()[0]
+        listen_fd, port = open_store_listener(bind)
+        link.send({"type": "store", "host": advertise, "port": port})
     rdv = link.expect("rendezvous", timeout=float(job["startup_timeout"])).body
     return GlooCollective(rank, world, rdv["host"], int(rdv["port"]), timeout,
                           listen_fd=listen_fd, ifname=job.get("gloo_ifname"))

@@ -1,0 +1,264 @@
+"""What one Spark barrier task does on its executor: write its partition, start a worker, watch it.
+
+Everything here runs on the executor, so it imports only the standard library
+and numpy at module level (pyspark is imported inside the task). The pure parts
+(the npy writer, row conversion, the GPU mapping) are tested without Spark.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DATA_ENV = "NBDIST_DATA_DIR"  # tells the worker where its task wrote the shard
+X_FILE, Y_FILE = "x.npy", "y.npy"
+NPY_HEADER_SIZE = 128  # fixed, so the shape can be written after streaming the rows
+CHUNK_ROWS = 4096
+
+
+# -- pure helpers ---------------------------------------------------------
+def cuda_visible_devices(resources: Mapping[str, Any]) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the GPUs Spark assigned to this task, or None if it assigned none.
+
+    ``resources`` is ``BarrierTaskContext.resources()``: name -> ResourceInformation
+    (with ``.addresses``, strings such as "0"). Spark's GPU discovery script reports
+    the device ordinals CUDA uses, so they map one to one. Unverified on a GPU:
+    this machine has none; the mapping is unit-tested with ResourceInformation only.
+    """
+    info = resources.get("gpu") if resources else None
+    if info is None:
+        return None
+    addresses = getattr(info, "addresses", info)
+    return ",".join(str(a).strip() for a in addresses)
+
+
+def npy_header(dtype: np.dtype, shape: Sequence[int], size: int = NPY_HEADER_SIZE) -> bytes:
+    """A version 1.0 .npy header padded to exactly ``size`` bytes (a multiple of 64)."""
+    descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
+    text = repr({"descr": descr, "fortran_order": False, "shape": tuple(int(s) for s in shape)}).encode("latin1")
+    room = size - 10  # magic (6) + version (2) + length (2)
+    if len(text) + 1 > room:
+        raise ValueError(f"shape {tuple(shape)} does not fit a {size}-byte npy header")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", room) + text + b" " * (room - len(text) - 1) + b"\n"
+
+
+class NpyStreamWriter:
+    """Append row blocks to a .npy file without holding the whole partition in memory."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._f = open(path, "wb")
+        self._f.write(b"\0" * NPY_HEADER_SIZE)
+        self.dtype: np.dtype | None = None
+        self.row_shape: tuple[int, ...] | None = None
+        self.rows = 0
+
+    def append(self, block: np.ndarray, what: str) -> None:
+        if self.dtype is None:
+            self.dtype, self.row_shape = block.dtype, block.shape[1:]
+        elif block.shape[1:] != self.row_shape:
+            raise ValueError(f"{what} has {block.shape[1:]} values in some rows but {self.row_shape} in others; "
+                             "every row needs the same number of values.")
+        self._f.write(np.ascontiguousarray(block, dtype=self.dtype).tobytes())
+        self.rows += len(block)
+
+    def close(self) -> None:
+        self._f.seek(0)
+        self._f.write(npy_header(self.dtype or np.float32, (self.rows, *(self.row_shape or ()))))
+        self._f.close()
+
+
+def _feature_block(values: list[Any], name: str) -> np.ndarray:
+    """One feature column of a block of rows as a float32 (rows, k) array."""
+    first = values[0]
+    try:
+        if hasattr(first, "toArray"):  # pyspark.ml.linalg DenseVector / SparseVector
+            return np.stack([np.asarray(v.toArray(), dtype=np.float32).ravel() for v in values])
+        arr = np.asarray(values, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"column {name!r} cannot be read as numbers ({exc}); it must hold numbers, "
+                         "arrays of numbers or ML vectors, with no nulls (drop them with df.na.drop()).") from None
+    arr = arr.reshape(len(values), -1)
+    if not np.isfinite(arr).all():  # None becomes NaN on the way in
+        raise ValueError(f"column {name!r} holds nulls, NaN or infinite values; drop or fill them first "
+                         "(e.g. df.na.drop()).")
+    return arr
+
+
+def _label_block(values: list[Any], name: str) -> np.ndarray:
+    try:
+        arr = np.asarray(values)
+    except ValueError as exc:
+        raise ValueError(f"label {name!r} cannot be read as numbers ({exc}).") from None
+    if arr.dtype.kind in "iu":
+        return arr.astype(np.int64)
+    if arr.dtype.kind in "fb":
+        return arr.astype(np.float32)
+    raise ValueError(f"label {name!r} holds {arr.dtype} values (nulls or text?); it must hold numbers.")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How rows of a partition become (x, y): named DataFrame columns or (features, label) pairs."""
+
+    features: tuple[str, ...] = ()  # empty: rows are (features, label) pairs
+    label: str | None = None
+
+    def split(self, rows: list[Any]) -> tuple[np.ndarray, np.ndarray | None]:
+        if not self.features:  # an RDD of (features, label)
+            x = _feature_block([r[0] for r in rows], "features")
+            return x, _label_block([r[1] for r in rows], "label")
+        blocks = [_feature_block([r[i] for r in rows], name) for i, name in enumerate(self.features)]
+        x = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+        y = None
+        if self.label is not None:
+            y = _label_block([r[len(self.features)] for r in rows], self.label)
+        return x, y
+
+
+def write_partition(rows: Iterable[Any], layout: Layout, directory: str, chunk: int = CHUNK_ROWS) -> int:
+    """Stream a partition's rows into ``directory``/x.npy (and y.npy); return the row count."""
+    xw = NpyStreamWriter(os.path.join(directory, X_FILE))
+    yw = NpyStreamWriter(os.path.join(directory, Y_FILE)) if layout.label is not None or not layout.features else None
+    try:
+        block: list[Any] = []
+        for row in rows:
+            block.append(row)
+            if len(block) >= chunk:
+                _write_block(block, layout, xw, yw)
+                block = []
+        if block:
+            _write_block(block, layout, xw, yw)
+    finally:
+        xw.close()
+        if yw is not None:
+            yw.close()
+    return xw.rows
+
+
+def _write_block(block: list[Any], layout: Layout, xw: NpyStreamWriter, yw: NpyStreamWriter | None) -> None:
+    x, y = layout.split(block)
+    xw.append(x, "the features")
+    if yw is not None and y is not None:
+        yw.append(y, "the label")
+
+
+def load_task_data(directory: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The worker's side: read what its task wrote."""
+    directory = directory or os.environ.get(DATA_ENV)
+    if not directory:
+        raise RuntimeError(f"the job says the data is local but {DATA_ENV} is not set")
+    x = np.load(os.path.join(directory, X_FILE))
+    y_path = os.path.join(directory, Y_FILE)
+    y = np.load(y_path) if os.path.exists(y_path) else None
+    return x, y
+
+
+# -- the task -------------------------------------------------------------
+@dataclass(frozen=True)
+class TaskSpec:
+    address: tuple[str, int]  # the coordinator
+    status_address: tuple[str, int]  # the backend's status listener
+    secret_hex: str  # travels inside the Spark task: protect Spark RPC (spark.authenticate) on shared clusters
+    threads: int
+    layout: Layout | None = None  # None: the data comes over the wire from the driver
+    expected_rows: tuple[int, ...] = ()
+
+
+class _Reporter:
+    """The task's authenticated line back to the driver: which worker it started and how it ended."""
+
+    def __init__(self, spec: TaskSpec, secret: bytes) -> None:
+        from .. import protocol
+
+        try:
+            self.channel: Any = protocol.connect(tuple(spec.status_address), secret)
+        except Exception as exc:  # the driver notices the worker anyway, through the coordinator
+            log.warning("cannot report to the driver: %s", exc)
+            self.channel = None
+
+    def send(self, body: dict[str, Any]) -> None:
+        if self.channel is not None:
+            try:
+                self.channel.send(body)
+            except Exception as exc:
+                log.warning("lost the driver's status channel: %s", exc)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
+    """Body of one barrier task. Never raises: a failed barrier stage would be retried with
+    workers the coordinator already counted, so failures are reported to the driver instead."""
+    from pyspark import BarrierTaskContext
+
+    from .local import worker_env
+
+    ctx = BarrierTaskContext.get()
+    rank = ctx.partitionId()
+    secret = bytes.fromhex(spec.secret_hex)
+    reporter = _Reporter(spec, secret)
+    workdir = tempfile.mkdtemp(prefix=f"nbdist-task{rank}-")
+    log_path = os.path.join(workdir, "worker.log")
+    proc: subprocess.Popen | None = None
+    code, tail = 1, ""
+    try:
+        env = worker_env(secret, spec.threads)
+        devices = cuda_visible_devices(ctx.resources())
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        if spec.layout is not None:
+            n = write_partition(rows, spec.layout, workdir)
+            if spec.expected_rows and n != spec.expected_rows[rank]:
+                raise RuntimeError(
+                    f"partition {rank} holds {n} rows but counted {spec.expected_rows[rank]} before training: "
+                    "the data changes each time it is computed; cache() or checkpoint it first.")
+            env[DATA_ENV] = workdir
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "nbdist.worker", "--address", f"{spec.address[0]}:{spec.address[1]}",
+                 "--rank", str(rank), "--die-with-parent"],  # dies with this task's Python process
+                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        reporter.send({"type": "started", "rank": rank, "pid": proc.pid, "host": socket.gethostname()})
+        code = proc.wait()
+        tail = _tail(log_path)
+    except BaseException:  # includes the task being interrupted
+        tail = (_tail(log_path) + "\n" if proc is not None else "") + traceback.format_exc()
+        code = proc.poll() if proc is not None and proc.poll() is not None else 1
+    finally:
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            proc.wait(timeout=10)
+        reporter.send({"type": "exit", "rank": rank, "code": code, "log": tail, "at": time.time()})
+        reporter.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    yield {"rank": rank, "code": code, "log": tail[-4000:]}

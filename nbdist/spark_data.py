@@ -1,0 +1,117 @@
+"""Training data that lives on Spark executors: a DataFrame or an RDD of (features, label).
+
+The driver never collects rows. It only makes sure there is one partition per
+worker and counts the rows of each partition with a small Spark job, because
+the number of averaging rounds per epoch must be known before training starts.
+pyspark is imported lazily: this module is importable without it.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+from .backends.spark_task import Layout
+from .errors import NbdistError
+
+
+def is_spark_dataframe(obj: Any) -> bool:
+    return type(obj).__module__.startswith("pyspark.sql") and hasattr(obj, "rdd") and hasattr(obj, "columns")
+
+
+def is_spark_rdd(obj: Any) -> bool:
+    if "pyspark" not in sys.modules:
+        return False
+    from pyspark import RDD
+
+    return isinstance(obj, RDD)
+
+
+def is_spark_data(obj: Any) -> bool:
+    return is_spark_dataframe(obj) or is_spark_rdd(obj)
+
+
+def _names(features: str | Sequence[str] | None) -> tuple[str, ...]:
+    if features is None:
+        return ()
+    if isinstance(features, str):
+        return tuple(n.strip() for n in features.split(",") if n.strip())
+    return tuple(features)
+
+
+class SparkData:
+    """Rows on the executors plus how to turn them into (x, y); sized per partition by ``partition_sizes``."""
+
+    def __init__(self, rdd: Any, layout: Layout, dataframe: Any = None) -> None:
+        self.rdd = rdd  # before repartitioning
+        self.layout = layout
+        self.dataframe = dataframe  # the selected columns, when the source is a DataFrame
+        self.sizes: list[int] | None = None
+
+    @property
+    def context(self) -> Any:
+        if self.dataframe is not None:
+            return self.dataframe.sparkSession.sparkContext
+        return self.rdd.context
+
+    def __len__(self) -> int:
+        if self.sizes is None:
+            raise RuntimeError("call partition_sizes(workers) first")
+        return sum(self.sizes)
+
+    def partition_sizes(self, workers: int) -> list[int]:
+        """Give the data exactly ``workers`` partitions and count each one on the executors."""
+        if self.dataframe is not None:
+            from pyspark.sql import functions as F
+
+            df = self.dataframe
+            if df.rdd.getNumPartitions() != workers:
+                df = df.repartition(workers)
+            # Counted in the JVM: no row reaches Python, only one count per partition comes back.
+            counts = dict(df.groupBy(F.spark_partition_id().alias("p")).count().collect())
+            self.rdd = df.rdd
+        else:
+            rdd = self.rdd
+            if rdd.getNumPartitions() != workers:
+                rdd = rdd.repartition(workers)
+            # The same RDD object trains later, so its shuffle output is reused and the counts hold.
+            counts = dict(enumerate(rdd.mapPartitions(_count).collect()))
+            self.rdd = rdd
+        self.sizes = [int(counts.get(p, 0)) for p in range(workers)]
+        return self.sizes
+
+
+def _count(rows: Any) -> list[int]:
+    return [sum(1 for _ in rows)]
+
+
+def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: str | None) -> SparkData:
+    """Check a DataFrame/RDD and the column names against it (on the driver: schema only)."""
+    if y is not None:
+        raise NbdistError("with Spark data, pass the DataFrame or RDD alone (--data df) and name its columns "
+                          "with --features and --label, not a second variable.")
+    if is_spark_rdd(x):
+        if features or label:
+            raise NbdistError("--features and --label name DataFrame columns; an RDD must hold "
+                              "(features, label) pairs, so drop them.")
+        return SparkData(x, Layout())
+    cols = _names(features)
+    if not cols or not label:
+        raise NbdistError("a Spark DataFrame needs its columns named: add --features COL[,COL...] --label COL "
+                          "(or features=[...], label=... in nbdist.train).")
+    missing = [c for c in (*cols, label) if c not in x.columns]
+    if missing:
+        raise NbdistError(f"the DataFrame has no column {missing[0]!r}; its columns are {', '.join(x.columns)}.")
+    from pyspark.sql import types as T
+
+    fields = {f.name: f.dataType for f in x.schema.fields}
+    for c in cols:
+        t = fields[c]
+        ok = isinstance(t, T.NumericType) or (isinstance(t, T.ArrayType) and isinstance(t.elementType, T.NumericType)) \
+            or t.typeName() == "vector" or type(t).__name__ == "VectorUDT"
+        if not ok:
+            raise NbdistError(f"feature column {c!r} is {t.simpleString()}; use numeric, array-of-numbers or "
+                              "ML Vector columns (e.g. cast it, or assemble it with VectorAssembler).")
+    if not isinstance(fields[label], T.NumericType):
+        raise NbdistError(f"label column {label!r} is {fields[label].simpleString()}, not a number; "
+                          "index it first (e.g. pyspark.ml.feature.StringIndexer).")
+    return SparkData(None, Layout(cols, label), dataframe=x.select(*cols, label))

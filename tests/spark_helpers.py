@@ -1,0 +1,85 @@
+"""Shared pieces of the Spark tests: a SparkSession, digits as a DataFrame, a reference model."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+PYTHON = sys.executable
+
+
+def need_spark() -> None:
+    pytest.importorskip("pyspark")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("Spark needs Java: run scripts/install_system_deps.sh")
+
+
+def spark_session(master: str, **conf: str) -> Any:
+    from pyspark.sql import SparkSession
+
+    # Executors run this interpreter, so they import the same numpy/TensorFlow/nbdist.
+    os.environ["PYSPARK_PYTHON"] = PYTHON
+    builder = (SparkSession.builder.master(master).appName("nbdist-tests")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.pyspark.python", PYTHON)
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1"))
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    X, y = load_digits(return_X_y=True)
+    X = (X / 16).astype("float32")
+    return tuple(train_test_split(X, y, test_size=0.2, random_state=0, stratify=y))  # type: ignore[return-value]
+
+
+def digits_frame(spark: Any, X: np.ndarray, y: np.ndarray, partitions: int = 2) -> Any:
+    rows = [(x.tolist(), int(label)) for x, label in zip(X, y)]
+    return spark.createDataFrame(rows, ["pixels", "digit"]).repartition(partitions)
+
+
+def small_model(seed: int = 0) -> Any:
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def accuracy(model: Any, X: np.ndarray, y: np.ndarray) -> float:
+    return float((model.predict(X, verbose=0).argmax(axis=1) == y).mean())
+
+
+def nbdist_worker_pids(job: Any) -> list[int]:
+    """Live worker processes of this job (other nbdist runs may share the machine)."""
+    import psutil
+
+    host, port = job._coordinator.address
+    pids = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = p.info.get("cmdline") or []
+        if "nbdist.worker" in cmd and f"{host}:{port}" in cmd and p.info.get("status") != psutil.STATUS_ZOMBIE:
+            pids.append(p.info["pid"])
+    return pids
+
+
+def wait_until_no_workers(job: Any, timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while nbdist_worker_pids(job) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return nbdist_worker_pids(job)

@@ -1,0 +1,110 @@
+"""The Spark backend on local[2]: DataFrame training, numpy on Spark, a killed worker."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from spark_helpers import (accuracy, digits, digits_frame, wait_until_no_workers, need_spark, small_model,
+                           spark_session)
+
+need_spark()
+
+import nbdist  # noqa: E402
+from nbdist.api import prepare  # noqa: E402
+from nbdist.config import TrainConfig  # noqa: E402
+from nbdist.errors import NbdistError, TrainingFailed  # noqa: E402
+
+EPOCHS = 30
+# Averaging 2 workers that each take batches of 32 approximates one machine taking batches of 64
+# (exact for K=1 and SGD): that is the single-machine run with the same settings.
+LOCAL_BATCH = 64
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = spark_session("local[2]")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def data():
+    return digits()
+
+
+@pytest.fixture(scope="module")
+def local_accuracy(data):
+    Xtr, Xte, ytr, yte = data
+    model = small_model()
+    model.fit(Xtr, ytr, epochs=EPOCHS, batch_size=LOCAL_BATCH, verbose=0)
+    return accuracy(model, Xte, yte)
+
+
+def test_dataframe_training_matches_local_fit(spark, data, local_accuracy):
+    Xtr, Xte, ytr, yte = data
+    df = digits_frame(spark, Xtr, ytr)
+    model = small_model()
+    job = nbdist.train(model, df, features="pixels", label="digit", epochs=EPOCHS, batch_size=32, workers=2,
+                       seed=0)  # backend auto: the active SparkContext
+    assert job.status == "done" and job.state.backend == "spark"
+    assert len(job.history["loss"]) == EPOCHS
+    assert sum(w.samples for w in job.state.workers) == len(Xtr)
+    got = accuracy(model, Xte, yte)
+    assert abs(got - local_accuracy) <= 0.01, (got, local_accuracy)
+    assert not wait_until_no_workers(job)
+
+
+def test_rdd_of_pairs_trains_on_spark(spark, data):
+    Xtr, Xte, ytr, yte = data
+    model = small_model()
+    rdd = spark.sparkContext.parallelize(list(zip(Xtr.tolist(), ytr.tolist())), 3)  # repartitioned to 2
+    job = nbdist.train(model, rdd, epochs=4, workers=2, backend="spark")
+    assert job.status == "done"
+    assert sum(w.samples for w in job.state.workers) == len(Xtr)
+    assert min(w.samples for w in job.state.workers) > 0
+    assert accuracy(model, Xte, yte) > 0.5  # learning, not chance (0.1)
+    assert not wait_until_no_workers(job)
+
+
+def test_bad_columns_are_one_sentence(spark, data):
+    Xtr, _, ytr, _ = data
+    df = digits_frame(spark, Xtr[:20], ytr[:20])
+    model = small_model()
+    with pytest.raises(NbdistError, match="no column 'pixel'"):
+        nbdist.train(model, df, features="pixel", label="digit")
+    with pytest.raises(NbdistError, match="--features"):
+        nbdist.train(model, df)
+    with pytest.raises(NbdistError, match="needs 3 Spark task slots|3 workers need 3 Spark task slots"):
+        nbdist.train(model, df, features="pixels", label="digit", workers=3)
+
+
+def test_killed_worker_fails_fast_and_leaves_nothing(spark, data):
+    # Numpy data this time: it travels over the wire to workers hosted by Spark tasks.
+    Xtr, _, ytr, _ = data
+    model = small_model()
+    before = model.get_weights()
+    config = TrainConfig(epochs=500, batch_size=8, workers=2, backend="spark", ui="none")
+    job = prepare(model, config, Xtr, ytr, None).start()
+    deadline = time.monotonic() + 240
+    while job.state.epochs_done < 1:
+        assert time.monotonic() < deadline, "training did not start"
+        job.pump(0.2)
+    victim = next(w for w in job._handles if w.rank == 1)
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(TrainingFailed) as info:
+        job.wait(timeout=60)
+    elapsed = time.monotonic() - killed_at
+    assert elapsed < 15, elapsed
+    assert "worker 1" in str(info.value) and "SIGKILL" in str(info.value)
+    assert job.status == "failed" and job.state.backend == "spark"
+    # Nothing hangs and no worker process survives its task.
+    assert not wait_until_no_workers(job)
+    # Spark is still usable afterwards: the job group was ended, not the context.
+    assert spark.sparkContext.parallelize(range(10), 2).sum() == 45
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))  # failed: model untouched

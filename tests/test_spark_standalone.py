@@ -1,0 +1,105 @@
+"""The Spark backend on a real standalone cluster: a master and one worker on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from spark_helpers import accuracy, digits, digits_frame, wait_until_no_workers, need_spark, small_model, spark_session
+
+need_spark()
+
+import nbdist  # noqa: E402
+
+EPOCHS = 30
+LOCAL_BATCH = 64  # 2 workers x 32: see test_spark_local.py
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"Spark daemon exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    import pyspark
+
+    home = Path(pyspark.__file__).parent
+    spark_class = str(home / "bin" / "spark-class")
+    env = dict(os.environ, SPARK_HOME=str(home), SPARK_LOCAL_IP="127.0.0.1",
+               SPARK_WORKER_DIR=str(tmp_path_factory.mktemp("spark-work")), PYSPARK_PYTHON=os.sys.executable)
+    port = _free_port()
+    logs = tmp_path_factory.mktemp("spark-logs")
+    procs = []
+    try:
+        procs.append(subprocess.Popen(
+            [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+             "--webui-port", str(_free_port())],
+            env=env, stdout=open(logs / "master.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_for_port(port, procs[0], 120)
+        wport = _free_port()
+        procs.append(subprocess.Popen(
+            [spark_class, "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
+             "--host", "127.0.0.1", "--port", str(wport), "--webui-port", str(_free_port()),
+             "--cores", "2", "--memory", "2g"],
+            env=env, stdout=open(logs / "worker.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_for_port(wport, procs[1], 120)
+        yield f"spark://127.0.0.1:{port}"
+    finally:
+        for proc in reversed(procs):  # each daemon leads its own group, executors included
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=15)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+
+
+@pytest.fixture(scope="module")
+def spark(cluster):
+    session = spark_session(cluster, **{"spark.executor.memory": "1g", "spark.cores.max": "2"})
+    # Wait until the worker's executor has registered, so both barrier slots exist.
+    deadline = time.monotonic() + 120
+    while session.sparkContext.defaultParallelism < 2 or \
+            session.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 2:
+        assert time.monotonic() < deadline, "no executor registered with the standalone master"
+        time.sleep(1)
+    yield session
+    session.stop()
+
+
+def test_dataframe_training_on_standalone_cluster(spark):
+    Xtr, Xte, ytr, yte = digits()
+    assert spark.sparkContext.master.startswith("spark://127.0.0.1")
+    local = small_model()
+    local.fit(Xtr, ytr, epochs=EPOCHS, batch_size=LOCAL_BATCH, verbose=0)
+    model = small_model()
+    job = nbdist.train(model, digits_frame(spark, Xtr, ytr), features="pixels", label="digit",
+                       epochs=EPOCHS, batch_size=32, workers=2, seed=0)
+    assert job.status == "done" and job.state.backend == "spark"
+    got, want = accuracy(model, Xte, yte), accuracy(local, Xte, yte)
+    assert abs(got - want) <= 0.01, (got, want)
+    assert not wait_until_no_workers(job)
