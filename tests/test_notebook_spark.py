@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spark_helpers import need_spark
+from .spark_helpers import need_spark
 
 need_spark()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spark_helpers import accuracy, digits, digits_frame, wait_until_no_workers, need_spark, small_model, spark_session
+from .spark_helpers import accuracy, digits, digits_frame, wait_until_no_workers, need_spark, small_model, spark_session
 
 need_spark()
 
