@@ -32,7 +32,7 @@ from pathlib import Path
 from ..config import TrainConfig
 from ..errors import NbdistError
 from ..worker.main import SECRET_ENV
-from .local import package_root
+from .local import package_root, read_log_tail
 
 log = logging.getLogger(__name__)
 
@@ -224,14 +224,7 @@ class ContainerWorker:
         return f"worker {self.rank} (container {self.name})"
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 65536))
-                text = f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return read_log_tail(self.log_path, lines)
 
 
 class ContainerBackend:

@@ -37,6 +37,18 @@ def worker_env(secret: bytes, threads: int) -> dict[str, str]:
     return env
 
 
+def read_log_tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` of a worker's log file, reading only its final 64 KiB."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
 class LocalWorker:
     def __init__(self, rank: int, proc: subprocess.Popen, log_path: Path) -> None:
         self.rank = rank
@@ -50,14 +62,7 @@ class LocalWorker:
         return f"worker {self.rank} (pid {self.proc.pid})"
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 65536))
-                text = f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return read_log_tail(self.log_path, lines)
 
     def signal(self, sig: int) -> None:
         try:
