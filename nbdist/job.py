@@ -211,7 +211,24 @@ class TrainingJob:
                 log.warning("%s: %s", self._name(rank), text)
         elif kind == "error":
             text = _first_line(str(msg.body.get("message", "error")))
+            dead = self._dead_peer(rank)
+            if dead is not None:  # a peer's death broke the collective: name the cause, not the symptom
+                self._fail(dead.rank, f"{dead.describe()} {_describe_exit(dead.exit_status())} during training "
+                                      f"(then {self._name(rank)} failed: {text})", dead.log_tail(30))
+                return
             self._fail(rank, f"{self._name(rank)} failed: {text}", str(msg.body.get("traceback", "")))
+
+    def _dead_peer(self, rank: int, wait: float = 1.0) -> WorkerHandle | None:
+        """Another worker that died (its exit may be reported a moment after the error it caused)."""
+        deadline = time.monotonic() + wait
+        while True:
+            for h in self._handles:
+                code = h.exit_status()
+                if h.rank != rank and h.rank not in self._done and code is not None and code != 0:
+                    return h
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def _send_job(self, rank: int) -> None:
         cfg, spec = self.config, self._spec

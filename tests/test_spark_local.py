@@ -82,9 +82,6 @@ def test_bad_columns_are_one_sentence(spark, data):
         nbdist.train(model, df, features="pixels", label="digit", workers=3)
 
 
-@pytest.mark.xfail(strict=False, reason="known race: a survivor's Gloo 'connection reset' error can reach the "
-                   "driver before the killed worker's exit is seen, so the message names the survivor; "
-                   "fix in job.py: prefer a confirmed death over a peer's collective error (open bug)")
 def test_killed_worker_fails_fast_and_leaves_nothing(spark, data):
     # Numpy data this time: it travels over the wire to workers hosted by Spark tasks.
     Xtr, _, ytr, _ = data

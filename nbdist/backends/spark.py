@@ -90,13 +90,15 @@ class SparkTaskWorker:
         self.host = ""
         self.code: int | None = None
         self.log = ""
+        self.spark_error = ""  # set when the Spark job itself failed or was cancelled
 
     def exit_status(self) -> int | None:
         return self.code
 
     def describe(self) -> str:
         where = f", pid {self.pid} on {self.host}" if self.pid else ""
-        return f"worker {self.rank} (Spark task {self.rank}{where})"
+        why = f"; its Spark job failed: {self.spark_error}" if self.spark_error else ""
+        return f"worker {self.rank} (Spark task {self.rank}{where}{why})"
 
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.log.splitlines()[-lines:])
@@ -159,7 +161,8 @@ class SparkBackend:
             if not self._closed.is_set():
                 log.warning("Spark job %s failed: %s", self.group, self.job_error)
             for w in self.workers:
-                if w.code is None:
+                if w.code is None:  # the task ended without reporting: its process went with it
+                    w.spark_error = self.job_error
                     w.log = (w.log + "\n" if w.log else "") + f"Spark job failed: {self.job_error}"
                     w.code = 1
             return
