@@ -49,6 +49,19 @@ def wait_no_workers(timeout: float = 5.0) -> list[psutil.Process]:
     return worker_processes()
 
 
+def ipython_shell():
+    """The one IPython shell of the test session, with nbdist loaded.
+
+    IPython's shell is a process-wide singleton: every test module must share it rather
+    than create its own (a second, different shell class raises MultipleInstanceError).
+    """
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbdist")
+    return shell
+
+
 @pytest.fixture
 def no_leftover_workers():
     yield

@@ -107,11 +107,10 @@ def test_cnn_accuracy_parity_and_horovod_falls_back(digits, caplog):
 
 
 def test_magic_trains_with_allreduce(digits):
-    from IPython.core.interactiveshell import InteractiveShell
+    from .conftest import ipython_shell
 
     x, y = digits
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "nbdist")
+    shell = ipython_shell()
     shell.user_ns.update(X=x[:1500], y=y[:1500], Xv=x[1500:], yv=y[1500:], keras=keras)
     cell = ("keras.utils.set_random_seed(3)\n"
             "net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation='relu'),\n"

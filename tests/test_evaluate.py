@@ -135,11 +135,9 @@ def test_bad_input_gets_one_sentence_before_any_worker_starts(digits) -> None:
 # -- magics, through a real IPython shell -------------------------------------------
 @pytest.fixture(scope="module")
 def shell():
-    from IPython.core.interactiveshell import InteractiveShell
+    from .conftest import ipython_shell
 
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "nbdist")
-    return ip
+    return ipython_shell()
 
 
 def test_dist_evaluate_magic_shows_tables_and_stores_result(shell, digits, capsys) -> None:

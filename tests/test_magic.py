@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from IPython.core.error import UsageError
 
-from .conftest import worker_processes
+from .conftest import ipython_shell, worker_processes
 
 MODEL_CELL = """
 import keras
@@ -18,10 +18,7 @@ model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
 
 @pytest.fixture(scope="module")
 def ip(digits):
-    from IPython.testing.globalipapp import start_ipython
-
-    shell = start_ipython()
-    shell.run_line_magic("load_ext", "nbdist")
+    shell = ipython_shell()
     x, y = digits
     shell.user_ns.update(X=x[:600], y=y[:600], Xv=x[600:800], yv=y[600:800])
     yield shell
