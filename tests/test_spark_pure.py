@@ -32,6 +32,7 @@ def test_stream_writer_appends_blocks(tmp_path):
 
 
 def test_write_partition_reads_numbers_arrays_and_vectors(tmp_path):
+    pytest.importorskip("pyspark")
     from pyspark.ml.linalg import DenseVector, SparseVector
 
     rows = [(1.0, [2, 3], DenseVector([4.0, 5.0]), 7), (8.0, [9, 10], SparseVector(2, {1: 11.0}), 2)] * 5
@@ -56,6 +57,7 @@ def test_null_feature_is_a_sentence(tmp_path):
 
 def test_cuda_visible_devices_from_task_resources():
     # No GPU here: ResourceInformation is what Spark hands a task; the mapping is unverified on a GPU.
+    pytest.importorskip("pyspark")
     from pyspark.resource import ResourceInformation
 
     assert cuda_visible_devices({}) is None
