@@ -27,4 +27,4 @@ def test_spark_dataframe_notebook_executes():
     assert "on 2 spark workers" in text  # the text renderer's header names the backend
     found = re.search(r"test accuracy: ([0-9.]+) on (\d+) images after 2 epochs", text)
     assert found, text[-2000:]
-    assert float(found.group(1)) > 0.6  # three classes: chance is 0.33
+    assert float(found.group(1)) > 0.8  # three classes: chance is 0.33
