@@ -78,8 +78,19 @@ def test_bad_columns_are_one_sentence(spark, data):
         nbdist.train(model, df, features="pixel", label="digit")
     with pytest.raises(NbdistError, match="--features"):
         nbdist.train(model, df)
-    with pytest.raises(NbdistError, match="needs 3 Spark task slots|3 workers need 3 Spark task slots"):
+    with pytest.raises(NbdistError, match="3 workers need 3 Spark task slots"):
         nbdist.train(model, df, features="pixels", label="digit", workers=3)
+    # ML Vector and numeric columns pass the schema check; text does not.
+    from pyspark.ml.linalg import Vectors
+
+    from nbdist.spark_data import spark_dataset
+
+    mixed = spark.createDataFrame([(Vectors.dense([1.0, 2.0]), 0.5, "a", 1)], ["v", "n", "s", "y"])
+    assert spark_dataset(mixed, None, ["v", "n"], "y").layout.features == ("v", "n")
+    with pytest.raises(NbdistError, match="feature column 's' is string"):
+        spark_dataset(mixed, None, "v,s", "y")
+    with pytest.raises(NbdistError, match="label column 's' is string"):
+        spark_dataset(mixed, None, "v", "s")
 
 
 def test_killed_worker_fails_fast_and_leaves_nothing(spark, data):
