@@ -20,7 +20,6 @@ NOT_AVAILABLE_YET: dict[str, Any] = {
     "max_restarts": 0,
     "engine": None,
     "image": None,
-    "background": False,
 }
 
 
