@@ -123,13 +123,14 @@ def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
             text = dash.inner_text()
             assert f"Epoch {EPOCHS}/{EPOCHS}" in text, text
             assert text.count("done") >= 3, text  # the run and both workers
-            bars = page.locator(".nbdist-dashboard .widget-progress .progress-bar")
+            bars = page.locator(".nbdist-dashboard .progress-bar")
             assert bars.count() == 3  # epochs + 2 workers
             for i in range(3):
                 style = bars.nth(i).get_attribute("style") or ""
                 assert "width: 100%" in style, style
             # bqplot drew the metric charts: one SVG path per line, EPOCHS markers per line.
-            titles = page.locator(".nbdist-dashboard .bqplot .mainheading").all_inner_texts()
+            titles = page.locator(".nbdist-dashboard .bqplot .mainheading").evaluate_all(
+                "els => els.map(e => e.textContent)")
             assert {"loss", "accuracy", "time per phase"} <= set(titles), titles
             lines = page.locator(".nbdist-dashboard .bqplot .line")
             assert lines.count() >= 4, lines.count()  # train + validation for loss and accuracy

@@ -231,3 +231,30 @@ def test_stop_button_ends_a_background_run(widget_notebook):
     assert float(stopped[2]) < 15
     # The dashboard redrew, but throttled: far fewer draws than progress events.
     assert int(text.split("draws: ")[1].split()[0]) >= 2
+
+
+# -- fallbacks: a frontend without widgets, a terminal IPython ---------------------------------------
+
+def test_html_renderer_where_widgets_are_not_rendered():
+    """Zeppelin's IPython interpreter: no widgets, display updates dropped -> appended HTML per epoch."""
+    nb = run_notebook([SETUP, f"%%dist_train --data X,y --epochs 2 --batch-size 64 --workers 2\n{MODEL}"],
+                      env={"ZEPPELIN_HOME": "/opt/zeppelin"})
+    outs = nb.cells[1].outputs
+    assert not any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outs)
+    htmls = [o["data"]["text/html"] for o in outs if "text/html" in o.get("data", {})]
+    epochs = [h for h in htmls if "nbdist-epoch" in h]
+    assert len(epochs) == 2 and "Epoch 2/2" in epochs[-1]
+    assert any("nbdist-summary" in h and "data:image/png;base64," in h for h in htmls)
+
+
+def test_text_renderer_in_a_terminal_ipython(tmp_path):
+    script = tmp_path / "run.ipy"
+    # An .ipy script is one cell, so the cell magic is called the way IPython runs a %% line.
+    script.write_text(SETUP + "get_ipython().run_cell_magic('dist_train', "
+                      f"'--data X,y --epochs 2 --batch-size 64 --workers 2', {MODEL!r})\n"
+                      "print('history', len(history['loss']))\n")
+    out = subprocess.run([PYTHON, "-m", "IPython", "--no-banner", "--colors=NoColor", str(script)],
+                         env=ENV, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Epoch 1/2" in out.stdout and "Epoch 2/2" in out.stdout, out.stdout
+    assert "history 2" in out.stdout and "<" not in out.stdout.split("Epoch 1/2")[1]  # plain text, no HTML

@@ -39,7 +39,9 @@ class MetricChart:
         self.lines: dict[str, bqplot.Lines] = {}
         axes = [bqplot.Axis(scale=self.x_scale, label="epoch", tick_format="d"),
                 bqplot.Axis(scale=self.y_scale, orientation="vertical", label=name)]
-        self.figure = bqplot.Figure(marks=[], axes=axes, title=name, legend_location="top-right",
+        # Losses fall and scores rise: keep the legend where the lines are not.
+        corner = "top-right" if "loss" in name or "error" in name else "bottom-right"
+        self.figure = bqplot.Figure(marks=[], axes=axes, title=name, legend_location=corner,
                                     fig_margin={"top": 40, "bottom": 40, "left": 55, "right": 15},
                                     layout=W.Layout(width="340px", height="250px"))
 
@@ -67,13 +69,12 @@ class PhaseChart:
         self.bars = bqplot.Bars(x=labels, y=[[0.0] * world_size, [0.0] * world_size],
                                 scales={"x": self.x_scale, "y": self.y_scale}, type="stacked",
                                 orientation="horizontal", colors=["#1f77b4", "#ff7f0e"],
-                                labels=["compute", "synchronisation"], display_legend=True)
+                                labels=["compute", "synchronisation"], display_legend=False)
         axes = [bqplot.Axis(scale=self.x_scale, orientation="vertical"),
-                bqplot.Axis(scale=self.y_scale, label="seconds")]
+                bqplot.Axis(scale=self.y_scale, label="seconds: compute (blue), synchronisation (orange)")]
         self.figure = bqplot.Figure(marks=[self.bars], axes=axes, title="time per phase",
-                                    legend_location="bottom-right",
                                     fig_margin={"top": 40, "bottom": 40, "left": 70, "right": 15},
-                                    layout=W.Layout(width="340px", height=f"{140 + 30 * world_size}px"))
+                                    layout=W.Layout(width="420px", height=f"{140 + 30 * world_size}px"))
 
     def update(self, compute: list[float], sync: list[float]) -> None:
         self.bars.y = [compute, sync]
