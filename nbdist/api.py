@@ -31,6 +31,8 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, Any]
     config = TrainConfig(**options)
     job = prepare(model, config, x, y, validation_data, namespace, features=features, label=label)
     job.start()
+    if config.background:
+        return job.run_in_background()
     job.wait()
     return job
 
@@ -55,7 +57,10 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
                               f"features have {train_set.x.shape[1:]}; pass matching arrays.")
     renderer = make_renderer(config.ui)
     all_listeners = list(listeners or []) + ([renderer] if renderer else [])
-    return TrainingJob(model, config, train_set, val_set, namespace, all_listeners)
+    job = TrainingJob(model, config, train_set, val_set, namespace, all_listeners)
+    if hasattr(renderer, "attach"):
+        renderer.attach(job)
+    return job
 
 
 def training_data(x: Any, y: Any, features: str | list[str] | None = None, label: str | None = None) -> Any:

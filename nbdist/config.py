@@ -21,7 +21,6 @@ NOT_AVAILABLE_YET: dict[str, Any] = {
     "checkpoint_dir": None,
     "resume": False,
     "max_restarts": 0,
-    "background": False,
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -72,6 +73,8 @@ class TrainingJob:
         self._launched_at = 0.0
         self.state: RunState | None = None
         self.world_size = 0
+        self._pump_thread: threading.Thread | None = None
+        self._stop_request: str | None = None
 
     # -- public ---------------------------------------------------------
     @property
@@ -137,7 +140,10 @@ class TrainingJob:
             while self.status not in TERMINAL:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"training still running after {timeout} s")
-                self.pump(0.2)
+                if self._in_background():
+                    self._pump_thread.join(0.2)  # the pump thread handles the events
+                else:
+                    self.pump(0.2)
         except KeyboardInterrupt:
             self.stop("interrupted")
             raise
@@ -149,10 +155,51 @@ class TrainingJob:
         """End every worker now; the model keeps the last synchronised weights."""
         if self.status in TERMINAL:
             return
+        if self._in_background():
+            # Only the pump thread touches the coordinator: ask it, then wait for it to finish.
+            self._stop_request = reason
+            self._pump_thread.join(self.config.startup_timeout)
+            return
         self._shutdown()
         self._apply_last_weights()
         self.state.finish("stopped", reason)
         self._notify("end")
+
+    def run_in_background(self) -> "TrainingJob":
+        """Pump events on a daemon thread; ``start()`` must have run on the calling thread, because
+        workers die with the thread that spawned them (PR_SET_PDEATHSIG)."""
+        if self.state is None:
+            raise NbdistError("start() the job before run_in_background().")
+        self._pump_thread = threading.Thread(target=self._pump_until_end, name="nbdist-pump", daemon=True)
+        self._pump_thread.start()
+        return self
+
+    def _in_background(self) -> bool:
+        t = self._pump_thread
+        return t is not None and t.is_alive() and threading.current_thread() is not t
+
+    def _pump_until_end(self) -> None:
+        try:
+            while self.status not in TERMINAL:
+                if self._stop_request is not None:
+                    self.stop(self._stop_request)
+                    break
+                self.pump(0.2)
+        except Exception as exc:  # never leave workers running behind a dead thread
+            log.exception("the background event loop failed")
+            if self.status not in TERMINAL:
+                self.stop(f"internal error: {exc}")
+
+    def worker_log(self, rank: int, lines: int = 20) -> str:
+        """The last lines worker ``rank`` wrote to stdout/stderr."""
+        return self._handles[rank].log_tail(lines) if rank < len(self._handles) else ""
+
+    def __repr__(self) -> str:
+        if self.state is None:
+            return f"<TrainingJob {self.status}>"
+        st = self.state
+        return (f"<TrainingJob {st.status}: {st.initial_epoch + st.epochs_done}/{st.epochs} epochs on "
+                f"{st.world_size} {st.backend} workers>")
 
     # -- event loop -----------------------------------------------------
     def pump(self, timeout: float) -> None:

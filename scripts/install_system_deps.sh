@@ -9,6 +9,8 @@ command -v runc >/dev/null 2>&1 || need+=(runc)
 command -v newuidmap >/dev/null 2>&1 || need+=(uidmap)
 command -v fuse-overlayfs >/dev/null 2>&1 || need+=(fuse-overlayfs)
 command -v slirp4netns >/dev/null 2>&1 || need+=(slirp4netns)
+# The dashboard's browser test drives Debian's chromium (never a downloaded browser).
+[ -x /usr/bin/chromium ] || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "missing system packages: ${need[*]} (run as root or install them)" >&2

@@ -57,7 +57,7 @@ class DistMagics(Magics):
     @argument("--memory", default=None, help="memory per worker container, e.g. 2g (--backend containers)")
     @argument("--gpus", default=None, help="GPUs per worker container: all | 0,1 (Docker --gpus; Podman CDI, unverified)")
     @cell_magic
-    def dist_train(self, line: str, cell: str) -> None:
+    def dist_train(self, line: str, cell: str) -> Any:
         """Train the Keras model this cell builds on several workers, data-parallel.
 
         The cell runs in the notebook's namespace and must build and compile one
@@ -70,13 +70,20 @@ class DistMagics(Magics):
             %%dist_train --data X,y --epochs 20 --batch-size 32 --workers 2
             model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
             model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+
+        With ``--background`` the cell returns at once and its value is the running
+        ``TrainingJob`` (also stored in the notebook as ``<out>_job``, i.e. ``history_job`` by
+        default). ``--out`` then holds the history as it grows; ``job.wait()`` blocks until the
+        end, ``job.stop()`` (or the dashboard's Stop button) ends every worker and keeps the
+        last averaged weights; ``job.history`` and ``job.status`` tell where it is. When the
+        run ends, the model holds the trained weights and ``--out`` a copy of the history.
         """
         try:
-            self._train(line, cell)
+            return self._train(line, cell)
         except NbdistError as exc:
             raise UsageError(str(exc)) from None
 
-    def _train(self, line: str, cell: str) -> None:
+    def _train(self, line: str, cell: str) -> Any:
         args = parse_argstring(self.dist_train, line)
         ns = self.shell.user_ns
         options = {
@@ -109,7 +116,9 @@ class DistMagics(Magics):
             raise NbdistError("the cell raised an error (shown above) before training started; fix it and rerun.")
         model = ns[self._pick_model(args.model, before, ns)]
         job = prepare(model, config, x, y, validation, namespace=ns, features=args.features, label=args.label)
-        job.start()
+        job.start()  # on this (main) thread: workers end with the thread that started them
+        if config.background:
+            return self._in_background(job, ns, args.out)
         try:
             job.wait()
         except TrainingFailed as exc:
@@ -119,6 +128,17 @@ class DistMagics(Magics):
             pass  # stop() ended every worker and kept the last averaged weights; the renderer said so
         finally:
             ns[args.out] = dict(job.history)
+
+    @staticmethod
+    def _in_background(job: Any, ns: dict[str, Any], out: str) -> Any:
+        def write_back(kind: str, state: Any, payload: Any) -> None:
+            if kind == "end":
+                ns[out] = dict(state.history)
+
+        job.listeners.append(write_back)
+        ns[out] = job.history  # the live dict: it grows epoch by epoch
+        ns[f"{out}_job"] = job
+        return job.run_in_background()
 
     @staticmethod
     def _pick_model(name: str | None, before: dict[str, int], ns: dict[str, Any]) -> str:

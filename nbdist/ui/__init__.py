@@ -1,9 +1,11 @@
 """Renderers of a run's progress. Each is a listener: ``renderer(kind, state, payload)``.
 
 kind is one of "start", "worker", "progress", "epoch" (payload: merged logs) and "end".
+A renderer may also have ``attach(job)``: it is then given the job (Stop button, worker logs).
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable, TextIO
 
@@ -12,14 +14,67 @@ from ..progress import RunState
 Listener = Callable[[str, RunState, Any], None]
 
 
+def detect_frontend(shell: Any = None, environ: dict[str, str] | None = None) -> str:
+    """Which renderer ``--ui auto`` means here: "widgets", "html" or "text".
+
+    widgets: a Jupyter kernel (ipykernel) with a comm manager and ipywidgets + bqplot installed.
+    html: Zeppelin's IPython interpreter (it renders HTML but no widgets), or a kernel without
+    widget support. text: a terminal IPython or plain Python.
+    """
+    env = os.environ if environ is None else environ
+    if shell is None:
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+        except ImportError:
+            shell = None
+    if shell is None:
+        return "text"
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None:  # TerminalInteractiveShell and other in-process shells without a frontend
+        return "text"
+    if "ZEPPELIN_HOME" in env or "ZEPPELIN_INTERPRETER" in env or "zeppelin" in type(kernel).__module__:
+        return "html"
+    if not _has_comms(kernel):
+        return "html"
+    try:
+        import bqplot  # noqa: F401
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return "html"
+    return "widgets"
+
+
+def _has_comms(kernel: Any) -> bool:
+    # ipykernel gives its kernel a comm manager; kernels that cannot talk to widgets have none.
+    return getattr(kernel, "comm_manager", None) is not None
+
+
 def make_renderer(ui: str, stream: TextIO | None = None) -> Listener | None:
-    """The renderer for ``--ui``; ``auto`` means text until the widget dashboard lands."""
+    """The renderer for ``--ui`` (``auto``: see ``detect_frontend``)."""
     if ui == "none":
         return None
-    if ui in ("auto", "text"):
+    if ui == "auto":
+        ui = detect_frontend()
+    if ui == "text":
         from .text import TextRenderer
 
         return TextRenderer(stream or sys.stdout)
+    if ui == "html":
+        from .html import HtmlRenderer
+
+        zeppelin = "ZEPPELIN_HOME" in os.environ or "ZEPPELIN_INTERPRETER" in os.environ
+        return HtmlRenderer("append" if zeppelin else "update")
+    if ui == "widgets":
+        try:
+            from .widgets import WidgetDashboard
+        except ImportError as exc:
+            from ..errors import NbdistError
+
+            raise NbdistError(f"--ui widgets needs ipywidgets and bqplot ({exc}); "
+                              "pip install 'nbdist[widgets]' or use --ui html.") from None
+        return WidgetDashboard()
     from ..errors import NbdistError
 
-    raise NbdistError(f"--ui {ui} is not available yet; use --ui text or --ui none.")
+    raise NbdistError(f"unknown ui {ui!r}; use one of: auto, widgets, html, text, none.")

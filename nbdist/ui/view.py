@@ -1,0 +1,162 @@
+"""What the dashboard shows, computed from a ``RunState``: pure, no widgets, no IPython.
+
+The widget, HTML and text renderers all read these values, so what a user sees is the
+same in every frontend and is tested here in milliseconds.
+"""
+from __future__ import annotations
+
+import html
+import time
+from dataclasses import dataclass, field
+
+from ..progress import RunState, WorkerProgress
+
+# At most this many redraws per second (the issue's limit is 5).
+MAX_REDRAWS_PER_SECOND = 5.0
+
+STATE_COLOURS = {
+    "starting": "#888888", "training": "#1f77b4", "synchronising": "#ff7f0e",
+    "done": "#2ca02c", "failed": "#d62728", "stopped": "#9467bd",
+}
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+@dataclass(frozen=True)
+class Overview:
+    epochs_done: int
+    epochs_total: int
+    elapsed: str
+    eta: str
+    throughput: float
+    status: str
+
+    @property
+    def line(self) -> str:
+        return (f"Epoch {self.epochs_done}/{self.epochs_total} · elapsed {self.elapsed} · "
+                f"ETA {self.eta} · {self.throughput:,.0f} samples/s")
+
+
+def overview(state: RunState) -> Overview:
+    done = state.initial_epoch + state.epochs_done
+    eta = 0.0 if state.status == "done" else state.eta
+    return Overview(done, state.epochs, format_seconds(state.elapsed), format_seconds(eta),
+                    state.throughput, state.status)
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    rank: int
+    state: str
+    fraction: float  # of this worker's whole run, 0..1
+    compute_seconds: float
+    sync_seconds: float
+    detail: str  # e.g. "epoch 3/20 · batch 12/29"
+
+    @property
+    def sync_fraction(self) -> float:
+        total = self.compute_seconds + self.sync_seconds
+        return self.sync_seconds / total if total > 0 else 0.0
+
+
+def worker_fraction(w: WorkerProgress, state: RunState) -> float:
+    if w.state == "done":
+        return 1.0
+    epochs = max(1, state.epochs - state.initial_epoch)
+    within = w.batch / w.batches if w.batches else 0.0
+    return min(1.0, max(0.0, (w.epoch - state.initial_epoch + within) / epochs))
+
+
+def worker_rows(state: RunState) -> list[WorkerRow]:
+    rows = []
+    for w in state.workers:
+        where = f"{w.host} pid {w.pid}" if w.pid else "not connected yet"
+        detail = f"epoch {min(w.epoch + 1, state.epochs)}/{state.epochs} · batch {w.batch}/{w.batches} · {where}"
+        rows.append(WorkerRow(w.rank, w.state, worker_fraction(w, state), w.compute_seconds,
+                              w.sync_seconds, detail))
+    return rows
+
+
+def metric_groups(history: dict[str, list[float]]) -> dict[str, dict[str, list[float]]]:
+    """``{"loss": {"train": [...], "validation": [...]}, "accuracy": {...}}`` for the charts."""
+    groups: dict[str, dict[str, list[float]]] = {}
+    for key, values in history.items():
+        base, split = (key[4:], "validation") if key.startswith("val_") else (key, "train")
+        groups.setdefault(base, {})[split] = list(values)
+    return groups
+
+
+def epoch_axis(state: RunState) -> list[int]:
+    """1-based epoch numbers for the chart's x axis."""
+    return list(range(state.initial_epoch + 1, state.initial_epoch + state.epochs_done + 1))
+
+
+@dataclass
+class Throttle:
+    """Lets a redraw through at most ``rate`` times per second; forced redraws always pass."""
+
+    rate: float = MAX_REDRAWS_PER_SECOND
+    clock: object = time.monotonic
+    _last: float = field(default=float("-inf"))
+
+    @property
+    def interval(self) -> float:
+        return 1.0 / self.rate
+
+    def wait_time(self) -> float:
+        """Seconds until the next redraw may happen (0: now)."""
+        return max(0.0, self._last + self.interval - self.clock())
+
+    def ready(self, force: bool = False) -> bool:
+        now = self.clock()
+        if force or now - self._last >= self.interval:
+            self._last = now
+            return True
+        return False
+
+
+def status_sentence(state: RunState) -> str:
+    if state.status == "done":
+        return (f"Trained {state.epochs_done} epochs on {state.world_size} {state.backend} workers in "
+                f"{format_seconds(state.elapsed)}; the model holds the trained weights.")
+    if state.status == "stopped":
+        return (f"Stopped ({state.error}) after {state.epochs_done} epochs; all workers ended and the model "
+                "holds the last averaged weights.")
+    if state.status == "failed":
+        return f"Training failed: {state.error}"
+    return f"{state.strategy} on {state.world_size} {state.backend} workers: {state.status}"
+
+
+def metrics_table_html(state: RunState) -> str:
+    """Per-epoch metrics as an HTML table (the static summary and the HTML renderer use it)."""
+    keys = list(state.history)
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
+    rows = []
+    for i, epoch in enumerate(epoch_axis(state)):
+        cells = "".join(f"<td>{state.history[k][i]:.4f}</td>" if i < len(state.history[k]) else "<td></td>"
+                        for k in keys)
+        secs = state.epoch_seconds[i] if i < len(state.epoch_seconds) else 0.0
+        rows.append(f"<tr><td>{epoch}</td>{cells}<td>{format_seconds(secs)}</td></tr>")
+    return (f'<table class="nbdist-metrics"><thead><tr><th>epoch</th>{head}<th>time</th></tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def workers_table_html(state: RunState) -> str:
+    rows = []
+    for r in worker_rows(state):
+        colour = STATE_COLOURS.get(r.state, "#000")
+        rows.append(f"<tr><td>worker {r.rank}</td><td style='color:{colour}'><b>{html.escape(r.state)}</b></td>"
+                    f"<td>{r.fraction:.0%}</td><td>{format_seconds(r.compute_seconds)}</td>"
+                    f"<td>{format_seconds(r.sync_seconds)} ({r.sync_fraction:.0%})</td></tr>")
+    return ("<table class='nbdist-workers'><thead><tr><th>worker</th><th>state</th><th>progress</th>"
+            f"<th>compute</th><th>synchronisation</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")

@@ -1,0 +1,252 @@
+"""The live dashboard: ipywidgets for progress and state, bqplot for the charts.
+
+Widget values are set from whichever thread pumps the job's events (the main thread in
+blocking mode, a daemon thread with ``--background``): kernel-to-browser updates are safe
+from any thread. Nothing here uses ``with output:`` or ``clear_output``; everything is
+updated in place, at most ``MAX_REDRAWS_PER_SECOND`` times per second.
+"""
+from __future__ import annotations
+
+import html
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import bqplot
+import ipywidgets as W
+from IPython.display import HTML, display
+
+from ..progress import RunState
+from .summary import summary_html
+from .view import (STATE_COLOURS, Throttle, epoch_axis, metric_groups, overview, status_sentence,
+                   worker_rows)
+
+log = logging.getLogger(__name__)
+
+SPLIT_COLOURS = {"train": "#1f77b4", "validation": "#ff7f0e"}
+LOG_LINES = 12
+LOG_INTERVAL = 1.0  # seconds between reads of the workers' log files
+
+
+class MetricChart:
+    """One bqplot figure per metric: a training and a validation line, one point per epoch."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.x_scale = bqplot.LinearScale()
+        self.y_scale = bqplot.LinearScale()
+        self.lines: dict[str, bqplot.Lines] = {}
+        axes = [bqplot.Axis(scale=self.x_scale, label="epoch", tick_format="d"),
+                bqplot.Axis(scale=self.y_scale, orientation="vertical", label=name)]
+        # Losses fall and scores rise: keep the legend where the lines are not.
+        corner = "top-right" if "loss" in name or "error" in name else "bottom-right"
+        self.figure = bqplot.Figure(marks=[], axes=axes, title=name, legend_location=corner,
+                                    fig_margin={"top": 40, "bottom": 40, "left": 55, "right": 15},
+                                    layout=W.Layout(width="340px", height="250px"))
+
+    def update(self, x: list[int], series: dict[str, list[float]]) -> None:
+        for split, values in series.items():
+            line = self.lines.get(split)
+            if line is None:
+                line = bqplot.Lines(x=[], y=[], scales={"x": self.x_scale, "y": self.y_scale},
+                                    colors=[SPLIT_COLOURS.get(split, "#333")], labels=[split],
+                                    display_legend=True, marker="circle", marker_size=16)
+                self.lines[split] = line
+                self.figure.marks = list(self.figure.marks) + [line]
+            with line.hold_sync():
+                line.x = x[:len(values)]
+                line.y = values
+
+
+class PhaseChart:
+    """Per worker, seconds in compute vs synchronisation as stacked horizontal bars."""
+
+    def __init__(self, world_size: int) -> None:
+        self.x_scale = bqplot.OrdinalScale()
+        self.y_scale = bqplot.LinearScale(min=0.0)
+        labels = [f"worker {r}" for r in range(world_size)]
+        self.bars = bqplot.Bars(x=labels, y=[[0.0] * world_size, [0.0] * world_size],
+                                scales={"x": self.x_scale, "y": self.y_scale}, type="stacked",
+                                orientation="horizontal", colors=["#1f77b4", "#ff7f0e"],
+                                labels=["compute", "synchronisation"], display_legend=False)
+        axes = [bqplot.Axis(scale=self.x_scale, orientation="vertical"),
+                bqplot.Axis(scale=self.y_scale, label="seconds: compute (blue), synchronisation (orange)")]
+        self.figure = bqplot.Figure(marks=[self.bars], axes=axes, title="time per phase",
+                                    fig_margin={"top": 40, "bottom": 40, "left": 70, "right": 15},
+                                    layout=W.Layout(width="420px", height=f"{140 + 30 * world_size}px"))
+
+    def update(self, compute: list[float], sync: list[float]) -> None:
+        self.bars.y = [compute, sync]
+
+
+class WidgetDashboard:
+    """A ``TrainingJob`` listener that draws the dashboard in the cell that started the run."""
+
+    def __init__(self, show: Callable[..., Any] = display) -> None:
+        self._show = show
+        self._job: Any = None
+        self._state: RunState | None = None
+        self._lock = threading.RLock()
+        self._throttle = Throttle()
+        self._timer: threading.Timer | None = None
+        self._last_log_read = float("-inf")
+        self._summary_handle: Any = None
+        self.draws = 0
+        self.charts: dict[str, MetricChart] = {}
+
+        self.header = W.HTML()
+        self.epochs_bar = W.IntProgress(value=0, min=0, max=1, description="epochs",
+                                        layout=W.Layout(width="420px"))
+        self.overview = W.HTML()
+        self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True,
+                                    tooltip="Stop the run (with --background; otherwise interrupt the kernel)")
+        self.stop_button.on_click(self._on_stop)
+        self.chart_box = W.HBox(layout=W.Layout(flex_flow="row wrap"))
+        self.worker_bars: list[W.FloatProgress] = []
+        self.worker_states: list[W.HTML] = []
+        self.worker_box = W.VBox()
+        self.phase: PhaseChart | None = None
+        self.phase_box = W.Box()
+        self.error_panel = W.HTML(layout=W.Layout(display="none"))
+        self.logs: list[W.HTML] = []
+        self.log_panel = W.Accordion()
+        self.root = W.VBox([
+            self.header,
+            W.HBox([self.epochs_bar, self.stop_button]),
+            self.overview,
+            self.chart_box,
+            W.HBox([self.worker_box, self.phase_box], layout=W.Layout(flex_flow="row wrap")),
+            self.error_panel,
+            self.log_panel,
+        ])
+        self.root.add_class("nbdist-dashboard")
+
+    # -- wiring -----------------------------------------------------------
+    def attach(self, job: Any) -> None:
+        """Give the dashboard its job: the Stop button and the workers' logs come from it."""
+        self._job = job
+        self.stop_button.disabled = not getattr(job.config, "background", False)
+
+    def _on_stop(self, _button: Any = None) -> None:
+        if self._job is not None:
+            self.stop_button.disabled = True
+            self.stop_button.description = "Stopping…"
+            self._job.stop("stopped from the dashboard")
+
+    def __call__(self, kind: str, state: RunState, payload: Any) -> None:
+        with self._lock:
+            self._state = state
+            if kind == "start":
+                self._build(state)
+                self._show(self.root)
+                # Created on the calling (main) thread, so the end-of-run summary lands in this cell
+                # even when the run ends on the background thread.
+                self._summary_handle = self._show(HTML(""), display_id=True)
+                self._draw()
+            elif kind == "end":
+                self._cancel_timer()
+                self._draw(final=True)
+                self._finish(state)
+            else:
+                self._request_draw()
+
+    # -- drawing ----------------------------------------------------------
+    def _build(self, state: RunState) -> None:
+        n = state.world_size
+        self.epochs_bar.max = max(1, state.epochs)
+        self.epochs_bar.value = state.initial_epoch
+        self.worker_bars = [W.FloatProgress(value=0.0, min=0.0, max=1.0, description=f"worker {r}",
+                                            layout=W.Layout(width="360px")) for r in range(n)]
+        self.worker_states = [W.HTML() for _ in range(n)]
+        self.worker_box.children = [W.HBox([b, s]) for b, s in zip(self.worker_bars, self.worker_states)]
+        self.phase = PhaseChart(n)
+        self.phase_box.children = [self.phase.figure]
+        self.logs = [W.HTML("<pre>(no output yet)</pre>") for _ in range(n)]
+        self.log_panel.children = self.logs
+        for r in range(n):
+            self.log_panel.set_title(r, f"worker {r} log")
+        self.log_panel.selected_index = None
+
+    def _request_draw(self) -> None:
+        if self._throttle.ready():
+            self._draw()
+        elif self._timer is None:
+            # Draw the latest state once the throttle allows, so the last event is never lost.
+            self._timer = threading.Timer(self._throttle.wait_time(), self._timer_draw)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _timer_draw(self) -> None:
+        with self._lock:
+            self._timer = None
+            if self._state is not None and self._state.finished_at is None:
+                self._throttle.ready(force=True)
+                self._draw()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _draw(self, final: bool = False) -> None:
+        state = self._state
+        if state is None:
+            return
+        self.draws += 1
+        ov = overview(state)
+        colour = STATE_COLOURS.get(state.status, "#1f77b4")
+        self.header.value = (f"<b>nbdist</b> · {html.escape(state.strategy)} on {state.world_size} "
+                             f"{html.escape(state.backend)} workers · "
+                             f"<span style='color:{colour}'><b>{html.escape(state.status)}</b></span>")
+        self.epochs_bar.value = ov.epochs_done
+        self.epochs_bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(
+            state.status, "info")
+        self.overview.value = html.escape(ov.line)
+        rows = worker_rows(state)
+        for row, bar, label in zip(rows, self.worker_bars, self.worker_states):
+            bar.value = row.fraction
+            bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(row.state, "info")
+            label.value = (f"<span class='nbdist-worker-state' style='color:{STATE_COLOURS.get(row.state)}'>"
+                           f"<b>{html.escape(row.state)}</b></span> · {html.escape(row.detail)}")
+        if self.phase is not None:
+            self.phase.update([r.compute_seconds for r in rows], [r.sync_seconds for r in rows])
+        x = epoch_axis(state)
+        for name, series in metric_groups(state.history).items():
+            chart = self.charts.get(name)
+            if chart is None:
+                chart = self.charts[name] = MetricChart(name)
+                self.chart_box.children = [c.figure for c in self.charts.values()]
+            chart.update(x, series)
+        now = time.monotonic()
+        if final or now - self._last_log_read >= LOG_INTERVAL:
+            self._last_log_read = now
+            self._draw_logs()
+
+    def _draw_logs(self) -> None:
+        tail = getattr(self._job, "worker_log", None)
+        if tail is None:
+            return
+        for rank, widget in enumerate(self.logs):
+            try:
+                text = tail(rank, LOG_LINES)
+            except Exception:  # a log file that vanished must not break the dashboard
+                log.debug("could not read worker %d's log", rank, exc_info=True)
+                continue
+            widget.value = f"<pre style='font-size:11px'>{html.escape(text or '(no output yet)')}</pre>"
+
+    def _finish(self, state: RunState) -> None:
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stop"
+        if state.status == "failed":
+            failed = [w for w in state.workers if w.error]
+            trace = failed[0].error if failed else ""
+            who = f"traceback from worker {failed[0].rank}" if failed else "no worker traceback"
+            self.error_panel.value = (
+                "<div style='border:2px solid #d62728;padding:6px;background:#fff5f5'>"
+                f"<b style='color:#d62728'>{html.escape(status_sentence(state))}</b>"
+                f"<details open><summary>{who}</summary><pre style='font-size:11px'>"
+                f"{html.escape(trace)}</pre></details></div>")
+            self.error_panel.layout.display = None
+        if self._summary_handle is not None:
+            self._summary_handle.update(HTML(summary_html(state)))

@@ -1,0 +1,142 @@
+"""A real browser runs the quickstart notebook in JupyterLab and sees the dashboard finish.
+
+JupyterLab listens on 127.0.0.1 with a token; Debian's chromium (installed by
+scripts/install_system_deps.sh) is driven by Playwright. The screenshot is saved to
+artifacts/dashboard.png.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = ROOT / "artifacts"
+EPOCHS = 20  # the quickstart's --epochs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("chromium is not installed; run scripts/install_system_deps.sh as root")
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed (pip install -e '.[test]')")
+    work = tmp_path / "nb"
+    work.mkdir()
+    nb = json.loads((ROOT / "notebooks" / "01_quickstart.ipynb").read_text())
+    # Name the kernel so JupyterLab starts it without asking.
+    nb.setdefault("metadata", {})["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                                   "language": "python"}
+    (work / "quickstart.ipynb").write_text(json.dumps(nb))
+    token, port = secrets.token_hex(16), _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "ws")}
+    log = open(tmp_path / "jupyterlab.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--LabApp.news_url=None",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         "--LabApp.extension_manager=readonly"] + (["--allow-root"] if os.getuid() == 0 else []),
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2).read()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("JupyterLab did not start:\n" + (tmp_path / "jupyterlab.log").read_text())
+                time.sleep(0.5)
+        yield base, token, tmp_path
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait(5)
+        log.close()
+
+
+def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    base, token, tmp = jupyterlab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        # A fresh profile directory (Playwright passes it as --user-data-dir).
+        browser = p.chromium.launch_persistent_context(
+            str(tmp / "chromium-profile"), executable_path=CHROMIUM, headless=True,
+            viewport={"width": 1400, "height": 1800},
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page()
+            page.goto(f"{base}/lab/tree/quickstart.ipynb?token={token}", timeout=60_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+            page.wait_for_selector(".jp-Spinner", state="detached", timeout=90_000)
+            # JupyterLab may ask which kernel to use: take the proposed one (Python 3).
+            accept = page.locator(".jp-Dialog .jp-mod-accept")
+            try:
+                accept.wait_for(timeout=15_000)
+                accept.click()
+            except PlaywrightTimeout:
+                pass
+            page.wait_for_selector(".jp-StatusBar-Widget:has-text('Idle')", timeout=90_000)
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+            # The notebook's last cell prints once training ended and model.predict ran.
+            try:
+                page.wait_for_selector(".jp-OutputArea-output:has-text('test accuracy:')", timeout=240_000)
+            finally:
+                page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+            page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+            dash = page.locator(".nbdist-dashboard").first
+            dash.scroll_into_view_if_needed()
+            page.wait_for_timeout(1000)  # let the last throttled redraw and chart transitions land
+            dash.screenshot(path=str(ARTIFACTS / "dashboard.png"))
+            page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+
+            text = dash.inner_text()
+            assert f"Epoch {EPOCHS}/{EPOCHS}" in text, text
+            assert text.count("done") >= 3, text  # the run and both workers
+            bars = page.locator(".nbdist-dashboard .progress-bar")
+            assert bars.count() == 3  # epochs + 2 workers
+            for i in range(3):
+                style = bars.nth(i).get_attribute("style") or ""
+                assert "width: 100%" in style, style
+            # bqplot drew the metric charts: one SVG path per line, EPOCHS markers per line.
+            titles = page.locator(".nbdist-dashboard .bqplot .mainheading").evaluate_all(
+                "els => els.map(e => e.textContent)")
+            assert {"loss", "accuracy", "time per phase"} <= set(titles), titles
+            lines = page.locator(".nbdist-dashboard .bqplot .line")
+            assert lines.count() >= 4, lines.count()  # train + validation for loss and accuracy
+            markers = page.locator(".nbdist-dashboard .bqplot .dot")
+            assert markers.count() >= 4 * EPOCHS, markers.count()
+            # The static summary (HTML table + PNG) sits below the dashboard.
+            assert page.locator(".nbdist-summary img.nbdist-chart").count() == 1
+        finally:
+            browser.close()

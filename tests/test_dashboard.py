@@ -1,0 +1,260 @@
+"""The dashboard: pure view logic, the widget dashboard in an nbclient-executed notebook, the HTML
+renderer where widgets are not rendered, the text renderer in a terminal IPython, background runs."""
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nbdist.progress import RunState
+from nbdist.ui import detect_frontend
+from nbdist.ui.summary import summary_html
+from nbdist.ui.view import Throttle, metric_groups, overview, worker_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+SETUP = """\
+%load_ext nbdist
+import keras
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+X = (X / 16).astype("float32")
+Xv, yv = X[:300], y[:300]
+"""
+MODEL = """\
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+"""
+EPOCHS = 3
+
+
+def finished_state(epochs: int = 3) -> RunState:
+    st = RunState(world_size=2, epochs=epochs)
+    for r in range(2):
+        st.worker_connected(r, "127.0.0.1", 100 + r)
+    for e in range(epochs):
+        for r in range(2):
+            st.worker_epoch(r, {"epoch": e, "batch": 10, "batches": 10, "samples": 100, "val_samples": 20,
+                                "seconds": 0.5, "compute_seconds": 0.4 * (e + 1), "sync_seconds": 0.1 * (e + 1),
+                                "logs": {"loss": 1.0 / (e + 1), "accuracy": 0.5 + 0.1 * e,
+                                         "val_loss": 1.2 / (e + 1), "val_accuracy": 0.4 + 0.1 * e}})
+    for r in range(2):
+        st.worker_finished(r, "done")
+    st.finish("done")
+    return st
+
+
+# -- pure view logic ------------------------------------------------------------------------------
+
+def test_view_of_a_finished_run():
+    st = finished_state()
+    ov = overview(st)
+    assert (ov.epochs_done, ov.epochs_total, ov.eta, ov.throughput) == (3, 3, "0.0s", 400.0)
+    rows = worker_rows(st)
+    assert [r.state for r in rows] == ["done", "done"] and [r.fraction for r in rows] == [1.0, 1.0]
+    assert rows[0].sync_fraction == pytest.approx(0.2)
+    groups = metric_groups(st.history)
+    assert set(groups) == {"loss", "accuracy"}
+    assert groups["loss"]["validation"] == pytest.approx([1.2, 0.6, 0.4])
+
+
+def test_worker_fraction_counts_epochs_and_batches():
+    st = RunState(world_size=1, epochs=4)
+    st.worker_progress(0, {"state": "training", "epoch": 1, "batch": 5, "batches": 10})
+    assert worker_rows(st)[0].fraction == pytest.approx(1.5 / 4)
+    assert st.eta is None and overview(st).eta == "–"
+
+
+def test_throttle_allows_at_most_five_per_second():
+    now = [0.0]
+    t = Throttle(clock=lambda: now[0])
+    passed = 0
+    for _ in range(1000):  # 1000 events over 2 seconds
+        now[0] += 0.002
+        passed += t.ready()
+    assert passed <= 10 + 1
+    assert t.ready(force=True)
+
+
+def test_summary_has_table_and_chart_image():
+    page = summary_html(finished_state())
+    assert page.count("<tr><td>") >= 3 + 2  # 3 epochs + 2 workers
+    assert "data:image/png;base64," in page
+    png = base64.b64decode(page.split("data:image/png;base64,")[1].split('"')[0])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_summary_of_a_failed_run_shows_the_traceback():
+    st = RunState(world_size=2, epochs=2)
+    st.worker_finished(1, "failed", "Traceback (most recent call last):\nValueError: boom")
+    st.finish("failed", "worker 1 failed: boom")
+    page = summary_html(st)
+    assert "ValueError: boom" in page and "worker 1 failed" in page
+
+
+def test_auto_picks_text_outside_a_kernel_and_html_in_zeppelin():
+    assert detect_frontend(shell=None) == "text"
+
+    class Shell:  # a terminal IPython has no kernel attribute
+        pass
+
+    assert detect_frontend(shell=Shell()) == "text"
+
+    class Kernel:
+        comm_manager = object()
+
+    class KernelShell:
+        kernel = Kernel()
+
+    assert detect_frontend(shell=KernelShell(), environ={}) == "widgets"
+    assert detect_frontend(shell=KernelShell(), environ={"ZEPPELIN_HOME": "/opt/zeppelin"}) == "html"
+    Kernel.comm_manager = None
+    assert detect_frontend(shell=KernelShell(), environ={}) == "html"
+
+
+# -- notebooks executed with nbclient ----------------------------------------------------------------
+
+def run_notebook(cells: list[str], env: dict[str, str] | None = None, timeout: int = 240):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    old = dict(os.environ)
+    os.environ.update({**ENV, **(env or {})})
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True).execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    return nb
+
+
+def widget_models(nb) -> dict[str, dict]:
+    return nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
+
+
+def decode_array(model: dict, name: str) -> np.ndarray:
+    """bqplot sends arrays as binary buffers; nbclient stores them base64-encoded."""
+    value = model["state"][name]
+    for buf in model.get("buffers", []):
+        if buf["path"][0] == name:
+            raw = base64.b64decode(buf["data"])
+            return np.frombuffer(raw, dtype=value["dtype"]).reshape(value["shape"])
+    return np.asarray(value)
+
+
+@pytest.fixture(scope="module")
+def widget_notebook():
+    return run_notebook([
+        SETUP,
+        f"%%dist_train --data X,y --validation-data Xv,yv --epochs {EPOCHS} --batch-size 64 --workers 2 "
+        f"--seed 0\n{MODEL}",
+        # --background then job.wait(): the cell returns at once, history arrives later.
+        f"%%dist_train --data X,y --epochs 2 --batch-size 64 --workers 2 --out bg --background\n{MODEL}",
+        "print('returned:', bg_job.status, len(bg.get('loss', [])))\n"
+        "bg_job.wait(timeout=120)\n"
+        "print('waited:', bg_job.status, len(bg['loss']), type(bg).__name__)",
+        # --background then the dashboard's Stop button.
+        f"%%dist_train --data X,y --epochs 200 --batch-size 64 --workers 2 --out st --background\n{MODEL}",
+        "import time\n"
+        "deadline = time.monotonic() + 120\n"
+        "while len(st_job.history.get('loss', [])) < 1 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.2)\n"
+        "dash = [l for l in st_job.listeners if hasattr(l, 'stop_button')][0]\n"
+        "t0 = time.monotonic(); dash.stop_button.click()\n"
+        "print('stopped:', st_job.status, len(st['loss']), round(time.monotonic() - t0, 1))\n"
+        "print('draws:', dash.draws)",
+    ])
+
+
+def test_widget_state_holds_the_finished_run(widget_notebook):
+    nb = widget_notebook
+    models = widget_models(nb)
+    # The first dashboard is the blocking run: find its widgets through its output's view.
+    view = next(o for o in nb.cells[1].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {}))
+    root = models[view["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]]
+
+    def descendants(model_id: str):
+        m = models[model_id]
+        yield m
+        for child in m["state"].get("children", []):
+            yield from descendants(child.replace("IPY_MODEL_", ""))
+
+    mine = list(descendants(root["model_id"] if "model_id" in root else
+                            view["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]))
+    epochs = [m for m in mine if m["model_name"] == "IntProgressModel"]
+    assert len(epochs) == 1 and epochs[0]["state"]["value"] == epochs[0]["state"]["max"] == EPOCHS
+    workers = [m for m in mine if m["model_name"] == "FloatProgressModel"]
+    assert len(workers) == 2 and all(m["state"]["value"] == 1.0 for m in workers)
+    states = [m["state"]["value"] for m in mine if "nbdist-worker-state" in str(m["state"].get("value", ""))]
+    assert len(states) == 2 and all("<b>done</b>" in s for s in states)
+    # Charts: figures are children of the chart box; their Lines hold one point per epoch.
+    figures = [m for m in mine if m["model_name"] == "FigureModel"]
+    titles = sorted(m["state"]["title"] for m in figures)
+    assert titles == ["accuracy", "loss", "time per phase"]
+    lines = {}
+    for fig in figures:
+        for mark in fig["state"]["marks"]:
+            m = models[mark.replace("IPY_MODEL_", "")]
+            if m["model_name"] == "LinesModel":
+                lines[(fig["state"]["title"], m["state"]["labels"][0])] = decode_array(m, "y")
+    assert set(lines) == {(t, s) for t in ("loss", "accuracy") for s in ("train", "validation")}
+    assert all(v.shape == (EPOCHS,) for v in lines.values())
+    assert lines[("loss", "train")][-1] < lines[("loss", "train")][0]  # it learned
+    # The static summary replaced the empty placeholder: table and PNG survive without widgets.
+    html_out = [o["data"]["text/html"] for o in nb.cells[1].outputs if "text/html" in o.get("data", {})]
+    assert any("nbdist-summary" in h and "data:image/png;base64," in h for h in html_out)
+
+
+def test_background_run_returns_at_once_and_wait_collects_history(widget_notebook):
+    text = "".join(o.get("text", "") for o in widget_notebook.cells[3].outputs)
+    assert "waited: done 2 dict" in text, text
+    returned = text.split("returned: ")[1].split()
+    assert returned[0] in ("starting", "running")
+
+
+def test_stop_button_ends_a_background_run(widget_notebook):
+    text = "".join(o.get("text", "") for o in widget_notebook.cells[5].outputs)
+    stopped = text.split("stopped: ")[1].split()
+    assert stopped[0] == "stopped", text
+    assert 1 <= int(stopped[1]) < 200
+    assert float(stopped[2]) < 15
+    # The dashboard redrew, but throttled: far fewer draws than progress events.
+    assert int(text.split("draws: ")[1].split()[0]) >= 2
+
+
+# -- fallbacks: a frontend without widgets, a terminal IPython ---------------------------------------
+
+def test_html_renderer_where_widgets_are_not_rendered():
+    """Zeppelin's IPython interpreter: no widgets, display updates dropped -> appended HTML per epoch."""
+    nb = run_notebook([SETUP, f"%%dist_train --data X,y --epochs 2 --batch-size 64 --workers 2\n{MODEL}"],
+                      env={"ZEPPELIN_HOME": "/opt/zeppelin"})
+    outs = nb.cells[1].outputs
+    assert not any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outs)
+    htmls = [o["data"]["text/html"] for o in outs if "text/html" in o.get("data", {})]
+    epochs = [h for h in htmls if "nbdist-epoch" in h]
+    assert len(epochs) == 2 and "Epoch 2/2" in epochs[-1]
+    assert any("nbdist-summary" in h and "data:image/png;base64," in h for h in htmls)
+
+
+def test_text_renderer_in_a_terminal_ipython(tmp_path):
+    script = tmp_path / "run.ipy"
+    # An .ipy script is one cell, so the cell magic is called the way IPython runs a %% line.
+    script.write_text(SETUP + "get_ipython().run_cell_magic('dist_train', "
+                      f"'--data X,y --epochs 2 --batch-size 64 --workers 2', {MODEL!r})\n"
+                      "print('history', len(history['loss']))\n")
+    out = subprocess.run([PYTHON, "-m", "IPython", "--no-banner", "--colors=NoColor", str(script)],
+                         env=ENV, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Epoch 1/2" in out.stdout and "Epoch 2/2" in out.stdout, out.stdout
+    assert "history 2" in out.stdout and "<" not in out.stdout.split("Epoch 1/2")[1]  # plain text, no HTML
