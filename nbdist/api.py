@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .checks import check_model_fits_data
 from .config import TrainConfig
 from .data import make_dataset
 from .errors import NbdistError
 from .inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
 from .job import TrainingJob
+from .model_io import check_trainable
 from .spark_data import SparkData, is_spark_data, spark_dataset
 from .ui import make_renderer
 
@@ -55,6 +57,11 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
         elif val_set.x.shape[1:] != train_set.x.shape[1:]:
             raise NbdistError(f"validation features have shape {val_set.x.shape[1:]} per row but training "
                               f"features have {train_set.x.shape[1:]}; pass matching arrays.")
+    if not isinstance(train_set, SparkData):  # a mismatch is one sentence here, not a worker's traceback
+        check_trainable(model)
+        check_model_fits_data(model, train_set.x, train_set.y)
+        if val_set is not None:
+            check_model_fits_data(model, val_set.x, val_set.y, "validation data")
     renderer = make_renderer(config.ui)
     all_listeners = list(listeners or []) + ([renderer] if renderer else [])
     job = TrainingJob(model, config, train_set, val_set, namespace, all_listeners)

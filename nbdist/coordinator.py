@@ -35,7 +35,8 @@ class Coordinator:
         self.secret = secret
         self.world_size = world_size
         self.events: queue.Queue[Event] = queue.Queue()
-        self.rejected = 0
+        self.rejected = 0  # connections dropped before they were accepted as a worker
+        self.accepted = 0
         self.heartbeat_interval = heartbeat_interval
         self._channels: dict[int, protocol.Channel] = {}
         self._last_seen: dict[int, float] = {}
@@ -54,8 +55,13 @@ class Coordinator:
         while not self._closed.is_set():
             try:
                 sock, peer = self._server.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                # e.g. out of file descriptors under a connection flood: keep serving the real workers
+                log.warning("accept failed: %s", exc)
+                time.sleep(0.05)
+                continue
             threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
                              name=f"nbdist-conn-{peer[1]}").start()
 
@@ -74,8 +80,10 @@ class Coordinator:
                     raise protocol.ProtocolError(f"rank {rank} connected twice")
                 self._channels[rank] = channel
                 self._last_seen[rank] = time.monotonic()
+                self.accepted += 1
         except Exception as exc:
-            self.rejected += 1
+            with self._lock:  # many connection threads at once: count every one
+                self.rejected += 1
             log.warning("rejected a connection from %s: %s", peer, exc)
             sock.close()
             return

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import protocol
 from .backends import Backend, WorkerHandle, resolve_backend
+from .checks import non_finite, non_finite_message
 from .config import TrainConfig
 from .coordinator import Coordinator, Event
 from .data import Dataset, batches_per_epoch, check_workers, shard_bounds
@@ -237,6 +238,9 @@ class TrainingJob:
             merged = st.worker_epoch(rank, msg.body)
             if merged is not None:
                 self._notify("epoch", merged)
+                bad = non_finite(merged)
+                if bad is not None:  # diverged: stop rather than train on, and keep the user's weights
+                    self._fail(rank, non_finite_message(bad, merged[bad], int(msg.body["epoch"])), "")
         elif kind == "weights":
             n = int(msg.body["n_weights"])
             self._last_weights = (int(msg.body["epoch"]), msg.arrays[:n], len(msg.arrays) - n)

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from ..config import TrainConfig
 from ..errors import NbdistError
-from ..worker.main import SECRET_ENV
 from .local import package_root, read_log_tail
+from .secret import hand_over
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,10 @@ def gpu_flags(engine_name: str, gpus: str | None) -> list[str]:
 
 def run_command(engine: Engine, *, name: str, run_id: str, rank: int, image: str, python: str,
                 address: str, threads: int, mounts: list[str], config: TrainConfig) -> list[str]:
-    """``<engine> run ...`` for one worker. The secret is passed by name: its value is not on the command line."""
-    cmd = [engine.path, "run", "--rm", "--name", name, "--label", f"{LABEL}={run_id}",
-           "--label", f"nbdist.rank={rank}", "--network", "host", "--init", "--workdir", "/tmp",
-           "--env", SECRET_ENV]
+    """``<engine> run ...`` for one worker. The secret is not here: it goes to the worker's stdin
+    (``-i``), so neither the command line nor ``<engine> inspect`` shows it."""
+    cmd = [engine.path, "run", "--rm", "-i", "--name", name, "--label", f"{LABEL}={run_id}",
+           "--label", f"nbdist.rank={rank}", "--network", "host", "--init", "--workdir", "/tmp"]
     env = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
            "OMP_NUM_THREADS": str(threads), "TF_NUM_INTRAOP_THREADS": str(threads),
            "TF_NUM_INTEROP_THREADS": str(max(1, min(2, threads))), "HOME": "/tmp"}
@@ -258,8 +258,6 @@ class ContainerBackend:
         else:
             image, python, mounts = ensure_base_image(self.engine), sys.executable, environment_mounts()
         self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-containers-"))
-        env = dict(os.environ)
-        env[SECRET_ENV] = secret.hex()  # read by `run --env NAME`, so only the engine sees the value
         host, port = address
         for rank, name in enumerate(self.container_names(world_size)):
             cmd = run_command(self.engine, name=name, run_id=self.run_id, rank=rank, image=image,
@@ -267,9 +265,9 @@ class ContainerBackend:
                               mounts=mounts, config=self.config)
             log_path = self.run_dir / f"worker-{rank}.log"
             with open(log_path, "wb") as out:
-                proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=subprocess.STDOUT,
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                         start_new_session=True)  # a terminal's Ctrl-C reaches the driver only
+            hand_over(proc, secret)
             self.workers.append(ContainerWorker(rank, name, proc, log_path))
         log.info("starting %d %s containers (run %s, image %s), logs in %s", world_size, self.engine.name,
                  self.run_id, image, self.run_dir)

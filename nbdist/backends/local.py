@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..config import default_local_workers
 from ..strategies.placement import local_gpu_env
-from ..worker.main import SECRET_ENV
+from .secret import hand_over
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +24,8 @@ def package_root() -> str:
 
 
 def worker_env(secret: bytes, threads: int) -> dict[str, str]:
+    """The worker's environment. ``secret`` is not in it: it goes on stdin (backends/secret.py)."""
     env = dict(os.environ)
-    env[SECRET_ENV] = secret.hex()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH", "")) if p)
     env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "2")
     env["OMP_NUM_THREADS"] = str(threads)
@@ -96,9 +96,10 @@ class LocalBackend:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "nbdist.worker", "--address", f"{host}:{port}",
                      "--rank", str(rank), "--die-with-parent"],
-                    env=rank_env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    env=rank_env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
                 )
+            hand_over(proc, secret)
             self.workers.append(LocalWorker(rank, proc, log_path))
         log.info("started %d local workers, logs in %s", world_size, self.run_dir)
         return list(self.workers)

@@ -219,6 +219,7 @@ def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
     from pyspark import BarrierTaskContext
 
     from .local import worker_env
+    from .secret import hand_over
 
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
@@ -244,7 +245,8 @@ def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "nbdist.worker", "--address", f"{spec.address[0]}:{spec.address[1]}",
                  "--rank", str(rank), "--die-with-parent"],  # dies with this task's Python process
-                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                env=env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            hand_over(proc, secret)  # on stdin, not in the worker's command line or environment
         reporter.send({"type": "started", "rank": rank, "pid": proc.pid, "host": socket.gethostname()})
         code = proc.wait()
         tail = _tail(log_path)

@@ -117,6 +117,7 @@ class DistMagics(Magics):
         model = ns[self._pick_model(args.model, before, ns)]
         job = prepare(model, config, x, y, validation, namespace=ns, features=args.features, label=args.label)
         job.start()  # on this (main) thread: workers end with the thread that started them
+        ns[f"{args.out}_job"] = job  # also when blocking: after a failure, job.error and job.worker_log(rank)
         if config.background:
             return self._in_background(job, ns, args.out)
         try:

@@ -1,8 +1,9 @@
 """Worker entry point: connect, authenticate, receive the job, train, report.
 
 The same program runs under every backend; only how it is started differs.
-The driver's address comes from ``--address``, the per-run secret from the
-environment (never the command line, which other users can read).
+The driver's address comes from ``--address``, the per-run secret as one hex line
+on stdin (never the command line, which other users can read, nor the environment,
+which ``podman inspect`` shows); see backends/secret.py.
 """
 from __future__ import annotations
 
@@ -21,7 +22,17 @@ from .. import protocol
 
 log = logging.getLogger("nbdist.worker")
 
-SECRET_ENV = "NBDIST_SECRET"
+
+
+def read_secret(stream: Any = None) -> bytes | None:
+    """The per-run secret from the first line of stdin; None if it is missing or malformed."""
+    stream = stream if stream is not None else sys.stdin.buffer
+    line = stream.readline(1024).strip()
+    try:
+        secret = bytes.fromhex(line.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return secret or None
 
 
 class DriverLink:
@@ -128,12 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         _die_with_parent()
         if os.getppid() != parent:
             return 5
-    secret_hex = os.environ.pop(SECRET_ENV, "")
-    if not secret_hex:
-        log.error("%s is not set; a worker must be started by nbdist", SECRET_ENV)
+    secret = read_secret()
+    if secret is None:
+        log.error("no secret on stdin; a worker must be started by nbdist")
         return 2
     host, _, port = args.address.rpartition(":")
-    channel = protocol.connect((host, int(port)), bytes.fromhex(secret_hex))
+    channel = protocol.connect((host, int(port)), secret)
     link = DriverLink(channel)
     link.send({"type": "hello", "rank": args.rank, "pid": os.getpid(), "host": socket.gethostname()})
     try:

@@ -1,0 +1,24 @@
+"""Handing the per-run secret to a worker without exposing it.
+
+A command line is world-readable (``ps``), the environment of a container is shown by
+``podman inspect`` / ``docker inspect`` and a process's environment by ``ps e`` to its
+owner. So every backend starts the worker with a pipe as its stdin and writes the secret
+there as one hex line, then closes the pipe; the worker reads it before anything else.
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+
+log = logging.getLogger(__name__)
+
+
+def hand_over(proc: subprocess.Popen, secret: bytes) -> None:
+    """Write ``secret`` to a just-started worker's stdin (a pipe) and close it."""
+    if proc.stdin is None:
+        raise ValueError("start the worker with stdin=subprocess.PIPE to hand it the secret")
+    try:
+        proc.stdin.write(secret.hex().encode() + b"\n")  # 65 bytes: never blocks on a pipe
+        proc.stdin.close()
+    except OSError as exc:  # it died at once; its exit status tells the job why
+        log.debug("could not hand the secret to pid %s: %s", proc.pid, exc)

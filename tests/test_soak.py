@@ -1,0 +1,122 @@
+"""R1 and R2 soak loops (marker ``soak``; the default run executes them).
+
+R1: kill -9 one worker at a random time once training is underway, 20 trials: each run
+fails within 10 s naming the worker and the signal; no hang; no process left.
+R2: interrupt at a random time after the first epoch, 20 trials (half through the API's
+``job.wait()``, half through ``%%dist_train`` in a real IPython shell): every worker gone
+within 5 s, the model holds the last synchronised weights, the history keeps the finished
+epochs, and the next run (the next trial) works. ``benchmarks/soak.py`` runs more trials.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import soak  # noqa: E402
+
+from .conftest import ipython_shell  # noqa: E402
+
+pytestmark = pytest.mark.soak
+TRIALS = int(os.environ.get("NBDIST_SOAK_TRIALS", "20"))
+
+
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """A shell starts background jobs with SIGINT ignored; these trials need Python's handler."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def report(trials: list[soak.Trial]) -> str:
+    rows = soak.summarise(trials)
+    problems = [f"{t.kind}: {p}" for t in trials for p in t.problems]
+    return f"{rows}\n" + "\n".join(problems)
+
+
+def test_r1_kill_a_worker_mid_epoch(digits):
+    x, y = digits
+    rng = random.Random(1)
+    trials = [soak.kill_trial(x, y, rng) for _ in range(TRIALS)]
+    assert all(t.ok for t in trials), report(trials)
+    assert sum(t.hang for t in trials) == 0 and sum(t.leftovers for t in trials) == 0
+    assert max(t.seconds for t in trials) < soak.FAIL_WITHIN
+
+
+def test_r2_interrupt_job_wait(digits):
+    x, y = digits
+    rng = random.Random(2)
+    trials = [soak.interrupt_trial(x, y, rng) for _ in range(TRIALS - TRIALS // 2)]
+    assert all(t.ok for t in trials), report(trials)
+    assert max(t.seconds for t in trials) < soak.GONE_WITHIN
+
+
+INTERRUPT_CELL = """
+import keras
+keras.utils.set_random_seed({seed})
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+"""
+
+
+def interrupt_cell_trial(ip, rng: random.Random) -> soak.Trial:
+    """One R2 trial through the magic: SIGINT lands while the cell drains events."""
+    trial = soak.Trial("interrupt")
+    sent: dict[str, float] = {}
+    delay = rng.uniform(0.0, 0.5)
+    done = threading.Event()
+
+    def interrupt_after_first_epoch() -> None:
+        while not done.is_set():  # `soak_h` grows when the first epoch has been merged
+            job = ip.user_ns.get("soak_h_job")
+            if job is not None and job.history.get("loss"):
+                time.sleep(delay)
+                if job.status == "running":
+                    sent["at"] = time.monotonic()
+                    os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.02)
+
+    ip.user_ns.pop("soak_h_job", None)
+    threading.Thread(target=interrupt_after_first_epoch, daemon=True).start()
+    try:
+        result = ip.run_cell("%%dist_train --data X,y --epochs 10000 --batch-size 16 --workers 2 --ui none "
+                             f"--out soak_h\n{INTERRUPT_CELL.format(seed=rng.randrange(1000))}")
+    finally:
+        done.set()
+    if not result.success:
+        trial.problems.append(f"the cell failed: {result.error_in_exec!r}")
+    if "at" not in sent:
+        trial.problems.append("the interrupt was never sent")
+        return trial
+    took, trial.leftovers = soak.wait_gone(soak.GONE_WITHIN)
+    trial.seconds = time.monotonic() - sent["at"] if not trial.leftovers else None
+    job = ip.user_ns["soak_h_job"]
+    soak.check_interrupted(job, ip.user_ns["model"], trial)
+    if ip.user_ns["soak_h"] != job.history:
+        trial.problems.append("the notebook's history is not the run's history")
+    return trial
+
+
+def test_r2_interrupt_dist_train_cell(digits):
+    x, y = digits
+    ip = ipython_shell()
+    ip.user_ns.update(X=x, y=y)
+    rng = random.Random(3)
+    trials = [interrupt_cell_trial(ip, rng) for _ in range(TRIALS // 2)]
+    assert all(t.ok for t in trials), report(trials)
+    assert max(t.seconds for t in trials) < soak.GONE_WITHIN
+    # After the interrupts, a run to the end works and writes back.
+    result = ip.run_cell(f"%%dist_train --data X,y --epochs 1 --workers 2 --ui none --out soak_h\n"
+                         f"{INTERRUPT_CELL.format(seed=0)}")
+    assert result.success and len(ip.user_ns["soak_h"]["loss"]) == 1
+    assert not soak.worker_processes()
