@@ -84,7 +84,9 @@ class Coordinator:
         except Exception as exc:
             with self._lock:  # many connection threads at once: count every one
                 self.rejected += 1
-            log.warning("rejected a connection from %s: %s", peer, exc)
+                count = self.rejected
+            # A flood (a port scan, an attack) must not flood the notebook's log too.
+            (log.warning if count <= 5 else log.debug)("rejected a connection from %s: %s", peer, exc)
             sock.close()
             return
         self.events.put(Event("connected", rank, hello))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import queue
 import socket
 import threading
 import time
@@ -28,7 +29,8 @@ from .conftest import mlp, wait_no_workers
 
 FRAMES = int(os.environ.get("NBDIST_FUZZ_FRAMES", "10000"))
 BUDGET = 60.0  # seconds for the whole attack
-EPOCHS = 40  # long enough that the run outlasts the attack
+EPOCHS = 60  # long enough that the run outlasts the attack
+SENDERS = 4
 
 
 def _config() -> TrainConfig:
@@ -86,13 +88,15 @@ class Attacker:
         self.address = address
         self.secret = secret
         self.sent = 0
+        self._lock = threading.Lock()
         self.captured: bytes | None = None  # a valid frame from an earlier session, for replays
 
     def __call__(self, case: tuple) -> None:
         what, a, b = case
         try:
             with _open(self.address) as sock:
-                self.sent += 1
+                with self._lock:
+                    self.sent += 1
                 self._send(sock, what, a, b)
         except OSError:
             pass  # the coordinator hung up on us first: that is a rejection too
@@ -138,7 +142,7 @@ class Attacker:
             frame = _frame(key, _hello([-1, 2, 99, "0", None, 1.5][a % 6]))
         elif what == "replay":
             frame = self.captured or _frame(key, _hello(0))
-            self.captured = _frame(key, _hello(0))  # valid in this session only
+            self.captured = _frame(key, _hello(0))  # valid in this session only: replayed in a later one
         else:
             raise AssertionError(what)
         sock.sendall(frame)
@@ -195,15 +199,32 @@ def test_hostile_frames_against_a_live_run(digits_split):
         attacker = Attacker(coordinator.address, coordinator.secret)
         start = time.monotonic()
 
+        todo: queue.Queue = queue.Queue(maxsize=256)
+
+        def sender():  # a few connections in flight at once: each waits on the server's replies
+            while (case := todo.get()) is not None:
+                if time.monotonic() - start < BUDGET and job.status == "running":
+                    attacker(case)
+
+        senders = [threading.Thread(target=sender, daemon=True) for _ in range(SENDERS)]
+        for t in senders:
+            t.start()
+
         @settings(max_examples=FRAMES, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(cases)
         def send(case):
-            if time.monotonic() - start < BUDGET and job.status == "running":
-                attacker(case)
+            todo.put(case)
 
         send()
+        for _ in senders:
+            todo.put(None)
+        for t in senders:
+            t.join(BUDGET + 30)
         took = time.monotonic() - start
+        with _open(coordinator.address) as sock:  # the accept loop survived the flood
+            _read_hello(sock)
+        attacker.sent += 1  # that probe is rejected too (it never answers the challenge)
         deadline = time.monotonic() + 30  # each rejection lands on its connection's thread
         while coordinator.rejected < attacker.sent and time.monotonic() < deadline:
             time.sleep(0.05)
