@@ -47,6 +47,7 @@ def test_r1_kill_a_worker_mid_epoch(digits):
     x, y = digits
     rng = random.Random(1)
     trials = [soak.kill_trial(x, y, rng) for _ in range(TRIALS)]
+    print(soak.summarise(trials))
     assert all(t.ok for t in trials), report(trials)
     assert sum(t.hang for t in trials) == 0 and sum(t.leftovers for t in trials) == 0
     assert max(t.seconds for t in trials) < soak.FAIL_WITHIN
@@ -56,6 +57,7 @@ def test_r2_interrupt_job_wait(digits):
     x, y = digits
     rng = random.Random(2)
     trials = [soak.interrupt_trial(x, y, rng) for _ in range(TRIALS - TRIALS // 2)]
+    print(soak.summarise(trials))
     assert all(t.ok for t in trials), report(trials)
     assert max(t.seconds for t in trials) < soak.GONE_WITHIN
 
@@ -113,6 +115,7 @@ def test_r2_interrupt_dist_train_cell(digits):
     ip.user_ns.update(X=x, y=y)
     rng = random.Random(3)
     trials = [interrupt_cell_trial(ip, rng) for _ in range(TRIALS // 2)]
+    print(soak.summarise(trials))
     assert all(t.ok for t in trials), report(trials)
     assert max(t.seconds for t in trials) < soak.GONE_WITHIN
     # After the interrupts, a run to the end works and writes back.
