@@ -6,12 +6,13 @@ so a kernel interrupt lands here and stops every worker.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -153,7 +154,14 @@ class TrainingJob:
         return self.history
 
     def stop(self, reason: str = "stopped") -> None:
-        """End every worker now; the model keeps the last synchronised weights."""
+        """End every worker now; the model keeps the last synchronised weights.
+
+        An interrupt pressed again meanwhile is held back until the stop is complete: a stop
+        cut short would leave workers running and the model half-written."""
+        with _interrupts_held():
+            self._stop_once(reason)
+
+    def _stop_once(self, reason: str) -> None:
         if self.status in TERMINAL:
             return
         if self._in_background():
@@ -419,6 +427,27 @@ class TrainingJob:
                 listener(kind, self.state, payload)
             except Exception:  # a broken renderer must not break training
                 log.exception("progress listener failed")
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """On the main thread, turn SIGINT into a log line for the duration (Python raises
+    KeyboardInterrupt only there, and only its handler can be swapped)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    pressed: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if not pressed:
+            log.warning("still stopping the workers; they will be gone in a few seconds")
+        pressed.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _cores() -> int:

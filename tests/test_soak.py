@@ -123,3 +123,44 @@ def test_r2_interrupt_dist_train_cell(digits):
                          f"{INTERRUPT_CELL.format(seed=0)}")
     assert result.success and len(ip.user_ns["soak_h"]["loss"]) == 1
     assert not soak.worker_processes()
+
+
+def test_second_interrupt_while_stopping_still_stops_everything(digits):
+    """Users press interrupt twice: the second one lands inside stop(), which must still finish."""
+    x, y = digits
+    sent: dict[str, float] = {}
+    epoch_done = threading.Event()
+    followed = threading.Event()
+
+    def interrupt_twice(state):
+        epoch_done.wait(120)
+        sent["at"] = time.monotonic()
+        # The first interrupt starts stop(); keep interrupting until it has finished.
+        while job.status == "running" and not followed.is_set() and time.monotonic() - sent["at"] < 2.0:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.02)
+
+    base = soak._when_training(interrupt_twice, 0.0)
+
+    def listener(kind, state, payload):
+        base(kind, state, payload)
+        if kind == "epoch":
+            epoch_done.set()
+
+    model = soak.tiny_model(0)
+    job = soak._job(model, x, y, listener)
+    job.start()
+    try:
+        try:
+            soak.follow(job, sent)
+        except KeyboardInterrupt:
+            pass
+        followed.set()
+        time.sleep(1.0)  # if the second interrupt comes after stop() returned, it lands here
+    except KeyboardInterrupt:
+        pass
+    took, left = soak.wait_gone(soak.GONE_WITHIN)
+    assert left == 0 and time.monotonic() - sent["at"] < soak.GONE_WITHIN + 1.0
+    trial = soak.Trial("interrupt", seconds=None, leftovers=left)
+    soak.check_interrupted(job, model, trial)
+    assert trial.ok, trial.problems
