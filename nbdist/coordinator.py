@@ -137,6 +137,10 @@ class Coordinator:
 
     def close(self) -> None:
         self._closed.set()
+        try:  # close() alone does not wake a thread blocked in accept(): it and the port would live on
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self._server.close()
         except OSError:

@@ -43,6 +43,15 @@ def report(trials: list[soak.Trial]) -> str:
     return f"{rows}\n" + "\n".join(problems)
 
 
+# Each trial starts two TensorFlow workers: ~5 s on an idle 2-core machine, far more when loaded.
+LIMIT = pytest.mark.timeout(120 + 90 * TRIALS)
+
+
+def accept_threads() -> int:
+    return sum(t.name == "nbdist-accept" and t.is_alive() for t in threading.enumerate())
+
+
+@LIMIT
 def test_r1_kill_a_worker_mid_epoch(digits):
     x, y = digits
     rng = random.Random(1)
@@ -51,8 +60,10 @@ def test_r1_kill_a_worker_mid_epoch(digits):
     assert all(t.ok for t in trials), report(trials)
     assert sum(t.hang for t in trials) == 0 and sum(t.leftovers for t in trials) == 0
     assert max(t.seconds for t in trials) < soak.FAIL_WITHIN
+    assert accept_threads() == 0  # each run's coordinator closed its port and its thread
 
 
+@LIMIT
 def test_r2_interrupt_job_wait(digits):
     x, y = digits
     rng = random.Random(2)
@@ -109,6 +120,7 @@ def interrupt_cell_trial(ip, rng: random.Random) -> soak.Trial:
     return trial
 
 
+@LIMIT
 def test_r2_interrupt_dist_train_cell(digits):
     x, y = digits
     ip = ipython_shell()
