@@ -23,7 +23,6 @@ from .. import protocol
 log = logging.getLogger("nbdist.worker")
 
 
-
 def read_secret(stream: Any = None) -> bytes | None:
     """The per-run secret from the first line of stdin; None if it is missing or malformed."""
     stream = stream if stream is not None else sys.stdin.buffer
