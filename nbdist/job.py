@@ -283,7 +283,8 @@ class TrainingJob:
         while True:
             for h in self._handles:
                 code = h.exit_status()
-                if h.rank != rank and h.rank not in self._done and code is not None and code != 0:
+                # Exit code 1: that worker raised and reported its own error; it is not the cause.
+                if h.rank != rank and h.rank not in self._done and code is not None and code not in (0, 1):
                     return h
             if time.monotonic() >= deadline:
                 return None
