@@ -48,6 +48,18 @@ def _first_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def last_traceback(log_text: str, fallback_lines: int = 30) -> str:
+    """The last whole Python traceback in a worker's log, else the log's last lines.
+
+    A worker logs its traceback before it exits; TensorFlow's can run to hundreds of lines,
+    so a fixed-size tail would cut off its head ("Traceback (most recent call last)").
+    """
+    start = log_text.rfind("Traceback (most recent call last)")
+    if start >= 0:
+        return log_text[start:]
+    return "\n".join(log_text.splitlines()[-fallback_lines:])
+
+
 class TrainingJob:
     """One run of ``nbdist.train``: ``.status``, ``.history``, ``.wait()``, ``.stop()``."""
 
@@ -261,7 +273,8 @@ class TrainingJob:
             dead = self._dead_peer(rank)
             if dead is not None:  # a peer's death broke the collective: name the cause, not the symptom
                 self._fail(dead.rank, f"{dead.describe()} {_describe_exit(dead.exit_status())} during training "
-                                      f"(then {self._name(rank)} failed: {text})", dead.log_tail(30))
+                                      f"(then {self._name(rank)} failed: {text})",
+                           last_traceback(dead.log_tail(400)))
                 return
             self._fail(rank, f"{self._name(rank)} failed: {text}", str(msg.body.get("traceback", "")))
 
@@ -335,13 +348,13 @@ class TrainingJob:
                 if self.status in TERMINAL:
                     return
                 how = _describe_exit(code) if code is not None else "closed its connection"
-                self._fail(h.rank, f"{h.describe()} {how} during training", h.log_tail(30))
+                self._fail(h.rank, f"{h.describe()} {how} during training", last_traceback(h.log_tail(400)))
                 return
             if code == 0 and h.rank not in self._done:
                 self._drain_errors()
                 if self.status in TERMINAL:
                     return
-                self._fail(h.rank, f"{h.describe()} exited before finishing", h.log_tail(30))
+                self._fail(h.rank, f"{h.describe()} exited before finishing", last_traceback(h.log_tail(400)))
                 return
         connected = self._coordinator.connected() | self._done | set(self._closing)
         if len(connected) < self.world_size and now - self._launched_at > self.config.startup_timeout:
