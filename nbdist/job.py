@@ -437,6 +437,7 @@ class TrainingJob:
         self._done, self._closing = set(), {}
         try:
             self._spec, self._initial_epoch = keeper.restart_point()
+            self._rewind_last_weights()
             self.state.restarting(self._initial_epoch)
             reason = keeper.restart_reason(message, self._initial_epoch)
             log.info("%s", reason)
@@ -447,6 +448,16 @@ class TrainingJob:
             self._launch(backend)
         except Exception as exc:
             self._fail(rank, f"relaunching the workers failed ({exc}) after: {message}", worker_traceback)
+
+    def _rewind_last_weights(self) -> None:
+        """What a stop before the relaunched workers finish an epoch leaves in the model: the
+        checkpoint's state, not weights from an epoch that died with a worker."""
+        if self._initial_epoch == 0:  # restarted from the model as given
+            self._last_weights = None
+            return
+        opt = list(self._spec.optimizer_weights or [])
+        self._last_weights = (self._initial_epoch - 1, list(self._spec.weights), len(opt))
+        self._opt_weights, self._iterations = opt, self._keeper.iterations
 
     def _drop_temp_checkpoints(self) -> None:
         if self._keeper is not None:

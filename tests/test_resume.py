@@ -83,7 +83,7 @@ def test_crash_then_resume_continues_from_the_checkpoint(strategy, reference, di
     saved = checkpoint.load(ckpt_dir)
     # Workers may finish one more epoch before the driver sees the kill; never fewer than KILL_AFTER.
     assert KILL_AFTER <= saved.epoch < EPOCHS
-    assert saved.history["loss"] == ref.history["loss"][:saved.epoch]
+    assert saved.history["loss"] == pytest.approx(ref.history["loss"][:saved.epoch], rel=1e-5)
     assert os.listdir(ckpt_dir) == [checkpoint.FILENAME]
 
     resumed_model = mlp(seed=7)  # a fresh cell: different initial weights, replaced by the checkpoint's
