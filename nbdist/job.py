@@ -97,9 +97,6 @@ class TrainingJob:
         """Validate, serialise the model and launch the workers (from the main thread)."""
         cfg = self.config
         self._spec = self._make_spec()
-        self._keeper = CheckpointKeeper.for_run(cfg, self.model)
-        if self._keeper is not None:
-            self._spec, self._initial_epoch = self._keeper.start_point(self._spec)
         backend = resolve_backend(cfg)
         world = cfg.workers or backend.default_workers()
         if isinstance(self.train_data, SparkData):  # stays on the executors; only counts come back
@@ -118,6 +115,10 @@ class TrainingJob:
                             if self.validation_data is not None else None)
         batches = [batches_per_epoch(b - a, cfg.batch_size) for a, b in self._shards]
         self._rounds = rounds_per_epoch(batches, cfg.averaging_frequency)
+        # Last of the checks (a temporary checkpoint directory is made here and removed by every ending).
+        self._keeper = CheckpointKeeper.for_run(cfg, self.model)
+        if self._keeper is not None:
+            self._spec, self._initial_epoch = self._keeper.start_point(self._spec)
         self.state = RunState(world, cfg.epochs, backend=backend.name, strategy=cfg.strategy)
         if self._keeper is not None:
             self._keeper.seed_state(self.state)

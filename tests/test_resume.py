@@ -111,6 +111,7 @@ def test_max_restarts_recovers_without_the_user(reference, digits_split, capsys)
                   listeners=[kill, lambda kind, st, payload: kind == "restart" and restarts.append(payload)])
     job.start()
     live_history = job.history
+    job.run_in_background()  # as with --background: the restart happens on the pump thread
     job.wait(timeout=300)
     assert job.status == "done" and job.state.restarts == 1
     assert len(restarts) == 1 and f"(pid {kill.killed[0]}) was killed by SIGKILL" in restarts[0]
