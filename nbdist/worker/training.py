@@ -97,6 +97,8 @@ def run_job(link: Any, rank: int) -> None:
     spec = ModelSpec(job["model_config"], job["weights"], job["optimizer_weights"], None)
     model = model_from_spec(spec, custom)
     build_optimizer(model)
+    if job.get("iterations") is not None:  # resumed: Adam's bias correction continues, not restarts
+        model.optimizer.iterations.assign(int(job["iterations"]))
     scale_learning_rate(model, cfg.get("lr_scaling", "none"), int(job["world_size"]))
     link.send({"type": "progress", "state": "starting", "epoch": int(job["initial_epoch"])})
 
