@@ -64,20 +64,41 @@ class SparkData:
             from pyspark.sql import functions as F
 
             df = self.dataframe
-            if df.rdd.getNumPartitions() != workers:
+            if df.rdd.getNumPartitions() != workers or not barrier_safe(df._jdf.rdd()):
                 df = df.repartition(workers)
             # Counted in the JVM: no row reaches Python, only one count per partition comes back.
             counts = dict(df.groupBy(F.spark_partition_id().alias("p")).count().collect())
             self.rdd = df.rdd
         else:
             rdd = self.rdd
-            if rdd.getNumPartitions() != workers:
+            if rdd.getNumPartitions() != workers or not barrier_safe(rdd._jrdd.rdd()):
                 rdd = rdd.repartition(workers)
             # The same RDD object trains later, so its shuffle output is reused and the counts hold.
             counts = dict(enumerate(rdd.mapPartitions(_count).collect()))
             self.rdd = rdd
         self.sizes = [int(counts.get(p, 0)) for p in range(workers)]
         return self.sizes
+
+
+def barrier_safe(jrdd: Any) -> bool:
+    """Whether a barrier stage can run on this (JVM) RDD as it is.
+
+    Spark refuses a barrier stage whose RDDs, back to the previous shuffle, differ in
+    partition count (a union, a coalesce: SPARK-24820); such data needs a repartition.
+    """
+    want = jrdd.getNumPartitions()
+    stack, seen = [jrdd], 0
+    while stack and seen < 1000:  # a lineage walk, bounded for pathological plans
+        rdd = stack.pop()
+        seen += 1
+        if rdd.getNumPartitions() != want:
+            return False
+        deps = rdd.dependencies()
+        for i in range(deps.size()):
+            dep = deps.apply(i)
+            if not dep.getClass().getSimpleName().startswith("Shuffle"):  # narrow: same stage
+                stack.append(dep.rdd())
+    return True
 
 
 def _count(rows: Any) -> list[int]:

@@ -159,7 +159,9 @@ def predict_spark(model: Any, df: Any, features: str | Sequence[str] | None, nam
                        batch_size=config.batch_size,
                        input_shape=in_shape if in_shape is not None and len(in_shape) > 1 else None,
                        scalar=scalar, threads=max(1, int(sc.getConf().get("spark.task.cpus", "1") or 1)),
-                       custom_objects=custom)
+                       custom_objects=custom,
+                       udt_columns=tuple((f.name, f.dataType) for f in df.schema.fields
+                                         if isinstance(f.dataType, T.UserDefinedType)))
     kind = T.DoubleType() if scalar else T.ArrayType(T.DoubleType(), containsNull=False)
     schema = T.StructType(list(df.schema.fields) + [T.StructField(prediction_col, kind, nullable=False)])
     log.info("prediction column %r added lazily (%d feature columns, model broadcast once)",

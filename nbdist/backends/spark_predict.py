@@ -54,6 +54,9 @@ class PredictSpec:
     # Custom layers/losses the model config names. They reach the executor inside Spark's own task
     # closure (as any UDF's code does), never as bytes nbdist unpickles.
     custom_objects: dict[str, Any] = field(default_factory=dict)
+    # Columns of a user-defined type (ML Vectors): Arrow hands them over as their struct, and
+    # Spark needs the objects back, so each is rebuilt with its own type's deserialize().
+    udt_columns: tuple[tuple[str, Any], ...] = ()
 
 
 def vector_values(cell: Any) -> Any:
@@ -123,4 +126,12 @@ def predict_batches(spec: PredictSpec, batches: Iterator[Any]) -> Iterator[Any]:
             x = x.reshape((len(x), *spec.input_shape))
         out = model.predict(x, batch_size=spec.batch_size, verbose=0)
         pdf[spec.column] = as_column(out, spec.scalar)
+        for name, udt in spec.udt_columns:
+            pdf[name] = [_udt_value(udt, cell) for cell in pdf[name]]
         yield pdf
+
+
+def _udt_value(udt: Any, cell: Any) -> Any:
+    if not isinstance(cell, dict):
+        return cell
+    return udt.deserialize(tuple(cell[f.name] for f in udt.sqlType().fields))
