@@ -204,3 +204,21 @@ def test_bad_input_is_one_sentence(spark, data, multiclass, test_frame):
     with pytest.raises(UsageError, match="--features and --label name the columns"):
         shell.user_ns.update(X=np.zeros((4, 64), np.float32), y=np.zeros(4, np.int64))
         shell.run_line_magic("dist_evaluate", "model --data X,y --features pixels")
+
+
+def test_union_is_repartitioned_for_barrier_tasks(spark, data):
+    # A union's RDD chain has parents with other partition counts, which Spark refuses in a
+    # barrier stage (SPARK-24820) even when its partition count equals the workers.
+    from nbdist.spark_data import barrier_safe, spark_dataset
+
+    _, Xte, _, yte = data
+    rows = [(i, x.tolist(), int(label)) for i, (x, label) in enumerate(zip(Xte[:80], yte[:80]))]
+    sc = spark.sparkContext
+    union = spark.createDataFrame(sc.parallelize(rows[:50], 1).union(sc.parallelize(rows[50:], 1)),
+                                  "id long, pixels array<float>, digit long")
+    assert union.rdd.getNumPartitions() == 2 and not barrier_safe(union._jdf.rdd())
+    data_ = spark_dataset(union, None, "pixels", "digit")
+    assert data_.partition_sizes(2) == [40, 40]  # repartitioned round-robin (was 50 and 30)
+    counts = data_.rdd.barrier().mapPartitions(lambda part: [sum(1 for _ in part)]).collect()
+    assert counts == [40, 40]
+    assert barrier_safe(unequal_frame(spark, Xte[:10], yte[:10])._jdf.rdd())
