@@ -93,13 +93,12 @@ def test_backend_spark_without_spark_is_one_sentence():
 
 def test_magic_backend_spark_without_spark():
     from IPython.core.error import UsageError
-
     from nbdist.backends.spark import active_spark_context
+
+    from .conftest import ipython_shell  # the session's one shell: a second shell class cannot coexist
 
     if active_spark_context() is not None:
         pytest.skip("a SparkContext is active in this process")
-    from .conftest import ipython_shell
-
     ip = ipython_shell()
     ip.user_ns.update(X=np.zeros((4, 2), np.float32), y=np.zeros(4, np.int64))
     with pytest.raises(UsageError, match="needs an active SparkContext"):
