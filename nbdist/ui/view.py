@@ -16,8 +16,14 @@ MAX_REDRAWS_PER_SECOND = 5.0
 
 STATE_COLOURS = {
     "starting": "#888888", "training": "#1f77b4", "synchronising": "#ff7f0e",
-    "done": "#2ca02c", "failed": "#d62728", "stopped": "#9467bd",
+    "done": "#2ca02c", "failed": "#d62728", "stopped": "#9467bd", "restarting": "#e377c2",
+    "running": "#1f77b4",
 }
+
+
+def restarts(state: RunState) -> int:
+    """How often the workers were relaunched (``RunState.restarts`` exists once restarts are built)."""
+    return int(getattr(state, "restarts", 0) or 0)
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -40,18 +46,20 @@ class Overview:
     eta: str
     throughput: float
     status: str
+    restarts: int = 0
 
     @property
     def line(self) -> str:
+        again = f" · restarted {self.restarts}×" if self.restarts else ""
         return (f"Epoch {self.epochs_done}/{self.epochs_total} · elapsed {self.elapsed} · "
-                f"ETA {self.eta} · {self.throughput:,.0f} samples/s")
+                f"ETA {self.eta} · {self.throughput:,.0f} samples/s{again}")
 
 
 def overview(state: RunState) -> Overview:
     done = state.initial_epoch + state.epochs_done
     eta = 0.0 if state.status == "done" else state.eta
     return Overview(done, state.epochs, format_seconds(state.elapsed), format_seconds(eta),
-                    state.throughput, state.status)
+                    state.throughput, state.status, restarts(state))
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,9 @@ def status_sentence(state: RunState) -> str:
                 "holds the last averaged weights.")
     if state.status == "failed":
         return f"Training failed: {state.error}"
+    if state.status == "restarting":
+        return (f"Restarting the workers (restart {restarts(state)}), continuing from epoch "
+                f"{state.initial_epoch + state.epochs_done}")
     return f"{state.strategy} on {state.world_size} {state.backend} workers: {state.status}"
 
 

@@ -29,6 +29,13 @@ LOG_LINES = 12
 LOG_INTERVAL = 1.0  # seconds between reads of the workers' log files
 
 
+def phase_note(row: Any) -> str:
+    """The share of this worker's time spent synchronising so far, e.g. " · sync 12%"."""
+    if row.compute_seconds + row.sync_seconds <= 0:
+        return ""
+    return f" · sync {row.sync_fraction:.0%}"
+
+
 class MetricChart:
     """One bqplot figure per metric: a training and a validation line, one point per epoch."""
 
@@ -109,6 +116,8 @@ class WidgetDashboard:
         self.phase: PhaseChart | None = None
         self.phase_box = W.Box()
         self.error_panel = W.HTML(layout=W.Layout(display="none"))
+        self.notice = W.HTML(layout=W.Layout(display="none"))  # restarts, with their reasons
+        self._restart_reasons: list[str] = []
         self.logs: list[W.HTML] = []
         self.log_panel = W.Accordion()
         self.root = W.VBox([
@@ -117,6 +126,7 @@ class WidgetDashboard:
             self.overview,
             self.chart_box,
             W.HBox([self.worker_box, self.phase_box], layout=W.Layout(flex_flow="row wrap")),
+            self.notice,
             self.error_panel,
             self.log_panel,
         ])
@@ -143,6 +153,11 @@ class WidgetDashboard:
                 # Created on the calling (main) thread, so the end-of-run summary lands in this cell
                 # even when the run ends on the background thread.
                 self._summary_handle = self._show(HTML(""), display_id=True)
+                self._draw()
+            elif kind == "restart":  # always shown at once: a restart is rare and matters
+                self._restart_reasons.append(str(payload or "restarting the workers"))
+                self._show_restarts()
+                self._throttle.ready(force=True)
                 self._draw()
             elif kind == "end":
                 self._cancel_timer()
@@ -208,7 +223,7 @@ class WidgetDashboard:
             bar.value = row.fraction
             bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(row.state, "info")
             label.value = (f"<span class='nbdist-worker-state' style='color:{STATE_COLOURS.get(row.state)}'>"
-                           f"<b>{html.escape(row.state)}</b></span> · {html.escape(row.detail)}")
+                           f"<b>{html.escape(row.state)}</b></span> · {html.escape(row.detail)}{phase_note(row)}")
         if self.phase is not None:
             self.phase.update([r.compute_seconds for r in rows], [r.sync_seconds for r in rows])
         x = epoch_axis(state)
@@ -222,6 +237,13 @@ class WidgetDashboard:
         if final or now - self._last_log_read >= LOG_INTERVAL:
             self._last_log_read = now
             self._draw_logs()
+
+    def _show_restarts(self) -> None:
+        items = "".join(f"<li>{html.escape(r)}</li>" for r in self._restart_reasons[-5:])
+        n = len(self._restart_reasons)
+        self.notice.value = ("<div class='nbdist-restarts' style='border-left:4px solid #e377c2;padding:2px 8px;"
+                             f"background:#fdf2f9'><b>restarted {n}×</b><ul style='margin:2px 0'>{items}</ul></div>")
+        self.notice.layout.display = None
 
     def _draw_logs(self) -> None:
         tail = getattr(self._job, "worker_log", None)
