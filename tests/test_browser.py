@@ -45,6 +45,11 @@ def jupyterlab(tmp_path):
     nb.setdefault("metadata", {})["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                                    "language": "python"}
     (work / "quickstart.ipynb").write_text(json.dumps(nb))
+    # No "fetch Jupyter news?" toast over the screenshot, and no update check (nothing leaves the machine).
+    settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
     token, port = secrets.token_hex(16), _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
            "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
@@ -120,6 +125,7 @@ def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
             dash.screenshot(path=str(ARTIFACTS / "dashboard.png"))
             page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
 
+            (ARTIFACTS / "dashboard.html").write_text(dash.evaluate("e => e.outerHTML"))  # to look into
             text = dash.inner_text()
             assert f"Epoch {EPOCHS}/{EPOCHS}" in text, text
             assert text.count("done") >= 3, text  # the run and both workers
@@ -134,8 +140,18 @@ def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
             assert {"loss", "accuracy", "time per phase"} <= set(titles), titles
             lines = page.locator(".nbdist-dashboard .bqplot .line")
             assert lines.count() >= 4, lines.count()  # train + validation for loss and accuracy
-            markers = page.locator(".nbdist-dashboard .bqplot .dot")
-            assert markers.count() >= 4 * EPOCHS, markers.count()
+            # Every line holds every epoch, up to the final one: EPOCHS markers per line, and the
+            # x axes end at the final epoch.
+            per_line = page.locator(".nbdist-dashboard .bqplot .line").evaluate_all(
+                "els => els.map(e => e.closest('.mark').querySelectorAll('.dot').length)")
+            assert per_line == [EPOCHS] * 4, per_line
+            last_ticks = page.locator(".nbdist-dashboard .bqplot").evaluate_all(
+                "figs => figs.map(f => [...f.querySelectorAll('.axis .tick text')].map(t => t.textContent))")
+            assert sum(str(EPOCHS) in ticks for ticks in last_ticks) >= 2, last_ticks
+            # The phase view: a compute and a synchronisation bar per worker, with a legend.
+            assert page.locator(".nbdist-dashboard .bqplot .bargroup").count() == 2
+            # Worker rows name their share of time spent synchronising.
+            assert text.count("sync ") >= 2, text
             # The static summary (HTML table + PNG) sits below the dashboard.
             assert page.locator(".nbdist-summary img.nbdist-chart").count() == 1
         finally:

@@ -139,3 +139,18 @@ def test_html_append_mode_adds_a_block_per_restart():
     r("start", st, None)
     r("restart", st, "worker 0 exited with code 1; restarting from epoch 2")
     assert "restarting from epoch 2" in shown.items[-1].data
+
+
+def test_a_failed_run_opens_the_error_panel_with_the_workers_traceback(dashboard):
+    dash, shown = dashboard
+    st = running_state()
+    dash("start", st, None)
+    st.worker_finished(1, "failed", 'Traceback (most recent call last):\n  File "x.py"\nValueError: bad <input>')
+    st.finish("failed", "worker 1 (pid 101) failed: ValueError: bad <input>")
+    dash("end", st, None)
+    assert dash.error_panel.layout.display is None
+    assert "traceback from worker 1" in dash.error_panel.value
+    assert "ValueError: bad &lt;input&gt;" in dash.error_panel.value  # escaped, not HTML
+    assert "failed" in dash.worker_states[1].value and "danger" == dash.worker_bars[1].bar_style
+    assert dash.stop_button.layout.display == "none"
+    assert "nbdist-summary" in shown.updates[-1].data  # the static summary replaced the placeholder

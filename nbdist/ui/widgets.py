@@ -76,10 +76,10 @@ class PhaseChart:
         self.bars = bqplot.Bars(x=labels, y=[[0.0] * world_size, [0.0] * world_size],
                                 scales={"x": self.x_scale, "y": self.y_scale}, type="stacked",
                                 orientation="horizontal", colors=["#1f77b4", "#ff7f0e"],
-                                labels=["compute", "synchronisation"], display_legend=False)
+                                labels=["compute", "synchronisation"], display_legend=True)
         axes = [bqplot.Axis(scale=self.x_scale, orientation="vertical"),
-                bqplot.Axis(scale=self.y_scale, label="seconds: compute (blue), synchronisation (orange)")]
-        self.figure = bqplot.Figure(marks=[self.bars], axes=axes, title="time per phase",
+                bqplot.Axis(scale=self.y_scale, label="seconds", tick_format="d")]
+        self.figure = bqplot.Figure(marks=[self.bars], axes=axes, title="time per phase", legend_location="top-right",
                                     fig_margin={"top": 40, "bottom": 40, "left": 70, "right": 15},
                                     layout=W.Layout(width="420px", height=f"{140 + 30 * world_size}px"))
 
@@ -109,6 +109,9 @@ class WidgetDashboard:
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True,
                                     tooltip="Stop the run (with --background; otherwise interrupt the kernel)")
         self.stop_button.on_click(self._on_stop)
+        # Blocking mode: a click cannot reach a busy kernel, so say what works instead.
+        self.stop_hint = W.HTML("<span style='color:#777;font-size:12px'>to stop: interrupt the kernel (■); "
+                                "the model keeps the last averaged weights</span>")
         self.chart_box = W.HBox(layout=W.Layout(flex_flow="row wrap"))
         self.worker_bars: list[W.FloatProgress] = []
         self.worker_states: list[W.HTML] = []
@@ -122,7 +125,7 @@ class WidgetDashboard:
         self.log_panel = W.Accordion()
         self.root = W.VBox([
             self.header,
-            W.HBox([self.epochs_bar, self.stop_button]),
+            W.HBox([self.epochs_bar, self.stop_button, self.stop_hint], layout=W.Layout(align_items="center")),
             self.overview,
             self.chart_box,
             W.HBox([self.worker_box, self.phase_box], layout=W.Layout(flex_flow="row wrap")),
@@ -136,7 +139,10 @@ class WidgetDashboard:
     def attach(self, job: Any) -> None:
         """Give the dashboard its job: the Stop button and the workers' logs come from it."""
         self._job = job
-        self.stop_button.disabled = not getattr(job.config, "background", False)
+        background = bool(getattr(job.config, "background", False))
+        self.stop_button.disabled = not background
+        self.stop_button.layout.display = None if background else "none"
+        self.stop_hint.layout.display = "none" if background else None
 
     def _on_stop(self, _button: Any = None) -> None:
         if self._job is not None:
@@ -164,6 +170,9 @@ class WidgetDashboard:
                 self._draw(final=True)
                 self._finish(state)
             else:
+                if kind == "worker":  # connected or finished (rare): read the logs now, while they exist
+                    self._last_log_read = time.monotonic()
+                    self._draw_logs()
                 self._request_draw()
 
     # -- drawing ----------------------------------------------------------
@@ -211,13 +220,14 @@ class WidgetDashboard:
         self.draws += 1
         ov = overview(state)
         colour = STATE_COLOURS.get(state.status, "#1f77b4")
-        self.header.value = (f"<b>nbdist</b> · {html.escape(state.strategy)} on {state.world_size} "
-                             f"{html.escape(state.backend)} workers · "
-                             f"<span style='color:{colour}'><b>{html.escape(state.status)}</b></span>")
+        self.header.value = (f"<span style='font-size:14px'><b>nbdist</b> · {html.escape(state.strategy)} on "
+                             f"{state.world_size} {html.escape(state.backend)} workers</span> "
+                             f"<span class='nbdist-status' style='background:{colour};color:white;padding:1px 9px;"
+                             f"border-radius:9px;margin-left:6px'><b>{html.escape(state.status)}</b></span>")
         self.epochs_bar.value = ov.epochs_done
         self.epochs_bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(
             state.status, "info")
-        self.overview.value = html.escape(ov.line)
+        self.overview.value = f"<span style='font-size:13px'>{html.escape(ov.line)}</span>"
         rows = worker_rows(state)
         for row, bar, label in zip(rows, self.worker_bars, self.worker_states):
             bar.value = row.fraction
@@ -255,11 +265,15 @@ class WidgetDashboard:
             except Exception:  # a log file that vanished must not break the dashboard
                 log.debug("could not read worker %d's log", rank, exc_info=True)
                 continue
-            widget.value = f"<pre style='font-size:11px'>{html.escape(text or '(no output yet)')}</pre>"
+            if not text:  # not written yet, or the run's log files are already cleaned up: keep the last
+                continue
+            widget.value = f"<pre class='nbdist-log' style='font-size:11px'>{html.escape(text)}</pre>"
 
     def _finish(self, state: RunState) -> None:
         self.stop_button.disabled = True
         self.stop_button.description = "Stop"
+        self.stop_button.layout.display = "none"  # nothing left to stop
+        self.stop_hint.layout.display = "none"
         if state.status == "failed":
             failed = [w for w in state.workers if w.error]
             trace = failed[0].error if failed else ""
