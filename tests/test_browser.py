@@ -23,6 +23,36 @@ CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = ROOT / "artifacts"
 EPOCHS = 20  # the quickstart's --epochs
 
+# For each metric chart: {title: {split: [value of the line's last point, y axis span]}}, the value
+# read back from screen coordinates through the y axis' tick labels (bqplot keeps no data in the DOM).
+LAST_POINTS_JS = """
+figs => {
+  const screenY = (el, x, y) => {
+    const p = el.ownerSVGElement.createSVGPoint(); p.x = x; p.y = y;
+    return p.matrixTransform(el.getScreenCTM()).y;
+  };
+  const out = {};
+  for (const f of figs) {
+    const title = (f.querySelector('.mainheading') || {}).textContent;
+    const ticks = [...f.querySelectorAll('.axis .tick')].filter(t => t.querySelector('line[x2]'))
+      .map(t => [parseFloat(t.querySelector('text').textContent), screenY(t, 0, 0)])
+      .filter(([v, y]) => !isNaN(v));
+    const lines = [...f.querySelectorAll('.curve .line')];
+    if (ticks.length < 2 || !lines.length) continue;
+    const [v0, y0] = ticks[0], [v1, y1] = ticks[ticks.length - 1];
+    out[title] = {};
+    for (const line of lines) {
+      const stroke = getComputedStyle(line).stroke;
+      const split = stroke === 'rgb(31, 119, 180)' ? 'train' : 'validation';
+      const last = line.getAttribute('d').split('L').pop().replace('M', '').split(',').map(Number);
+      const y = screenY(line, last[0], last[1]);
+      out[title][split] = [v0 + (y - y0) * (v1 - v0) / (y1 - y0), Math.abs(v1 - v0)];
+    }
+  }
+  return out;
+}
+"""
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
@@ -138,12 +168,11 @@ def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
             titles = page.locator(".nbdist-dashboard .bqplot .mainheading").evaluate_all(
                 "els => els.map(e => e.textContent)")
             assert {"loss", "accuracy", "time per phase"} <= set(titles), titles
-            lines = page.locator(".nbdist-dashboard .bqplot .line")
-            assert lines.count() >= 4, lines.count()  # train + validation for loss and accuracy
             # Every line holds every epoch, up to the final one: EPOCHS markers per line, and the
             # x axes end at the final epoch.
-            per_line = page.locator(".nbdist-dashboard .bqplot .line").evaluate_all(
-                "els => els.map(e => e.closest('.mark').querySelectorAll('.dot').length)")
+            # (The legend draws small .line icons too; the data lines are inside .curve.)
+            per_line = page.locator(".nbdist-dashboard .bqplot .curve .line").evaluate_all(
+                "els => els.map(e => e.getAttribute('d').split('L').length)")
             assert per_line == [EPOCHS] * 4, per_line
             last_ticks = page.locator(".nbdist-dashboard .bqplot").evaluate_all(
                 "figs => figs.map(f => [...f.querySelectorAll('.axis .tick text')].map(t => t.textContent))")
@@ -154,5 +183,16 @@ def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
             assert text.count("sync ") >= 2, text
             # The static summary (HTML table + PNG) sits below the dashboard.
             assert page.locator(".nbdist-summary img.nbdist-chart").count() == 1
+            # The charts end at the final values: read each line's last point back through its y axis
+            # and compare with the summary table's last row.
+            table = page.locator(".nbdist-summary table.nbdist-metrics")
+            header = table.locator("thead th").all_inner_texts()
+            final = dict(zip(header, table.locator("tbody tr").last.locator("td").all_inner_texts()))
+            assert final["epoch"] == str(EPOCHS), final
+            drawn = page.locator(".nbdist-dashboard .bqplot").evaluate_all(LAST_POINTS_JS)
+            for title, split, key in [("loss", "train", "loss"), ("loss", "validation", "val_loss"),
+                                      ("accuracy", "train", "accuracy"), ("accuracy", "validation", "val_accuracy")]:
+                value, span = drawn[title][split]
+                assert abs(value - float(final[key])) < 0.02 * span, (title, split, value, final[key])
         finally:
             browser.close()

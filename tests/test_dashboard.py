@@ -289,7 +289,7 @@ def test_kernel_interrupt_stops_the_run_and_keeps_the_last_synchronised_weights(
     done, changed, workers, acc = text.split("interrupted: ")[1].split()
     assert 2 <= int(done) < INTERRUPTED_EPOCHS
     assert changed == "True" and int(workers) == 0
-    assert float(acc) > 0.5  # the model holds trained (averaged) weights, not the initial ones
+    assert float(acc) > 0.25  # trained (averaged) weights: the initial ones score ~0.1 on 10 classes
     # The dashboard says so.
     models = widget_models(nb)
     view = next(o for o in outs if "application/vnd.jupyter.widget-view+json" in o.get("data", {}))
