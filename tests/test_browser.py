@@ -178,7 +178,8 @@ def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
                 "figs => figs.map(f => [...f.querySelectorAll('.axis .tick text')].map(t => t.textContent))")
             assert sum(str(EPOCHS) in ticks for ticks in last_ticks) >= 2, last_ticks
             # The phase view: a compute and a synchronisation bar per worker, with a legend.
-            assert page.locator(".nbdist-dashboard .bqplot .bargroup").count() == 2
+            # and the timeline: one stacked bar per epoch.
+            assert page.locator(".nbdist-dashboard .bqplot .bargroup").count() == 2 + EPOCHS
             # Worker rows name their share of time spent synchronising.
             assert text.count("sync ") >= 2, text
             # The static summary (HTML table + PNG) sits below the dashboard.

@@ -207,6 +207,10 @@ def widget_notebook():
         "workers = [p for p in psutil.Process().children(recursive=True) if 'nbdist.worker' in ' '.join(p.cmdline())]\n"
         "acc = float((model.predict(X, verbose=0).argmax(1) == y).mean())\n"
         "print('interrupted:', len(hi['loss']), changed, len(workers), round(acc, 3))",
+        # Zeppelin's IPython interpreter (no widgets, display updates dropped) is recognised by its
+        # environment, read when each run starts: the same kernel then gets the HTML renderer.
+        "import os\nos.environ['ZEPPELIN_HOME'] = '/opt/zeppelin'",
+        f"%%dist_train --data X,y --epochs 2 --batch-size 64 --workers 2 --out zh\n{MODEL}",
     ], interrupt=(6, lambda ws: any(m.get("max") == INTERRUPTED_EPOCHS and m.get("value", 0) >= 2
                                      for m in ws.values())))
 
@@ -235,7 +239,7 @@ def test_widget_state_holds_the_finished_run(widget_notebook):
     # Charts: figures are children of the chart box; their Lines hold one point per epoch.
     figures = [m for m in mine if m["model_name"] == "FigureModel"]
     titles = sorted(m["state"]["title"] for m in figures)
-    assert titles == ["accuracy", "loss", "time per phase"]
+    assert titles == ["accuracy", "loss", "seconds per epoch", "time per phase"]
     lines = {}
     for fig in figures:
         for mark in fig["state"]["marks"]:
@@ -246,10 +250,16 @@ def test_widget_state_holds_the_finished_run(widget_notebook):
     assert all(v.shape == (EPOCHS,) for v in lines.values())
     assert lines[("loss", "train")][-1] < lines[("loss", "train")][0]  # it learned
     # The phase view holds real seconds: every worker computed and synchronised.
-    bars = [models[m.replace("IPY_MODEL_", "")] for f in figures if f["state"]["title"] == "time per phase"
-            for m in f["state"]["marks"]]
-    compute, sync = decode_array(bars[0], "y")
+    def bars(title):
+        return [models[m.replace("IPY_MODEL_", "")] for f in figures if f["state"]["title"] == title
+                for m in f["state"]["marks"]][0]
+
+    compute, sync = decode_array(bars("time per phase"), "y")
     assert all(c > 0 for c in compute) and all(0 < s < c for s, c in zip(sync, compute)), (compute, sync)
+    # The timeline: one stacked bar per epoch, adding up to about the workers' mean totals.
+    per_epoch = decode_array(bars("seconds per epoch"), "y")
+    assert per_epoch.shape == (2, EPOCHS) and (per_epoch > 0).all(), per_epoch
+    assert per_epoch[1].sum() == pytest.approx(np.mean(sync), rel=0.35)
     # The log panel holds each worker's own output (kept after the run's log files were removed).
     logs = [m["state"]["value"] for m in mine if "nbdist-log" in str(m["state"].get("value", ""))]
     assert len(logs) == 2 and all("worker" in t for t in logs), logs
@@ -302,11 +312,9 @@ def test_kernel_interrupt_stops_the_run_and_keeps_the_last_synchronised_weights(
 
 # -- fallbacks: a frontend without widgets, a terminal IPython ---------------------------------------
 
-def test_html_renderer_where_widgets_are_not_rendered():
+def test_html_renderer_where_widgets_are_not_rendered(widget_notebook):
     """Zeppelin's IPython interpreter: no widgets, display updates dropped -> appended HTML per epoch."""
-    nb = run_notebook([SETUP, f"%%dist_train --data X,y --epochs 2 --batch-size 64 --workers 2\n{MODEL}"],
-                      env={"ZEPPELIN_HOME": "/opt/zeppelin"})
-    outs = nb.cells[1].outputs
+    outs = widget_notebook.cells[9].outputs
     assert not any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outs)
     htmls = [o["data"]["text/html"] for o in outs if "text/html" in o.get("data", {})]
     epochs = [h for h in htmls if "nbdist-epoch" in h]

@@ -109,3 +109,15 @@ def test_driver_state_follows_phase_messages():
     st.worker_progress(0, {"type": "state", "state": "synchronising", "compute_seconds": 2.0, "sync_seconds": 0.5})
     w = st.workers[0]
     assert (w.state, w.epoch, w.batch, w.compute_seconds, w.sync_seconds) == ("synchronising", 1, 4, 2.0, 0.5)
+
+
+def test_an_allreduce_run_reports_compute_and_synchronisation_per_worker(digits, no_leftover_workers):
+    import nbdist
+    from .conftest import mlp
+
+    x, y = digits
+    job = nbdist.train(mlp(seed=0), x[:600], y[:600], epochs=2, batch_size=32, workers=2, strategy="allreduce")
+    assert job.status == "done" and len(job.history["loss"]) == 2
+    for w in job.state.workers:
+        assert w.state == "done"
+        assert w.compute_seconds > 0 and 0 < w.sync_seconds < w.compute_seconds + w.sync_seconds

@@ -95,6 +95,32 @@ def worker_rows(state: RunState) -> list[WorkerRow]:
     return rows
 
 
+@dataclass
+class EpochPhases:
+    """Seconds per epoch in compute and in synchronisation (mean over workers): the phase timeline.
+
+    Workers report cumulative seconds; ``mark`` takes them at each epoch end and keeps the
+    differences. After a restart the workers count from zero again: ``restart`` rewinds.
+    """
+
+    compute: list[float] = field(default_factory=list)
+    sync: list[float] = field(default_factory=list)
+    _last: tuple[float, float] = (0.0, 0.0)
+
+    def mark(self, state: RunState) -> None:
+        n = max(1, len(state.workers))
+        c = sum(w.compute_seconds for w in state.workers) / n
+        s = sum(w.sync_seconds for w in state.workers) / n
+        self.compute.append(max(0.0, c - self._last[0]))
+        self.sync.append(max(0.0, s - self._last[1]))
+        self._last = (c, s)
+
+    def restart(self, epochs_kept: int) -> None:
+        del self.compute[epochs_kept:]
+        del self.sync[epochs_kept:]
+        self._last = (0.0, 0.0)
+
+
 def metric_groups(history: dict[str, list[float]]) -> dict[str, dict[str, list[float]]]:
     """``{"loss": {"train": [...], "validation": [...]}, "accuracy": {...}}`` for the charts."""
     groups: dict[str, dict[str, list[float]]] = {}

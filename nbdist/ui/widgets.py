@@ -19,7 +19,7 @@ from IPython.display import HTML, display
 
 from ..progress import RunState
 from .summary import summary_html
-from .view import (STATE_COLOURS, Throttle, epoch_axis, metric_groups, overview, status_sentence,
+from .view import (STATE_COLOURS, EpochPhases, Throttle, epoch_axis, metric_groups, overview, status_sentence,
                    worker_rows)
 
 log = logging.getLogger(__name__)
@@ -76,15 +76,37 @@ class PhaseChart:
         self.bars = bqplot.Bars(x=labels, y=[[0.0] * world_size, [0.0] * world_size],
                                 scales={"x": self.x_scale, "y": self.y_scale}, type="stacked",
                                 orientation="horizontal", colors=["#1f77b4", "#ff7f0e"],
-                                labels=["compute", "synchronisation"], display_legend=True)
+                                labels=["compute", "synchronisation"])
         axes = [bqplot.Axis(scale=self.x_scale, orientation="vertical"),
-                bqplot.Axis(scale=self.y_scale, label="seconds", tick_format="d")]
-        self.figure = bqplot.Figure(marks=[self.bars], axes=axes, title="time per phase", legend_location="top-right",
+                bqplot.Axis(scale=self.y_scale, label="seconds")]
+        self.figure = bqplot.Figure(marks=[self.bars], axes=axes, title="time per phase",
                                     fig_margin={"top": 40, "bottom": 40, "left": 70, "right": 15},
                                     layout=W.Layout(width="420px", height=f"{140 + 30 * world_size}px"))
 
     def update(self, compute: list[float], sync: list[float]) -> None:
         self.bars.y = [compute, sync]
+
+
+class EpochPhaseChart:
+    """The phase timeline: per epoch, seconds in compute and in synchronisation (mean over workers)."""
+
+    def __init__(self) -> None:
+        self.x_scale = bqplot.OrdinalScale()
+        self.y_scale = bqplot.LinearScale(min=0.0)
+        self.bars = bqplot.Bars(x=[], y=[[], []], scales={"x": self.x_scale, "y": self.y_scale}, type="stacked",
+                                colors=["#1f77b4", "#ff7f0e"], labels=["compute", "synchronisation"],
+                                padding=0.15)
+        axes = [bqplot.Axis(scale=self.x_scale, label="epoch"),
+                bqplot.Axis(scale=self.y_scale, orientation="vertical", label="seconds")]
+        self.figure = bqplot.Figure(marks=[self.bars], axes=axes, title="seconds per epoch",
+                                    fig_margin={"top": 40, "bottom": 40, "left": 55, "right": 15},
+                                    layout=W.Layout(width="340px", height="250px"))
+
+    def update(self, epochs: list[int], phases: EpochPhases) -> None:
+        n = min(len(epochs), len(phases.compute))
+        with self.bars.hold_sync():
+            self.bars.x = epochs[:n]
+            self.bars.y = [phases.compute[:n], phases.sync[:n]]
 
 
 class WidgetDashboard:
@@ -100,6 +122,7 @@ class WidgetDashboard:
         self._last_log_read = float("-inf")
         self._summary_handle: Any = None
         self.draws = 0
+        self._dirty = False
         self.charts: dict[str, MetricChart] = {}
 
         self.header = W.HTML()
@@ -117,7 +140,13 @@ class WidgetDashboard:
         self.worker_states: list[W.HTML] = []
         self.worker_box = W.VBox()
         self.phase: PhaseChart | None = None
+        self.timeline = EpochPhaseChart()
+        self.epoch_phases = EpochPhases()
         self.phase_box = W.Box()
+        # One legend for both phase charts (bqplot's legend for stacked bars covers the bars).
+        self.phase_legend = W.HTML(
+            "<span style='font-size:12px'>phases: <span style='color:#1f77b4'>■</span> compute "
+            "<span style='color:#ff7f0e'>■</span> synchronisation (averaging / allreduce)</span>")
         self.error_panel = W.HTML(layout=W.Layout(display="none"))
         self.notice = W.HTML(layout=W.Layout(display="none"))  # restarts, with their reasons
         self._restart_reasons: list[str] = []
@@ -128,7 +157,8 @@ class WidgetDashboard:
             W.HBox([self.epochs_bar, self.stop_button, self.stop_hint], layout=W.Layout(align_items="center")),
             self.overview,
             self.chart_box,
-            W.HBox([self.worker_box, self.phase_box], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.worker_box, W.VBox([self.phase_legend, self.phase_box])],
+                   layout=W.Layout(flex_flow="row wrap")),
             self.notice,
             self.error_panel,
             self.log_panel,
@@ -161,6 +191,7 @@ class WidgetDashboard:
                 self._summary_handle = self._show(HTML(""), display_id=True)
                 self._draw()
             elif kind == "restart":  # always shown at once: a restart is rare and matters
+                self.epoch_phases.restart(state.epochs_done)
                 self._restart_reasons.append(str(payload or "restarting the workers"))
                 self._show_restarts()
                 self._throttle.ready(force=True)
@@ -170,6 +201,8 @@ class WidgetDashboard:
                 self._draw(final=True)
                 self._finish(state)
             else:
+                if kind == "epoch":
+                    self.epoch_phases.mark(state)
                 if kind == "worker":  # connected or finished (rare): read the logs now, while they exist
                     self._last_log_read = time.monotonic()
                     self._draw_logs()
@@ -185,7 +218,7 @@ class WidgetDashboard:
         self.worker_states = [W.HTML() for _ in range(n)]
         self.worker_box.children = [W.HBox([b, s]) for b, s in zip(self.worker_bars, self.worker_states)]
         self.phase = PhaseChart(n)
-        self.phase_box.children = [self.phase.figure]
+        self.phase_box.children = [self.phase.figure, self.timeline.figure]
         self.logs = [W.HTML("<pre>(no output yet)</pre>") for _ in range(n)]
         self.log_panel.children = self.logs
         for r in range(n):
@@ -193,6 +226,7 @@ class WidgetDashboard:
         self.log_panel.selected_index = None
 
     def _request_draw(self) -> None:
+        self._dirty = True
         if self._throttle.ready():
             self._draw()
         elif self._timer is None:
@@ -204,9 +238,14 @@ class WidgetDashboard:
     def _timer_draw(self) -> None:
         with self._lock:
             self._timer = None
-            if self._state is not None and self._state.finished_at is None:
-                self._throttle.ready(force=True)
+            if not self._dirty or self._state is None or self._state.finished_at is not None:
+                return  # an event drew the latest state meanwhile, or the run is over
+            if self._throttle.ready():
                 self._draw()
+            else:  # an event took this slot without drawing everything: try again when allowed
+                self._timer = threading.Timer(self._throttle.wait_time(), self._timer_draw)
+                self._timer.daemon = True
+                self._timer.start()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -218,6 +257,7 @@ class WidgetDashboard:
         if state is None:
             return
         self.draws += 1
+        self._dirty = False
         ov = overview(state)
         colour = STATE_COLOURS.get(state.status, "#1f77b4")
         self.header.value = (f"<span style='font-size:14px'><b>nbdist</b> · {html.escape(state.strategy)} on "
@@ -237,6 +277,7 @@ class WidgetDashboard:
         if self.phase is not None:
             self.phase.update([r.compute_seconds for r in rows], [r.sync_seconds for r in rows])
         x = epoch_axis(state)
+        self.timeline.update(x, self.epoch_phases)
         for name, series in metric_groups(state.history).items():
             chart = self.charts.get(name)
             if chart is None:
