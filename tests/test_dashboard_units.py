@@ -174,3 +174,13 @@ def test_phase_timeline_holds_each_epochs_seconds_and_rewinds_on_restart(dashboa
     epoch(st2, 0)
     phases.mark(st2)
     assert phases.compute == pytest.approx([1.0, 1.0]) and phases.sync == pytest.approx([0.2, 0.2])
+
+
+def test_epoch_ticks_label_whole_epochs_and_the_last_one():
+    from nbdist.ui.view import epoch_ticks
+
+    assert epoch_ticks([]) == []
+    assert epoch_ticks([1, 2, 3, 4]) == [1, 2, 3, 4]
+    ticks = epoch_ticks(list(range(1, 201)))
+    assert len(ticks) <= 10 and ticks[-1] == 200 and all(isinstance(t, int) for t in ticks)
+    assert epoch_ticks(list(range(6, 27)))[-1] == 26  # resumed runs start later

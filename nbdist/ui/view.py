@@ -95,6 +95,15 @@ def worker_rows(state: RunState) -> list[WorkerRow]:
     return rows
 
 
+def epoch_ticks(epochs: list[int], most: int = 10) -> list[int]:
+    """Whole epochs to label on an x axis, at most ``most`` of them (the last one always)."""
+    if not epochs:
+        return []
+    step = -(-len(epochs) // most)
+    ticks = epochs[::-1][::step][::-1]  # counted back from the last epoch, so it is labelled
+    return ticks
+
+
 @dataclass
 class EpochPhases:
     """Seconds per epoch in compute and in synchronisation (mean over workers): the phase timeline.

@@ -19,7 +19,7 @@ from IPython.display import HTML, display
 
 from ..progress import RunState
 from .summary import summary_html
-from .view import (STATE_COLOURS, EpochPhases, Throttle, epoch_axis, metric_groups, overview, status_sentence,
+from .view import (STATE_COLOURS, EpochPhases, Throttle, epoch_axis, epoch_ticks, metric_groups, overview, status_sentence,
                    worker_rows)
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,9 @@ class MetricChart:
         self.x_scale = bqplot.LinearScale()
         self.y_scale = bqplot.LinearScale()
         self.lines: dict[str, bqplot.Lines] = {}
-        axes = [bqplot.Axis(scale=self.x_scale, label="epoch", tick_format="d"),
-                bqplot.Axis(scale=self.y_scale, orientation="vertical", label=name)]
+        # Whole epochs only: a linear axis would otherwise label 1, 1.5, 2 (shown as "1 1 2" with "d").
+        self.x_axis = bqplot.Axis(scale=self.x_scale, label="epoch", tick_format="d")
+        axes = [self.x_axis, bqplot.Axis(scale=self.y_scale, orientation="vertical", label=name)]
         # Losses fall and scores rise: keep the legend where the lines are not.
         corner = "top-right" if "loss" in name or "error" in name else "bottom-right"
         self.figure = bqplot.Figure(marks=[], axes=axes, title=name, legend_location=corner,
@@ -53,6 +54,7 @@ class MetricChart:
                                     layout=W.Layout(width="340px", height="250px"))
 
     def update(self, x: list[int], series: dict[str, list[float]]) -> None:
+        self.x_axis.tick_values = epoch_ticks(x)
         for split, values in series.items():
             line = self.lines.get(split)
             if line is None:
@@ -91,19 +93,23 @@ class EpochPhaseChart:
     """The phase timeline: per epoch, seconds in compute and in synchronisation (mean over workers)."""
 
     def __init__(self) -> None:
-        self.x_scale = bqplot.OrdinalScale()
+        # A linear epoch axis (not ordinal): labels can be thinned, so 200 epochs stay readable.
+        self.x_scale = bqplot.LinearScale()
         self.y_scale = bqplot.LinearScale(min=0.0)
         self.bars = bqplot.Bars(x=[], y=[[], []], scales={"x": self.x_scale, "y": self.y_scale}, type="stacked",
                                 colors=["#1f77b4", "#ff7f0e"], labels=["compute", "synchronisation"],
                                 padding=0.15)
-        axes = [bqplot.Axis(scale=self.x_scale, label="epoch"),
-                bqplot.Axis(scale=self.y_scale, orientation="vertical", label="seconds")]
+        self.x_axis = bqplot.Axis(scale=self.x_scale, label="epoch", tick_format="d")
+        axes = [self.x_axis, bqplot.Axis(scale=self.y_scale, orientation="vertical", label="seconds")]
         self.figure = bqplot.Figure(marks=[self.bars], axes=axes, title="seconds per epoch",
                                     fig_margin={"top": 40, "bottom": 40, "left": 55, "right": 15},
                                     layout=W.Layout(width="340px", height="250px"))
 
     def update(self, epochs: list[int], phases: EpochPhases) -> None:
         n = min(len(epochs), len(phases.compute))
+        if n:  # half an epoch of margin, so the first and last bars are whole
+            self.x_scale.min, self.x_scale.max = epochs[0] - 0.5, epochs[n - 1] + 0.5
+        self.x_axis.tick_values = epoch_ticks(epochs[:n])
         with self.bars.hold_sync():
             self.bars.x = epochs[:n]
             self.bars.y = [phases.compute[:n], phases.sync[:n]]
