@@ -184,3 +184,18 @@ def test_epoch_ticks_label_whole_epochs_and_the_last_one():
     ticks = epoch_ticks(list(range(1, 201)))
     assert len(ticks) <= 10 and ticks[-1] == 200 and all(isinstance(t, int) for t in ticks)
     assert epoch_ticks(list(range(6, 27)))[-1] == 26  # resumed runs start later
+
+
+def test_one_epoch_still_draws_a_whole_bar_and_a_readable_axis(dashboard):
+    dash, _ = dashboard
+    st = running_state()
+    dash("start", st, None)
+    dash("epoch", st, epoch(st, 0))
+    dash._draw()
+    assert list(map(int, dash.timeline.bars.x)) == [0, 1]  # an empty bar at 0 gives the real one its width
+    assert (dash.timeline.x_scale.min, dash.timeline.x_scale.max) == (0.5, 1.5)  # ...and stays off the axis
+    chart = dash.charts["loss"]
+    assert chart.y_scale.min < 1.0 < chart.y_scale.max  # a single loss of 1.0 sits inside a real range
+    dash("epoch", st, epoch(st, 1))
+    dash._draw()
+    assert chart.y_scale.min is None and list(map(int, dash.timeline.bars.x)) == [1, 2]

@@ -55,6 +55,12 @@ class MetricChart:
 
     def update(self, x: list[int], series: dict[str, list[float]]) -> None:
         self.x_axis.tick_values = epoch_ticks(x)
+        # One epoch (or a flat line) gives the y axis an empty range and meaningless ticks: widen it.
+        values = [v for vs in series.values() for v in vs]
+        flat = bool(values) and max(values) - min(values) < 1e-9
+        pad = max(0.05 * abs(values[0]), 0.01) if flat else 0.0
+        self.y_scale.min = values[0] - pad if flat else None
+        self.y_scale.max = values[0] + pad if flat else None
         for split, values in series.items():
             line = self.lines.get(split)
             if line is None:
@@ -110,9 +116,12 @@ class EpochPhaseChart:
         if n:  # half an epoch of margin, so the first and last bars are whole
             self.x_scale.min, self.x_scale.max = epochs[0] - 0.5, epochs[n - 1] + 0.5
         self.x_axis.tick_values = epoch_ticks(epochs[:n])
+        x, compute, sync = epochs[:n], phases.compute[:n], phases.sync[:n]
+        if n == 1:  # bar width comes from the spacing of x: add an empty bar just outside the axis
+            x, compute, sync = [x[0] - 1] + x, [0.0] + compute, [0.0] + sync
         with self.bars.hold_sync():
-            self.bars.x = epochs[:n]
-            self.bars.y = [phases.compute[:n], phases.sync[:n]]
+            self.bars.x = x
+            self.bars.y = [compute, sync]
 
 
 class WidgetDashboard:
