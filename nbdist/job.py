@@ -264,7 +264,7 @@ class TrainingJob:
 
     def _handle_message(self, rank: int, msg: protocol.Message) -> None:
         st, kind = self.state, msg.type
-        if kind == "progress":
+        if kind in ("progress", "state"):  # "state": a worker's sampled phase (training / synchronising)
             st.worker_progress(rank, msg.body)
             self._notify("progress", rank)
         elif kind == "epoch":
