@@ -17,11 +17,7 @@ ENGINES = ("gloo", "nccl", "horovod")  # allreduce only; None picks nccl on GPU,
 
 # Options the interface reserves for capabilities that have not landed yet:
 # asking for them gets a sentence, not a crash or a silent ignore.
-NOT_AVAILABLE_YET: dict[str, Any] = {
-    "checkpoint_dir": None,
-    "resume": False,
-    "max_restarts": 0,
-}
+NOT_AVAILABLE_YET: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -77,6 +73,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise NbdistError(f"{name} must be a positive number of seconds, got {value!r}.")
+        _validate_checkpointing(self)
         for name, default in NOT_AVAILABLE_YET.items():
             if getattr(self, name) != default:
                 flag = "--" + name.replace("_", "-")
@@ -119,6 +116,21 @@ def _validate_containers(cfg: "TrainConfig") -> None:
     gpus = cfg.container_gpus
     if gpus is not None and (not isinstance(gpus, str) or not re.match(r"^(all|\d+(,\d+)*)$", gpus)):
         raise NbdistError(f"--gpus must be 'all' or GPU indices like 0,1, got {gpus!r}.")
+
+
+def _validate_checkpointing(cfg: "TrainConfig") -> None:
+    d = cfg.checkpoint_dir
+    if d is not None and (not isinstance(d, (str, os.PathLike)) or not os.fspath(d).strip()):
+        raise NbdistError(f"--checkpoint-dir must name a directory, got {d!r}; for example --checkpoint-dir ckpt.")
+    if not isinstance(cfg.resume, bool):
+        raise NbdistError(f"resume must be True or False, got {cfg.resume!r}.")
+    if cfg.resume and d is None:
+        raise NbdistError("--resume continues the run saved in --checkpoint-dir DIR; add --checkpoint-dir "
+                          "with the directory to resume from.")
+    n = cfg.max_restarts
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise NbdistError(f"--max-restarts must be a whole number of at least 0, got {n!r}; "
+                          "for example --max-restarts 2.")
 
 
 def _positive_int(name: str, value: Any, example: str) -> None:

@@ -22,6 +22,7 @@ from .evaluation import (ClassifierSpec, check_labels, classifier_spec, labels_a
                          sum_states)
 from .job import TrainingJob, _cores
 from .model_io import ModelSpec, _custom_objects, _json_default, is_keras_model
+from .spark_data import SparkData, is_spark_data
 
 log = logging.getLogger(__name__)
 
@@ -112,18 +113,21 @@ class InferenceJob(TrainingJob):
 
     def _send_job(self, rank: int) -> None:
         cfg, spec = self.config, self._spec
-        shard = self._shard(rank)
+        on_task = isinstance(self.train_data, SparkData)  # the worker's Spark task wrote its partition
+        shard = None if on_task else self._shard(rank)
         arrays: list[np.ndarray] = list(spec.weights)
         if spec.custom_objects:
             arrays.append(np.frombuffer(spec.custom_objects, dtype=np.uint8))
-        arrays.append(shard.x)
-        if shard.y is not None:
-            arrays.append(shard.y)
+        if shard is not None:
+            arrays.append(shard.x)
+            if shard.y is not None:
+                arrays.append(shard.y)
         body = {
             "type": "job", "kind": self.kind, "rank": rank, "world_size": self.world_size,
             "config": {"batch_size": cfg.batch_size, "heartbeat_timeout": cfg.heartbeat_timeout},
             "model_config": spec.config, "n_weights": len(spec.weights), "n_optimizer": -1,
-            "has_custom": bool(spec.custom_objects), "has_y": shard.y is not None, "has_val": False,
+            "has_custom": bool(spec.custom_objects), "has_y": on_task or shard.y is not None, "has_val": False,
+            "data_source": "task" if on_task else "wire",
             "threads": max(1, _cores() // self.world_size), **self._extra_body(),
         }
         self._coordinator.send(rank, body, arrays)
@@ -158,7 +162,10 @@ class EvaluationJob(InferenceJob):
 
     def result(self) -> dict[str, Any]:
         """Merged metrics: the compiled metrics by name, then the classifier report if there is one."""
-        answers = [self.answers[r] for r in range(self.world_size)]
+        # A Spark partition may be empty: its worker has no metric state to add.
+        answers = [self.answers[r] for r in range(self.world_size) if self.answers[r].body["rows"] > 0]
+        if not answers:
+            raise NbdistError("the evaluation data has no rows; pass at least one labelled example.")
         names = answers[0].body["names"]
         n_state = len(names)
         if any(a.body["names"] != names for a in answers):
@@ -240,6 +247,12 @@ def _prepare(model: Any, x: Any, y: Any, need_labels: bool, options: dict[str, A
     return config, data
 
 
+def _no_columns(features: Any, label: Any) -> None:
+    if features is not None or label is not None:
+        raise NbdistError("--features and --label name the columns of a Spark DataFrame; with numpy or pandas "
+                          "data pass --data X,y instead.")
+
+
 def _input_shape(model: Any) -> tuple[int, ...] | None:
     try:
         shape = tuple(model.inputs[0].shape[1:]) if len(model.inputs) == 1 else None
@@ -248,7 +261,8 @@ def _input_shape(model: Any) -> tuple[int, ...] | None:
     return None if shape is None or any(d is None for d in shape) else shape
 
 
-def evaluate(model: Any, x: Any, y: Any, *, namespace: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+def evaluate(model: Any, x: Any, y: Any = None, *, namespace: dict[str, Any] | None = None,
+             features: str | list[str] | None = None, label: str | None = None, **options: Any) -> dict[str, Any]:
     """Evaluate ``model`` on ``x``/``y`` sharded over workers, with exact merged metrics.
 
     Returns the compiled metrics by name (``loss``, ``accuracy``, ``auc``, ...), as
@@ -257,7 +271,14 @@ def evaluate(model: Any, x: Any, y: Any, *, namespace: dict[str, Any] | None = N
     (precision, recall, f1, support) and ``averages`` (accuracy, macro and weighted
     F1, and for a binary classifier the positive class's precision/recall/F1 and
     the exact ROC AUC). Options: workers, backend, batch_size (default 256).
+    ``x`` may be a Spark DataFrame (name its columns with ``features`` and ``label``) or an
+    RDD of (features, label) pairs: each Spark task then evaluates its partition in place.
     """
+    if is_spark_data(x):
+        from .spark_inference import evaluate_spark
+
+        return evaluate_spark(model, x, y, features, label, namespace, options)
+    _no_columns(features, label)
     config, data = _prepare(model, x, y, True, dict(options), "the model")
     loss = (model.get_compile_config() or {}).get("loss")
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
@@ -272,7 +293,17 @@ def evaluate(model: Any, x: Any, y: Any, *, namespace: dict[str, Any] | None = N
     return job.run()
 
 
-def predict(model: Any, x: Any, *, namespace: dict[str, Any] | None = None, **options: Any) -> np.ndarray:
-    """``model.predict(x)`` sharded over workers; rows come back in input order."""
+def predict(model: Any, x: Any, *, namespace: dict[str, Any] | None = None,
+            features: str | list[str] | None = None, prediction_col: str = "prediction", **options: Any) -> Any:
+    """``model.predict(x)`` sharded over workers; rows come back in input order.
+
+    For a Spark DataFrame (``features`` names its columns) it returns a new DataFrame with
+    ``prediction_col`` added, computed lazily on the executors; no row visits the driver.
+    """
+    if is_spark_data(x):
+        from .spark_inference import predict_spark
+
+        return predict_spark(model, x, features, namespace, options, prediction_col)
+    _no_columns(features, None)
     config, data = _prepare(model, x, None, False, dict(options), "the model")
     return PredictionJob(model, config, data, namespace).run()

@@ -25,6 +25,7 @@ from .data import Dataset, batches_per_epoch, check_workers, shard_bounds
 from .errors import NbdistError, TrainingFailed
 from .model_io import ModelSpec, build_optimizer, set_optimizer_weights, spec_from_model
 from .progress import RunState
+from .restarts import CheckpointKeeper
 from .spark_data import SparkData
 from .strategies.averaging import rounds_per_epoch
 
@@ -48,6 +49,18 @@ def _first_line(text: str, limit: int = 200) -> str:
     """The head of an exception message: the whole of it is in the worker's traceback."""
     line = text.strip().splitlines()[0] if text.strip() else "error"
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def last_traceback(log_text: str, fallback_lines: int = 30) -> str:
+    """The last whole Python traceback in a worker's log, else the log's last lines.
+
+    A worker logs its traceback before it exits; TensorFlow's can run to hundreds of lines,
+    so a fixed-size tail would cut off its head ("Traceback (most recent call last)").
+    """
+    start = log_text.rfind("Traceback (most recent call last)")
+    if start >= 0:
+        return log_text[start:]
+    return "\n".join(log_text.splitlines()[-fallback_lines:])
 
 
 class TrainingJob:
@@ -77,6 +90,9 @@ class TrainingJob:
         self.world_size = 0
         self._pump_thread: threading.Thread | None = None
         self._stop_request: str | None = None
+        self._keeper: CheckpointKeeper | None = None  # --checkpoint-dir / --resume / --max-restarts
+        self._restart_pending: tuple[int, str, str] | None = None
+        self._initial_epoch = 0
 
     # -- public ---------------------------------------------------------
     @property
@@ -113,13 +129,30 @@ class TrainingJob:
                             if self.validation_data is not None else None)
         batches = [batches_per_epoch(b - a, cfg.batch_size) for a, b in self._shards]
         self._rounds = rounds_per_epoch(batches, cfg.averaging_frequency)
+        # Last of the checks (a temporary checkpoint directory is made here and removed by every ending).
+        self._keeper = CheckpointKeeper.for_run(cfg, self.model)
+        if self._keeper is not None:
+            self._spec, self._initial_epoch = self._keeper.start_point(self._spec)
         self.state = RunState(world, cfg.epochs, backend=backend.name, strategy=cfg.strategy)
+        if self._keeper is not None:
+            self._keeper.seed_state(self.state)
         for w, (a, b) in zip(self.state.workers, self._shards):
             w.samples = b - a
             w.batches = batches_per_epoch(b - a, cfg.batch_size)
+        try:
+            self._launch(backend)
+        except Exception:
+            self._drop_temp_checkpoints()
+            raise
+        self._notify("start")
+        return self
+
+    def _launch(self, backend: Backend) -> None:
+        """A fresh coordinator (new secret) and ``world_size`` workers from ``backend``."""
+        world = self.world_size
         secret = protocol.new_secret()
         self._coordinator = Coordinator(secret, world, backend.bind_host, backend.advertise_host,
-                                        cfg.heartbeat_interval)
+                                        self.config.heartbeat_interval)
         self._backend = backend
         cores = _cores()
         threads = max(1, cores // world)
@@ -129,8 +162,6 @@ class TrainingJob:
         except Exception:
             self._shutdown()
             raise
-        self._notify("start")
-        return self
 
     def _make_spec(self) -> ModelSpec:
         return spec_from_model(self.model, self._namespace)
@@ -171,6 +202,7 @@ class TrainingJob:
             return
         self._shutdown()
         self._apply_last_weights()
+        self._drop_temp_checkpoints()
         self.state.finish("stopped", reason)
         self._notify("end")
 
@@ -215,14 +247,16 @@ class TrainingJob:
         """Handle the events that arrive within ``timeout`` seconds, then check worker health."""
         assert self._coordinator is not None
         end = time.monotonic() + timeout
-        while self.status not in TERMINAL:
+        while self.status not in TERMINAL and self._restart_pending is None:
             try:
                 event = self._coordinator.events.get(timeout=max(0.0, end - time.monotonic()))
             except queue.Empty:
                 break
             self._handle(event)
-        if self.status not in TERMINAL:
+        if self.status not in TERMINAL and self._restart_pending is None:
             self._check_health()
+        if self._restart_pending is not None:
+            self._restart()
 
     def _handle(self, event: Event) -> None:
         st = self.state
@@ -239,12 +273,15 @@ class TrainingJob:
 
     def _handle_message(self, rank: int, msg: protocol.Message) -> None:
         st, kind = self.state, msg.type
-        if kind == "progress":
+        if kind in ("progress", "state"):  # "state": a worker's sampled phase (training / synchronising)
             st.worker_progress(rank, msg.body)
             self._notify("progress", rank)
         elif kind == "epoch":
             merged = st.worker_epoch(rank, msg.body)
             if merged is not None:
+                self._save_checkpoint(int(msg.body["epoch"]))
+                if self.status in TERMINAL:  # the checkpoint could not be written
+                    return
                 self._notify("epoch", merged)
                 bad = non_finite(merged)
                 if bad is not None:  # diverged: stop rather than train on, and keep the user's weights
@@ -273,7 +310,8 @@ class TrainingJob:
             dead = self._dead_peer(rank)
             if dead is not None:  # a peer's death broke the collective: name the cause, not the symptom
                 self._fail(dead.rank, f"{dead.describe()} {_describe_exit(dead.exit_status())} during training "
-                                      f"(then {self._name(rank)} failed: {text})", dead.log_tail(30))
+                                      f"(then {self._name(rank)} failed: {text})",
+                           last_traceback(dead.log_tail(400)))
                 return
             self._fail(rank, f"{self._name(rank)} failed: {text}", str(msg.body.get("traceback", "")))
 
@@ -326,7 +364,8 @@ class TrainingJob:
             "store_on_link": bool(getattr(self._backend, "store_on_link", False)),
             "has_val": val is not None,
             "rounds_per_epoch": self._rounds,
-            "initial_epoch": 0,
+            "initial_epoch": self._initial_epoch,
+            "iterations": self._keeper.iterations if self._keeper is not None else None,
             "threads": max(1, _cores() // self.world_size),
             "bind_host": self._backend.bind_host,
             "advertise_host": self._backend.advertise_host,
@@ -348,13 +387,13 @@ class TrainingJob:
                 if self.status in TERMINAL:
                     return
                 how = _describe_exit(code) if code is not None else "closed its connection"
-                self._fail(h.rank, f"{h.describe()} {how} during training", h.log_tail(30))
+                self._fail(h.rank, f"{h.describe()} {how} during training", last_traceback(h.log_tail(400)))
                 return
             if code == 0 and h.rank not in self._done:
                 self._drain_errors()
                 if self.status in TERMINAL:
                     return
-                self._fail(h.rank, f"{h.describe()} exited before finishing", h.log_tail(30))
+                self._fail(h.rank, f"{h.describe()} exited before finishing", last_traceback(h.log_tail(400)))
                 return
         connected = self._coordinator.connected() | self._done | set(self._closing)
         if len(connected) < self.world_size and now - self._launched_at > self.config.startup_timeout:
@@ -377,22 +416,79 @@ class TrainingJob:
             except queue.Empty:
                 return
             self._handle(event)
-            if self.status in TERMINAL:
+            if self.status in TERMINAL or self._restart_pending is not None:
                 return
 
     # -- endings --------------------------------------------------------
-    def _fail(self, rank: int, message: str, worker_traceback: str) -> None:
+    def _fail(self, rank: int | None, message: str, worker_traceback: str) -> None:
+        if self._restart_pending is not None:  # the first cause is the one a restart reports
+            return
+        if rank is not None and self._keeper is not None and self._keeper.can_restart():
+            self._restart_pending = (rank, message, worker_traceback)  # pump() restarts, after this event
+            return
         self._failure = TrainingFailed(message, worker_traceback, rank)
-        self.state.worker_finished(rank, "failed", worker_traceback)
+        if rank is not None:
+            self.state.worker_finished(rank, "failed", worker_traceback)
         self._shutdown()
+        self._drop_temp_checkpoints()
         self.state.finish("failed", message)
         self._notify("end")
 
     def _complete(self) -> None:
         self._shutdown()
         self._apply_last_weights()
+        self._drop_temp_checkpoints()
         self.state.finish("done")
         self._notify("end")
+
+    # -- checkpoints and restarts (logic in restarts.py / checkpoint.py) -
+    def _save_checkpoint(self, epoch: int) -> None:
+        if self._keeper is None:
+            return
+        if self._last_weights is None or self._last_weights[0] != epoch:
+            log.warning("no synchronised weights for epoch %d; its checkpoint is skipped", epoch + 1)
+            return
+        try:
+            self._keeper.save(epoch + 1, self._last_weights[1], self._opt_weights, self._iterations,
+                              self.state.history, self.world_size)
+        except OSError as exc:
+            self._fail(None, f"could not write the checkpoint to {self._keeper.directory} ({exc}); free some "
+                             "space or choose another --checkpoint-dir.", "")
+
+    def _restart(self) -> None:
+        """Tear every worker down and relaunch them all from the last checkpoint."""
+        rank, message, worker_traceback = self._restart_pending
+        self._shutdown()  # waits for every worker process to end
+        self._restart_pending = None
+        keeper = self._keeper
+        self._done, self._closing = set(), {}
+        try:
+            self._spec, self._initial_epoch = keeper.restart_point()
+            self._rewind_last_weights()
+            self.state.restarting(self._initial_epoch)
+            reason = keeper.restart_reason(message, self._initial_epoch)
+            log.info("%s", reason)
+            self._notify("restart", reason)
+            backend = resolve_backend(self.config)
+            if isinstance(self.train_data, SparkData):
+                backend.train_data = self.train_data
+            self._launch(backend)
+        except Exception as exc:
+            self._fail(rank, f"relaunching the workers failed ({exc}) after: {message}", worker_traceback)
+
+    def _rewind_last_weights(self) -> None:
+        """What a stop before the relaunched workers finish an epoch leaves in the model: the
+        checkpoint's state, not weights from an epoch that died with a worker."""
+        if self._initial_epoch == 0:  # restarted from the model as given
+            self._last_weights = None
+            return
+        opt = list(self._spec.optimizer_weights or [])
+        self._last_weights = (self._initial_epoch - 1, list(self._spec.weights), len(opt))
+        self._opt_weights, self._iterations = opt, self._keeper.iterations
+
+    def _drop_temp_checkpoints(self) -> None:
+        if self._keeper is not None:
+            self._keeper.close()
 
     def _apply_last_weights(self) -> None:
         if self._last_weights is None:

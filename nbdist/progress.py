@@ -74,6 +74,7 @@ class RunState:
     epoch_samples: list[int] = field(default_factory=list)
     error: str = ""
     workers: list[WorkerProgress] = field(default_factory=list)
+    restarts: int = 0  # times the workers were relaunched from the last checkpoint
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -108,7 +109,7 @@ class RunState:
     def worker_connected(self, rank: int, host: str, pid: int | None) -> None:
         w = self.workers[rank]
         w.host, w.pid = host, pid
-        self.status = "running" if self.status == "starting" else self.status
+        self.status = "running" if self.status in ("starting", "restarting") else self.status
 
     def worker_progress(self, rank: int, body: dict[str, Any]) -> None:
         w = self.workers[rank]
@@ -142,6 +143,22 @@ class RunState:
         w = self.workers[rank]
         w.state = state
         w.error = error
+
+    def restarting(self, completed: int) -> None:
+        """The workers are being relaunched to continue after ``completed`` epochs (counted from 0).
+
+        Epochs past ``completed`` were lost with the workers; the history is cut back in place
+        (a notebook may hold the live dict), and every worker starts over.
+        """
+        self.restarts += 1
+        self.status = "restarting"
+        for values in self.history.values():
+            del values[completed:]
+        keep = max(0, completed - self.initial_epoch)
+        del self.epoch_seconds[keep:]
+        del self.epoch_samples[keep:]
+        self._aggregator = EpochAggregator(self.world_size)
+        self.workers = [WorkerProgress(rank=w.rank, samples=w.samples, batches=w.batches) for w in self.workers]
 
     def finish(self, status: str, error: str = "") -> None:
         self.status = status

@@ -64,14 +64,14 @@ class SparkData:
             from pyspark.sql import functions as F
 
             df = self.dataframe
-            if df.rdd.getNumPartitions() != workers:
+            if df.rdd.getNumPartitions() != workers or not barrier_safe(df._jdf.rdd()):
                 df = df.repartition(workers)
             # Counted in the JVM: no row reaches Python, only one count per partition comes back.
             counts = dict(df.groupBy(F.spark_partition_id().alias("p")).count().collect())
             self.rdd = df.rdd
         else:
             rdd = self.rdd
-            if rdd.getNumPartitions() != workers:
+            if rdd.getNumPartitions() != workers or not barrier_safe(rdd._jrdd.rdd()):
                 rdd = rdd.repartition(workers)
             # The same RDD object trains later, so its shuffle output is reused and the counts hold.
             counts = dict(enumerate(rdd.mapPartitions(_count).collect()))
@@ -80,12 +80,37 @@ class SparkData:
         return self.sizes
 
 
+def barrier_safe(jrdd: Any) -> bool:
+    """Whether a barrier stage can run on this (JVM) RDD as it is.
+
+    Spark refuses a barrier stage whose RDDs, back to the previous shuffle, differ in
+    partition count (a union, a coalesce: SPARK-24820); such data needs a repartition.
+    """
+    want = jrdd.getNumPartitions()
+    stack, seen = [jrdd], 0
+    while stack and seen < 1000:  # a lineage walk, bounded for pathological plans
+        rdd = stack.pop()
+        seen += 1
+        if rdd.getNumPartitions() != want:
+            return False
+        deps = rdd.dependencies()
+        for i in range(deps.size()):
+            dep = deps.apply(i)
+            if not dep.getClass().getSimpleName().startswith("Shuffle"):  # narrow: same stage
+                stack.append(dep.rdd())
+    return True
+
+
 def _count(rows: Any) -> list[int]:
     return [sum(1 for _ in rows)]
 
 
-def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: str | None) -> SparkData:
-    """Check a DataFrame/RDD and the column names against it (on the driver: schema only)."""
+def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: str | None,
+                  label_required: bool = True) -> SparkData:
+    """Check a DataFrame/RDD and the column names against it (on the driver: schema only).
+
+    ``label_required=False`` (prediction) accepts a DataFrame with feature columns only.
+    """
     if y is not None:
         raise NbdistError("with Spark data, pass the DataFrame or RDD alone (--data df) and name its columns "
                           "with --features and --label, not a second variable.")
@@ -95,10 +120,14 @@ def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: s
                               "(features, label) pairs, so drop them.")
         return SparkData(x, Layout())
     cols = _names(features)
-    if not cols or not label:
+    if not label_required and not label:
+        if not cols:
+            raise NbdistError("a Spark DataFrame needs its feature columns named: add --features COL[,COL...] "
+                              "(or features=[...] in the API).")
+    elif not cols or not label:
         raise NbdistError("a Spark DataFrame needs its columns named: add --features COL[,COL...] --label COL "
                           "(or features=[...], label=... in nbdist.train).")
-    missing = [c for c in (*cols, label) if c not in x.columns]
+    missing = [c for c in (*cols, *([label] if label else [])) if c not in x.columns]
     if missing:
         raise NbdistError(f"the DataFrame has no column {missing[0]!r}; its columns are {', '.join(x.columns)}.")
     from pyspark.sql import types as T
@@ -111,6 +140,8 @@ def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: s
         if not ok:
             raise NbdistError(f"feature column {c!r} is {t.simpleString()}; use numeric, array-of-numbers or "
                               "ML Vector columns (e.g. cast it, or assemble it with VectorAssembler).")
+    if not label:
+        return SparkData(None, Layout(cols, None), dataframe=x.select(*cols))
     if not isinstance(fields[label], T.NumericType):
         raise NbdistError(f"label column {label!r} is {fields[label].simpleString()}, not a number; "
                           "index it first (e.g. pyspark.ml.feature.StringIndexer).")

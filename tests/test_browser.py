@@ -23,6 +23,43 @@ CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = ROOT / "artifacts"
 EPOCHS = 20  # the quickstart's --epochs
 
+# For each metric chart: {title: {split: [value of the line's last point, y axis span]}}, the value
+# read back from screen coordinates through the y axis' tick labels (bqplot keeps no data in the DOM).
+LAST_POINTS_JS = """
+figs => {
+  const screenY = (el, x, y) => {
+    const p = el.ownerSVGElement.createSVGPoint(); p.x = x; p.y = y;
+    return p.matrixTransform(el.getScreenCTM()).y;
+  };
+  const out = {};
+  for (const f of figs) {
+    const title = (f.querySelector('.mainheading') || {}).textContent;
+    const ticks = [...f.querySelectorAll('.axis .tick')].filter(t => t.querySelector('line[x2]'))
+      .map(t => [parseFloat(t.querySelector('text').textContent), screenY(t, 0, 0)])
+      .filter(([v, y]) => !isNaN(v));
+    const lines = [...f.querySelectorAll('.curve .line')];
+    if (ticks.length < 2 || !lines.length) continue;
+    const [v0, y0] = ticks[0], [v1, y1] = ticks[ticks.length - 1];
+    out[title] = {};
+    for (const line of lines) {
+      const stroke = getComputedStyle(line).stroke;
+      const split = stroke === 'rgb(31, 119, 180)' ? 'train' : 'validation';
+      const last = line.getAttribute('d').split('L').pop().replace('M', '').split(',').map(Number);
+      const y = screenY(line, last[0], last[1]);
+      out[title][split] = [v0 + (y - y0) * (v1 - v0) / (y1 - y0), Math.abs(v1 - v0)];
+    }
+  }
+  return out;
+}
+"""
+
+BACKGROUND_CELL = """\
+%%dist_train --data X_train,y_train --epochs 500 --batch-size 32 --workers 2 --background --out bg
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+"""
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
@@ -44,7 +81,16 @@ def jupyterlab(tmp_path):
     # Name the kernel so JupyterLab starts it without asking.
     nb.setdefault("metadata", {})["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                                    "language": "python"}
+    # Then a --background run, for the browser to stop with the dashboard's Stop button (the kernel
+    # is idle, so the click reaches it).
+    nb["cells"].append({"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+                        "source": BACKGROUND_CELL})
     (work / "quickstart.ipynb").write_text(json.dumps(nb))
+    # No "fetch Jupyter news?" toast over the screenshot, and no update check (nothing leaves the machine).
+    settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
     token, port = secrets.token_hex(16), _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
            "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
@@ -120,23 +166,65 @@ def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
             dash.screenshot(path=str(ARTIFACTS / "dashboard.png"))
             page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
 
+            (ARTIFACTS / "dashboard.html").write_text(dash.evaluate("e => e.outerHTML"))  # to look into
             text = dash.inner_text()
             assert f"Epoch {EPOCHS}/{EPOCHS}" in text, text
             assert text.count("done") >= 3, text  # the run and both workers
-            bars = page.locator(".nbdist-dashboard .progress-bar")
+            bars = dash.locator(".progress-bar")
             assert bars.count() == 3  # epochs + 2 workers
             for i in range(3):
                 style = bars.nth(i).get_attribute("style") or ""
                 assert "width: 100%" in style, style
             # bqplot drew the metric charts: one SVG path per line, EPOCHS markers per line.
-            titles = page.locator(".nbdist-dashboard .bqplot .mainheading").evaluate_all(
+            titles = dash.locator(".bqplot .mainheading").evaluate_all(
                 "els => els.map(e => e.textContent)")
             assert {"loss", "accuracy", "time per phase"} <= set(titles), titles
-            lines = page.locator(".nbdist-dashboard .bqplot .line")
-            assert lines.count() >= 4, lines.count()  # train + validation for loss and accuracy
-            markers = page.locator(".nbdist-dashboard .bqplot .dot")
-            assert markers.count() >= 4 * EPOCHS, markers.count()
+            # Every line holds every epoch, up to the final one: EPOCHS markers per line, and the
+            # x axes end at the final epoch.
+            # (The legend draws small .line icons too; the data lines are inside .curve.)
+            per_line = dash.locator(".bqplot .curve .line").evaluate_all(
+                "els => els.map(e => e.getAttribute('d').split('L').length)")
+            assert per_line == [EPOCHS] * 4, per_line
+            last_ticks = dash.locator(".bqplot").evaluate_all(
+                "figs => figs.map(f => [...f.querySelectorAll('.axis .tick text')].map(t => t.textContent))")
+            assert sum(str(EPOCHS) in ticks for ticks in last_ticks) >= 2, last_ticks
+            # The phase view: a compute and a synchronisation bar per worker, with a legend.
+            # and the timeline: one stacked bar per epoch.
+            assert dash.locator(".bqplot .bargroup").count() == 2 + EPOCHS
+            # Worker rows name their share of time spent synchronising.
+            assert text.count("sync ") >= 2, text
             # The static summary (HTML table + PNG) sits below the dashboard.
-            assert page.locator(".nbdist-summary img.nbdist-chart").count() == 1
+            summary = page.locator(".nbdist-summary").first
+            assert summary.locator("img.nbdist-chart").count() == 1
+            # The charts end at the final values: read each line's last point back through its y axis
+            # and compare with the summary table's last row.
+            table = summary.locator("table.nbdist-metrics")
+            header = table.locator("thead th").all_inner_texts()
+            final = dict(zip(header, table.locator("tbody tr").last.locator("td").all_inner_texts()))
+            assert final["epoch"] == str(EPOCHS), final
+            drawn = dash.locator(".bqplot").evaluate_all(LAST_POINTS_JS)
+            for title, split, key in [("loss", "train", "loss"), ("loss", "validation", "val_loss"),
+                                      ("accuracy", "train", "accuracy"), ("accuracy", "validation", "val_accuracy")]:
+                value, span = drawn[title][split]
+                assert abs(value - float(final[key])) < 0.02 * span, (title, split, value, final[key])
+
+            # The background run's dashboard: click Stop once an epoch is shown; the run ends cleanly.
+            bg = page.locator(".nbdist-dashboard").nth(1)
+            bg.scroll_into_view_if_needed()
+            page.wait_for_function(
+                "() => /Epoch [1-9]\\d*\\/500/.test(document.querySelectorAll('.nbdist-dashboard')[1].innerText)",
+                timeout=120_000)
+            stop = bg.locator("button", has_text="Stop")
+            assert stop.is_enabled()
+            clicked = time.monotonic()
+            stop.click()
+            bg.locator(".nbdist-status", has_text="stopped").wait_for(timeout=30_000)
+            took = time.monotonic() - clicked
+            page.locator(".nbdist-summary", has_text="Stopped (stopped from the dashboard)").wait_for(timeout=15_000)
+            bg.screenshot(path=str(ARTIFACTS / "dashboard_stopped.png"))
+            stopped_text = bg.inner_text()
+            assert "stopped" in stopped_text and "/500" in stopped_text, stopped_text
+            assert not bg.locator("button", has_text="Stop").is_visible()  # nothing left to stop
+            assert took < 20, took
         finally:
             browser.close()

@@ -2,13 +2,16 @@
 renderer where widgets are not rendered, the text renderer in a terminal IPython, background runs."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -36,6 +39,7 @@ model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation=
 model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
 """
 EPOCHS = 3
+INTERRUPTED_EPOCHS = 300
 
 
 def finished_state(epochs: int = 3) -> RunState:
@@ -124,19 +128,40 @@ def test_auto_picks_text_outside_a_kernel_and_html_in_zeppelin():
 
 # -- notebooks executed with nbclient ----------------------------------------------------------------
 
-def run_notebook(cells: list[str], env: dict[str, str] | None = None, timeout: int = 240):
+def run_notebook(cells: list[str], env: dict[str, str] | None = None, timeout: int = 240,
+                 interrupt: tuple[int, Callable[[dict], bool]] | None = None):
+    """Execute ``cells`` in a fresh kernel. ``interrupt=(i, when)``: while cell i runs, interrupt the
+    kernel the way JupyterLab's button does, as soon as ``when(widget_state)`` holds."""
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True)
+    if interrupt is not None:
+        client.on_cell_execute = lambda cell, cell_index: (
+            cell_index == interrupt[0] and _interrupt_when(client, interrupt[1], timeout))
     old = dict(os.environ)
     os.environ.update({**ENV, **(env or {})})
     try:
-        NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True).execute()
+        client.execute()
     finally:
         os.environ.clear()
         os.environ.update(old)
     return nb
+
+
+def _interrupt_when(client, when: Callable[[dict], bool], timeout: float) -> None:
+    """Watch the kernel's widget messages on a thread; interrupt the kernel once ``when`` holds."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if when(dict(client.widget_state)):
+                asyncio.run(client.km.interrupt_kernel())  # SIGINT to the kernel, like the toolbar button
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def widget_models(nb) -> dict[str, dict]:
@@ -158,7 +183,7 @@ def widget_notebook():
     return run_notebook([
         SETUP,
         f"%%dist_train --data X,y --validation-data Xv,yv --epochs {EPOCHS} --batch-size 64 --workers 2 "
-        f"--seed 0\n{MODEL}",
+        f"--seed 0\nprint('the cell body printed this')\n{MODEL}",
         # --background then job.wait(): the cell returns at once, history arrives later.
         f"%%dist_train --data X,y --epochs 2 --batch-size 64 --workers 2 --out bg --background\n{MODEL}",
         "print('returned:', bg_job.status, len(bg.get('loss', [])))\n"
@@ -173,8 +198,21 @@ def widget_notebook():
         "dash = [l for l in st_job.listeners if hasattr(l, 'stop_button')][0]\n"
         "t0 = time.monotonic(); dash.stop_button.click()\n"
         "print('stopped:', st_job.status, len(st['loss']), round(time.monotonic() - t0, 1))\n"
-        "print('draws:', dash.draws)",
-    ])
+        "print('draws:', dash.draws, 'seconds:', round(st_job.state.elapsed, 2))",
+        # Blocking mode, interrupted by the kernel's interrupt (the test sends it once 2 epochs show).
+        f"%%dist_train --data X,y --epochs {INTERRUPTED_EPOCHS} --batch-size 64 --workers 2 --out hi\n"
+        f"{MODEL}before = [w.copy() for w in model.get_weights()]",
+        "import numpy as np, psutil\n"
+        "changed = not all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))\n"
+        "workers = [p for p in psutil.Process().children(recursive=True) if 'nbdist.worker' in ' '.join(p.cmdline())]\n"
+        "acc = float((model.predict(X, verbose=0).argmax(1) == y).mean())\n"
+        "print('interrupted:', len(hi['loss']), changed, len(workers), round(acc, 3))",
+        # Zeppelin's IPython interpreter (no widgets, display updates dropped) is recognised by its
+        # environment, read when each run starts: the same kernel then gets the HTML renderer.
+        "import os\nos.environ['ZEPPELIN_HOME'] = '/opt/zeppelin'",
+        f"%%dist_train --data X,y --epochs 2 --batch-size 64 --workers 2 --out zh\n{MODEL}",
+    ], interrupt=(6, lambda ws: any(m.get("max") == INTERRUPTED_EPOCHS and m.get("value", 0) >= 2
+                                     for m in ws.values())))
 
 
 def test_widget_state_holds_the_finished_run(widget_notebook):
@@ -201,7 +239,7 @@ def test_widget_state_holds_the_finished_run(widget_notebook):
     # Charts: figures are children of the chart box; their Lines hold one point per epoch.
     figures = [m for m in mine if m["model_name"] == "FigureModel"]
     titles = sorted(m["state"]["title"] for m in figures)
-    assert titles == ["accuracy", "loss", "time per phase"]
+    assert titles == ["accuracy", "loss", "seconds per epoch", "time per phase"]
     lines = {}
     for fig in figures:
         for mark in fig["state"]["marks"]:
@@ -211,6 +249,25 @@ def test_widget_state_holds_the_finished_run(widget_notebook):
     assert set(lines) == {(t, s) for t in ("loss", "accuracy") for s in ("train", "validation")}
     assert all(v.shape == (EPOCHS,) for v in lines.values())
     assert lines[("loss", "train")][-1] < lines[("loss", "train")][0]  # it learned
+    # The phase view holds real seconds: every worker computed and synchronised.
+    def bars(title):
+        return [models[m.replace("IPY_MODEL_", "")] for f in figures if f["state"]["title"] == title
+                for m in f["state"]["marks"]][0]
+
+    compute, sync = decode_array(bars("time per phase"), "y")
+    assert all(c > 0 for c in compute) and all(0 < s < c for s, c in zip(sync, compute)), (compute, sync)
+    # The timeline: one stacked bar per epoch, adding up to about the workers' mean totals.
+    per_epoch = decode_array(bars("seconds per epoch"), "y")
+    assert per_epoch.shape == (2, EPOCHS) and (per_epoch > 0).all(), per_epoch
+    assert per_epoch[1].sum() == pytest.approx(np.mean(sync), rel=0.35)
+    # The log panel holds each worker's own output (kept after the run's log files were removed).
+    logs = [m["state"]["value"] for m in mine if "nbdist-log" in str(m["state"].get("value", ""))]
+    assert len(logs) == 2 and all("worker" in t for t in logs), logs
+    # Updated in place: the cell's own output survives, one dashboard, no clear_output.
+    outs = nb.cells[1].outputs
+    assert any("the cell body printed this" in o.get("text", "") for o in outs)
+    assert sum("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outs) == 1
+    assert not any(o.get("output_type") == "clear_output" for o in outs)
     # The static summary replaced the empty placeholder: table and PNG survive without widgets.
     html_out = [o["data"]["text/html"] for o in nb.cells[1].outputs if "text/html" in o.get("data", {})]
     assert any("nbdist-summary" in h and "data:image/png;base64," in h for h in html_out)
@@ -229,17 +286,35 @@ def test_stop_button_ends_a_background_run(widget_notebook):
     assert stopped[0] == "stopped", text
     assert 1 <= int(stopped[1]) < 200
     assert float(stopped[2]) < 15
-    # The dashboard redrew, but throttled: far fewer draws than progress events.
-    assert int(text.split("draws: ")[1].split()[0]) >= 2
+    # The dashboard redrew, but throttled: at most 5 draws a second (+ start and end).
+    draws, seconds = int(text.split("draws: ")[1].split()[0]), float(text.split("seconds: ")[1].split()[0])
+    assert 2 <= draws <= 5 * seconds + 3, (draws, seconds)
+
+
+def test_kernel_interrupt_stops_the_run_and_keeps_the_last_synchronised_weights(widget_notebook):
+    nb = widget_notebook
+    outs = nb.cells[6].outputs
+    assert not any(o.get("output_type") == "error" for o in outs), outs  # the cell ended normally
+    text = "".join(o.get("text", "") for o in nb.cells[7].outputs)
+    done, changed, workers, acc = text.split("interrupted: ")[1].split()
+    assert 2 <= int(done) < INTERRUPTED_EPOCHS
+    assert changed == "True" and int(workers) == 0
+    assert float(acc) > 0.25  # trained (averaged) weights: the initial ones score ~0.1 on 10 classes
+    # The dashboard says so.
+    models = widget_models(nb)
+    view = next(o for o in outs if "application/vnd.jupyter.widget-view+json" in o.get("data", {}))
+    root = models[view["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]]
+    header = models[root["state"]["children"][0].replace("IPY_MODEL_", "")]["state"]["value"]
+    assert "<b>stopped</b>" in header, header
+    summary = [o["data"]["text/html"] for o in outs if "nbdist-summary" in o.get("data", {}).get("text/html", "")]
+    assert summary and "Stopped (interrupted)" in summary[0]
 
 
 # -- fallbacks: a frontend without widgets, a terminal IPython ---------------------------------------
 
-def test_html_renderer_where_widgets_are_not_rendered():
+def test_html_renderer_where_widgets_are_not_rendered(widget_notebook):
     """Zeppelin's IPython interpreter: no widgets, display updates dropped -> appended HTML per epoch."""
-    nb = run_notebook([SETUP, f"%%dist_train --data X,y --epochs 2 --batch-size 64 --workers 2\n{MODEL}"],
-                      env={"ZEPPELIN_HOME": "/opt/zeppelin"})
-    outs = nb.cells[1].outputs
+    outs = widget_notebook.cells[9].outputs
     assert not any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outs)
     htmls = [o["data"]["text/html"] for o in outs if "text/html" in o.get("data", {})]
     epochs = [h for h in htmls if "nbdist-epoch" in h]

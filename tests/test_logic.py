@@ -90,3 +90,15 @@ def test_lr_scaling_keeps_plain_sgd_exact_and_scales_adaptive_optimizers():
     assert lr_scale_factor("linear", "SGD", 3) == 3.0
     assert lr_scale_factor("none", "Adam", 3) == 1.0
     assert lr_scale_factor("auto", "Adam", 1) == 1.0
+
+
+def test_last_traceback_keeps_the_head_of_a_long_traceback() -> None:
+    from nbdist.job import last_traceback
+
+    frames = "\n".join(f'  File "x.py", line {i}, in f' for i in range(300))
+    log = f"INFO starting\nTraceback (most recent call last):\n  old\nValueError: first\n" \
+          f"INFO more\nTraceback (most recent call last):\n{frames}\nValueError: boom"
+    got = last_traceback(log)
+    assert got.startswith("Traceback (most recent call last):\n  File") and got.endswith("ValueError: boom")
+    assert "first" not in got
+    assert last_traceback("\n".join(str(i) for i in range(100))).splitlines() == [str(i) for i in range(70, 100)]

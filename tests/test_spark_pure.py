@@ -93,14 +93,13 @@ def test_backend_spark_without_spark_is_one_sentence():
 
 def test_magic_backend_spark_without_spark():
     from IPython.core.error import UsageError
-    from IPython.testing.globalipapp import get_ipython
-
     from nbdist.backends.spark import active_spark_context
+
+    from .conftest import ipython_shell  # the session's one shell: a second shell class cannot coexist
 
     if active_spark_context() is not None:
         pytest.skip("a SparkContext is active in this process")
-    ip = get_ipython()
-    ip.extension_manager.load_extension("nbdist")
+    ip = ipython_shell()
     ip.user_ns.update(X=np.zeros((4, 2), np.float32), y=np.zeros(4, np.int64))
     with pytest.raises(UsageError, match="needs an active SparkContext"):
         ip.run_cell_magic("dist_train", "--data X,y --backend spark", "model = None")

@@ -46,6 +46,14 @@ def cuda_visible_devices(resources: Mapping[str, Any]) -> str | None:
     return ",".join(str(a).strip() for a in addresses)
 
 
+def task_visible_devices(resources: Mapping[str, Any]) -> str | None:
+    """The one GPU this task's worker uses (allreduce pins one per worker); None: Spark assigned none."""
+    from ..strategies.placement import spark_task_visible_devices
+
+    devices = cuda_visible_devices(resources)
+    return None if devices is None else spark_task_visible_devices(devices.split(","))
+
+
 def npy_header(dtype: np.dtype, shape: Sequence[int], size: int = NPY_HEADER_SIZE) -> bytes:
     """A version 1.0 .npy header padded to exactly ``size`` bytes (a multiple of 64)."""
     descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
@@ -231,7 +239,7 @@ def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
     code, tail = 1, ""
     try:
         env = worker_env(secret, spec.threads)
-        devices = cuda_visible_devices(ctx.resources())
+        devices = task_visible_devices(ctx.resources())
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
         if spec.layout is not None:

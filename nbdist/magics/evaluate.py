@@ -15,6 +15,8 @@ from .args import apply, data_arguments, lookup_pair, worker_arguments
 log = logging.getLogger(__name__)
 
 _batch = argument("--batch-size", type=int, default=256, help="rows per batch on each worker (default: 256)")
+_features = argument("--features", default=None, metavar="COLS",
+                     help="Spark DataFrame feature columns, comma-separated (numeric, array or ML Vector)")
 
 
 def _model(name: str, ns: dict[str, Any]) -> Any:
@@ -49,6 +51,8 @@ class EvaluateMagics(Magics):
     @apply(data_arguments)
     @apply(worker_arguments)
     @_batch
+    @_features
+    @argument("--label", default=None, metavar="COL", help="Spark DataFrame label column")
     @argument("--out", default="evaluation", metavar="NAME",
               help="variable to receive the result dict (default: evaluation)")
     @line_magic
@@ -62,6 +66,7 @@ class EvaluateMagics(Magics):
         Example::
 
             %dist_evaluate model --data X_test,y_test --workers 2
+            %dist_evaluate model --data test_df --features pixels --label digit
         """
         _run(lambda: self._evaluate(line))
 
@@ -76,10 +81,10 @@ class EvaluateMagics(Magics):
         out = _out(args.out)
         model = _model(args.model, ns)
         x, y = lookup_pair(args.data, ns, "--data")
-        if y is None:
+        if y is None and not _is_spark(x):
             raise NbdistError("--data needs features and labels to evaluate; write it as --data X,y.")
         result = evaluate(model, x, y, namespace=ns, workers=args.workers, backend=args.backend,
-                          batch_size=args.batch_size)
+                          batch_size=args.batch_size, features=args.features, label=args.label)
         ns[out] = result
         display(EvaluationReport(result))
 
@@ -88,6 +93,9 @@ class EvaluateMagics(Magics):
     @apply(data_arguments)
     @apply(worker_arguments)
     @_batch
+    @_features
+    @argument("--prediction-col", default="prediction", metavar="COL",
+              help="Spark DataFrame input: name of the prediction column to add (default: prediction)")
     @argument("--out", default="predictions", metavar="NAME",
               help="variable to receive the predictions (default: predictions)")
     @line_magic
@@ -97,6 +105,10 @@ class EvaluateMagics(Magics):
         Example::
 
             %dist_predict model --data X_new --out y_pred
+            %dist_predict model --data new_df --features pixels --out scored_df
+
+        A Spark DataFrame gets a new DataFrame with a prediction column, computed
+        lazily on the executors (rows never reach the notebook).
         """
         _run(lambda: self._predict(line))
 
@@ -111,7 +123,17 @@ class EvaluateMagics(Magics):
         if y is not None:
             raise NbdistError("--data for %dist_predict names only the features, e.g. --data X.")
         result = predict(model, x, namespace=ns, workers=args.workers, backend=args.backend,
-                         batch_size=args.batch_size)
+                         batch_size=args.batch_size, features=args.features, prediction_col=args.prediction_col)
         ns[out] = result
+        if _is_spark(result):
+            print(f"{out}: a Spark DataFrame with column {args.prediction_col!r}, computed on the executors "
+                  "when you use it")
+            return
         shape = getattr(result, "shape", None)
         print(f"{out}: predictions of shape {shape} in input order")
+
+
+def _is_spark(obj: Any) -> bool:
+    from ..spark_data import is_spark_data
+
+    return is_spark_data(obj)

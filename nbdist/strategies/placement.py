@@ -91,3 +91,31 @@ def horovod_import_error() -> str | None:
     except Exception as exc:  # ImportError, or a build that does not match this TensorFlow
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def spark_task_visible_devices(addresses: "list[str] | tuple[str, ...] | None") -> str | None:
+    """CUDA_VISIBLE_DEVICES for the worker a Spark task hosts, from the GPUs Spark assigned the task.
+
+    ``addresses`` are the task's ``resources()["gpu"].addresses`` (None: Spark schedules no GPUs,
+    so the executor's own setting stands). One GPU per worker, as allreduce pins: a task given
+    several GPUs hands its worker the first; given none, the worker sees none ("").
+    NOT VERIFIED ON A GPU (there is none here).
+    """
+    if addresses is None:
+        return None
+    ids = [str(a).strip() for a in addresses if str(a).strip()]
+    return ids[0] if ids else ""
+
+
+def spark_task_placement(addresses: "list[str] | tuple[str, ...] | None", requested_engine: str | None,
+                         horovod_error: str | None = None) -> tuple[str | None, str | None, str | None]:
+    """The whole chain for a Spark-hosted worker: task GPUs -> CUDA_VISIBLE_DEVICES -> engine.
+
+    Returns (CUDA_VISIBLE_DEVICES or None, engine, warning). With no GPU scheduling in Spark
+    the engine is left to the worker (None): it chooses from the devices it actually sees.
+    """
+    devices = spark_task_visible_devices(addresses)
+    if devices is None:
+        return None, None, None
+    engine, warning = choose_engine(requested_engine, bool(devices), horovod_error)
+    return devices, engine, warning

@@ -1,6 +1,7 @@
 """Renderers of a run's progress. Each is a listener: ``renderer(kind, state, payload)``.
 
-kind is one of "start", "worker", "progress", "epoch" (payload: merged logs) and "end".
+kind is one of "start", "worker", "progress", "epoch" (payload: merged logs), "restart" (payload:
+the reason, one sentence) and "end"; a renderer ignores kinds it does not know.
 A renderer may also have ``attach(job)``: it is then given the job (Stop button, worker logs).
 """
 from __future__ import annotations

@@ -47,6 +47,10 @@ class HtmlRenderer:
             if self._handle is not None:
                 self._handle.update(HTML(progress_html(state)))
             self._show(HTML(summary_html(state)))
+        elif kind == "restart" and self.mode == "append":
+            self._show(HTML(f"<div class='nbdist-restart'><b>nbdist</b> · {html.escape(str(payload))}</div>"))
+        elif kind == "restart" and self._handle is not None:  # not throttled: rare, and it matters
+            self._handle.update(HTML(progress_html(state)))
         elif self.mode == "append":
             if kind == "epoch":
                 self._show(HTML(f"<div class='nbdist-epoch'><code>{html.escape(epoch_line(state, payload))}"

@@ -44,6 +44,8 @@ class TextRenderer:
                         f"{state.epochs} epochs")
         elif kind == "epoch":
             self._write(epoch_line(state, payload))
+        elif kind == "restart":
+            self._write(f"nbdist: {payload}")
         elif kind == "end" and state.status != "failed":
             self._write(end_line(state))
 

@@ -16,8 +16,14 @@ MAX_REDRAWS_PER_SECOND = 5.0
 
 STATE_COLOURS = {
     "starting": "#888888", "training": "#1f77b4", "synchronising": "#ff7f0e",
-    "done": "#2ca02c", "failed": "#d62728", "stopped": "#9467bd",
+    "done": "#2ca02c", "failed": "#d62728", "stopped": "#9467bd", "restarting": "#e377c2",
+    "running": "#1f77b4",
 }
+
+
+def restarts(state: RunState) -> int:
+    """How often the workers were relaunched (``RunState.restarts`` exists once restarts are built)."""
+    return int(getattr(state, "restarts", 0) or 0)
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -40,18 +46,20 @@ class Overview:
     eta: str
     throughput: float
     status: str
+    restarts: int = 0
 
     @property
     def line(self) -> str:
+        again = f" · restarted {self.restarts}×" if self.restarts else ""
         return (f"Epoch {self.epochs_done}/{self.epochs_total} · elapsed {self.elapsed} · "
-                f"ETA {self.eta} · {self.throughput:,.0f} samples/s")
+                f"ETA {self.eta} · {self.throughput:,.0f} samples/s{again}")
 
 
 def overview(state: RunState) -> Overview:
     done = state.initial_epoch + state.epochs_done
     eta = 0.0 if state.status == "done" else state.eta
     return Overview(done, state.epochs, format_seconds(state.elapsed), format_seconds(eta),
-                    state.throughput, state.status)
+                    state.throughput, state.status, restarts(state))
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,41 @@ def worker_rows(state: RunState) -> list[WorkerRow]:
         rows.append(WorkerRow(w.rank, w.state, worker_fraction(w, state), w.compute_seconds,
                               w.sync_seconds, detail))
     return rows
+
+
+def epoch_ticks(epochs: list[int], most: int = 10) -> list[int]:
+    """Whole epochs to label on an x axis, at most ``most`` of them (the last one always)."""
+    if not epochs:
+        return []
+    step = -(-len(epochs) // most)
+    ticks = epochs[::-1][::step][::-1]  # counted back from the last epoch, so it is labelled
+    return ticks
+
+
+@dataclass
+class EpochPhases:
+    """Seconds per epoch in compute and in synchronisation (mean over workers): the phase timeline.
+
+    Workers report cumulative seconds; ``mark`` takes them at each epoch end and keeps the
+    differences. After a restart the workers count from zero again: ``restart`` rewinds.
+    """
+
+    compute: list[float] = field(default_factory=list)
+    sync: list[float] = field(default_factory=list)
+    _last: tuple[float, float] = (0.0, 0.0)
+
+    def mark(self, state: RunState) -> None:
+        n = max(1, len(state.workers))
+        c = sum(w.compute_seconds for w in state.workers) / n
+        s = sum(w.sync_seconds for w in state.workers) / n
+        self.compute.append(max(0.0, c - self._last[0]))
+        self.sync.append(max(0.0, s - self._last[1]))
+        self._last = (c, s)
+
+    def restart(self, epochs_kept: int) -> None:
+        del self.compute[epochs_kept:]
+        del self.sync[epochs_kept:]
+        self._last = (0.0, 0.0)
 
 
 def metric_groups(history: dict[str, list[float]]) -> dict[str, dict[str, list[float]]]:
@@ -134,6 +177,9 @@ def status_sentence(state: RunState) -> str:
                 "holds the last averaged weights.")
     if state.status == "failed":
         return f"Training failed: {state.error}"
+    if state.status == "restarting":
+        return (f"Restarting the workers (restart {restarts(state)}), continuing from epoch "
+                f"{state.initial_epoch + state.epochs_done}")
     return f"{state.strategy} on {state.world_size} {state.backend} workers: {state.status}"
 
 

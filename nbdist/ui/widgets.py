@@ -19,7 +19,7 @@ from IPython.display import HTML, display
 
 from ..progress import RunState
 from .summary import summary_html
-from .view import (STATE_COLOURS, Throttle, epoch_axis, metric_groups, overview, status_sentence,
+from .view import (STATE_COLOURS, EpochPhases, Throttle, epoch_axis, epoch_ticks, metric_groups, overview, status_sentence,
                    worker_rows)
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,13 @@ log = logging.getLogger(__name__)
 SPLIT_COLOURS = {"train": "#1f77b4", "validation": "#ff7f0e"}
 LOG_LINES = 12
 LOG_INTERVAL = 1.0  # seconds between reads of the workers' log files
+
+
+def phase_note(row: Any) -> str:
+    """The share of this worker's time spent synchronising so far, e.g. " · sync 12%"."""
+    if row.compute_seconds + row.sync_seconds <= 0:
+        return ""
+    return f" · sync {row.sync_fraction:.0%}"
 
 
 class MetricChart:
@@ -37,8 +44,9 @@ class MetricChart:
         self.x_scale = bqplot.LinearScale()
         self.y_scale = bqplot.LinearScale()
         self.lines: dict[str, bqplot.Lines] = {}
-        axes = [bqplot.Axis(scale=self.x_scale, label="epoch", tick_format="d"),
-                bqplot.Axis(scale=self.y_scale, orientation="vertical", label=name)]
+        # Whole epochs only: a linear axis would otherwise label 1, 1.5, 2 (shown as "1 1 2" with "d").
+        self.x_axis = bqplot.Axis(scale=self.x_scale, label="epoch", tick_format="d")
+        axes = [self.x_axis, bqplot.Axis(scale=self.y_scale, orientation="vertical", label=name)]
         # Losses fall and scores rise: keep the legend where the lines are not.
         corner = "top-right" if "loss" in name or "error" in name else "bottom-right"
         self.figure = bqplot.Figure(marks=[], axes=axes, title=name, legend_location=corner,
@@ -46,6 +54,13 @@ class MetricChart:
                                     layout=W.Layout(width="340px", height="250px"))
 
     def update(self, x: list[int], series: dict[str, list[float]]) -> None:
+        self.x_axis.tick_values = epoch_ticks(x)
+        # One epoch (or a flat line) gives the y axis an empty range and meaningless ticks: widen it.
+        values = [v for vs in series.values() for v in vs]
+        flat = bool(values) and max(values) - min(values) < 1e-9
+        pad = max(0.05 * abs(values[0]), 0.01) if flat else 0.0
+        self.y_scale.min = values[0] - pad if flat else None
+        self.y_scale.max = values[0] + pad if flat else None
         for split, values in series.items():
             line = self.lines.get(split)
             if line is None:
@@ -69,15 +84,44 @@ class PhaseChart:
         self.bars = bqplot.Bars(x=labels, y=[[0.0] * world_size, [0.0] * world_size],
                                 scales={"x": self.x_scale, "y": self.y_scale}, type="stacked",
                                 orientation="horizontal", colors=["#1f77b4", "#ff7f0e"],
-                                labels=["compute", "synchronisation"], display_legend=False)
+                                labels=["compute", "synchronisation"])
         axes = [bqplot.Axis(scale=self.x_scale, orientation="vertical"),
-                bqplot.Axis(scale=self.y_scale, label="seconds: compute (blue), synchronisation (orange)")]
+                bqplot.Axis(scale=self.y_scale, label="seconds")]
         self.figure = bqplot.Figure(marks=[self.bars], axes=axes, title="time per phase",
                                     fig_margin={"top": 40, "bottom": 40, "left": 70, "right": 15},
                                     layout=W.Layout(width="420px", height=f"{140 + 30 * world_size}px"))
 
     def update(self, compute: list[float], sync: list[float]) -> None:
         self.bars.y = [compute, sync]
+
+
+class EpochPhaseChart:
+    """The phase timeline: per epoch, seconds in compute and in synchronisation (mean over workers)."""
+
+    def __init__(self) -> None:
+        # A linear epoch axis (not ordinal): labels can be thinned, so 200 epochs stay readable.
+        self.x_scale = bqplot.LinearScale()
+        self.y_scale = bqplot.LinearScale(min=0.0)
+        self.bars = bqplot.Bars(x=[], y=[[], []], scales={"x": self.x_scale, "y": self.y_scale}, type="stacked",
+                                colors=["#1f77b4", "#ff7f0e"], labels=["compute", "synchronisation"],
+                                padding=0.15)
+        self.x_axis = bqplot.Axis(scale=self.x_scale, label="epoch", tick_format="d")
+        axes = [self.x_axis, bqplot.Axis(scale=self.y_scale, orientation="vertical", label="seconds")]
+        self.figure = bqplot.Figure(marks=[self.bars], axes=axes, title="seconds per epoch",
+                                    fig_margin={"top": 40, "bottom": 40, "left": 55, "right": 15},
+                                    layout=W.Layout(width="340px", height="250px"))
+
+    def update(self, epochs: list[int], phases: EpochPhases) -> None:
+        n = min(len(epochs), len(phases.compute))
+        if n:  # half an epoch of margin, so the first and last bars are whole
+            self.x_scale.min, self.x_scale.max = epochs[0] - 0.5, epochs[n - 1] + 0.5
+        self.x_axis.tick_values = epoch_ticks(epochs[:n])
+        x, compute, sync = epochs[:n], phases.compute[:n], phases.sync[:n]
+        if n == 1:  # bar width comes from the spacing of x: add an empty bar just outside the axis
+            x, compute, sync = [x[0] - 1] + x, [0.0] + compute, [0.0] + sync
+        with self.bars.hold_sync():
+            self.bars.x = x
+            self.bars.y = [compute, sync]
 
 
 class WidgetDashboard:
@@ -93,6 +137,7 @@ class WidgetDashboard:
         self._last_log_read = float("-inf")
         self._summary_handle: Any = None
         self.draws = 0
+        self._dirty = False
         self.charts: dict[str, MetricChart] = {}
 
         self.header = W.HTML()
@@ -102,21 +147,34 @@ class WidgetDashboard:
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True,
                                     tooltip="Stop the run (with --background; otherwise interrupt the kernel)")
         self.stop_button.on_click(self._on_stop)
+        # Blocking mode: a click cannot reach a busy kernel, so say what works instead.
+        self.stop_hint = W.HTML("<span style='color:#777;font-size:12px'>to stop: interrupt the kernel (■); "
+                                "the model keeps the last averaged weights</span>")
         self.chart_box = W.HBox(layout=W.Layout(flex_flow="row wrap"))
         self.worker_bars: list[W.FloatProgress] = []
         self.worker_states: list[W.HTML] = []
         self.worker_box = W.VBox()
         self.phase: PhaseChart | None = None
+        self.timeline = EpochPhaseChart()
+        self.epoch_phases = EpochPhases()
         self.phase_box = W.Box()
+        # One legend for both phase charts (bqplot's legend for stacked bars covers the bars).
+        self.phase_legend = W.HTML(
+            "<span style='font-size:12px'>phases: <span style='color:#1f77b4'>■</span> compute "
+            "<span style='color:#ff7f0e'>■</span> synchronisation (averaging / allreduce)</span>")
         self.error_panel = W.HTML(layout=W.Layout(display="none"))
+        self.notice = W.HTML(layout=W.Layout(display="none"))  # restarts, with their reasons
+        self._restart_reasons: list[str] = []
         self.logs: list[W.HTML] = []
         self.log_panel = W.Accordion()
         self.root = W.VBox([
             self.header,
-            W.HBox([self.epochs_bar, self.stop_button]),
+            W.HBox([self.epochs_bar, self.stop_button, self.stop_hint], layout=W.Layout(align_items="center")),
             self.overview,
             self.chart_box,
-            W.HBox([self.worker_box, self.phase_box], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.worker_box, W.VBox([self.phase_legend, self.phase_box])],
+                   layout=W.Layout(flex_flow="row wrap")),
+            self.notice,
             self.error_panel,
             self.log_panel,
         ])
@@ -126,7 +184,10 @@ class WidgetDashboard:
     def attach(self, job: Any) -> None:
         """Give the dashboard its job: the Stop button and the workers' logs come from it."""
         self._job = job
-        self.stop_button.disabled = not getattr(job.config, "background", False)
+        background = bool(getattr(job.config, "background", False))
+        self.stop_button.disabled = not background
+        self.stop_button.layout.display = None if background else "none"
+        self.stop_hint.layout.display = "none" if background else None
 
     def _on_stop(self, _button: Any = None) -> None:
         if self._job is not None:
@@ -144,11 +205,22 @@ class WidgetDashboard:
                 # even when the run ends on the background thread.
                 self._summary_handle = self._show(HTML(""), display_id=True)
                 self._draw()
+            elif kind == "restart":  # always shown at once: a restart is rare and matters
+                self.epoch_phases.restart(state.epochs_done)
+                self._restart_reasons.append(str(payload or "restarting the workers"))
+                self._show_restarts()
+                self._throttle.ready(force=True)
+                self._draw()
             elif kind == "end":
                 self._cancel_timer()
                 self._draw(final=True)
                 self._finish(state)
             else:
+                if kind == "epoch":
+                    self.epoch_phases.mark(state)
+                if kind == "worker":  # connected or finished (rare): read the logs now, while they exist
+                    self._last_log_read = time.monotonic()
+                    self._draw_logs()
                 self._request_draw()
 
     # -- drawing ----------------------------------------------------------
@@ -161,7 +233,7 @@ class WidgetDashboard:
         self.worker_states = [W.HTML() for _ in range(n)]
         self.worker_box.children = [W.HBox([b, s]) for b, s in zip(self.worker_bars, self.worker_states)]
         self.phase = PhaseChart(n)
-        self.phase_box.children = [self.phase.figure]
+        self.phase_box.children = [self.phase.figure, self.timeline.figure]
         self.logs = [W.HTML("<pre>(no output yet)</pre>") for _ in range(n)]
         self.log_panel.children = self.logs
         for r in range(n):
@@ -169,6 +241,7 @@ class WidgetDashboard:
         self.log_panel.selected_index = None
 
     def _request_draw(self) -> None:
+        self._dirty = True
         if self._throttle.ready():
             self._draw()
         elif self._timer is None:
@@ -180,9 +253,14 @@ class WidgetDashboard:
     def _timer_draw(self) -> None:
         with self._lock:
             self._timer = None
-            if self._state is not None and self._state.finished_at is None:
-                self._throttle.ready(force=True)
+            if not self._dirty or self._state is None or self._state.finished_at is not None:
+                return  # an event drew the latest state meanwhile, or the run is over
+            if self._throttle.ready():
                 self._draw()
+            else:  # an event took this slot without drawing everything: try again when allowed
+                self._timer = threading.Timer(self._throttle.wait_time(), self._timer_draw)
+                self._timer.daemon = True
+                self._timer.start()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -194,24 +272,27 @@ class WidgetDashboard:
         if state is None:
             return
         self.draws += 1
+        self._dirty = False
         ov = overview(state)
         colour = STATE_COLOURS.get(state.status, "#1f77b4")
-        self.header.value = (f"<b>nbdist</b> · {html.escape(state.strategy)} on {state.world_size} "
-                             f"{html.escape(state.backend)} workers · "
-                             f"<span style='color:{colour}'><b>{html.escape(state.status)}</b></span>")
+        self.header.value = (f"<span style='font-size:14px'><b>nbdist</b> · {html.escape(state.strategy)} on "
+                             f"{state.world_size} {html.escape(state.backend)} workers</span> "
+                             f"<span class='nbdist-status' style='background:{colour};color:white;padding:1px 9px;"
+                             f"border-radius:9px;margin-left:6px'><b>{html.escape(state.status)}</b></span>")
         self.epochs_bar.value = ov.epochs_done
         self.epochs_bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(
             state.status, "info")
-        self.overview.value = html.escape(ov.line)
+        self.overview.value = f"<span style='font-size:13px'>{html.escape(ov.line)}</span>"
         rows = worker_rows(state)
         for row, bar, label in zip(rows, self.worker_bars, self.worker_states):
             bar.value = row.fraction
             bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(row.state, "info")
             label.value = (f"<span class='nbdist-worker-state' style='color:{STATE_COLOURS.get(row.state)}'>"
-                           f"<b>{html.escape(row.state)}</b></span> · {html.escape(row.detail)}")
+                           f"<b>{html.escape(row.state)}</b></span> · {html.escape(row.detail)}{phase_note(row)}")
         if self.phase is not None:
             self.phase.update([r.compute_seconds for r in rows], [r.sync_seconds for r in rows])
         x = epoch_axis(state)
+        self.timeline.update(x, self.epoch_phases)
         for name, series in metric_groups(state.history).items():
             chart = self.charts.get(name)
             if chart is None:
@@ -223,6 +304,13 @@ class WidgetDashboard:
             self._last_log_read = now
             self._draw_logs()
 
+    def _show_restarts(self) -> None:
+        items = "".join(f"<li>{html.escape(r)}</li>" for r in self._restart_reasons[-5:])
+        n = len(self._restart_reasons)
+        self.notice.value = ("<div class='nbdist-restarts' style='border-left:4px solid #e377c2;padding:2px 8px;"
+                             f"background:#fdf2f9'><b>restarted {n}×</b><ul style='margin:2px 0'>{items}</ul></div>")
+        self.notice.layout.display = None
+
     def _draw_logs(self) -> None:
         tail = getattr(self._job, "worker_log", None)
         if tail is None:
@@ -233,11 +321,15 @@ class WidgetDashboard:
             except Exception:  # a log file that vanished must not break the dashboard
                 log.debug("could not read worker %d's log", rank, exc_info=True)
                 continue
-            widget.value = f"<pre style='font-size:11px'>{html.escape(text or '(no output yet)')}</pre>"
+            if not text:  # not written yet, or the run's log files are already cleaned up: keep the last
+                continue
+            widget.value = f"<pre class='nbdist-log' style='font-size:11px'>{html.escape(text)}</pre>"
 
     def _finish(self, state: RunState) -> None:
         self.stop_button.disabled = True
         self.stop_button.description = "Stop"
+        self.stop_button.layout.display = "none"  # nothing left to stop
+        self.stop_hint.layout.display = "none"
         if state.status == "failed":
             failed = [w for w in state.workers if w.error]
             trace = failed[0].error if failed else ""

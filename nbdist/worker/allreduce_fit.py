@@ -23,6 +23,7 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
                                         common_steps, wrap_optimizer)
     from ..strategies.averaging import WeightedAverager, batch_sizes
     from .callbacks import EventCallback, weight_shipper
+    from .phases import phase_callbacks, phase_timer
 
     cfg = job["config"]
     engine, warning = resolve_engine(cfg.get("engine"))
@@ -52,8 +53,8 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
 
     sync = AllreduceCallback(reducer, original_apply, model.trainable_variables, samples, batch_size,
                              steps, stats)
-    callbacks = [sync, EventCallback(link.send, samples, val_samples, batch_size, reducer,
-                                     ship if rank == 0 else None)]
+    callbacks = [sync, EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer),
+                                     ship if rank == 0 else None)] + phase_callbacks(link.send, collective)
     model.fit(x, y, batch_size=batch_size, epochs=int(cfg["epochs"]), verbose=0,
               shuffle=bool(cfg["shuffle"]), validation_data=validation, callbacks=callbacks,
               initial_epoch=int(job["initial_epoch"]))

@@ -36,6 +36,17 @@ def predict_shard(model: Any, x: np.ndarray, batch_size: int) -> list[np.ndarray
     return [np.asarray(a) for a in (out if isinstance(out, (list, tuple)) else [out])]
 
 
+def _fit_input(model: Any, x: np.ndarray) -> np.ndarray:
+    """Flat rows from Spark columns reshaped to an image model's input (e.g. 3072 -> 32x32x3)."""
+    try:
+        shape = tuple(model.inputs[0].shape[1:])
+    except (AttributeError, IndexError, ValueError):
+        return x
+    if len(shape) > 1 and None not in shape and x.ndim == 2 and x.shape[1] == int(np.prod(shape)):
+        return x.reshape((len(x), *shape))
+    return x
+
+
 def run_inference(link: Any, job: dict[str, Any]) -> None:
     from ..model_io import ModelSpec, model_from_spec
     from .training import pin_threads
@@ -53,7 +64,10 @@ def run_inference(link: Any, job: dict[str, Any]) -> None:
     link.send({"type": "progress", "state": job["kind"] + "ing", "epoch": 0, "batch": 0,
                "batches": -(-len(x) // batch_size)})
     started = time.perf_counter()
-    if job["kind"] == "predict":
+    x = _fit_input(model, x)
+    if job["kind"] == "evaluate" and len(x) == 0:  # an empty Spark partition: nothing to add
+        link.send({"type": "evaluation", "rows": 0, "names": [], "has_stats": False, "has_histogram": False})
+    elif job["kind"] == "predict":
         outputs = predict_shard(model, x, batch_size)
         link.send({"type": "predictions", "rows": len(x)}, outputs)
     elif job["kind"] == "evaluate":

@@ -97,10 +97,15 @@ def run_job(link: Any, rank: int) -> None:
     spec = ModelSpec(job["model_config"], job["weights"], job["optimizer_weights"], None)
     model = model_from_spec(spec, custom)
     build_optimizer(model)
+    if job.get("iterations") is not None:  # resumed: Adam's bias correction continues, not restarts
+        model.optimizer.iterations.assign(int(job["iterations"]))
     scale_learning_rate(model, cfg.get("lr_scaling", "none"), int(job["world_size"]))
     link.send({"type": "progress", "state": "starting", "epoch": int(job["initial_epoch"])})
 
-    collective = connect_collective(link, job)
+    from .phases import PhaseClock, PhaseCollective, phase_callbacks, phase_timer
+
+    # Watched, so the worker can report time in synchronisation vs compute (see phases.py).
+    collective = PhaseCollective(connect_collective(link, job), PhaseClock())
     if cfg.get("strategy") == "allreduce":
         from .allreduce_fit import fit_allreduce
 
@@ -126,8 +131,8 @@ def run_job(link: Any, rank: int) -> None:
 
         ship = weight_shipper(link.send, model)
 
-        callbacks = [EventCallback(link.send, samples, val_samples, batch_size, averager,
-                                   ship if rank == 0 else None)]
+        callbacks = [EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, averager),
+                                   ship if rank == 0 else None)] + phase_callbacks(link.send, collective)
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
             callbacks.insert(0, AveragingCallback(averager, int(cfg["averaging_frequency"]), samples,
                                                   batch_size, int(job["rounds_per_epoch"])))

@@ -1,0 +1,137 @@
+"""Prediction inside Spark's Python workers: the function ``DataFrame.mapInPandas`` runs per partition.
+
+Everything here runs on the executors, so only the standard library, numpy and
+pandas are imported at module level. The model travels as plain data: its JSON
+config and its weights as an ``.npz`` blob (read with ``allow_pickle=False``),
+in one broadcast per call, so it is shipped once per executor, not per task.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .spark_task import _feature_block
+
+log = logging.getLogger(__name__)
+
+# Built models per Python worker process, by broadcast id: Spark reuses its Python workers,
+# so later partitions (and batches) of the same call skip rebuilding the model.
+# Keyed by PredictSpec.key (a worker-side Broadcast has no id of its own).
+_MODELS: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def pack_weights(weights: Sequence[np.ndarray]) -> bytes:
+    """Weights as one ``.npz`` blob: numbers only, nothing that needs unpickling."""
+    buf = io.BytesIO()
+    np.savez(buf, *[np.asarray(w) for w in weights])
+    return buf.getvalue()
+
+
+def unpack_weights(blob: bytes) -> list[np.ndarray]:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
+        return [npz[f"arr_{i}"] for i in range(len(npz.files))]
+
+
+@dataclass(frozen=True)
+class PredictSpec:
+    """What each task needs besides the broadcast model."""
+
+    model: Any  # a pyspark Broadcast of {"config": json text, "weights": npz bytes}
+    key: str  # unique per predict call
+    features: tuple[str, ...]
+    column: str  # the prediction column to add
+    batch_size: int
+    input_shape: tuple[int, ...] | None  # reshape flat feature rows to this when the model wants images
+    scalar: bool  # one output value per row: a double column, else an array<double> column
+    threads: int = 1
+    # Custom layers/losses the model config names. They reach the executor inside Spark's own task
+    # closure (as any UDF's code does), never as bytes nbdist unpickles.
+    custom_objects: dict[str, Any] = field(default_factory=dict)
+    # Columns of a user-defined type (ML Vectors): Arrow hands them over as their struct, and
+    # Spark needs the objects back, so each is rebuilt with its own type's deserialize().
+    udt_columns: tuple[tuple[str, Any], ...] = ()
+
+
+def vector_values(cell: Any) -> Any:
+    """An ML Vector as Arrow hands it to pandas (its struct: type, size, indices, values) -> dense values."""
+    if not isinstance(cell, dict) or "values" not in cell:
+        return cell
+    values = np.asarray(cell["values"], dtype=np.float32)
+    if cell.get("type") == 1:  # dense
+        return values
+    dense = np.zeros(int(cell["size"]), dtype=np.float32)
+    dense[np.asarray(cell["indices"], dtype=np.int64)] = values
+    return dense
+
+
+def feature_matrix(columns: Sequence[Sequence[Any]], names: Sequence[str]) -> np.ndarray:
+    """Rows of the named feature columns as one float32 (rows, width) matrix."""
+    blocks = [_feature_block([vector_values(v) for v in values], name) for values, name in zip(columns, names)]
+    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+
+
+def as_column(out: np.ndarray, scalar: bool) -> Any:
+    """Model outputs as a pandas column: doubles, or one array of doubles per row."""
+    out = np.asarray(out, dtype=np.float64).reshape(len(out), -1)
+    if scalar:
+        return out[:, 0]
+    return list(out)
+
+
+def _model(spec: PredictSpec) -> Any:
+    with _LOCK:
+        model = _MODELS.get(spec.key)
+        if model is None:
+            _pin_threads(spec.threads)
+            from ..model_io import ModelSpec, model_from_spec
+
+            payload = spec.model.value
+            model = model_from_spec(ModelSpec(json.loads(payload["config"]), unpack_weights(payload["weights"]),
+                                              None, None), spec.custom_objects or None)
+            _MODELS.clear()  # one call's model at a time: earlier calls' are garbage
+            _MODELS[spec.key] = model
+        return model
+
+
+def _pin_threads(threads: int) -> None:
+    """Use the task's cores only; TensorFlow refuses once it has started, which is fine then."""
+    try:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, threads)))
+    except RuntimeError:
+        pass
+
+
+def predict_batches(spec: PredictSpec, batches: Iterator[Any]) -> Iterator[Any]:
+    """The ``mapInPandas`` function: each pandas batch comes back with the prediction column added."""
+    model = None
+    for pdf in batches:
+        if len(pdf) == 0:
+            pdf[spec.column] = np.zeros(0) if spec.scalar else []
+            yield pdf
+            continue
+        if model is None:
+            model = _model(spec)
+        x = feature_matrix([pdf[name] for name in spec.features], spec.features)
+        if spec.input_shape is not None and x.shape[1:] != spec.input_shape:
+            x = x.reshape((len(x), *spec.input_shape))
+        out = model.predict(x, batch_size=spec.batch_size, verbose=0)
+        pdf[spec.column] = as_column(out, spec.scalar)
+        for name, udt in spec.udt_columns:
+            pdf[name] = [_udt_value(udt, cell) for cell in pdf[name]]
+        yield pdf
+
+
+def _udt_value(udt: Any, cell: Any) -> Any:
+    if not isinstance(cell, dict):
+        return cell
+    return udt.deserialize(tuple(cell[f.name] for f in udt.sqlType().fields))

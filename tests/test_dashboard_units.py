@@ -1,0 +1,201 @@
+"""The renderers in-process, without a kernel: throttling, restarts, unknown event kinds, phase view.
+
+ipywidgets and bqplot models work without a frontend, so the real dashboard is built and fed
+real ``RunState`` events here; ``show`` records what would be displayed in the cell.
+"""
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+
+from nbdist.progress import RunState
+from nbdist.ui.html import HtmlRenderer, progress_html
+from nbdist.ui.text import TextRenderer
+from nbdist.ui.view import overview, status_sentence
+
+
+class Shown:
+    """Stands in for IPython's ``display`` outside a kernel: keeps every object and update."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self.updates: list = []
+
+    def __call__(self, obj, display_id=None):
+        self.items.append(obj)
+        return self
+
+    def update(self, obj) -> None:
+        self.updates.append(obj)
+
+
+def running_state() -> RunState:
+    st = RunState(world_size=2, epochs=5)
+    for r in range(2):
+        st.worker_connected(r, "127.0.0.1", 100 + r)
+        st.workers[r].batches = 10
+    return st
+
+
+def epoch(st: RunState, e: int) -> dict:
+    merged = None
+    for r in range(2):
+        merged = st.worker_epoch(r, {"epoch": e, "batch": 10, "batches": 10, "samples": 100, "val_samples": 0,
+                                     "seconds": 0.5, "compute_seconds": 1.0 + e, "sync_seconds": 0.2 * (e + 1),
+                                     "logs": {"loss": 1.0 / (e + 1), "accuracy": 0.5 + 0.1 * e}})
+    return merged
+
+
+@pytest.fixture
+def dashboard():
+    pytest.importorskip("bqplot")
+    from nbdist.ui.widgets import WidgetDashboard
+
+    shown = Shown()
+    dash = WidgetDashboard(show=shown)
+    yield dash, shown
+    dash._cancel_timer()
+
+
+def test_widget_redraws_are_throttled_to_five_per_second(dashboard):
+    dash, _ = dashboard
+    st = running_state()
+    dash("start", st, None)
+    start_draws, t0 = dash.draws, time.monotonic()
+    sent = 0
+    while time.monotonic() - t0 < 1.5:  # a flood of progress events for 1.5 s
+        st.worker_progress(sent % 2, {"state": "training", "epoch": 0, "batch": sent % 10, "batches": 10})
+        dash("progress", st, sent % 2)
+        sent += 1
+        time.sleep(0.001)
+    time.sleep(0.3)  # the trailing timer draws the last state once
+    draws, elapsed = dash.draws - start_draws, time.monotonic() - t0
+    assert sent > 200
+    assert 5 <= draws <= 5 * elapsed + 1, (draws, elapsed)
+
+
+def test_the_last_event_before_a_pause_is_drawn(dashboard):
+    dash, _ = dashboard
+    st = running_state()
+    dash("start", st, None)
+    st.worker_progress(0, {"state": "training", "epoch": 0, "batch": 3, "batches": 10})
+    dash("progress", st, 0)
+    st.worker_progress(0, {"state": "synchronising", "epoch": 0, "batch": 7, "batches": 10})
+    dash("progress", st, 0)  # inside the throttle window: drawn later by the timer, not lost
+    time.sleep(0.5)
+    assert "synchronising" in dash.worker_states[0].value
+    assert dash.worker_bars[0].value == pytest.approx(0.7 / 5)
+
+
+def test_phase_view_shows_compute_and_synchronisation_per_worker(dashboard):
+    dash, _ = dashboard
+    st = running_state()
+    dash("start", st, None)
+    epoch(st, 0)
+    epoch(st, 1)
+    dash("epoch", st, None)
+    dash._draw()
+    compute, sync = [list(map(float, row)) for row in dash.phase.bars.y]
+    assert compute == [2.0, 2.0] and sync == pytest.approx([0.4, 0.4])
+    assert "sync 17%" in dash.worker_states[0].value  # 0.4 of 2.4 s
+
+
+def test_restarts_are_shown_with_their_reason(dashboard):
+    dash, _ = dashboard
+    st = running_state()
+    dash("start", st, None)
+    epoch(st, 0)
+    st.restarts = 1  # what RunState.restarting() does (the restart machinery's own branch)
+    st.status = "restarting"
+    dash("restart", st, "worker 1 (pid 101) was killed by SIGKILL; restarting from epoch 1 (1 of 2)")
+    assert dash.notice.layout.display is None
+    assert "SIGKILL" in dash.notice.value and "restarted 1×" in dash.notice.value
+    assert "restarting" in dash.header.value
+    assert "restarted 1×" in overview(st).line
+    assert status_sentence(st).startswith("Restarting the workers (restart 1)")
+    assert "restarted 1×" in progress_html(st)
+
+
+def test_renderers_accept_unknown_kinds_silently(dashboard):
+    dash, shown = dashboard
+    st = running_state()
+    out = io.StringIO()
+    renderers = [dash, TextRenderer(out), HtmlRenderer("update", show=shown), HtmlRenderer("append", show=shown)]
+    for r in renderers:
+        r("start", st, None)
+    n_items = len(shown.items)
+    for r in renderers:
+        r("something-new", st, {"x": 1})
+    assert len(shown.items) == n_items  # nothing appended for a kind nobody knows
+    assert out.getvalue().count("\n") == 1  # only the start line
+
+
+def test_html_append_mode_adds_a_block_per_restart():
+    shown = Shown()
+    r = HtmlRenderer("append", show=shown)
+    st = running_state()
+    r("start", st, None)
+    r("restart", st, "worker 0 exited with code 1; restarting from epoch 2")
+    assert "restarting from epoch 2" in shown.items[-1].data
+
+
+def test_a_failed_run_opens_the_error_panel_with_the_workers_traceback(dashboard):
+    dash, shown = dashboard
+    st = running_state()
+    dash("start", st, None)
+    st.worker_finished(1, "failed", 'Traceback (most recent call last):\n  File "x.py"\nValueError: bad <input>')
+    st.finish("failed", "worker 1 (pid 101) failed: ValueError: bad <input>")
+    dash("end", st, None)
+    assert dash.error_panel.layout.display is None
+    assert "traceback from worker 1" in dash.error_panel.value
+    assert "ValueError: bad &lt;input&gt;" in dash.error_panel.value  # escaped, not HTML
+    assert "failed" in dash.worker_states[1].value and "danger" == dash.worker_bars[1].bar_style
+    assert dash.stop_button.layout.display == "none"
+    assert "nbdist-summary" in shown.updates[-1].data  # the static summary replaced the placeholder
+
+
+def test_phase_timeline_holds_each_epochs_seconds_and_rewinds_on_restart(dashboard):
+    from nbdist.ui.view import EpochPhases
+
+    dash, _ = dashboard
+    st = running_state()
+    dash("start", st, None)
+    for e in range(3):
+        dash("epoch", st, epoch(st, e))  # cumulative: compute 1, 2, 3 s; sync 0.2, 0.4, 0.6 s
+    dash._draw()
+    assert list(map(int, dash.timeline.bars.x)) == [1, 2, 3]
+    compute, sync = [list(map(float, row)) for row in dash.timeline.bars.y]
+    assert compute == pytest.approx([1.0, 1.0, 1.0]) and sync == pytest.approx([0.2, 0.2, 0.2])
+    phases = EpochPhases(compute=[1.0, 1.0, 1.0], sync=[0.2, 0.2, 0.2], _last=(3.0, 0.6))
+    phases.restart(1)  # workers relaunched after epoch 1: they count from zero again
+    st2 = running_state()
+    epoch(st2, 0)
+    phases.mark(st2)
+    assert phases.compute == pytest.approx([1.0, 1.0]) and phases.sync == pytest.approx([0.2, 0.2])
+
+
+def test_epoch_ticks_label_whole_epochs_and_the_last_one():
+    from nbdist.ui.view import epoch_ticks
+
+    assert epoch_ticks([]) == []
+    assert epoch_ticks([1, 2, 3, 4]) == [1, 2, 3, 4]
+    ticks = epoch_ticks(list(range(1, 201)))
+    assert len(ticks) <= 10 and ticks[-1] == 200 and all(isinstance(t, int) for t in ticks)
+    assert epoch_ticks(list(range(6, 27)))[-1] == 26  # resumed runs start later
+
+
+def test_one_epoch_still_draws_a_whole_bar_and_a_readable_axis(dashboard):
+    dash, _ = dashboard
+    st = running_state()
+    dash("start", st, None)
+    dash("epoch", st, epoch(st, 0))
+    dash._draw()
+    assert list(map(int, dash.timeline.bars.x)) == [0, 1]  # an empty bar at 0 gives the real one its width
+    assert (dash.timeline.x_scale.min, dash.timeline.x_scale.max) == (0.5, 1.5)  # ...and stays off the axis
+    chart = dash.charts["loss"]
+    assert chart.y_scale.min < 1.0 < chart.y_scale.max  # a single loss of 1.0 sits inside a real range
+    dash("epoch", st, epoch(st, 1))
+    dash._draw()
+    assert chart.y_scale.min is None and list(map(int, dash.timeline.bars.x)) == [1, 2]
