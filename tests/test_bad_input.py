@@ -249,6 +249,7 @@ def test_diverging_loss_stops_with_one_sentence(ip):
 def test_validation_rows_fewer_than_workers_still_train(ip):
     """An empty validation shard on one worker is legal: the run finishes and reports val metrics."""
     ns = ip.user_ns
+    ns.pop("model", None)  # so that `model = m0` binds a model, as a fresh cell would
     result = ip.run_cell("%%dist_train --data X,y --validation-data X_one,y_one --epochs 1 --workers 2 "
                          "--ui none --out tiny_val\nmodel = m0")
     assert result.success, result.error_in_exec
