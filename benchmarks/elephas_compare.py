@@ -25,10 +25,9 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 ELEPHAS_VENV = Path(os.environ.get("NBDIST_ELEPHAS_VENV", Path.home() / ".cache" / "nbdist-bench" / "elephas-venv"))
-# Found by trying: elephas 7.3.0 declares tensorflow<2.20, numpy<2, pyspark<=4.0.0; TF 2.19 is the
-# newest it accepts and runs Keras 3 with numpy 1.26 on this Python (3.11) and Java 17.
-ELEPHAS_PINS = ["elephas==7.3.0", "tensorflow>=2.19,<2.20", "numpy>=1.26,<2", "pyspark==4.0.0",
-                "scikit-learn>=1.4,<1.7"]
+# The set that installed and trained here (Python 3.11, Java 17, 2026-11): elephas 7.3.0 declares
+# tensorflow<2.20, numpy<2, pyspark<=4.0.0; TF 2.19.1 is the newest it accepts and brings Keras 3.15.
+ELEPHAS_PINS = ["elephas==7.3.0", "tensorflow==2.19.1", "keras==3.15.1", "numpy==1.26.4", "pyspark==4.0.0"]
 INSTALL_TIMEOUT = 1800.0
 EPOCHS = 15
 BATCH = 32
