@@ -26,7 +26,7 @@ test: install system-deps
 	$(BIN)/python -m pytest -q -rs
 
 bench: install
-	$(BIN)/python benchmarks/overhead.py
+	PYTHONPATH=. $(BIN)/python benchmarks/run.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

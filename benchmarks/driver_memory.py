@@ -22,27 +22,28 @@ import psutil
 FEATURES = 64
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gb", type=float, default=1.0, help="logical DataFrame size in GB (8-byte doubles)")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=2048)
-    args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+def start_spark(workers: int):
+    """A local SparkSession whose executors run this Python."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ["PYSPARK_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
-    from pyspark.sql import functions as F
 
-    spark = (SparkSession.builder.master(f"local[{args.workers}]").appName("nbdist-driver-memory")
+    spark = (SparkSession.builder.master(f"local[{workers}]").appName("nbdist-driver-memory")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.pyspark.python", sys.executable).config("spark.driver.host", "127.0.0.1")
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
-    rows = int(args.gb * 1e9 / ((FEATURES + 1) * 8)) + 1
+    return spark
+
+
+def measure(spark, gb: float = 1.0, workers: int = 2, batch_size: int = 2048) -> dict:
+    """Train one epoch on a generated ``gb`` GB DataFrame; the driver's RSS before, at peak, and more."""
+    from pyspark.sql import functions as F
+
+    rows = int(gb * 1e9 / ((FEATURES + 1) * 8)) + 1
     # Generated per partition on the executors: nothing is built on the driver.
     features = F.array(*[F.rand(seed=i) for i in range(FEATURES)])
-    df = (spark.range(0, rows, numPartitions=args.workers)
+    df = (spark.range(0, rows, numPartitions=workers)
           .select(features.alias("features"))
           .withColumn("label", (F.aggregate("features", F.lit(0.0), lambda a, b: a + b) > FEATURES / 2).cast("int")))
 
@@ -68,25 +69,42 @@ def main() -> int:
 
     threading.Thread(target=sample, daemon=True).start()
     t0 = time.perf_counter()
-    job = nbdist.train(model, df, features="features", label="label", epochs=1, batch_size=args.batch_size,
-                       workers=args.workers, backend="spark")
+    try:
+        job = nbdist.train(model, df, features="features", label="label", epochs=1, batch_size=batch_size,
+                           workers=workers, backend="spark")
+    finally:
+        done.set()
     seconds = time.perf_counter() - t0
-    done.set()
     peak[0] = max(peak[0], me.memory_info().rss)
-    data_mb = rows * (FEATURES + 1) * 8 / 1e6
-    growth_mb = (peak[0] - base) / 1e6
+    return {"rows": rows, "data_mb": rows * (FEATURES + 1) * 8 / 1e6, "base_mb": base / 1e6,
+            "peak_mb": peak[0] / 1e6, "growth_mb": (peak[0] - base) / 1e6,
+            "jvm_growth_mb": (jvm_peak[0] - jvm_base) / 1e6, "seconds": seconds,
+            "rows_trained": sum(w.samples for w in job.state.workers),
+            "accuracy": job.history["accuracy"][-1]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gb", type=float, default=1.0, help="logical DataFrame size in GB (8-byte doubles)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=2048)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    spark = start_spark(args.workers)
+    m = measure(spark, args.gb, args.workers, args.batch_size)
+    growth_mb, data_mb = m["growth_mb"], m["data_mb"]
     table = [
-        ("rows", f"{rows:,}"),
+        ("rows", f"{m['rows']:,}"),
         ("DataFrame size (8-byte values)", f"{data_mb:,.0f} MB"),
-        ("driver RSS before training", f"{base / 1e6:,.0f} MB"),
-        ("driver RSS peak during training", f"{peak[0] / 1e6:,.0f} MB"),
+        ("driver RSS before training", f"{m['base_mb']:,.0f} MB"),
+        ("driver RSS peak during training", f"{m['peak_mb']:,.0f} MB"),
         ("driver RSS growth", f"{growth_mb:,.1f} MB"),
         ("growth / data size", f"{growth_mb / data_mb:.4f}"),
-        ("rows trained (sum over workers)", f"{sum(w.samples for w in job.state.workers):,}"),
-        ("JVM RSS growth (local mode: also the executor)", f"{(jvm_peak[0] - jvm_base) / 1e6:,.0f} MB"),
+        ("rows trained (sum over workers)", f"{m['rows_trained']:,}"),
+        ("JVM RSS growth (local mode: also the executor)", f"{m['jvm_growth_mb']:,.0f} MB"),
         ("goal: growth < 100 MB", "met" if growth_mb < 100 else "NOT met"),
-        ("training time (1 epoch, incl. partition counts)", f"{seconds:,.1f} s"),
-        ("final accuracy", f"{job.history['accuracy'][-1]:.3f}"),
+        ("training time (1 epoch, incl. partition counts)", f"{m['seconds']:,.1f} s"),
+        ("final accuracy", f"{m['accuracy']:.3f}"),
     ]
     width = max(len(k) for k, _ in table)
     for key, value in table:

@@ -59,24 +59,28 @@ def cnn_throughput(workers: int, per_worker: int = 768, epochs: int = 3) -> floa
     return len(x) * (epochs - 1) / (stamps[-1] - stamps[0])
 
 
-def nbdist_sync_per_step(steps: int = 12) -> float:
-    """Seconds per step inside nbdist's gradient allreduce for a model with ~100 MB of weights."""
+def nbdist_sync_per_step(steps: int = 12, mib: int = 100) -> float:
+    """Seconds per step inside nbdist's gradient allreduce for a model with ~``mib`` MiB of weights.
+
+    Each worker times its own allreduce steps; the one that waited least for its peer's
+    compute is the closer measure of synchronisation itself, so the minimum over workers.
+    """
     import keras
 
     import nbdist
 
-    width = 5120  # 5120 * 5120 float32 = 100 MiB in one Dense kernel
+    width = int((mib * 2**20 / 4) ** 0.5)  # 5120 * 5120 float32 = 100 MiB in one Dense kernel
     x = np.random.default_rng(1).random((2 * steps, width), dtype=np.float32)
     y = np.zeros((len(x), 1), dtype=np.float32)
     model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(width, use_bias=False),
                               keras.layers.Dense(1, use_bias=False)])
     model.compile(keras.optimizers.SGD(1e-6), "mse")
     job = nbdist.train(model, x, y, epochs=1, batch_size=1, workers=2, strategy="allreduce", shuffle=False)
-    return max(w.sync_seconds for w in job.state.workers) / steps
+    return min(w.sync_seconds for w in job.state.workers) / steps
 
 
-def raw_gloo_allreduce(repeats: int = 12) -> float:
-    """Median seconds of one Gloo allreduce of GRAD_BYTES between 2 fresh processes."""
+def raw_gloo_allreduce(repeats: int = 12, mib: int = 100) -> float:
+    """Median seconds of one Gloo allreduce of ``mib`` MiB between 2 fresh processes."""
     import socket
 
     s = socket.socket()
@@ -84,13 +88,13 @@ def raw_gloo_allreduce(repeats: int = 12) -> float:
     port = s.getsockname()[1]
     s.close()
     procs = [subprocess.Popen([sys.executable, __file__, "--raw-rank", str(r), "--port", str(port),
-                               "--repeats", str(repeats)], stdout=subprocess.PIPE, text=True)
+                               "--repeats", str(repeats), "--mib", str(mib)], stdout=subprocess.PIPE, text=True)
              for r in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     return max(float(o.strip().splitlines()[-1]) for o in outs)
 
 
-def _raw_rank(rank: int, port: int, repeats: int) -> None:
+def _raw_rank(rank: int, port: int, repeats: int, mib: int = 100) -> None:
     import datetime
 
     import torch
@@ -100,7 +104,9 @@ def _raw_rank(rank: int, port: int, repeats: int) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    buf = torch.ones(GRAD_BYTES // 4, dtype=torch.float32)
+    width = int((mib * 2**20 / 4) ** 0.5)
+    # The same bytes as nbdist's bucket in nbdist_sync_per_step: both kernels and the sample count.
+    buf = torch.ones(width * width + width + 1, dtype=torch.float32)
     dist.all_reduce(buf)  # warm up the connections
     times = []
     for _ in range(repeats):
@@ -112,9 +118,9 @@ def _raw_rank(rank: int, port: int, repeats: int) -> None:
     print(float(np.median(times)))
 
 
-def bus_bandwidth(seconds: float, ranks: int = 2) -> float:
+def bus_bandwidth(seconds: float, ranks: int = 2, nbytes: int = GRAD_BYTES) -> float:
     """Allreduce bus bandwidth in GB/s (the NCCL-tests convention: 2(n-1)/n bytes per rank)."""
-    return 2 * (ranks - 1) / ranks * GRAD_BYTES / seconds / 1e9
+    return 2 * (ranks - 1) / ranks * nbytes / seconds / 1e9
 
 
 def main() -> None:
@@ -122,9 +128,10 @@ def main() -> None:
     p.add_argument("--raw-rank", type=int, default=None)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--mib", type=int, default=100)
     args = p.parse_args()
     if args.raw_rank is not None:
-        _raw_rank(args.raw_rank, args.port, args.repeats)
+        _raw_rank(args.raw_rank, args.port, args.repeats, args.mib)
         return
     logging.basicConfig(level=logging.WARNING)
     cores = len(os.sched_getaffinity(0))

@@ -1,7 +1,9 @@
 """The example notebooks execute headlessly, as `make demo` runs them."""
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -32,3 +34,32 @@ def test_quickstart_notebook_executes():
     assert len(epochs) == 20 and epochs[-1].startswith("Epoch 20/20")
     accuracy = float(text.split("test accuracy: ")[1].split()[0])
     assert accuracy > 0.9
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_lenet_allreduce_notebook_executes():
+    text = stream_text(execute("03_lenet_allreduce.ipynb"))
+    assert "allreduce on 2 local workers" in text  # the text renderer's header
+    epochs = [ln for ln in text.splitlines() if ln.startswith("Epoch")]
+    assert len(epochs) == 8 and epochs[-1].startswith("Epoch 8/8")
+    found = re.search(r"test accuracy: ([0-9.]+) after 8 epochs", text)
+    assert found, text[-2000:]
+    assert float(found.group(1)) > 0.9
+    predicted = json.loads(text.split("predicted:")[1].splitlines()[0])  # a printed list of ints
+    true = json.loads(text.split("true:")[1].splitlines()[0])
+    assert sum(p == t for p, t in zip(predicted, true)) >= 8
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_elephas_migration_notebook_executes():
+    from .spark_helpers import need_spark
+
+    need_spark()
+    text = stream_text(execute("04_from_elephas.ipynb"))
+    assert "in 2 partitions" in text
+    assert "averaging on 2 spark workers" in text  # trained by Spark tasks, not local processes
+    epochs = [ln for ln in text.splitlines() if ln.startswith("Epoch")]
+    assert len(epochs) == 15
+    found = re.search(r"test accuracy: ([0-9.]+) after 15 epochs on local\[2\]", text)
+    assert found, text[-2000:]
+    assert float(found.group(1)) > 0.9  # Elephas reaches about 0.93 on this split

@@ -1,0 +1,350 @@
+"""nbdist against plain Keras and Elephas: one command, one table of ratios measured in one run.
+
+    PYTHONPATH=. python benchmarks/run.py            # the full run (about 20-30 minutes on 2 cores)
+    PYTHONPATH=. python benchmarks/run.py --quick    # every row at a small size (CI; a few minutes)
+
+Rows (issue 9):
+  P1 steady-state epoch time, 1 local worker / plain model.fit             goal <= 1.05
+  P2 throughput 2 workers / 1 worker, compute-bound CNN                   goal >= 1.8
+  P3 wall time, nbdist averaging on Spark local[2] / Elephas 7.3, digits MLP 15 epochs,
+     with both test accuracies and plain Keras's                          goal <= 0.25, acc >= Keras - 1 pt
+  P4 per-step sync time in nbdist / raw Gloo allreduce of the same bytes,
+     with both bus bandwidths and loopback TCP bandwidth                  goal <= 1.10
+  P5 %%dist_train cell start to first metric on screen (s)                goal <= 6
+  P6 driver RSS growth training on a >= 1 GB Spark DataFrame (MB)         goal < 100
+Each figure is the median of several runs, with min and max. Every row runs in its own
+process (a clean driver for memory, its own CPU affinity) under a timeout, reusing the
+functions of the single-purpose scripts beside this one. Results go to
+benchmarks/results/<time>/ as results.json and chart.png.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ROWS = ("P1", "P2", "P3", "P4", "P5", "P6")
+log = logging.getLogger("nbdist.bench")
+
+
+@dataclass
+class Row:
+    id: str
+    measure: str
+    goal: str  # e.g. "<= 1.05"
+    unit: str = "x"
+    runs: list[float] = field(default_factory=list)
+    detail: str = ""
+    skipped: str | None = None  # why the row has no figure
+    extra: dict[str, Any] = field(default_factory=dict)
+    accuracy_ok: bool | None = None  # P3's second condition
+    seconds: float = 0.0
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.runs) if self.runs else None
+
+    @property
+    def met(self) -> bool | None:
+        if self.median is None:
+            return None
+        op, target = self.goal.split()
+        value = self.median
+        ok = {"<=": value <= float(target), ">=": value >= float(target), "<": value < float(target)}[op]
+        return ok and self.accuracy_ok is not False
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(median=self.median, min=min(self.runs) if self.runs else None,
+                 max=max(self.runs) if self.runs else None, met=self.met)
+        return d
+
+
+GOALS = {
+    "P1": ("steady epoch, 1 local worker / plain model.fit", "<= 1.05", "x"),
+    "P2": ("throughput, 2 workers / 1 worker (CNN)", ">= 1.8", "x"),
+    "P3": ("wall time, nbdist on Spark / Elephas 7.3", "<= 0.25", "x"),
+    "P4": ("sync per step, nbdist / raw Gloo allreduce", "<= 1.10", "x"),
+    "P5": ("cell start to first metric on screen", "<= 6", "s"),
+    "P6": ("driver RSS growth, >= 1 GB DataFrame", "< 100", "MB"),
+}
+
+
+# -- the rows (each runs in a child process) -------------------------------
+def row_p1(quick: bool, workdir: Path) -> Row:
+    import overhead
+
+    epochs, samples, width, repeats = (3, 8_000, 128, 2) if quick else (5, 20_000, 256, 3)
+    m = overhead.measure(epochs, samples, width, repeats)
+    return Row("P1", *GOALS["P1"], runs=m["ratio"],
+               detail=f"epoch {statistics.median(m['dist_epoch']) * 1e3:.0f} ms vs "
+                      f"{statistics.median(m['plain_epoch']) * 1e3:.0f} ms; MLP {width}x2, {samples} x 64, "
+                      f"batch 64, {epochs} epochs",
+               extra=m)
+
+
+def row_p2(quick: bool, workdir: Path) -> Row:
+    import scaling
+
+    per_worker, epochs, repeats = (128, 2, 2) if quick else (512, 3, 3)
+    one, two = [], []
+    for _ in range(repeats):
+        one.append(scaling.cnn_throughput(1, per_worker, epochs))
+        two.append(scaling.cnn_throughput(2, per_worker, epochs))
+    return Row("P2", *GOALS["P2"], runs=[b / a for a, b in zip(one, two)],
+               detail=f"{statistics.median(two):.0f} vs {statistics.median(one):.0f} samples/s; "
+                      f"allreduce, 1 core per worker, {per_worker} samples/worker",
+               extra={"one_worker": one, "two_workers": two})
+
+
+def row_p3(quick: bool, workdir: Path) -> Row:
+    import elephas_compare as ec
+
+    # --quick uses Elephas only if its venv is already there: installing it needs PyPI.
+    m = ec.measure(workdir, repeats=1 if quick else 3, install=not quick)
+    nb, el, ke = m["nbdist"], m["elephas"], m["keras"]
+    acc = lambda runs: statistics.median(r["accuracy"] for r in runs)  # noqa: E731
+    sec = lambda runs: statistics.median(r["seconds"] for r in runs)  # noqa: E731
+    detail = (f"acc nbdist {acc(nb):.3f} ({sec(nb):.1f} s), Keras {acc(ke):.3f} ({sec(ke):.1f} s)")
+    row = Row("P3", *GOALS["P3"], extra=m)
+    if el:
+        row.runs = [a["seconds"] / b["seconds"] for a, b in zip(nb, el)]
+        detail += f", Elephas {acc(el):.3f} ({sec(el):.1f} s)"
+        row.accuracy_ok = acc(nb) >= acc(ke) - 0.01
+    else:
+        row.skipped = f"Elephas not run: {m['elephas_skipped']}" + (
+            " (--quick never installs it; the full run does)" if quick else "")
+    row.detail = detail + f"; digits MLP, {m['epochs']} epochs, batch 32, local[{m['workers']}]"
+    return row
+
+
+def row_p4(quick: bool, workdir: Path) -> Row:
+    import loopback
+    import scaling
+
+    mib, repeats = (16, 2) if quick else (100, 3)
+    nbytes = int((mib * 2**20 / 4) ** 0.5) ** 2 * 4
+    tcp = loopback.tcp_bandwidth(64 if quick else 256)
+    raw, ours = [], []
+    for _ in range(repeats):
+        raw.append(scaling.raw_gloo_allreduce(12, mib))
+        ours.append(scaling.nbdist_sync_per_step(12, mib))
+    r, o = statistics.median(raw), statistics.median(ours)
+    bus = lambda s: scaling.bus_bandwidth(s, 2, nbytes)  # noqa: E731
+    return Row("P4", *GOALS["P4"], runs=[b / a for a, b in zip(raw, ours)],
+               detail=f"{mib} MiB: nbdist {o * 1e3:.0f} ms (bus {bus(o):.2f} GB/s), raw Gloo {r * 1e3:.0f} ms "
+                      f"(bus {bus(r):.2f} GB/s); loopback TCP {tcp:.2f} GB/s",
+               extra={"raw_seconds": raw, "nbdist_seconds": ours, "mib": mib, "tcp_gb_s": tcp,
+                      "raw_bus_gb_s": bus(r), "nbdist_bus_gb_s": bus(o)})
+
+
+def row_p5(quick: bool, workdir: Path) -> Row:
+    import first_metric
+
+    runs = first_metric.measure(repeats=2 if quick else 3)
+    return Row("P5", *GOALS["P5"], runs=runs, detail="%%dist_train, 2 local workers, digits MLP, text output")
+
+
+def row_p6(quick: bool, workdir: Path) -> Row:
+    import driver_memory
+
+    gb, repeats = (0.05, 1) if quick else (1.0, 3)
+    spark = driver_memory.start_spark(2)
+    try:
+        ms = [driver_memory.measure(spark, gb, 2) for _ in range(repeats)]
+    finally:
+        spark.stop()
+    return Row("P6", *GOALS["P6"], runs=[m["growth_mb"] for m in ms],
+               detail=f"{ms[0]['data_mb']:,.0f} MB DataFrame on 2 Spark tasks; driver RSS "
+                      f"{ms[0]['base_mb']:,.0f} MB before; {statistics.median(m['seconds'] for m in ms):.0f} s per epoch"
+                      + (" (--quick: a smaller DataFrame)" if quick else ""),
+               extra={"runs": ms})
+
+
+ROW_FUNCS: dict[str, Callable[[bool, Path], Row]] = {
+    "P1": row_p1, "P2": row_p2, "P3": row_p3, "P4": row_p4, "P5": row_p5, "P6": row_p6}
+
+
+# -- the parent: run each row in a child, then print, save and draw -------
+def run_row(row_id: str, quick: bool, timeout: float, workdir: Path) -> Row:
+    out = workdir / f"{row_id}.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+           "TF_CPP_MIN_LOG_LEVEL": "3"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", row_id, "--json", str(out),
+           "--workdir", str(workdir)] + (["--quick"] if quick else [])
+    t0 = time.perf_counter()
+    # A session of its own, so a timeout ends the row's whole process group (workers included).
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        return Row(row_id, *GOALS[row_id], skipped=f"timed out after {timeout:.0f} s",
+                   seconds=time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0 or not out.exists():
+        last = [ln for ln in output.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        log.warning("row %s failed:\n%s", row_id, output[-3000:])
+        return Row(row_id, *GOALS[row_id], skipped=f"failed: {last[0][:200]}", seconds=seconds)
+    data = json.loads(out.read_text())
+    for key in ("median", "min", "max", "met"):
+        data.pop(key, None)
+    row = Row(**data)
+    row.seconds = seconds
+    return row
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if unit == "MB" else f"{value:.2f}"
+
+
+def table(rows: list[Row], header: str) -> str:
+    lines = [header,
+             f"{'row':<4} {'measure':<44} {'median':>7} {'min':>7} {'max':>7} {'n':>2}  {'goal':<8} {'met':<4} detail"]
+    for r in rows:
+        met = {True: "yes", False: "NO", None: "-"}[r.met]
+        mn = min(r.runs) if r.runs else None
+        mx = max(r.runs) if r.runs else None
+        goal = r.goal + ("" if r.unit == "x" else f" {r.unit}")
+        detail = r.detail + (f"; SKIPPED: {r.skipped}" if r.skipped else "")
+        lines.append(f"{r.id:<4} {r.measure:<44} {fmt(r.median, r.unit):>7} {fmt(mn, r.unit):>7} "
+                     f"{fmt(mx, r.unit):>7} {len(r.runs):>2}  {goal:<8} {met:<4} {detail}")
+    return "\n".join(lines)
+
+
+def chart(rows: list[Row], path: Path, title: str) -> None:
+    """Each row as a fraction of its goal (left of 1 = goal met), with min-max whiskers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels, mids, lows, highs = [], [], [], []
+    for r in rows:
+        labels.append(f"{r.id} {r.measure}")
+        if not r.runs:
+            mids.append(0.0), lows.append(0.0), highs.append(0.0)
+            continue
+        op, target = r.goal.split()
+        target = float(target)
+        # ">=" goals: the goal divided by the value, so that smaller is better for every bar.
+        norm = (lambda v: target / v) if op == ">=" else (lambda v: v / target)
+        vals = sorted(norm(v) for v in r.runs)
+        mid = norm(r.median)
+        mids.append(mid), lows.append(mid - vals[0]), highs.append(vals[-1] - mid)
+    y = list(range(len(rows)))[::-1]
+    colours = ["#bbbbbb" if not r.runs else ("#2a9d8f" if r.met else "#e76f51") for r in rows]
+    ax.barh(y, mids, xerr=[lows, highs], color=colours, capsize=3)
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.set_xlabel("median / goal (>= goals: goal / median); left of the dashed line meets the goal")
+    for yi, r, mid, high in zip(y, rows, mids, highs):
+        text = "skipped" if not r.runs else f"{fmt(r.median, r.unit)}{'' if r.unit == 'x' else ' ' + r.unit}"
+        ax.text(mid + high + 0.03, yi, text, va="center", fontsize=8)  # right of the whisker
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gb": round(mem / 2**30, 1),
+            "python": platform.python_version(), "system": platform.platform()}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def child(row_id: str, quick: bool, out: Path, workdir: Path) -> int:
+    sys.path.insert(0, str(HERE))
+    logging.basicConfig(level=logging.WARNING)
+    row = ROW_FUNCS[row_id](quick, workdir)
+    out.write_text(json.dumps(row.to_json(), default=float))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="every row at a small size (CI)")
+    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset, e.g. P1,P4")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="results directory")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args.child, args.quick, args.json, args.workdir)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    wanted = [r.strip().upper() for r in args.rows.split(",") if r.strip()]
+    unknown = set(wanted) - set(ROWS)
+    if unknown:
+        p.error(f"unknown row(s) {', '.join(sorted(unknown))}; choose from {', '.join(ROWS)}")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    info = machine()
+    load_before = os.getloadavg()[0]
+    timeout = 420.0 if args.quick else 3600.0
+    rows: list[Row] = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="nbdist-bench-") as tmp:
+        for row_id in wanted:
+            log.warning("running %s ...", row_id)
+            rows.append(run_row(row_id, args.quick, timeout, Path(tmp)))
+            log.warning("%s took %.0f s", row_id, rows[-1].seconds)
+    total = time.perf_counter() - t0
+    load_after = os.getloadavg()[0]
+    mode = "quick" if args.quick else "full"
+    header = (f"nbdist benchmarks ({mode}), {started:%Y-%m-%d %H:%M} UTC, {info['cpu']}, {info['cores']} cores, "
+              f"{info['memory_gb']} GB; load average {load_before:.1f} before, {load_after:.1f} after; "
+              f"{total:.0f} s")
+    text = table(rows, header)
+    print(text, flush=True)
+    out_dir = args.out / f"{started:%Y%m%d-%H%M%S}-{mode}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"mode": mode, "started": started.isoformat(), "seconds": total, "machine": info,
+              "commit": git_commit(), "load_average": {"before": load_before, "after": load_after},
+              "rows": [r.to_json() for r in rows], "table": text}
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=float))
+    chart(rows, out_dir / "chart.png", header.split(";")[0])
+    print(f"saved {out_dir / 'results.json'} and {out_dir / 'chart.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
