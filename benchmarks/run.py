@@ -88,7 +88,7 @@ GOALS = {
 def row_p1(quick: bool, workdir: Path) -> Row:
     import overhead
 
-    epochs, samples, width, repeats = (3, 8_000, 128, 2) if quick else (5, 20_000, 256, 3)
+    epochs, samples, width, repeats = (3, 8_000, 128, 1) if quick else (5, 20_000, 256, 3)
     m = overhead.measure(epochs, samples, width, repeats)
     return Row("P1", *GOALS["P1"], runs=m["ratio"],
                detail=f"epoch {statistics.median(m['dist_epoch']) * 1e3:.0f} ms vs "
@@ -100,7 +100,7 @@ def row_p1(quick: bool, workdir: Path) -> Row:
 def row_p2(quick: bool, workdir: Path) -> Row:
     import scaling
 
-    per_worker, epochs, repeats = (128, 2, 2) if quick else (512, 3, 3)
+    per_worker, epochs, repeats = (128, 2, 1) if quick else (512, 3, 3)
     one, two = [], []
     for _ in range(repeats):
         one.append(scaling.cnn_throughput(1, per_worker, epochs))
@@ -155,7 +155,7 @@ def row_p4(quick: bool, workdir: Path) -> Row:
 def row_p5(quick: bool, workdir: Path) -> Row:
     import first_metric
 
-    runs = first_metric.measure(repeats=2 if quick else 3)
+    runs = first_metric.measure(repeats=1 if quick else 3)
     return Row("P5", *GOALS["P5"], runs=runs, detail="%%dist_train, 2 local workers, digits MLP, text output")
 
 
