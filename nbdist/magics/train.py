@@ -71,9 +71,10 @@ class DistMagics(Magics):
             model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
             model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
 
-        With ``--background`` the cell returns at once and its value is the running
-        ``TrainingJob`` (also stored in the notebook as ``<out>_job``, i.e. ``history_job`` by
-        default). ``--out`` then holds the history as it grows; ``job.wait()`` blocks until the
+        Every run's ``TrainingJob`` is stored in the notebook as ``<out>_job``
+        (``history_job`` by default): after a failure, ``job.error`` and
+        ``job.worker_log(rank)`` tell what happened. With ``--background`` the cell
+        returns at once and its value is the running job. ``--out`` then holds the history as it grows; ``job.wait()`` blocks until the
         end, ``job.stop()`` (or the dashboard's Stop button) ends every worker and keeps the
         last averaged weights; ``job.history`` and ``job.status`` tell where it is. When the
         run ends, the model holds the trained weights and ``--out`` a copy of the history.
