@@ -83,3 +83,19 @@ def wait_until_no_workers(job: Any, timeout: float = 30.0) -> list[int]:
     while nbdist_worker_pids(job) and time.monotonic() < deadline:
         time.sleep(0.5)
     return nbdist_worker_pids(job)
+
+
+# Fixtures shared by the local[2] test modules (import them by name: `from .spark_helpers import spark, data`).
+@pytest.fixture(scope="module")
+def spark():
+    """A local[2] SparkSession for one test module, stopped after it."""
+    session = spark_session("local[2]")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Digits split into train and test: (Xtr, Xte, ytr, yte)."""
+    return digits()
+

@@ -7,7 +7,6 @@ import base64
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path

@@ -16,7 +16,6 @@ import socket
 import threading
 import time
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -5,8 +5,6 @@ import os
 import re
 from pathlib import Path
 
-import pytest
-
 from .spark_helpers import need_spark
 
 need_spark()

@@ -20,6 +20,7 @@ from nbdist.errors import TrainingFailed
 
 from .conftest import mlp, relative_error, wait_no_workers
 from .test_magic import ip  # noqa: F401  (the shared IPython shell fixture)
+from .test_failures import FAILING_CELL  # a layer that raises after 20 training steps
 
 EPOCHS = 6
 KILL_AFTER = 2  # epochs
@@ -123,24 +124,6 @@ def test_max_restarts_recovers_without_the_user(reference, digits_split, capsys)
     assert abs(accuracy(model, xt, yt) - accuracy(ref.model, xt, yt)) <= 0.01
     assert not os.path.exists(job._keeper.directory)  # the temporary checkpoint directory went with the run
     assert not wait_no_workers(5)
-
-
-FAILING_CELL = """
-import keras, tensorflow as tf
-
-class Boom(keras.layers.Layer):
-    '''Raises inside the training step once it has run 20 times: a bug in user code.'''
-    def build(self, input_shape):
-        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
-    def call(self, x, training=None):
-        if training:
-            self.calls.assign_add(1.0)
-        tf.debugging.assert_less(self.calls, 20.0, message="injected failure in Boom")
-        return x
-
-model = keras.Sequential([keras.Input((64,)), Boom(), keras.layers.Dense(10, activation="softmax")])
-model.compile("adam", "sparse_categorical_crossentropy")
-"""
 
 
 def test_after_max_restarts_the_cell_fails_with_the_workers_traceback(ip, capsys):  # noqa: F811

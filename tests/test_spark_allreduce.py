@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from .spark_helpers import accuracy, digits, digits_frame, need_spark, small_model, spark_session
+from .spark_helpers import data, spark  # noqa: F401  (module fixtures)
+from .spark_helpers import accuracy, digits_frame, need_spark, small_model
 
 need_spark()
 
@@ -18,18 +19,6 @@ from nbdist.config import TrainConfig  # noqa: E402
 from nbdist.errors import TrainingFailed  # noqa: E402
 
 EPOCHS = 20
-
-
-@pytest.fixture(scope="module")
-def spark():
-    session = spark_session("local[2]")
-    yield session
-    session.stop()
-
-
-@pytest.fixture(scope="module")
-def data():
-    return digits()
 
 
 def test_allreduce_on_spark_matches_local_fit(spark, data, no_leftover_workers):

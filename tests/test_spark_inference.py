@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .spark_helpers import digits, need_spark, spark_session
+from .spark_helpers import data, spark  # noqa: F401  (module fixtures)
+from .spark_helpers import need_spark
 
 need_spark()
 
@@ -23,19 +24,6 @@ from .conftest import ipython_shell  # noqa: E402
 
 TOL = 1e-6
 SMALL = 100  # rows in the first partition; the rest (260) in the second
-
-
-@pytest.fixture(scope="module")
-def spark():
-    session = spark_session("local[2]")
-    yield session
-    session.stop()
-
-
-@pytest.fixture(scope="module")
-def data():
-    Xtr, Xte, ytr, yte = digits()
-    return Xtr, Xte, ytr, yte
 
 
 @pytest.fixture(scope="module")

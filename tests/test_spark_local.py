@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from .spark_helpers import (accuracy, digits, digits_frame, wait_until_no_workers, need_spark, small_model,
-                           spark_session)
+from .spark_helpers import data, spark  # noqa: F401  (module fixtures)
+from .spark_helpers import accuracy, digits_frame, need_spark, small_model, wait_until_no_workers
 
 need_spark()
 
@@ -22,18 +22,6 @@ EPOCHS = 30
 # Averaging 2 workers that each take batches of 32 approximates one machine taking batches of 64
 # (exact for K=1 and SGD): that is the single-machine run with the same settings.
 LOCAL_BATCH = 64
-
-
-@pytest.fixture(scope="module")
-def spark():
-    session = spark_session("local[2]")
-    yield session
-    session.stop()
-
-
-@pytest.fixture(scope="module")
-def data():
-    return digits()
 
 
 @pytest.fixture(scope="module")
