@@ -18,6 +18,7 @@ def main() -> int:
     p.add_argument("--save", type=Path, default=None, help="write the executed notebook here")
     args = p.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow start-up noise out of the output
+    os.environ.setdefault("NBDIST_UI", "text")  # no browser here: --ui auto prints one line per epoch
     nb = nbformat.read(args.notebook, as_version=4)
     client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(args.notebook.parent)}})

@@ -199,3 +199,19 @@ def test_one_epoch_still_draws_a_whole_bar_and_a_readable_axis(dashboard):
     dash("epoch", st, epoch(st, 1))
     dash._draw()
     assert chart.y_scale.min is None and list(map(int, dash.timeline.bars.x)) == [1, 2]
+
+
+def test_nbdist_ui_environment_variable_chooses_what_auto_means(monkeypatch) -> None:
+    """`make demo` runs headless in a real kernel: NBDIST_UI=text makes --ui auto print lines."""
+    from nbdist.errors import NbdistError
+    from nbdist.ui import make_renderer
+    from nbdist.ui.text import TextRenderer
+
+    monkeypatch.setenv("NBDIST_UI", "text")
+    assert isinstance(make_renderer("auto"), TextRenderer)
+    assert not isinstance(make_renderer("html"), TextRenderer)  # an explicit --ui wins
+    monkeypatch.setenv("NBDIST_UI", "none")
+    assert make_renderer("auto") is None
+    monkeypatch.setenv("NBDIST_UI", "fancy")
+    with pytest.raises(NbdistError, match="NBDIST_UI"):
+        make_renderer("auto")

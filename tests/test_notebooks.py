@@ -14,11 +14,20 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 def execute(name: str, timeout: int = 600) -> nbformat.NotebookNode:
+    """Run a notebook as `make demo` does: headless, so ``--ui auto`` prints text (NBDIST_UI)."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     env_root = str(NOTEBOOKS.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (env_root, os.environ.get("PYTHONPATH", "")) if p)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    previous = os.environ.get("NBDIST_UI")
+    os.environ["NBDIST_UI"] = "text"  # the kernel inherits it; restored so in-process tests see auto
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    finally:
+        if previous is None:
+            os.environ.pop("NBDIST_UI", None)
+        else:
+            os.environ["NBDIST_UI"] = previous
     return nb
 
 

@@ -53,11 +53,14 @@ def _has_comms(kernel: Any) -> bool:
 
 
 def make_renderer(ui: str, stream: TextIO | None = None) -> Listener | None:
-    """The renderer for ``--ui`` (``auto``: see ``detect_frontend``)."""
+    """The renderer for ``--ui``; ``auto`` means ``$NBDIST_UI`` when set, else ``detect_frontend()``."""
     if ui == "none":
         return None
     if ui == "auto":
-        ui = detect_frontend()
+        # A headless run (``make demo``, a CI job) has a kernel but nobody to see widgets.
+        ui = os.environ.get("NBDIST_UI", "").strip().lower() or detect_frontend()
+        if ui == "none":
+            return None
     if ui == "text":
         from .text import TextRenderer
 
@@ -78,4 +81,4 @@ def make_renderer(ui: str, stream: TextIO | None = None) -> Listener | None:
         return WidgetDashboard()
     from ..errors import NbdistError
 
-    raise NbdistError(f"unknown ui {ui!r}; use one of: auto, widgets, html, text, none.")
+    raise NbdistError(f"unknown ui {ui!r} (from --ui or NBDIST_UI); use one of: auto, widgets, html, text, none.")
