@@ -139,3 +139,17 @@ def test_two_process_chunked_exchange_equals_the_weighted_average():
         assert report["chunks"] > 4 and report["steps"] == len(STEPS) and report["seconds"] > 0
         assert max(report["errors"]) < 1e-6, report
         assert report["busy_after"] == 0.0  # the phase clock saw the exchange end
+
+
+def test_tensorflow_adopts_the_averaged_gradients_without_a_copy():
+    # The averaged gradients are views of the aligned bucket; TensorFlow wraps such numpy outputs
+    # instead of copying them (an unaligned 100 MiB output costs a copy per step, outside the
+    # timed exchange). If a TensorFlow upgrade starts copying, this shows it.
+    import tensorflow as tf
+
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s) for s in SHAPES])
+    reducer.set_weight(2, 2)
+    out = tf.function(reducer.reduce)([tf.ones(s) for s in SHAPES])
+    assert all((o.numpy() == 1).all() for o in out)
+    reducer.buffer[:] = 7.0
+    assert all((o.numpy() == 7).all() for o in out)
