@@ -153,3 +153,31 @@ def test_tensorflow_adopts_the_averaged_gradients_without_a_copy():
     assert all((o.numpy() == 1).all() for o in out)
     reducer.buffer[:] = 7.0
     assert all((o.numpy() == 7).all() for o in out)
+
+
+def test_a_bucket_kept_by_a_variable_is_never_refilled():
+    # Keras assigns the gradient itself to overwrite_with_gradient variables; an adopted view
+    # makes the variable share the bucket's memory, so the next step must use another bucket.
+    import tensorflow as tf
+
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s) for s in SHAPES])
+    v = tf.Variable(tf.zeros(SHAPES[1]))
+
+    @tf.function
+    def step(grads, keep):
+        out = reducer.reduce(grads)
+        if keep:
+            v.assign(out[1])
+        return tf.reduce_sum(out[0])
+
+    for _ in range(3):  # the usual case: the optimizer lets go, one bucket serves every step
+        reducer.set_weight(1, 1)
+        step([tf.ones(s) for s in SHAPES], False)
+    assert len(reducer._buckets) == 1
+    reducer.set_weight(1, 1)
+    step([tf.fill(s, 2.0) for s in SHAPES], True)
+    for fill in (3.0, 4.0):
+        reducer.set_weight(1, 1)
+        step([tf.fill(s, fill) for s in SHAPES], False)
+        assert (v.numpy() == 2.0).all()  # the variable's value survives later steps
+    assert len(reducer._buckets) == 2

@@ -15,7 +15,11 @@ asynchronous Gloo allreduce starts as soon as it is filled, so copying chunk k+1
 overlaps with summing chunk k. Every gradient starts on a 64-byte boundary of a
 64-byte aligned bucket: TensorFlow adopts such numpy outputs of
 ``tf.numpy_function`` without copying (measured here: an unaligned 100 MiB output
-costs a ~9 ms copy per step).
+costs a ~9 ms copy per step). Adopted means shared: a variable assigned the
+gradient itself (Keras does ``v.assign(g)`` for ``overwrite_with_gradient``
+variables) keeps the bucket's memory as its value. So a bucket is refilled only
+when no view of it handed to TensorFlow is alive (weak references tell); otherwise
+the step uses another bucket.
 
 Every worker must run the same number of allreduces per epoch or the collective
 deadlocks. A worker whose shard has fewer batches runs the missing steps after
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import keras
@@ -103,7 +108,8 @@ class GradientAllreduce:
         self.offsets = aligned_offsets(self.sizes)
         # Gradients then, in the last slot, this worker's sample count: the summed count checks
         # that every worker agreed on the step's total.
-        self.buffer = _aligned_zeros(int(self.offsets[-1]) + 1)
+        self._buckets = [_Bucket(int(self.offsets[-1]) + 1)]
+        self.buffer = self._buckets[0].data  # the bucket of the latest step
         self.chunks = chunk_bounds(len(self.buffer), chunk_elements)
         self._pieces = [_pieces(self.offsets, self.sizes, a, b) for a, b in self.chunks]
         self._sum = _ChunkSum(collective)
@@ -142,6 +148,8 @@ class GradientAllreduce:
             raise RuntimeError("the step's total sample count must be set (set_weight(samples, total)) "
                                "and positive before each allreduce step")
         scale = np.float32(n / total)
+        bucket = self._free_bucket()
+        buf = self.buffer = bucket.data
         last = len(self.chunks) - 1
         self._sum.begin()
         try:
@@ -162,9 +170,23 @@ class GradientAllreduce:
                                f"{total:g} expected")
         self.seconds += time.perf_counter() - t0
         self.steps += 1
-        # Views of the bucket, handed to TensorFlow without a copy. Safe because the optimizer
-        # consumes them within this step, before the next step refills the bucket.
-        return [buf[a:a + size].reshape(s) for s, a, size in zip(self.shapes, self.offsets[:-1], self.sizes)]
+        # Views of the bucket, handed to TensorFlow without a copy; watched so that the bucket is
+        # not refilled while TensorFlow still holds one (see _free_bucket).
+        out = [buf[a:a + size].reshape(s) for s, a, size in zip(self.shapes, self.offsets[:-1], self.sizes)]
+        bucket.lent = [weakref.ref(o) for o in out]
+        return out
+
+    def _free_bucket(self) -> "_Bucket":
+        """A bucket no TensorFlow tensor still shares memory with (normally the one of last step)."""
+        for bucket in self._buckets:
+            if not bucket.in_use():
+                return bucket
+        # Something kept a gradient tensor (e.g. a variable assigned it): leave that bucket to it.
+        # At most two are kept; a dropped one is freed when TensorFlow lets go of it.
+        log.debug("gradient bucket still referenced by TensorFlow; using a new one")
+        bucket = _Bucket(len(self._buckets[0].data))
+        self._buckets = self._buckets[-1:] + [bucket]
+        return bucket
 
     # -- in the train step ---------------------------------------------
     def reduce(self, grads: Sequence[Any]) -> list[Any]:
@@ -330,6 +352,17 @@ def _aligned_zeros(length: int, align_bytes: int = 64) -> np.ndarray:
     raw = np.zeros(length + align_bytes // 4, dtype=np.float32)
     shift = (-raw.ctypes.data % align_bytes) // 4
     return raw[shift:shift + length]
+
+
+class _Bucket:
+    """One aligned float32 bucket and weak references to the views of it lent to TensorFlow."""
+
+    def __init__(self, length: int) -> None:
+        self.data = _aligned_zeros(length)
+        self.lent: list[weakref.ref] = []
+
+    def in_use(self) -> bool:
+        return any(ref() is not None for ref in self.lent)
 
 
 def _pieces(offsets: np.ndarray, sizes: Sequence[int], a: int, b: int) -> list[tuple[int, int, int, int]]:
