@@ -20,8 +20,8 @@ def resolve_engine(requested: str | None) -> tuple[str, str | None]:
 def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collective: Any) -> None:
     from ..model_io import averaged_optimizer_variables
     from ..strategies.allreduce import (AllreduceCallback, GradientAllreduce, broadcast_state,
-                                        common_steps, wrap_optimizer)
-    from ..strategies.averaging import WeightedAverager, batch_sizes
+                                        shard_samples, step_totals, wrap_optimizer)
+    from ..strategies.averaging import WeightedAverager
     from .callbacks import EventCallback, weight_shipper
     from .phases import phase_callbacks, phase_timer
 
@@ -38,7 +38,10 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
 
     x, y = job["x"], job["y"]
     samples, batch_size = len(x), int(cfg["batch_size"])
-    steps = common_steps(collective, len(batch_sizes(samples, batch_size)))
+    # Every step's total samples, known up front: the gradients are scaled by n / total as they
+    # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
+    totals = step_totals(shard_samples(collective, samples), batch_size)
+    steps = len(totals)
     reducer = GradientAllreduce(collective, model.trainable_variables, engine)
     original_apply = wrap_optimizer(model.optimizer, reducer)
     non_trainable = floats(model.non_trainable_weights)
@@ -52,7 +55,7 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     ship = weight_shipper(link.send, model)
 
     sync = AllreduceCallback(reducer, original_apply, model.trainable_variables, samples, batch_size,
-                             steps, stats)
+                             steps, stats, totals)
     callbacks = [sync, EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer),
                                      ship if rank == 0 else None)] + phase_callbacks(link.send, collective)
     model.fit(x, y, batch_size=batch_size, epochs=int(cfg["epochs"]), verbose=0,

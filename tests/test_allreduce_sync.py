@@ -1,0 +1,183 @@
+"""The gradient bucket's bookkeeping and its chunked, asynchronous Gloo sum.
+
+Pure logic (per-step sample totals, the aligned bucket layout, the chunk plan) is tested
+directly; the pipelined exchange itself runs between two real processes over real Gloo with
+chunks small enough that every gradient is split across several asynchronous allreduces.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nbdist.collective import SoloCollective
+from nbdist.strategies.allreduce import (ALIGN, GradientAllreduce, aligned_offsets, chunk_bounds, step_totals,
+                                         _pieces)
+from nbdist.strategies.averaging import batch_sizes
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(37,), (5, 7), (100,), (3, 3, 2)]
+
+
+def test_step_totals_even_uneven_and_padded_steps():
+    assert step_totals([64, 64], 16) == [32, 32, 32, 32]
+    # 375 / 374 / 374 / 374 samples, batch 34: 11 full steps, then worker 0's last sample alone
+    # while the others pad (contribute 0).
+    assert step_totals([375, 374, 374, 374], 34) == [136] * 11 + [1]
+    # A short shard: 10 and 3 samples, batch 4 -> steps (4+3), (4+0 pad), (2+0 pad).
+    assert step_totals([10, 3], 4) == [7, 4, 2]
+    assert step_totals([3, 10], 4) == [7, 4, 2]  # the rank order does not matter
+    assert step_totals([5], 5) == [5]
+    assert step_totals([0, 0], 8) == []
+
+
+def test_step_totals_equal_the_sum_of_every_workers_batches():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        shards = [int(s) for s in rng.integers(1, 200, rng.integers(1, 6))]
+        b = int(rng.integers(1, 40))
+        totals = step_totals(shards, b)
+        assert len(totals) == max(len(batch_sizes(s, b)) for s in shards)
+        assert sum(totals) == sum(shards)  # every sample counted once per epoch
+        assert all(t > 0 for t in totals)  # no step without samples, so no division by zero
+
+
+def test_aligned_offsets_and_chunk_plan_cover_every_gradient_element_once():
+    sizes = [int(np.prod(s)) for s in SHAPES]
+    offsets = aligned_offsets(sizes)
+    assert all(o % ALIGN == 0 for o in offsets[:-1])
+    assert all(offsets[i] + sizes[i] <= offsets[i + 1] for i in range(len(sizes)))
+    length = int(offsets[-1]) + 1
+    for chunk in (16, 32, 48, 1000):
+        bounds = chunk_bounds(length, chunk)
+        assert bounds[0][0] == 0 and bounds[-1][1] == length
+        assert all(b0[1] == b1[0] for b0, b1 in zip(bounds, bounds[1:]))  # consecutive, no gaps
+        assert all(a % ALIGN == 0 for a, _ in bounds)
+        seen = [np.zeros(s, int) for s in sizes]
+        for a, b in bounds:
+            for i, src_a, src_b, dst in _pieces(offsets, sizes, a, b):
+                assert a <= dst and dst + src_b - src_a <= b
+                assert dst == offsets[i] + src_a
+                seen[i][src_a:src_b] += 1
+        assert all((s == 1).all() for s in seen)
+
+
+def test_solo_exchange_returns_aligned_views_and_checks_the_total():
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s) for s in SHAPES], chunk_elements=16)
+    assert len(reducer.chunks) > len(SHAPES)  # gradients are split across chunks
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    reducer.set_weight(5, 5)
+    out = reducer.exchange(*grads)
+    for g, o in zip(grads, out):
+        assert o.shape == g.shape and o.ctypes.data % 64 == 0  # TensorFlow adopts it without a copy
+        np.testing.assert_array_equal(o, g)
+    reducer.set_weight(5, 7)  # a worker that believes in a total the sum does not give
+    with pytest.raises(RuntimeError, match="disagree"):
+        reducer.exchange(*grads)
+    reducer.set_weight(5)
+    with pytest.raises(RuntimeError, match="total sample count"):
+        reducer.exchange(*grads)
+
+
+def _grads(rank, step):
+    rng = np.random.default_rng(100 * rank + step)
+    return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+
+
+# Each step: (samples on rank 0, samples on rank 1). The last is a pad step on rank 1.
+STEPS = [(3, 1), (4, 4), (2, 0)]
+
+
+def _rank_main(rank: int, port: int) -> None:
+    """One worker of test_two_process_chunked_exchange (run in its own process)."""
+    from nbdist.collective import GlooCollective
+    from nbdist.worker.phases import PhaseClock, PhaseCollective
+
+    gloo = GlooCollective(rank, 2, "127.0.0.1", port, timeout=60)
+    clock = PhaseClock()
+    reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], chunk_elements=32)
+    clock.strategy_timer = reducer
+    errors = []
+    for step, counts in enumerate(STEPS):
+        n, total = counts[rank], sum(counts)
+        reducer.set_weight(n, total)
+        mine = _grads(rank, step) if n else [np.zeros(s, np.float32) for s in SHAPES]
+        out = reducer.exchange(*mine)
+        want = [(counts[0] * a + counts[1] * b) / total for a, b in zip(_grads(0, step), _grads(1, step))]
+        errors.append(max(float(np.abs(o - w).max()) for o, w in zip(out, want)))
+    print(json.dumps({"errors": errors, "chunks": len(reducer.chunks), "busy_after": clock.busy_for(),
+                      "steps": reducer.steps, "seconds": reducer.seconds}), flush=True)
+    gloo.close()
+
+
+def test_two_process_chunked_exchange_equals_the_weighted_average():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    code = "import sys; from tests.test_allreduce_sync import _rank_main; _rank_main(int(sys.argv[1]), int(sys.argv[2]))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["chunks"] > 4 and report["steps"] == len(STEPS) and report["seconds"] > 0
+        assert max(report["errors"]) < 1e-6, report
+        assert report["busy_after"] == 0.0  # the phase clock saw the exchange end
+
+
+def test_tensorflow_adopts_the_averaged_gradients_without_a_copy():
+    # The averaged gradients are views of the aligned bucket; TensorFlow wraps such numpy outputs
+    # instead of copying them (an unaligned 100 MiB output costs a copy per step, outside the
+    # timed exchange). If a TensorFlow upgrade starts copying, this shows it.
+    import tensorflow as tf
+
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s) for s in SHAPES])
+    reducer.set_weight(2, 2)
+    out = tf.function(reducer.reduce)([tf.ones(s) for s in SHAPES])
+    assert all((o.numpy() == 1).all() for o in out)
+    reducer.buffer[:] = 7.0
+    assert all((o.numpy() == 7).all() for o in out)
+
+
+def test_a_bucket_kept_by_a_variable_is_never_refilled():
+    # Keras assigns the gradient itself to overwrite_with_gradient variables; an adopted view
+    # makes the variable share the bucket's memory, so the next step must use another bucket.
+    import tensorflow as tf
+
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s) for s in SHAPES])
+    v = tf.Variable(tf.zeros(SHAPES[1]))
+
+    @tf.function
+    def step(grads, keep):
+        out = reducer.reduce(grads)
+        if keep:
+            v.assign(out[1])
+        return tf.reduce_sum(out[0])
+
+    for _ in range(3):  # the usual case: the optimizer lets go, one bucket serves every step
+        reducer.set_weight(1, 1)
+        step([tf.ones(s) for s in SHAPES], False)
+    assert len(reducer._buckets) == 1
+    reducer.set_weight(1, 1)
+    step([tf.fill(s, 2.0) for s in SHAPES], True)
+    for fill in (3.0, 4.0):
+        reducer.set_weight(1, 1)
+        step([tf.fill(s, fill) for s in SHAPES], False)
+        assert (v.numpy() == 2.0).all()  # the variable's value survives later steps
+    assert len(reducer._buckets) == 2
