@@ -4,11 +4,10 @@
    samples of a compute-bound CNN, one thread each; the 1-worker run is pinned to one core).
    Goal >= 1.8.
 2. Synchronisation of 100 MB of gradients per step: nbdist's time inside the gradient
-   allreduce (the scaled copy into the bucket and the bucket's chunked Gloo allreduce; the
-   averaged gradients go back to TensorFlow as aligned views, without a copy) / a raw
-   torch.distributed Gloo allreduce of the same bytes between 2 processes, in one call.
-   Goal <= 1.10. For reference, the same raw bytes in nbdist's chunks (async, no copy) shows
-   how much of the gap the chunking itself accounts for.
+   allreduce (the ring of strategies/ring.py summing the gradients, weighted through the loss,
+   from TensorFlow's memory into the bucket; the averages go back to TensorFlow as aligned
+   views, without a copy) / a raw torch.distributed Gloo allreduce of the same bytes between
+   2 processes, in one call. Goal <= 1.10.
 
 Run: PYTHONPATH=. python benchmarks/scaling.py   (about 2-4 minutes on 2 idle cores)
 """
@@ -153,10 +152,7 @@ def main() -> None:
     one = cnn_throughput(1)
     two = cnn_throughput(2)
     _set_cores(cores)
-    from nbdist.strategies.allreduce import CHUNK_ELEMENTS
-
     raw = raw_gloo_allreduce()
-    raw_chunked = raw_gloo_allreduce(chunk_elements=CHUNK_ELEMENTS)
     ours = nbdist_sync_per_step()
     rows = [
         ("CNN throughput, 1 worker (samples/s)", f"{one:.1f}", ""),
@@ -165,8 +161,6 @@ def main() -> None:
         ("raw Gloo allreduce, 100 MiB (ms)", f"{raw * 1e3:.1f}", f"bus {bus_bandwidth(raw):.2f} GB/s"),
         ("nbdist sync per step, 100 MiB (ms)", f"{ours * 1e3:.1f}", f"bus {bus_bandwidth(ours):.2f} GB/s"),
         ("  nbdist / raw Gloo", f"{ours / raw:.2f}", "goal <= 1.10"),
-        ("raw Gloo, same bytes in nbdist's chunks (ms)", f"{raw_chunked * 1e3:.1f}", "reference"),
-        ("  nbdist / raw Gloo in the same chunks", f"{ours / raw_chunked:.2f}", "overhead beyond chunking"),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"load average at the end: {os.getloadavg()[0]:.1f} on {cores} cores")

@@ -80,6 +80,7 @@ class GlooCollective:
         self._torch = torch
         self.rank = rank
         self.world_size = world_size
+        self.timeout = timeout  # seconds; bounds every wait of the point-to-point ring too
 
     def allreduce_sum(self, buf: np.ndarray) -> None:
         self._dist.all_reduce(self._torch.from_numpy(buf), op=self._dist.ReduceOp.SUM)

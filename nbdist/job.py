@@ -82,6 +82,8 @@ class TrainingJob:
         self._last_weights: tuple[int, list[np.ndarray], int] | None = None
         self._iterations: int | None = None
         self._done: set[int] = set()
+        # Each worker's closing report (its "done" message): rounds, engine, how gradients were summed.
+        self.reports: dict[int, dict[str, Any]] = {}
         self._closing: dict[int, float] = {}
         self._failure: TrainingFailed | None = None
         self._warned: set[str] = set()
@@ -296,6 +298,7 @@ class TrainingJob:
                                          "port": int(msg.body["port"])})
         elif kind == "done":
             self._done.add(rank)
+            self.reports[rank] = {k: v for k, v in msg.body.items() if k != "type"}
             st.worker_finished(rank, "done")
             self._notify("worker", rank)
             if len(self._done) == self.world_size:

@@ -71,6 +71,45 @@ def test_c3_two_workers_batch_b_equal_local_batch_2b(digits):
     assert_same_parameters(model, ref)
     assert set(job.history) == {"loss", "accuracy"} and len(job.history["loss"]) == 1
     assert all(w.sync_seconds > 0 for w in job.state.workers)  # time inside the allreduce is reported
+    # Keras' train step scaled the loss (scale_loss), so the ring summed the gradients uncopied.
+    assert [r["summed_by"] for r in job.reports.values()] == ["ring", "ring"]
+
+
+class OwnStepModel(keras.Sequential):
+    """A notebook's model class with a train_step that never calls ``optimizer.scale_loss``."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return self.compute_metrics(x, y, y_pred)
+
+
+OwnStepModel.__module__ = "__main__"  # as if defined in a notebook: nbdist ships the class to workers
+keras.saving.register_keras_serializable(package="nbdist_tests")(OwnStepModel)
+
+
+def own_step_mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return OwnStepModel([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                         keras.layers.Dense(10, activation="softmax")])
+
+
+def test_c3_holds_for_a_train_step_that_does_not_scale_the_loss(digits):
+    # Without scale_loss the gradients arrive unweighted: nbdist weights them while copying them
+    # into the bucket instead, and the average is the same.
+    x, y = digits
+    x, y = x[:1000], y[:1000]
+    model = compiled(own_step_mlp(), keras.optimizers.SGD(0.1))
+    job = nbdist.train(model, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
+                       lr_scaling="none")
+    ref = local_reference(own_step_mlp, keras.optimizers.SGD(0.1), x, y, workers=2, batch_size=16, epochs=1)
+    assert_same_parameters(model, ref)
+    assert [r["summed_by"] for r in job.reports.values()] == ["copy", "copy"]
 
 
 def test_mlp_4_workers_uneven_shards_adam_parity_and_validation(digits):

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from nbdist.collective import SoloCollective
-from nbdist.strategies.allreduce import (ALIGN, GradientAllreduce, aligned_offsets, chunk_bounds, step_totals,
-                                         _pieces)
+from nbdist.strategies.allreduce import GradientAllreduce, chunk_bounds, step_totals
+from nbdist.strategies.ring import ALIGN, aligned_offsets, pieces as _pieces
 from nbdist.strategies.averaging import batch_sizes
 
 pytestmark = pytest.mark.timeout(120)

@@ -62,6 +62,7 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
               shuffle=bool(cfg["shuffle"]), validation_data=validation, callbacks=callbacks,
               initial_epoch=int(job["initial_epoch"]))
     link.send({"type": "done", "sync_seconds": reducer.seconds, "rounds": reducer.steps,
-               "engine": engine, "padded_steps": sync.padded_steps})
+               "engine": engine, "padded_steps": sync.padded_steps,
+               "summed_by": "ring" if reducer.prescaled else "copy"})
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",
              rank, reducer.steps, sync.padded_steps, reducer.seconds)
