@@ -5,23 +5,18 @@ directly; the pipelined exchange itself runs between two real processes over rea
 chunks small enough that every gradient is split across several asynchronous allreduces.
 """
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nbdist.collective import SoloCollective
 from nbdist.strategies.allreduce import GradientAllreduce, chunk_bounds, step_totals
-from nbdist.strategies.ring import ALIGN, aligned_offsets, pieces as _pieces
 from nbdist.strategies.averaging import batch_sizes
+from nbdist.strategies.ring import ALIGN, aligned_offsets, pieces
+
+from .ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
-
-ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(37,), (5, 7), (100,), (3, 3, 2)]
 
 
@@ -61,7 +56,7 @@ def test_aligned_offsets_and_chunk_plan_cover_every_gradient_element_once():
         assert all(a % ALIGN == 0 for a, _ in bounds)
         seen = [np.zeros(s, int) for s in sizes]
         for a, b in bounds:
-            for i, src_a, src_b, dst in _pieces(offsets, sizes, a, b):
+            for i, src_a, src_b, dst in pieces(offsets, sizes, a, b):
                 assert a <= dst and dst + src_b - src_a <= b
                 assert dst == offsets[i] + src_a
                 seen[i][src_a:src_b] += 1
@@ -95,12 +90,12 @@ def _grads(rank, step):
 STEPS = [(3, 1), (4, 4), (2, 0)]
 
 
-def _rank_main(rank: int, port: int) -> None:
+def _rank_main(rank: int, world: int, port: int) -> None:
     """One worker of test_two_process_chunked_exchange (run in its own process)."""
     from nbdist.collective import GlooCollective
     from nbdist.worker.phases import PhaseClock, PhaseCollective
 
-    gloo = GlooCollective(rank, 2, "127.0.0.1", port, timeout=60)
+    gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
     clock = PhaseClock()
     reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], chunk_elements=32)
     clock.strategy_timer = reducer
@@ -118,24 +113,7 @@ def _rank_main(rank: int, port: int) -> None:
 
 
 def test_two_process_chunked_exchange_equals_the_weighted_average():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
-    code = "import sys; from tests.test_allreduce_sync import _rank_main; _rank_main(int(sys.argv[1]), int(sys.argv[2]))"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
-        report = json.loads(out.strip().splitlines()[-1])
+    for report in run_ranks("tests.test_allreduce_sync:_rank_main", 2, timeout=90):
         assert report["chunks"] > 4 and report["steps"] == len(STEPS) and report["seconds"] > 0
         assert max(report["errors"]) < 1e-6, report
         assert report["busy_after"] == 0.0  # the phase clock saw the exchange end

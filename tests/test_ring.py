@@ -6,20 +6,15 @@ split across segments, segments made of several arrays and a one-element count, 
 with numpy's sum. Its inputs are read-only arrays, as TensorFlow lends them.
 """
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nbdist.strategies.ring import aligned_offsets, block_bounds, plan, ring_schedule, segment_bounds
 
-pytestmark = pytest.mark.timeout(150)
+from .ranks import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(150)
 SIZES = [37, 35, 1000, 18, 5000, 3, 1]  # the last: a sample count, as the gradient allreduce appends
 
 
@@ -113,23 +108,5 @@ def _rank_main(rank: int, world: int, port: int, segment: int) -> None:
 
 @pytest.mark.parametrize("world,segment", [(2, 64), (3, 32), (2, 2**20)])
 def test_ring_sum_between_real_processes_equals_numpy(world, segment):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    code = ("import sys; from tests.test_ring import _rank_main; "
-            "_rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(world), str(port), str(segment)], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
-        assert max(json.loads(out.strip().splitlines()[-1])["errors"]) < 1e-5
+    for report in run_ranks("tests.test_ring:_rank_main", world, segment):
+        assert max(report["errors"]) < 1e-5

@@ -1,0 +1,43 @@
+"""Run one function as W real processes (ranks) that meet over Gloo on loopback; collect their reports."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_ranks(target: str, world: int, *args: Any, timeout: float = 120) -> list[dict[str, Any]]:
+    """Call ``module:function(rank, world, port, *args)`` in ``world`` processes.
+
+    Each process must print one JSON object as its last line; they are returned by rank.
+    A rank that fails has its stderr shown in the assertion.
+    """
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    module, func = target.split(":")
+    code = (f"import sys, json; from {module} import {func}; "
+            f"{func}(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *json.loads(sys.argv[4]))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(world), str(port), json.dumps(list(args))],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    reports = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
