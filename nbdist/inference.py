@@ -20,7 +20,7 @@ from .data import Dataset, check_workers, make_dataset
 from .errors import NbdistError
 from .evaluation import (ClassifierSpec, check_labels, classifier_spec, labels_are_classes, merge_classifier_stats,
                          sum_states)
-from .job import TrainingJob, _cores
+from .job import TrainingJob, _cores, job_arrays
 from .model_io import ModelSpec, _custom_objects, _json_default, is_keras_model
 from .spark_data import SparkData, is_spark_data
 
@@ -115,13 +115,7 @@ class InferenceJob(TrainingJob):
         cfg, spec = self.config, self._spec
         on_task = isinstance(self.train_data, SparkData)  # the worker's Spark task wrote its partition
         shard = None if on_task else self._shard(rank)
-        arrays: list[np.ndarray] = list(spec.weights)
-        if spec.custom_objects:
-            arrays.append(np.frombuffer(spec.custom_objects, dtype=np.uint8))
-        if shard is not None:
-            arrays.append(shard.x)
-            if shard.y is not None:
-                arrays.append(shard.y)
+        arrays = job_arrays(spec, shard)
         body = {
             "type": "job", "kind": self.kind, "rank": rank, "world_size": self.world_size,
             "config": {"batch_size": cfg.batch_size, "heartbeat_timeout": cfg.heartbeat_timeout},

@@ -340,19 +340,7 @@ class TrainingJob:
         if self._val_shards is not None:
             va, vb = self._val_shards[rank]
             val = self.validation_data.slice(va, vb)
-        arrays: list[np.ndarray] = list(spec.weights)
-        if spec.optimizer_weights is not None:
-            arrays += spec.optimizer_weights
-        if spec.custom_objects:
-            arrays.append(np.frombuffer(spec.custom_objects, dtype=np.uint8))
-        if shard is not None:
-            arrays.append(shard.x)
-            if shard.y is not None:
-                arrays.append(shard.y)
-        if val is not None:
-            arrays.append(val.x)
-            if val.y is not None:
-                arrays.append(val.y)
+        arrays = job_arrays(spec, shard, val, with_optimizer=True)
         body = {
             "type": "job", "rank": rank, "world_size": self.world_size,
             "config": {k: getattr(cfg, k) for k in ("epochs", "batch_size", "averaging_frequency",
@@ -548,6 +536,23 @@ def _interrupts_held() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def job_arrays(spec: ModelSpec, shard: Dataset | None, validation: Dataset | None = None,
+               with_optimizer: bool = False) -> list[np.ndarray]:
+    """A job message's arrays, in the order a worker unpacks them (worker/training.py unpack_job):
+    weights, optimizer state, custom objects, the shard's x and y, the validation x and y."""
+    arrays: list[np.ndarray] = list(spec.weights)
+    if with_optimizer and spec.optimizer_weights is not None:
+        arrays += spec.optimizer_weights
+    if spec.custom_objects:
+        arrays.append(np.frombuffer(spec.custom_objects, dtype=np.uint8))
+    for part in (shard, validation):
+        if part is not None:
+            arrays.append(part.x)
+            if part.y is not None:
+                arrays.append(part.y)
+    return arrays
 
 
 def _cores() -> int:
