@@ -97,6 +97,31 @@ def test_fit_on_the_pipeline_equals_fit_on_arrays(digits):
     assert got_h["val_loss"][-1] == pytest.approx(evaluated[0], rel=1e-6)  # validation stays exact
 
 
+def test_a_model_without_targets_trains_on_features_alone():
+    """A loss that needs no targets (add_loss): ``has_y`` is false, the pipeline yields x only."""
+    import keras
+
+    class ActivityPenalty(keras.layers.Layer):
+        def call(self, inputs):
+            self.add_loss(keras.ops.mean(keras.ops.square(inputs - 1.0)))
+            return inputs
+
+    x = np.random.default_rng(0).random((50, 4), dtype=np.float32)
+
+    def trained(**data):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), ActivityPenalty()])
+        model.compile(keras.optimizers.SGD(0.1))
+        history = model.fit(**data, epochs=2, verbose=0)
+        return model.get_weights(), history.history["loss"]
+
+    want_w, want_loss = trained(x=x, batch_size=16, shuffle=False)
+    got_w, got_loss = trained(**fit_inputs(x, None, 16, False, None, 0, 0, None))
+    for g, w in zip(got_w, want_w):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+
+
 def test_core_slices_bind_each_worker_to_its_own_cores():
     assert core_slices({0, 1}, 2, 1) == [{0}, {1}]
     assert core_slices({0, 1}, 1, 2) == [{0, 1}]
