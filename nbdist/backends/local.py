@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..config import default_local_workers
-from ..strategies.placement import local_gpu_env
+from ..strategies.placement import core_slices, local_gpu_env
 from .secret import hand_over
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,22 @@ def read_log_tail(path: Path, lines: int = 20) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+def usable_cores() -> set[int] | None:
+    """The cores this process may run on, or None where the OS cannot say (no sched_getaffinity)."""
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+
+
+def pin_to_cores(pid: int, cores: set[int]) -> None:
+    """Bind a just-started worker to ``cores``; its threads, created later, inherit the mask."""
+    try:
+        os.sched_setaffinity(pid, cores)
+    except OSError as exc:  # the child already exited, or a restricted container: run unpinned
+        log.warning("could not pin worker pid %d to cores %s: %s", pid, sorted(cores), exc)
 
 
 class LocalWorker:
@@ -89,6 +105,8 @@ class LocalBackend:
         self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-run-"))
         env = worker_env(secret, threads_per_worker)
         host, port = address
+        cores = usable_cores()
+        slices = core_slices(cores, world_size, threads_per_worker) if cores else None
         for rank in range(world_size):
             rank_env = {**env, **local_gpu_env(rank)}  # one GPU per worker by local rank, if any
             log_path = self.run_dir / f"worker-{rank}.log"
@@ -99,9 +117,12 @@ class LocalBackend:
                     env=rank_env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
                 )
+            if slices is not None:  # now: TensorFlow has not started its threads in the child yet
+                pin_to_cores(proc.pid, slices[rank])
             hand_over(proc, secret)
             self.workers.append(LocalWorker(rank, proc, log_path))
-        log.info("started %d local workers, logs in %s", world_size, self.run_dir)
+        log.info("started %d local workers%s, logs in %s", world_size,
+                 f" pinned to cores {[sorted(c) for c in slices]}" if slices else "", self.run_dir)
         return list(self.workers)
 
     def stop(self, grace: float = 3.0) -> None:

@@ -63,6 +63,23 @@ def local_gpu_env(rank: int, environ: dict[str, str] | None = None, gpu_count: i
     return {"CUDA_VISIBLE_DEVICES": cuda_visible_devices_for_rank(rank, count, environ.get("CUDA_VISIBLE_DEVICES"))}
 
 
+def core_slices(cores: "list[int] | set[int] | tuple[int, ...]", world: int, threads: int) -> list[set[int]] | None:
+    """Each local worker's own contiguous cores (``threads`` each), like ``mpirun --bind-to core``.
+
+    ``cores`` are the ones this process may use (``os.sched_getaffinity(0)``). Pinned, a worker
+    keeps its caches and never has its one busy thread moved onto a peer's core by the
+    scheduler. More workers than cores: None (no pinning; sharing is the scheduler's job).
+    A slice never exceeds an even share of the cores, whatever ``threads`` says.
+    """
+    if world < 1 or threads < 1:
+        raise ValueError("world and threads must be >= 1")
+    ordered = sorted(set(cores))
+    if world > len(ordered):
+        return None
+    per = min(threads, len(ordered) // world)
+    return [set(ordered[r * per:(r + 1) * per]) for r in range(world)]
+
+
 def choose_engine(requested: str | None, has_gpu: bool, horovod_error: str | None) -> tuple[str, str | None]:
     """Resolve ``--engine`` on a worker: (engine to use, warning sentence or None).
 

@@ -23,6 +23,7 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
                                         shard_samples, step_totals, wrap_optimizer)
     from ..strategies.averaging import WeightedAverager
     from .callbacks import EventCallback, weight_shipper
+    from .datasets import fit_inputs
     from .phases import phase_callbacks, phase_timer
 
     cfg = job["config"]
@@ -58,8 +59,10 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
                              steps, stats, totals)
     callbacks = [sync, EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer),
                                      ship if rank == 0 else None)] + phase_callbacks(link.send, collective)
-    model.fit(x, y, batch_size=batch_size, epochs=int(cfg["epochs"]), verbose=0,
-              shuffle=bool(cfg["shuffle"]), validation_data=validation, callbacks=callbacks,
+    # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
+    inputs = fit_inputs(x, y, batch_size, bool(cfg["shuffle"]), cfg.get("seed"), rank,
+                        int(job["initial_epoch"]), validation)
+    model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
               initial_epoch=int(job["initial_epoch"]))
     link.send({"type": "done", "sync_seconds": reducer.seconds, "rounds": reducer.steps,
                "engine": engine, "padded_steps": sync.padded_steps,

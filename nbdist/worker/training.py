@@ -81,6 +81,7 @@ def run_job(link: Any, rank: int) -> None:
     from ..model_io import ModelSpec, build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager
     from .callbacks import AveragingCallback, EventCallback, weight_shipper
+    from .datasets import fit_inputs
 
     if cfg.get("seed") is not None:
         keras.utils.set_random_seed(int(cfg["seed"]) + rank)
@@ -136,8 +137,10 @@ def run_job(link: Any, rank: int) -> None:
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
             callbacks.insert(0, AveragingCallback(averager, int(cfg["averaging_frequency"]), samples,
                                                   batch_size, int(job["rounds_per_epoch"])))
-        model.fit(x, y, batch_size=batch_size, epochs=int(cfg["epochs"]), verbose=0,
-                  shuffle=bool(cfg["shuffle"]), validation_data=validation, callbacks=callbacks,
+        # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
+        inputs = fit_inputs(x, y, batch_size, bool(cfg["shuffle"]), cfg.get("seed"), rank,
+                            int(job["initial_epoch"]), validation)
+        model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
                   initial_epoch=int(job["initial_epoch"]))
         link.send({"type": "done", "sync_seconds": averager.seconds, "rounds": averager.rounds})
     finally:

@@ -1,0 +1,112 @@
+"""The worker's input pipeline: one repeated tf.data pipeline per ``fit``, fed with steps_per_epoch.
+
+Why: ``model.fit(x, y, batch_size=...)`` makes Keras build a new tf.data iterator at every
+epoch start, which costs a time proportional to the steps (measured: 0.5 s at 24 steps,
+2.3 s at 96 steps of a small CNN; 30-45% of the epoch). Given ONE infinite dataset and
+``steps_per_epoch``, Keras keeps one iterator for the whole fit (the same for validation with
+``validation_steps``), so that cost goes away.
+
+The batches are exactly those of ``fit(x, y, batch_size=b, shuffle=...)``: full batches, then
+the short one, one pass per epoch; with shuffle a fresh permutation every epoch. The callbacks
+count batch sizes with ``strategies.averaging.batch_sizes`` and rely on that.
+
+Memory: rows are never copied into a shuffle buffer. Each epoch permutes an int64 index
+vector (8 bytes per sample) and every batch gathers its rows from tensors made once.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from ..data import batches_per_epoch
+
+log = logging.getLogger("nbdist.worker")
+
+
+# -- pure helpers ------------------------------------------------------------
+def epoch_steps(samples: int, batch_size: int) -> int:
+    """Batches in one pass over ``samples`` rows: full batches plus the short last one.
+
+    At least one sample: Keras treats ``steps_per_epoch=0`` as "until the data ends",
+    which on a repeated dataset is never.
+    """
+    if samples < 1:
+        raise ValueError(f"a worker needs at least one sample to train on, got {samples}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return batches_per_epoch(samples, batch_size)
+
+
+def fit_steps(samples: int, val_samples: int, batch_size: int) -> tuple[int, int | None]:
+    """(steps_per_epoch, validation_steps or None when there is no validation data)."""
+    return epoch_steps(samples, batch_size), (epoch_steps(val_samples, batch_size) if val_samples else None)
+
+
+def shuffle_seed(seed: int | None, rank: int) -> int:
+    """The base of every epoch's permutation seed: ``seed + rank`` (the worker's Keras seed), else random."""
+    if seed is None:
+        return secrets.randbits(62)
+    return int(seed) + int(rank)
+
+
+def sample_count(x: Any) -> int:
+    """Rows in ``x``: an array, or a list/tuple/dict of arrays with the same number of rows."""
+    if isinstance(x, dict):
+        x = next(iter(x.values()))
+    elif isinstance(x, (list, tuple)):
+        x = x[0]
+    return int(x.shape[0])
+
+
+# -- the pipeline (TensorFlow) -------------------------------------------------
+def repeated_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int = 0,
+                     first_epoch: int = 0) -> Any:
+    """An infinite tf.data.Dataset of ``(x, y)`` batches (``x`` alone when ``y`` is None), epoch after epoch.
+
+    With ``shuffle``, epoch ``e`` is permuted by a stateless shuffle seeded ``(seed, e)``, counted
+    from ``first_epoch``: a run resumed at epoch e sees the order the uninterrupted run would have.
+    """
+    import tensorflow as tf
+
+    n = sample_count(x)
+    full, rest = divmod(n, batch_size)
+    # Made once; tf.gather reads batches from them (no second copy of the shard in a buffer).
+    data = tf.nest.map_structure(tf.convert_to_tensor, x if y is None else (x, y))
+    base = tf.constant(seed, dtype=tf.int64)
+
+    def order(epoch: Any) -> Any:
+        indices = tf.range(n, dtype=tf.int64)
+        if shuffle:
+            indices = tf.random.experimental.stateless_shuffle(indices, seed=tf.stack([base, epoch]))
+        return indices
+
+    def batches(indices: Any) -> Any:
+        # Full batches as rows of one reshaped tensor, then the short batch: Keras' own layout.
+        ds = tf.data.Dataset.from_tensor_slices(tf.reshape(indices[:full * batch_size], [full, batch_size]))
+        if rest:
+            ds = ds.concatenate(tf.data.Dataset.from_tensors(indices[full * batch_size:]))
+        return ds
+
+    def gather(indices: Any) -> Any:
+        return tf.nest.map_structure(lambda t: tf.gather(t, indices), data)
+
+    epochs = tf.data.Dataset.counter(start=first_epoch, dtype=tf.int64)
+    return epochs.map(order).flat_map(batches).map(gather).prefetch(2)
+
+
+def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None, rank: int,
+               first_epoch: int, validation: tuple[Any, Any] | None) -> dict[str, Any]:
+    """Keyword arguments for ``model.fit`` (data, steps_per_epoch and validation), built once per fit."""
+    val_samples = sample_count(validation[0]) if validation is not None else 0
+    steps, val_steps = fit_steps(sample_count(x), val_samples, batch_size)
+    kwargs: dict[str, Any] = {
+        "x": repeated_batches(x, y, batch_size, shuffle, shuffle_seed(seed, rank), first_epoch),
+        "steps_per_epoch": steps,
+        "shuffle": False,  # the pipeline shuffles; Keras would only warn that it ignores the flag
+    }
+    if val_steps is not None:
+        kwargs["validation_data"] = repeated_batches(validation[0], validation[1], batch_size, shuffle=False)
+        kwargs["validation_steps"] = val_steps
+    log.debug("input pipeline: %d steps per epoch, %s validation steps", steps, val_steps)
+    return kwargs
