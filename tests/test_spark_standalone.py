@@ -101,5 +101,5 @@ def test_dataframe_training_on_standalone_cluster(spark):
                        epochs=EPOCHS, batch_size=32, workers=2, seed=0)
     assert job.status == "done" and job.state.backend == "spark"
     got, want = accuracy(model, Xte, yte), accuracy(local, Xte, yte)
-    assert abs(got - want) <= 0.01, (got, want)
+    assert got >= want - 0.01, (got, want)  # not more than 1 point below one machine (see test_spark_local)
     assert not wait_until_no_workers(job)
