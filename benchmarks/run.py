@@ -100,7 +100,7 @@ def row_p1(quick: bool, workdir: Path) -> Row:
 def row_p2(quick: bool, workdir: Path) -> Row:
     import scaling
 
-    per_worker, epochs, repeats = (128, 2, 1) if quick else (512, 3, 3)
+    per_worker, epochs, repeats = (128, 2, 1) if quick else (1024, 5, 5)
     one, two = [], []
     for _ in range(repeats):
         one.append(scaling.cnn_throughput(1, per_worker, epochs))

@@ -92,7 +92,7 @@ def repeated_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int =
         return tf.nest.map_structure(lambda t: tf.gather(t, indices), data)
 
     epochs = tf.data.Dataset.counter(start=first_epoch, dtype=tf.int64)
-    return epochs.map(order).flat_map(batches).map(gather).prefetch(2)
+    return epochs.map(order).flat_map(batches).map(gather, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
 
 
 def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None, rank: int,
