@@ -83,11 +83,8 @@ def nbdist_sync_per_step(steps: int = 12, mib: int = 100) -> float:
     return min(w.sync_seconds for w in job.state.workers) / steps
 
 
-def raw_gloo_allreduce(repeats: int = 12, mib: int = 100, chunk_elements: int = 0) -> float:
-    """Median seconds of one Gloo allreduce of ``mib`` MiB between 2 fresh processes.
-
-    ``chunk_elements`` > 0: the same bytes as asynchronous allreduces of that many floats each.
-    """
+def raw_gloo_allreduce(repeats: int = 12, mib: int = 100) -> float:
+    """Median seconds of one Gloo allreduce of ``mib`` MiB between 2 fresh processes."""
     import socket
 
     s = socket.socket()
@@ -95,14 +92,14 @@ def raw_gloo_allreduce(repeats: int = 12, mib: int = 100, chunk_elements: int = 
     port = s.getsockname()[1]
     s.close()
     procs = [subprocess.Popen([sys.executable, __file__, "--raw-rank", str(r), "--port", str(port),
-                               "--repeats", str(repeats), "--mib", str(mib), "--chunk-elements", str(chunk_elements)],
+                               "--repeats", str(repeats), "--mib", str(mib)],
                               stdout=subprocess.PIPE, text=True)
              for r in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     return max(float(o.strip().splitlines()[-1]) for o in outs)
 
 
-def _raw_rank(rank: int, port: int, repeats: int, mib: int = 100, chunk_elements: int = 0) -> None:
+def _raw_rank(rank: int, port: int, repeats: int, mib: int = 100) -> None:
     import datetime
 
     import torch
@@ -116,16 +113,11 @@ def _raw_rank(rank: int, port: int, repeats: int, mib: int = 100, chunk_elements
     # The same bytes as nbdist's bucket in nbdist_sync_per_step: both kernels and the sample count.
     buf = torch.ones(width * width + width + 1, dtype=torch.float32)
     dist.all_reduce(buf)  # warm up the connections
-    chunks = torch.split(buf, chunk_elements) if chunk_elements > 0 else None
     times = []
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        if chunks is None:
-            dist.all_reduce(buf)
-        else:
-            for work in [dist.all_reduce(c, async_op=True) for c in chunks]:
-                work.wait()
+        dist.all_reduce(buf)
         times.append(time.perf_counter() - t0)
     dist.destroy_process_group()
     print(float(np.median(times)))
@@ -142,10 +134,9 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--repeats", type=int, default=12)
     p.add_argument("--mib", type=int, default=100)
-    p.add_argument("--chunk-elements", type=int, default=0)
     args = p.parse_args()
     if args.raw_rank is not None:
-        _raw_rank(args.raw_rank, args.port, args.repeats, args.mib, args.chunk_elements)
+        _raw_rank(args.raw_rank, args.port, args.repeats, args.mib)
         return
     logging.basicConfig(level=logging.WARNING)
     cores = len(CORES)
