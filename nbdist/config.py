@@ -44,6 +44,10 @@ class TrainConfig:
     resume: bool = False
     max_restarts: int = 0
     engine: str | None = None
+    # --strategy allreduce on Gloo: gradient buckets whose copies to all peers come to at most this
+    # many bytes per worker are summed in one round of messages (strategies/direct.py), larger ones
+    # by the ring (strategies/ring.py). 0: always the ring.
+    direct_sum_bytes: int = 4 * 2**20
     image: str | None = None
     # --backend containers: per-worker limits and GPU passthrough ("all" or "0,1"); None: no limit/none.
     container_cpus: float | None = None
@@ -73,6 +77,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise NbdistError(f"{name} must be a positive number of seconds, got {value!r}.")
+        if not isinstance(self.direct_sum_bytes, int) or self.direct_sum_bytes < 0:
+            raise NbdistError(f"direct_sum_bytes must be a non-negative number of bytes, got {self.direct_sum_bytes!r}.")
         _validate_checkpointing(self)
         for name, default in NOT_AVAILABLE_YET.items():
             if getattr(self, name) != default:

@@ -62,17 +62,19 @@ def accuracy(model, x, y):
     return float(np.mean(np.argmax(model.predict(x, verbose=0), axis=1) == y))
 
 
-def test_c3_two_workers_batch_b_equal_local_batch_2b(digits):
+@pytest.mark.parametrize("direct_sum_bytes,summed_by", [(4 * 2**20, "direct"), (0, "ring")])
+def test_c3_two_workers_batch_b_equal_local_batch_2b(digits, direct_sum_bytes, summed_by):
     x, y = digits
     model = compiled(mlp(), keras.optimizers.SGD(0.1))
     job = nbdist.train(model, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
-                       lr_scaling="none")
+                       lr_scaling="none", direct_sum_bytes=direct_sum_bytes)
     ref = local_reference(mlp, keras.optimizers.SGD(0.1), x, y, workers=2, batch_size=16, epochs=1)
     assert_same_parameters(model, ref)
     assert set(job.history) == {"loss", "accuracy"} and len(job.history["loss"]) == 1
     assert all(w.sync_seconds > 0 for w in job.state.workers)  # time inside the allreduce is reported
-    # Keras' train step scaled the loss (scale_loss), so the ring summed the gradients uncopied.
-    assert [r["summed_by"] for r in job.reports.values()] == ["ring", "ring"]
+    # Keras' train step scaled the loss (scale_loss): the MLP's small bucket went in one round of
+    # messages, or, with direct sums off, the ring summed the gradients uncopied.
+    assert [r["summed_by"] for r in job.reports.values()] == [summed_by, summed_by]
 
 
 class OwnStepModel(keras.Sequential):
@@ -101,15 +103,16 @@ def own_step_mlp(seed=0):
 
 def test_c3_holds_for_a_train_step_that_does_not_scale_the_loss(digits):
     # Without scale_loss the gradients arrive unweighted: nbdist weights them while copying them
-    # into the bucket instead, and the average is the same.
+    # into the bucket instead, and the average is the same (here summed by chunked Gloo allreduces,
+    # the path of large buckets).
     x, y = digits
     x, y = x[:1000], y[:1000]
     model = compiled(own_step_mlp(), keras.optimizers.SGD(0.1))
     job = nbdist.train(model, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
-                       lr_scaling="none")
+                       lr_scaling="none", direct_sum_bytes=0)
     ref = local_reference(own_step_mlp, keras.optimizers.SGD(0.1), x, y, workers=2, batch_size=16, epochs=1)
     assert_same_parameters(model, ref)
-    assert [r["summed_by"] for r in job.reports.values()] == ["copy", "copy"]
+    assert [r["summed_by"] for r in job.reports.values()] == ["allreduce", "allreduce"]
 
 
 def test_mlp_4_workers_uneven_shards_adam_parity_and_validation(digits):

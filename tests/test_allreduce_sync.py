@@ -90,14 +90,15 @@ def _grads(rank, step):
 STEPS = [(3, 1), (4, 4), (2, 0)]
 
 
-def _rank_main(rank: int, world: int, port: int) -> None:
-    """One worker of test_two_process_chunked_exchange (run in its own process)."""
+def _rank_main(rank: int, world: int, port: int, direct_sum_bytes: int) -> None:
+    """One worker of test_two_process_exchange (run in its own process)."""
     from nbdist.collective import GlooCollective
     from nbdist.worker.phases import PhaseClock, PhaseCollective
 
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
     clock = PhaseClock()
-    reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], chunk_elements=32)
+    reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], chunk_elements=32,
+                                direct_sum_bytes=direct_sum_bytes)
     clock.strategy_timer = reducer
     errors = []
     for step, counts in enumerate(STEPS):
@@ -112,8 +113,9 @@ def _rank_main(rank: int, world: int, port: int) -> None:
     gloo.close()
 
 
-def test_two_process_chunked_exchange_equals_the_weighted_average():
-    for report in run_ranks("tests.test_allreduce_sync:_rank_main", 2, timeout=90):
+@pytest.mark.parametrize("direct_sum_bytes", [0, 2**20], ids=["chunked-allreduce", "one-round"])
+def test_two_process_exchange_equals_the_weighted_average(direct_sum_bytes):
+    for report in run_ranks("tests.test_allreduce_sync:_rank_main", 2, direct_sum_bytes, timeout=90):
         assert report["chunks"] > 4 and report["steps"] == len(STEPS) and report["seconds"] > 0
         assert max(report["errors"]) < 1e-6, report
         assert report["busy_after"] == 0.0  # the phase clock saw the exchange end

@@ -56,6 +56,7 @@ def test_run_state_builds_history_once_every_worker_reported():
     ({"ui": "fancy"}, "unknown ui"),
     ({"averaging_frequency": 0}, "averaging_frequency"),
     ({"seed": -3}, "seed"),
+    ({"direct_sum_bytes": -1}, "direct_sum_bytes must be a non-negative number of bytes"),
 ])
 def test_bad_options_get_one_sentence(options, fragment):
     with pytest.raises(NbdistError, match=fragment) as info:

@@ -43,7 +43,8 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
     totals = step_totals(shard_samples(collective, samples), batch_size)
     steps = len(totals)
-    reducer = GradientAllreduce(collective, model.trainable_variables, engine)
+    reducer = GradientAllreduce(collective, model.trainable_variables, engine,
+                                direct_sum_bytes=int(cfg["direct_sum_bytes"]))
     original_apply = wrap_optimizer(model.optimizer, reducer)
     non_trainable = floats(model.non_trainable_weights)
     stats = WeightedAverager(collective, non_trainable) if non_trainable else None
@@ -66,6 +67,6 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
               initial_epoch=int(job["initial_epoch"]))
     link.send({"type": "done", "sync_seconds": reducer.seconds, "rounds": reducer.steps,
                "engine": engine, "padded_steps": sync.padded_steps,
-               "summed_by": "ring" if reducer.prescaled else "copy"})
+               "summed_by": reducer.summed_by})
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",
              rank, reducer.steps, sync.padded_steps, reducer.seconds)
