@@ -8,6 +8,12 @@ still waited 2.5-3.5 ms per step inside Gloo's allreduce of 117 KiB, 0.6 ms with
 
 Each worker sends its whole bucket to each peer and receives theirs, (W - 1) buckets each way,
 then adds all W in rank order, so every worker computes the same sum bit for bit.
+
+The receives for the next call are posted as soon as a call ends. Gloo sends a message only once
+the receiver has said it is ready for it; with the receive already posted, a worker's bucket
+goes out the moment it is filled, and the last worker to arrive finds its peers' buckets already
+there instead of waiting a round trip for them. (A receive still pending when the process
+group is destroyed is dropped with it, measured here.)
 """
 from __future__ import annotations
 
@@ -34,17 +40,21 @@ class DirectSum:
         self._torch, self._dist = torch, dist
         self.rank, self.world = rank, world
         self.timeout = datetime.timedelta(seconds=timeout)
+        self.peers = [r for r in range(world) if r != rank]
         # Row r receives worker r's bucket; this worker's own row takes a copy of its bucket.
         self._rows = np.empty((world, length), dtype=np.float32)
+        self._recvs = self._post_recvs()  # every worker builds its DirectSum before its first step
+
+    def _post_recvs(self) -> list[Any]:
+        return [self._dist.irecv(self._torch.from_numpy(self._rows[p]), p, tag=TAG) for p in self.peers]
 
     def __call__(self, bucket: np.ndarray) -> None:
-        peers = [r for r in range(self.world) if r != self.rank]
-        sends = [self._dist.isend(self._torch.from_numpy(bucket), p, tag=TAG) for p in peers]
-        recvs = [self._dist.irecv(self._torch.from_numpy(self._rows[p]), p, tag=TAG) for p in peers]
+        sends = [self._dist.isend(self._torch.from_numpy(bucket), p, tag=TAG) for p in self.peers]
         self._rows[self.rank] = bucket
-        for work in recvs + sends:  # the sends still read the bucket: done before it is overwritten
+        for work in self._recvs + sends:  # the sends still read the bucket: done before it is overwritten
             work.wait(self.timeout)
         add_in_rank_order(self._rows, bucket)
+        self._recvs = self._post_recvs()  # the rows are free again: ready for the next call's buckets
 
 
 def add_in_rank_order(rows: np.ndarray, out: np.ndarray) -> None:
