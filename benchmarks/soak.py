@@ -40,6 +40,7 @@ START_LIMIT = 300.0  # worker start-up on a loaded machine is not what these tri
 @dataclass
 class Trial:
     kind: str  # "kill" | "interrupt"
+    strategy: str = "averaging"
     seconds: float | None = None  # kill -> failure raised, or interrupt -> last worker gone
     hang: bool = False
     leftovers: int = 0
@@ -83,11 +84,11 @@ def tiny_model(seed: int) -> Any:
     return model
 
 
-def _job(model: Any, x: np.ndarray, y: np.ndarray, listener: Any) -> Any:
+def _job(model: Any, x: np.ndarray, y: np.ndarray, listener: Any, strategy: str = "averaging") -> Any:
     from nbdist.api import prepare
     from nbdist.config import TrainConfig
 
-    config = TrainConfig(epochs=10_000, workers=2, batch_size=16, ui="none")
+    config = TrainConfig(epochs=10_000, workers=2, batch_size=16, ui="none", strategy=strategy)
     return prepare(model, config, x, y, None, listeners=[listener])
 
 
@@ -125,11 +126,11 @@ def follow(job: Any, event: dict[str, Any]) -> str:
             return "hang"
 
 
-def kill_trial(x: np.ndarray, y: np.ndarray, rng: random.Random) -> Trial:
+def kill_trial(x: np.ndarray, y: np.ndarray, rng: random.Random, strategy: str = "averaging") -> Trial:
     """R1: SIGKILL one worker mid-epoch; the run must fail within 10 s naming it and the cause."""
     from nbdist.errors import TrainingFailed
 
-    trial = Trial("kill")
+    trial = Trial("kill", strategy)
     victim = rng.randrange(2)
     killed: dict[str, Any] = {}
 
@@ -138,7 +139,7 @@ def kill_trial(x: np.ndarray, y: np.ndarray, rng: random.Random) -> Trial:
         killed["pid"], killed["at"] = pid, time.monotonic()
         os.kill(pid, signal.SIGKILL)
 
-    job = _job(tiny_model(rng.randrange(1000)), x, y, _when_training(kill, rng.uniform(0.0, 1.0)))
+    job = _job(tiny_model(rng.randrange(1000)), x, y, _when_training(kill, rng.uniform(0.0, 1.0)), strategy)
     job.start()
     try:
         outcome = follow(job, killed)
@@ -170,9 +171,9 @@ def _diagnose(job: Any, extra: Any) -> str:
     return f"status {st.status}, workers (rank, state, epoch, batch, exit) {workers}, {extra}"
 
 
-def interrupt_trial(x: np.ndarray, y: np.ndarray, rng: random.Random) -> Trial:
+def interrupt_trial(x: np.ndarray, y: np.ndarray, rng: random.Random, strategy: str = "averaging") -> Trial:
     """R2: KeyboardInterrupt while wait() drains events, at a random time after the first epoch."""
-    trial = Trial("interrupt")
+    trial = Trial("interrupt", strategy)
     sent: dict[str, float] = {}
     delay = rng.uniform(0.0, 0.5)
     epochs_seen = threading.Event()
@@ -193,7 +194,7 @@ def interrupt_trial(x: np.ndarray, y: np.ndarray, rng: random.Random) -> Trial:
             epochs_seen.set()
 
     model = tiny_model(rng.randrange(1000))
-    job = _job(model, x, y, listener)
+    job = _job(model, x, y, listener, strategy)
     job.start()
     try:
         outcome = follow(job, sent)
@@ -264,6 +265,8 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=20, help="trials of each kind (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kind", choices=("kill", "interrupt", "both"), default="both")
+    p.add_argument("--strategy", choices=("averaging", "allreduce", "both"), default="both",
+                   help="both: the trials alternate between the two strategies")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     # A shell starts background jobs with SIGINT ignored; the interrupt trials need Python's handler.
@@ -272,13 +275,15 @@ def main() -> None:
     rng = random.Random(args.seed)
     trials: list[Trial] = []
     started = time.monotonic()
+    strategies = ("averaging", "allreduce") if args.strategy == "both" else (args.strategy,)
     for i in range(args.trials):
+        strategy = strategies[i % len(strategies)]
         for kind, fn in (("kill", kill_trial), ("interrupt", interrupt_trial)):
             if args.kind in (kind, "both"):
-                t = fn(x, y, rng)
+                t = fn(x, y, rng, strategy)
                 trials.append(t)
                 if t.problems:
-                    log.warning("trial %d (%s): %s", i, kind, "; ".join(t.problems))
+                    log.warning("trial %d (%s, %s): %s", i, kind, strategy, "; ".join(t.problems))
     print(f"{'kind':<10} {'trials':>6} {'ok':>4} {'median s':>9} {'max s':>7} {'limit s':>8} {'hangs':>6} "
           f"{'leftover':>9}")
     for r in summarise(trials):

@@ -19,12 +19,14 @@ LENGTH = 5003
 
 
 def test_rows_are_added_in_rank_order():
-    rows = np.array([[1e8], [1.0], [-1e8]], dtype=np.float32)
+    # In float32, 1 + 1e8 rounds to 1e8: (1 + 1e8) - 1e8 is 0, while any other order gives 1.
+    rows = np.array([[1.0], [1e8], [-1e8]], dtype=np.float32)
     out = np.empty(1, dtype=np.float32)
     add_in_rank_order(rows, out)
-    assert out[0] == np.float32(np.float32(1e8 + 1.0) - 1e8)  # (a + b) + c, not a + (b + c)
+    assert out[0] == 0.0
+    assert rows[0, 0] + (rows[1, 0] + rows[2, 0]) == 1.0 and (rows[2, 0] + rows[1, 0]) + rows[0, 0] == 1.0
     add_in_rank_order(rows[:1], out)
-    assert out[0] == np.float32(1e8)
+    assert out[0] == np.float32(1.0)
 
 
 def test_small_buckets_go_direct_large_ones_by_the_ring():

@@ -4,6 +4,8 @@ The default run does 8 trials of each (each trial starts two workers that import
 TensorFlow, ~10 s); ``NBDIST_SOAK_TRIALS=20`` gives the issue's 20, and
 ``benchmarks/soak.py --trials N`` prints the same loops as a table.
 
+Trials alternate between ``--strategy averaging`` and ``allreduce``.
+
 R1: kill -9 one worker at a random time once training is underway: each run
 fails within 10 s naming the worker and the signal; no hang; no process left.
 R2: interrupt at a random time after the first epoch (half through the API's
@@ -40,9 +42,12 @@ def python_sigint_handler():
     signal.signal(signal.SIGINT, previous)
 
 
+STRATEGIES = ("averaging", "allreduce")
+
+
 def report(trials: list[soak.Trial]) -> str:
     rows = soak.summarise(trials)
-    problems = [f"{t.kind}: {p}" for t in trials for p in t.problems]
+    problems = [f"{t.kind} ({t.strategy}): {p}" for t in trials for p in t.problems]
     return f"{rows}\n" + "\n".join(problems)
 
 
@@ -58,7 +63,7 @@ def accept_threads() -> int:
 def test_r1_kill_a_worker_mid_epoch(digits):
     x, y = digits
     rng = random.Random(1)
-    trials = [soak.kill_trial(x, y, rng) for _ in range(TRIALS)]
+    trials = [soak.kill_trial(x, y, rng, STRATEGIES[i % 2]) for i in range(TRIALS)]
     print(soak.summarise(trials))
     assert all(t.ok for t in trials), report(trials)
     assert sum(t.hang for t in trials) == 0 and sum(t.leftovers for t in trials) == 0
@@ -70,7 +75,7 @@ def test_r1_kill_a_worker_mid_epoch(digits):
 def test_r2_interrupt_job_wait(digits):
     x, y = digits
     rng = random.Random(2)
-    trials = [soak.interrupt_trial(x, y, rng) for _ in range(TRIALS - TRIALS // 2)]
+    trials = [soak.interrupt_trial(x, y, rng, STRATEGIES[i % 2]) for i in range(TRIALS - TRIALS // 2)]
     print(soak.summarise(trials))
     assert all(t.ok for t in trials), report(trials)
     assert max(t.seconds for t in trials) < soak.GONE_WITHIN
