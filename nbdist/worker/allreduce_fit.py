@@ -23,7 +23,7 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
                                         shard_samples, step_totals, wrap_optimizer)
     from ..strategies.averaging import WeightedAverager
     from .callbacks import EventCallback, weight_shipper
-    from .datasets import fit_inputs
+    from .datasets import fit_inputs, release_shard
     from .phases import phase_callbacks, phase_timer
 
     cfg = job["config"]
@@ -63,6 +63,8 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
     inputs = fit_inputs(x, y, batch_size, bool(cfg["shuffle"]), cfg.get("seed"), rank,
                         int(job["initial_epoch"]), validation)
+    del x, y, validation
+    release_shard(job)
     model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
               initial_epoch=int(job["initial_epoch"]))
     link.send({"type": "done", "sync_seconds": reducer.seconds, "rounds": reducer.steps,

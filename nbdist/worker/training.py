@@ -81,7 +81,7 @@ def run_job(link: Any, rank: int) -> None:
     from ..model_io import ModelSpec, build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager
     from .callbacks import AveragingCallback, EventCallback, weight_shipper
-    from .datasets import fit_inputs
+    from .datasets import fit_inputs, release_shard
 
     if cfg.get("seed") is not None:
         keras.utils.set_random_seed(int(cfg["seed"]) + rank)
@@ -140,6 +140,8 @@ def run_job(link: Any, rank: int) -> None:
         # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
         inputs = fit_inputs(x, y, batch_size, bool(cfg["shuffle"]), cfg.get("seed"), rank,
                             int(job["initial_epoch"]), validation)
+        del x, y, validation
+        release_shard(job)
         model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
                   initial_epoch=int(job["initial_epoch"]))
         link.send({"type": "done", "sync_seconds": averager.seconds, "rounds": averager.rounds})
