@@ -23,7 +23,7 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
                                         shard_samples, step_totals, wrap_optimizer)
     from ..strategies.averaging import WeightedAverager
     from .callbacks import EventCallback, weight_shipper
-    from .datasets import fit_inputs, release_shard
+    from .datasets import job_inputs
     from .phases import phase_callbacks, phase_timer
 
     cfg = job["config"]
@@ -37,8 +37,9 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     # Rank 0's weights and optimizer state are everyone's starting point.
     broadcast_state(collective, floats(model.weights) + averaged_optimizer_variables(model))
 
-    x, y = job["x"], job["y"]
-    samples, batch_size = len(x), int(cfg["batch_size"])
+    # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
+    inputs, samples, val_samples = job_inputs(job, rank)
+    batch_size = int(cfg["batch_size"])
     # Every step's total samples, known up front: the gradients are scaled by n / total as they
     # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
     totals = step_totals(shard_samples(collective, samples), batch_size)
@@ -49,22 +50,12 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     non_trainable = floats(model.non_trainable_weights)
     stats = WeightedAverager(collective, non_trainable) if non_trainable else None
 
-    validation, val_samples = None, 0
-    if job.get("xv") is not None and len(job["xv"]) > 0:
-        validation = (job["xv"], job["yv"])
-        val_samples = len(job["xv"])
-
     ship = weight_shipper(link.send, model)
 
     sync = AllreduceCallback(reducer, original_apply, model.trainable_variables, samples, batch_size,
                              steps, stats, totals)
     callbacks = [sync, EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer),
                                      ship if rank == 0 else None)] + phase_callbacks(link.send, collective)
-    # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
-    inputs = fit_inputs(x, y, batch_size, bool(cfg["shuffle"]), cfg.get("seed"), rank,
-                        int(job["initial_epoch"]), validation)
-    del x, y, validation
-    release_shard(job)
     model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
               initial_epoch=int(job["initial_epoch"]))
     link.send({"type": "done", "sync_seconds": reducer.seconds, "rounds": reducer.steps,

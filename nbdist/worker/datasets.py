@@ -13,7 +13,7 @@ count batch sizes with ``strategies.averaging.batch_sizes`` and rely on that.
 Memory: rows are never copied into a shuffle buffer. Each epoch permutes an int64 index
 vector (8 bytes per sample) and every batch gathers its rows from variables made once (a
 tensor captured by the map function would be copied into the dataset's graph), and the worker
-drops the received arrays once the variables hold them (``release_shard``). Measured with a
+drops the received arrays once the variables hold them (``job_inputs``). Measured with a
 191 MiB shard per worker: the worker grew by 1.1 times the shard, 3.1 times before.
 """
 from __future__ import annotations
@@ -106,12 +106,6 @@ def resident(array: Any) -> Any:
     return tf.Variable(array, trainable=False, name="nbdist_shard")
 
 
-def release_shard(job: dict[str, Any]) -> None:
-    """Drop the job's numpy shard once the pipeline holds its own copy (it would double the memory)."""
-    for key in ("x", "y", "xv", "yv"):
-        job[key] = None
-
-
 def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None, rank: int,
                first_epoch: int, validation: tuple[Any, Any] | None) -> dict[str, Any]:
     """Keyword arguments for ``model.fit`` (data, steps_per_epoch and validation), built once per fit."""
@@ -127,3 +121,22 @@ def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None,
         kwargs["validation_steps"] = val_steps
     log.debug("input pipeline: %d steps per epoch, %s validation steps", steps, val_steps)
     return kwargs
+
+
+def job_inputs(job: dict[str, Any], rank: int) -> tuple[dict[str, Any], int, int]:
+    """``fit_inputs`` for a worker's job, with its training and validation sample counts.
+
+    The job's numpy shard is dropped once the pipeline holds its own copy: keeping both would
+    double the worker's memory for the data.
+    """
+    cfg = job["config"]
+    validation = None
+    if job.get("xv") is not None and len(job["xv"]) > 0:
+        validation = (job["xv"], job["yv"])
+    samples = sample_count(job["x"])
+    val_samples = sample_count(validation[0]) if validation is not None else 0
+    inputs = fit_inputs(job["x"], job["y"], int(cfg["batch_size"]), bool(cfg["shuffle"]), cfg.get("seed"), rank,
+                        int(job["initial_epoch"]), validation)
+    for key in ("x", "y", "xv", "yv"):
+        job[key] = None
+    return inputs, samples, val_samples

@@ -81,7 +81,7 @@ def run_job(link: Any, rank: int) -> None:
     from ..model_io import ModelSpec, build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager
     from .callbacks import AveragingCallback, EventCallback, weight_shipper
-    from .datasets import fit_inputs, release_shard
+    from .datasets import job_inputs
 
     if cfg.get("seed") is not None:
         keras.utils.set_random_seed(int(cfg["seed"]) + rank)
@@ -122,13 +122,9 @@ def run_job(link: Any, rank: int) -> None:
         if cfg["average_optimizer"]:
             variables += averaged_optimizer_variables(model)
         averager = WeightedAverager(collective, variables)
-        x, y = job["x"], job["y"]
-        samples, batch_size = len(x), int(cfg["batch_size"])
-        validation = None
-        val_samples = 0
-        if job.get("xv") is not None and len(job["xv"]) > 0:
-            validation = (job["xv"], job["yv"])
-            val_samples = len(job["xv"])
+        # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
+        inputs, samples, val_samples = job_inputs(job, rank)
+        batch_size = int(cfg["batch_size"])
 
         ship = weight_shipper(link.send, model)
 
@@ -137,11 +133,6 @@ def run_job(link: Any, rank: int) -> None:
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
             callbacks.insert(0, AveragingCallback(averager, int(cfg["averaging_frequency"]), samples,
                                                   batch_size, int(job["rounds_per_epoch"])))
-        # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
-        inputs = fit_inputs(x, y, batch_size, bool(cfg["shuffle"]), cfg.get("seed"), rank,
-                            int(job["initial_epoch"]), validation)
-        del x, y, validation
-        release_shard(job)
         model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
                   initial_epoch=int(job["initial_epoch"]))
         link.send({"type": "done", "sync_seconds": averager.seconds, "rounds": averager.rounds})
