@@ -81,6 +81,17 @@ class GlooCollective:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout  # seconds; bounds every wait of the point-to-point ring too
+        self._keys = 0
+
+    @property
+    def store(self):  # noqa: ANN201  (torch.distributed.Store)
+        """The rendezvous store, for small side agreements between the workers."""
+        return self._store
+
+    def next_key(self, prefix: str) -> str:
+        """A store key no earlier call on this worker used; every worker gets the same sequence."""
+        self._keys += 1
+        return f"nbdist/{prefix}/{self._keys}"
 
     def allreduce_sum(self, buf: np.ndarray) -> None:
         self._dist.all_reduce(self._torch.from_numpy(buf), op=self._dist.ReduceOp.SUM)

@@ -48,6 +48,9 @@ class TrainConfig:
     # many bytes per worker are summed in one round of messages (strategies/direct.py), larger ones
     # by the ring (strategies/ring.py). 0: always the ring.
     direct_sum_bytes: int = 4 * 2**20
+    # Those small buckets, when every worker runs on this machine, are summed through shared
+    # memory instead of messages (strategies/shared.py). False: always messages.
+    shared_memory: bool = True
     image: str | None = None
     # --backend containers: per-worker limits and GPU passthrough ("all" or "0,1"); None: no limit/none.
     container_cpus: float | None = None
@@ -79,6 +82,8 @@ class TrainConfig:
                 raise NbdistError(f"{name} must be a positive number of seconds, got {value!r}.")
         if not isinstance(self.direct_sum_bytes, int) or self.direct_sum_bytes < 0:
             raise NbdistError(f"direct_sum_bytes must be a non-negative number of bytes, got {self.direct_sum_bytes!r}.")
+        if not isinstance(self.shared_memory, bool):
+            raise NbdistError(f"shared_memory must be True or False, got {self.shared_memory!r}.")
         _validate_checkpointing(self)
         for name, default in NOT_AVAILABLE_YET.items():
             if getattr(self, name) != default:

@@ -346,7 +346,7 @@ class TrainingJob:
             "config": {k: getattr(cfg, k) for k in ("epochs", "batch_size", "averaging_frequency",
                                                      "average_optimizer", "seed", "shuffle", "lr_scaling",
                                                      "heartbeat_timeout", "strategy", "engine",
-                                                     "direct_sum_bytes")},
+                                                     "direct_sum_bytes", "shared_memory")},
             "model_config": spec.config,
             "n_weights": len(spec.weights),
             "n_optimizer": -1 if spec.optimizer_weights is None else len(spec.optimizer_weights),

@@ -62,17 +62,19 @@ def accuracy(model, x, y):
     return float(np.mean(np.argmax(model.predict(x, verbose=0), axis=1) == y))
 
 
-@pytest.mark.parametrize("direct_sum_bytes,summed_by", [(4 * 2**20, "direct"), (0, "ring")])
-def test_c3_two_workers_batch_b_equal_local_batch_2b(digits, direct_sum_bytes, summed_by):
+@pytest.mark.parametrize("direct_sum_bytes,shared_memory,summed_by",
+                         [(4 * 2**20, True, "shared"), (4 * 2**20, False, "direct"), (0, True, "ring")])
+def test_c3_two_workers_batch_b_equal_local_batch_2b(digits, direct_sum_bytes, shared_memory, summed_by):
     x, y = digits
     model = compiled(mlp(), keras.optimizers.SGD(0.1))
     job = nbdist.train(model, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
-                       lr_scaling="none", direct_sum_bytes=direct_sum_bytes)
+                       lr_scaling="none", direct_sum_bytes=direct_sum_bytes, shared_memory=shared_memory)
     ref = local_reference(mlp, keras.optimizers.SGD(0.1), x, y, workers=2, batch_size=16, epochs=1)
     assert_same_parameters(model, ref)
     assert set(job.history) == {"loss", "accuracy"} and len(job.history["loss"]) == 1
     assert all(w.sync_seconds > 0 for w in job.state.workers)  # time inside the allreduce is reported
-    # Keras' train step scaled the loss (scale_loss): the MLP's small bucket went in one round of
+    # Keras' train step scaled the loss (scale_loss): the MLP's small bucket was summed through
+    # shared memory (both workers are on this machine), or with that off in one round of
     # messages, or, with direct sums off, the ring summed the gradients uncopied.
     assert [r["summed_by"] for r in job.reports.values()] == [summed_by, summed_by]
 

@@ -90,7 +90,7 @@ def _grads(rank, step):
 STEPS = [(3, 1), (4, 4), (2, 0)]
 
 
-def _rank_main(rank: int, world: int, port: int, direct_sum_bytes: int) -> None:
+def _rank_main(rank: int, world: int, port: int, direct_sum_bytes: int, shared_memory: bool) -> None:
     """One worker of test_two_process_exchange (run in its own process)."""
     from nbdist.collective import GlooCollective
     from nbdist.worker.phases import PhaseClock, PhaseCollective
@@ -98,7 +98,7 @@ def _rank_main(rank: int, world: int, port: int, direct_sum_bytes: int) -> None:
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
     clock = PhaseClock()
     reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], chunk_elements=32,
-                                direct_sum_bytes=direct_sum_bytes)
+                                direct_sum_bytes=direct_sum_bytes, shared_memory=shared_memory)
     clock.strategy_timer = reducer
     errors = []
     for step, counts in enumerate(STEPS):
@@ -109,13 +109,17 @@ def _rank_main(rank: int, world: int, port: int, direct_sum_bytes: int) -> None:
         want = [(counts[0] * a + counts[1] * b) / total for a, b in zip(_grads(0, step), _grads(1, step))]
         errors.append(max(float(np.abs(o - w).max()) for o, w in zip(out, want)))
     print(json.dumps({"errors": errors, "chunks": len(reducer.chunks), "busy_after": clock.busy_for(),
-                      "steps": reducer.steps, "seconds": reducer.seconds}), flush=True)
+                      "steps": reducer.steps, "seconds": reducer.seconds,
+                      "small_sum": type(reducer._direct).__name__}), flush=True)
     gloo.close()
 
 
-@pytest.mark.parametrize("direct_sum_bytes", [0, 2**20], ids=["chunked-allreduce", "one-round"])
-def test_two_process_exchange_equals_the_weighted_average(direct_sum_bytes):
-    for report in run_ranks("tests.test_allreduce_sync:_rank_main", 2, direct_sum_bytes, timeout=90):
+@pytest.mark.parametrize("direct_sum_bytes,shared_memory,small_sum",
+                         [(0, True, "NoneType"), (2**20, False, "DirectSum"), (2**20, True, "SharedMemorySum")],
+                         ids=["chunked-allreduce", "one-round", "shared-memory"])
+def test_two_process_exchange_equals_the_weighted_average(direct_sum_bytes, shared_memory, small_sum):
+    for report in run_ranks("tests.test_allreduce_sync:_rank_main", 2, direct_sum_bytes, shared_memory, timeout=90):
+        assert report["small_sum"] == small_sum
         assert report["chunks"] > 4 and report["steps"] == len(STEPS) and report["seconds"] > 0
         assert max(report["errors"]) < 1e-6, report
         assert report["busy_after"] == 0.0  # the phase clock saw the exchange end

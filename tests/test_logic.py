@@ -57,6 +57,7 @@ def test_run_state_builds_history_once_every_worker_reported():
     ({"averaging_frequency": 0}, "averaging_frequency"),
     ({"seed": -3}, "seed"),
     ({"direct_sum_bytes": -1}, "direct_sum_bytes must be a non-negative number of bytes"),
+    ({"shared_memory": "yes"}, "shared_memory must be True or False"),
 ])
 def test_bad_options_get_one_sentence(options, fragment):
     with pytest.raises(NbdistError, match=fragment) as info:

@@ -31,6 +31,8 @@ def test_allreduce_on_spark_matches_local_fit(spark, data, no_leftover_workers):
     job = nbdist.train(model, digits_frame(spark, Xtr, ytr), features="pixels", label="digit", epochs=EPOCHS,
                        batch_size=32, workers=2, strategy="allreduce", lr_scaling="none", seed=0)
     assert job.status == "done" and job.state.backend == "spark" and job.state.strategy == "allreduce"
+    # Spark's tasks run on this machine: the small MLP's gradients are summed in shared memory.
+    assert [r["summed_by"] for r in job.reports.values()] == ["shared", "shared"]
     assert len(job.history["loss"]) == EPOCHS and job.history["loss"][-1] < job.history["loss"][0]
     got = accuracy(model, Xte, yte)
     assert abs(got - local) <= 0.01, (got, local)

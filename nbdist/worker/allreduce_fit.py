@@ -45,7 +45,8 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     totals = step_totals(shard_samples(collective, samples), batch_size)
     steps = len(totals)
     reducer = GradientAllreduce(collective, model.trainable_variables, engine,
-                                direct_sum_bytes=int(cfg["direct_sum_bytes"]))
+                                direct_sum_bytes=int(cfg["direct_sum_bytes"]),
+                                shared_memory=bool(cfg["shared_memory"]))
     original_apply = wrap_optimizer(model.optimizer, reducer)
     non_trainable = floats(model.non_trainable_weights)
     stats = WeightedAverager(collective, non_trainable) if non_trainable else None

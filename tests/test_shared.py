@@ -1,0 +1,163 @@
+"""The shared-memory sum of small gradient buckets (strategies/shared.py).
+
+Sums run between 2 and 3 real processes that map one real /dev/shm segment, and are compared with
+numpy's; every worker must hold the same bits afterwards. Also: the segment is gone from /dev/shm
+once mapped, a dead peer fails the wait with its pid named, and when one worker cannot map the
+segment every worker falls back to messages together.
+"""
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from nbdist.strategies import shared
+from nbdist.strategies.shared import ProcessId, SharedMemorySum, row_stride, segment_bytes, should_spin
+
+from .ranks import run_ranks
+
+pytestmark = [pytest.mark.timeout(150),
+              pytest.mark.skipif(not shared.supported_here(), reason="shared-memory sums need x86-64 and /dev/shm")]
+LENGTH = 5003
+
+
+def test_spin_only_when_every_worker_has_a_core_of_its_own():
+    f = frozenset
+    assert should_spin([f({0}), f({1})])  # pinned, as the local backend pins
+    assert should_spin([f({0, 1}), f({0, 1})])  # unpinned, a core each
+    assert not should_spin([f({0, 1})] * 4)  # 4 workers on 2 cores
+    assert not should_spin([f({0}), f({0})])  # pinned to the same core
+    assert not should_spin([f({0, 1}), f({1, 2})])  # overlapping
+    assert not should_spin([f({0}), f()])  # a worker that could not say
+
+
+def test_layout_keeps_counters_and_rows_on_their_own_lines():
+    assert row_stride(1) == 64 and row_stride(16) == 64 and row_stride(17) == 128
+    assert segment_bytes(2, 17) == 2 * 64 + 2 * 2 * 128
+
+
+def test_process_identity_tells_a_live_process_from_an_exited_one():
+    me = ProcessId.of(os.getpid())
+    assert me is not None and me.alive()
+    assert not ProcessId(me.pid, me.start + 1).alive()  # same pid, another start: a reused pid
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        who = ProcessId.of(child.pid)
+        assert who is not None and who.alive()
+        child.kill()
+        time.sleep(0.5)  # not reaped yet: a zombie is not alive either
+        assert not who.alive()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_single_process_sums_through_its_own_segment(tmp_path):
+    import mmap
+
+    # Two "workers" in one process share a mapping: enough to check slots and rank order.
+    path = tmp_path / "seg"
+    path.write_bytes(b"\0" * segment_bytes(2, 3))
+    with open(path, "r+b") as f:
+        buf = mmap.mmap(f.fileno(), 0)
+    a = SharedMemorySum(0, 2, 3, buf, [None, None], timeout=5, spin=True)
+    b = SharedMemorySum(1, 2, 3, buf, [None, None], timeout=5, spin=False)
+    for step in range(3):  # both slots used, then the first again
+        x = np.array([1.0, 2.0, step], dtype=np.float32)
+        y = np.array([10.0, 20.0, 1e8], dtype=np.float32)
+        a._seq[1] = a._calls + 1  # b's turn, written by hand so a does not wait for it
+        b._slots[(b._calls + 1) % 2][1] = y
+        a(x)
+        np.testing.assert_array_equal(x, np.array([11.0, 22.0, np.float32(step) + np.float32(1e8)], np.float32))
+        b._calls += 1
+    a.close()
+    b.close()
+
+
+def _bucket(rank, step):
+    return np.random.default_rng(100 * rank + step).standard_normal(LENGTH).astype(np.float32)
+
+
+def _segments() -> list[str]:
+    return sorted(glob.glob(os.path.join(shared.SHM_DIR, "nbdist-*")))
+
+
+def _rank_main(rank: int, world: int, port: int, mode: str) -> None:
+    from nbdist.collective import GlooCollective
+
+    gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
+    if mode == "no-map" and rank == world - 1:
+        shared._attach = lambda path, size: None  # as if this worker ran in another container
+    summer = shared.open_shared_sum(gloo, LENGTH)
+    report = {"shared": summer is not None, "spin": getattr(summer, "spin", None)}
+    if summer is not None:
+        if mode == "sleep":
+            summer.spin = False
+        gloo.allreduce_sum(np.zeros(1, np.float32))  # rank 0 has unlinked the segment by now
+        report["left_in_shm"] = _segments()
+        errors, digests = [], []
+        for step in range(6):
+            if mode == "peer-dies" and rank == 1 and step == 2:
+                os._exit(3)
+            bucket = _bucket(rank, step)
+            if rank == 0 and step == 3:
+                time.sleep(0.1)  # the others wait past their spin and sleep
+            t0 = time.monotonic()
+            try:
+                summer(bucket)
+            except shared.PeerGone as exc:
+                report["error"], report["after"] = str(exc), time.monotonic() - t0
+                break
+            want = sum(_bucket(r, step).astype(np.float64) for r in range(world))
+            errors.append(float(np.abs(bucket - want).max()))
+            digests.append(hashlib.sha256(bucket.tobytes()).hexdigest())
+        report.update(errors=errors, digests=digests)
+        summer.close()
+    print(json.dumps(report), flush=True)
+    if mode != "peer-dies":
+        gloo.close()
+
+
+@pytest.mark.parametrize("world,mode", [(2, "spin"), (3, "spin"), (2, "sleep")])
+def test_shared_sum_between_real_processes_equals_numpy_with_the_same_bits_everywhere(world, mode):
+    before = _segments()
+    reports = run_ranks("tests.test_shared:_rank_main", world, mode)
+    for report in reports:
+        assert report["shared"]
+        assert len(report["errors"]) == 6 and max(report["errors"]) < 1e-5
+    assert all(r["digests"] == reports[0]["digests"] for r in reports)
+    # Unlinked as soon as every worker had mapped it: nothing is left even if a worker is killed.
+    assert all(set(r["left_in_shm"]) <= set(before) for r in reports)
+    assert _segments() == before
+
+
+def test_when_one_worker_cannot_map_the_segment_all_use_messages():
+    before = _segments()
+    reports = run_ranks("tests.test_shared:_rank_main", 3, "no-map")
+    assert [r["shared"] for r in reports] == [False, False, False]
+    assert _segments() == before
+
+
+def test_a_peer_that_dies_fails_the_wait_naming_it():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    code = ("import sys; from tests.test_shared import _rank_main; "
+            "_rank_main(int(sys.argv[1]), 2, int(sys.argv[2]), 'peer-dies')")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert procs[1].returncode == 3
+    report = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert report["errors"] and len(report["errors"]) == 2  # steps 0 and 1 summed before the death
+    assert report["error"] == f"worker 1 (pid {procs[1].pid}) exited during the gradient exchange"
+    assert report["after"] < 5
