@@ -2,7 +2,8 @@
 
 1. Throughput of 2 workers / 1 worker (weak scaling: each worker trains the same number of
    samples of a compute-bound CNN, one thread each; the 1-worker run is pinned to one core).
-   The CNN's 117 KiB of gradients are summed in one round of messages (strategies/direct.py).
+   Both workers run on this machine, so the CNN's 117 KiB of gradients are summed through
+   shared memory (strategies/shared.py).
    Goal >= 1.8.
 2. Synchronisation of 100 MB of gradients per step: nbdist's time inside the gradient
    allreduce (the ring of strategies/ring.py summing the gradients, weighted through the loss,

@@ -227,9 +227,10 @@ def _create(path: str, size: int) -> mmap.mmap | None:
         log.debug("cannot create %s: %s", path, exc)
         return None
     try:
-        os.ftruncate(fd, size)
+        # Reserve the pages now: a sparse tmpfs file that cannot grow later kills with SIGBUS.
+        os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size)
-    except OSError as exc:  # /dev/shm too small for the segment
+    except OSError as exc:  # /dev/shm too small for the segment (a container's default 64 MiB)
         log.debug("cannot size %s: %s", path, exc)
         _unlink(path)
         return None
