@@ -193,12 +193,13 @@ def open_shared_sum(collective: Any, length: int) -> SharedMemorySum | None:
         cores = []
     size = segment_bytes(world, length)
     path, buf = "", None
-    if rank == 0 and supported_here() and me is not None:
-        path = os.path.join(SHM_DIR, f"nbdist-{os.getpid()}-{secrets.token_hex(8)}")
-        buf = _create(path, size)
-        if buf is None:
-            path = ""
-        store.set(f"{n}/path", path)
+    if rank == 0:
+        if supported_here() and me is not None:
+            path = os.path.join(SHM_DIR, f"nbdist-{os.getpid()}-{secrets.token_hex(8)}")
+            buf = _create(path, size)
+            if buf is None:
+                path = ""
+        store.set(f"{n}/path", path)  # always: the others wait for it ("" means no segment)
     info = {"pid": me.pid if me else 0, "start": me.start if me else 0, "cores": cores}
     store.set(f"{n}/rank{rank}", json.dumps(info))
     if rank != 0:
