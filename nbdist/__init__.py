@@ -41,11 +41,18 @@ def load_ipython_extension(ipython) -> None:  # noqa: ANN001
 
     ipython.register_magics(DistMagics)
     ipython.register_magics(EvaluateMagics)
+    # Start the default local workers now, so the first %%dist_train finds TensorFlow imported.
+    from .backends.local import start_warm_workers
+
+    start_warm_workers()
 
 
 def unload_ipython_extension(ipython) -> None:  # noqa: ANN001
     from .magics import DistMagics, EvaluateMagics
 
+    from .backends.warm import POOL
+
+    POOL.close()
     # IPython has no unregister; drop our names so a reload registers afresh.
     for kind in ("cell", "line"):
         table = ipython.magics_manager.magics[kind]

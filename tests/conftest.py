@@ -5,6 +5,9 @@ import os
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# No warm workers unless a test asks for them (test_warm.py): the others count worker processes,
+# and kernels started by the notebook tests inherit this.
+os.environ["NBDIST_WARM_WORKERS"] = "0"
 
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402

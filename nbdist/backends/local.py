@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 from ..config import default_local_workers
-from ..strategies.placement import core_slices, local_gpu_env
+from ..strategies.placement import core_slices, count_host_gpus, local_gpu_env
 from .secret import hand_over
+from .warm import POOL, handoff_lines, wanted_count
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,38 @@ def usable_cores() -> set[int] | None:
 
 
 def pin_to_cores(pid: int, cores: set[int]) -> None:
-    """Bind a just-started worker to ``cores``; its threads, created later, inherit the mask."""
+    """Bind a worker to ``cores``: every thread it has now; threads created later inherit the mask.
+
+    A warm worker already runs the threads its imports started, so each is pinned by its id.
+    """
     try:
-        os.sched_setaffinity(pid, cores)
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        threads = [pid]
+    try:
+        for tid in threads:
+            try:
+                os.sched_setaffinity(tid, cores)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
     except OSError as exc:  # the child already exited, or a restricted container: run unpinned
         log.warning("could not pin worker pid %d to cores %s: %s", pid, sorted(cores), exc)
+
+
+def start_warm_workers() -> int:
+    """Warm the workers a default local job will take (backends/warm.py); return how many start."""
+    from .spark import active_spark_context
+
+    world = default_local_workers()
+    size = wanted_count(world)
+    # Not with GPUs (a worker's device is chosen before TensorFlow starts), nor when the notebook
+    # has a SparkContext: jobs then run on Spark's executors by default.
+    if size == 0 or count_host_gpus() > 0 or active_spark_context() is not None:
+        return 0
+    cores = usable_cores()
+    threads = max(1, (len(cores) if cores else os.cpu_count() or 1) // world)  # as the job computes it
+    POOL.enable(size, worker_env(b"", threads))
+    return size
 
 
 class LocalWorker:
@@ -96,6 +124,7 @@ class LocalBackend:
     def __init__(self) -> None:
         self.workers: list[LocalWorker] = []
         self.run_dir: Path | None = None
+        self._warm_env: dict[str, str] | None = None  # the workers' environment, to refill the pool
 
     def default_workers(self) -> int:
         return default_local_workers()
@@ -107,21 +136,31 @@ class LocalBackend:
         host, port = address
         cores = usable_cores()
         slices = core_slices(cores, world_size, threads_per_worker) if cores else None
+        self._warm_env = env
+        gpus = count_host_gpus() > 0
+        warm = [] if gpus else POOL.take(world_size, env)
         for rank in range(world_size):
-            rank_env = {**env, **local_gpu_env(rank)}  # one GPU per worker by local rank, if any
+            gpu_env = local_gpu_env(rank)  # one GPU per worker by local rank, if any
             log_path = self.run_dir / f"worker-{rank}.log"
-            with open(log_path, "wb") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "nbdist.worker", "--address", f"{host}:{port}",
-                     "--rank", str(rank), "--die-with-parent"],
-                    env=rank_env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
-                )
-            if slices is not None:  # now: TensorFlow has not started its threads in the child yet
-                pin_to_cores(proc.pid, slices[rank])
-            hand_over(proc, secret)
+            if rank < len(warm):  # already imported TensorFlow: told its job on stdin
+                proc = warm[rank].proc
+                os.replace(warm[rank].log_path, log_path)  # its open log file moves with it
+                if slices is not None:
+                    pin_to_cores(proc.pid, slices[rank])
+                _write_and_close(proc, handoff_lines(address, rank, gpu_env, secret))
+            else:
+                with open(log_path, "wb") as out:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "nbdist.worker", "--address", f"{host}:{port}",
+                         "--rank", str(rank), "--die-with-parent"],
+                        env={**env, **gpu_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                        start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
+                    )
+                if slices is not None:  # now: TensorFlow has not started its threads in the child yet
+                    pin_to_cores(proc.pid, slices[rank])
+                hand_over(proc, secret)
             self.workers.append(LocalWorker(rank, proc, log_path))
-        log.info("started %d local workers%s, logs in %s", world_size,
+        log.info("started %d local workers (%d of them warm)%s, logs in %s", world_size, len(warm),
                  f" pinned to cores {[sorted(c) for c in slices]}" if slices else "", self.run_dir)
         return list(self.workers)
 
@@ -142,3 +181,15 @@ class LocalBackend:
     def cleanup(self) -> None:
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._warm_env is not None:  # the job is over: warm the next one's workers meanwhile
+            POOL.fill(self._warm_env)
+
+
+def _write_and_close(proc: subprocess.Popen, data: bytes) -> None:
+    """Write a warm worker's job and secret to its stdin (a pipe) and close it."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(data)  # well under a pipe's buffer: never blocks
+        proc.stdin.close()
+    except OSError as exc:  # it died meanwhile; its exit status tells the job why
+        log.debug("could not hand the job to warm worker pid %s: %s", proc.pid, exc)

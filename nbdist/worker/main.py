@@ -8,6 +8,7 @@ which ``podman inspect`` shows); see backends/secret.py.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import queue
@@ -123,10 +124,40 @@ def _die_with_parent() -> None:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nbdist.worker", description="nbdist training worker")
-    p.add_argument("--address", required=True, help="driver coordinator HOST:PORT")
-    p.add_argument("--rank", type=int, required=True, help="this worker's rank")
+    p.add_argument("--address", help="driver coordinator HOST:PORT")
+    p.add_argument("--rank", type=int, help="this worker's rank")
+    p.add_argument("--warm", action="store_true",
+                   help="import everything first, then read the address and rank on stdin (backends/warm.py)")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the parent process dies")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.warm and (args.address is None or args.rank is None):
+        p.error("--address and --rank are required unless --warm")
+    return args
+
+
+def wait_warm(stream: Any = None) -> tuple[str, int] | None:
+    """A warm worker: import what training needs, then read its job line from stdin.
+
+    Returns (address, rank), or None when stdin closed without a job (the pool let the worker
+    go). The job line may also set environment variables, before anything reads them.
+    """
+    import tensorflow  # noqa: F401  (the seconds a warm worker saves)
+    import torch.distributed  # noqa: F401
+
+    from . import allreduce_fit, training  # noqa: F401
+
+    log.info("warm: ready for a job")
+    stream = stream if stream is not None else sys.stdin.buffer
+    line = stream.readline(1 << 16)
+    if not line:
+        return None
+    try:
+        job = json.loads(line)
+        env, address, rank = job.get("env", {}), str(job["address"]), int(job["rank"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError("malformed job line on stdin; a warm worker must be started by nbdist") from exc
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+    return address, rank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         _die_with_parent()
         if os.getppid() != parent:
             return 5
+    if args.warm:
+        try:
+            job = wait_warm()
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        if job is None:
+            return 0  # released unused
+        args.address, args.rank = job
     secret = read_secret()
     if secret is None:
         log.error("no secret on stdin; a worker must be started by nbdist")

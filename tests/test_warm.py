@@ -1,0 +1,122 @@
+"""Warm local workers (backends/warm.py): started ahead of a job, TensorFlow already imported.
+
+Real worker processes throughout: a job must take the warm ones (same pids), train correctly,
+pin every thread they already run, and leave a fresh set warming for the next job; closing the
+pool leaves no process behind.
+"""
+import os
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import nbdist
+from nbdist.backends import warm
+from nbdist.backends.local import pin_to_cores, start_warm_workers, worker_env
+from nbdist.backends.warm import POOL, WarmPool, WarmWorker
+
+from .conftest import ipython_shell, wait_no_workers, worker_processes
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _wait_ready(count: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while POOL.ready_count() < count:
+        assert time.monotonic() < deadline, f"{count} warm workers not ready within {timeout} s"
+        time.sleep(0.2)
+
+
+def _mlp():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_a_job_takes_the_warm_workers_and_the_next_set_warms(digits, monkeypatch):
+    monkeypatch.setenv(warm.ENV_COUNT, "2")
+    try:
+        assert start_warm_workers() == 2
+        _wait_ready(2)
+        first = {w.proc.pid for w in POOL._workers}
+        x, y = digits
+        model = _mlp()
+        job = nbdist.train(model, x, y, epochs=3, batch_size=32, workers=2, ui="none")
+        assert {w.pid for w in job.state.workers} == first  # no worker was started for the job
+        assert len(job.history["loss"]) == 3 and job.history["loss"][-1] < job.history["loss"][0]
+        assert job.history["accuracy"][-1] > 0.8
+        # The job over, the next set is warming: new processes, ready in the background.
+        _wait_ready(2)
+        second = {w.proc.pid for w in POOL._workers}
+        assert len(second) == 2 and not second & first
+    finally:
+        POOL.close()
+    assert wait_no_workers() == []
+    assert POOL._dir is None
+
+
+def test_pinning_reaches_the_threads_a_warm_worker_already_runs():
+    code = ("import threading, time; [threading.Thread(target=time.sleep, args=(60,), daemon=True).start() "
+            "for _ in range(3)]; print('up', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        core = min(os.sched_getaffinity(0))
+        pin_to_cores(child.pid, {core})
+        tids = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tids) == 4
+        assert all(os.sched_getaffinity(int(t)) == {core} for t in tids)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_job_takes_only_workers_started_with_its_environment():
+    pool = WarmPool()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(sleeper, stdin=subprocess.PIPE) for _ in range(3)]
+    try:
+        a, b = {"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"}
+        pool._workers = [WarmWorker(procs[0], warm.Path("/nonexistent"), a),
+                         WarmWorker(procs[1], warm.Path("/nonexistent"), b),
+                         WarmWorker(procs[2], warm.Path("/nonexistent"), a)]
+        procs[2].kill()
+        procs[2].wait()
+        taken = pool.take(2, a)  # the other environment's worker and the dead one are not taken
+        assert [w.proc for w in taken] == [procs[0]]
+        assert pool.take(1, {"OMP_NUM_THREADS": "3"}) == []
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("line, code, says", [
+    (b"", 0, "warm: ready for a job"),  # the pool let it go: stdin closed, nothing to do
+    (b"not json\n", 2, "malformed job line on stdin"),
+])
+def test_a_warm_worker_without_a_job_exits_with_one_line(line, code, says):
+    proc = subprocess.run([sys.executable, "-m", "nbdist.worker", "--warm"], input=line, capture_output=True,
+                          env=worker_env(b"", 1), timeout=180)
+    out = proc.stderr.decode()
+    assert proc.returncode == code and says in out, out[-2000:]
+    assert "Traceback" not in out
+
+
+def test_the_extension_starts_warm_workers_and_unloading_stops_them(monkeypatch):
+    shell = ipython_shell()  # the session's shell: its magics must be registered again afterwards
+    monkeypatch.setenv(warm.ENV_COUNT, "1")
+    try:
+        nbdist.load_ipython_extension(shell)
+        assert POOL.enabled and len(worker_processes()) == 1
+        nbdist.unload_ipython_extension(shell)
+        assert not POOL.enabled and wait_no_workers() == []
+    finally:
+        monkeypatch.setenv(warm.ENV_COUNT, "0")
+        nbdist.load_ipython_extension(shell)
+    assert not POOL.enabled and "dist_train" in shell.magics_manager.magics["cell"]
