@@ -60,6 +60,25 @@ def test_a_job_takes_the_warm_workers_and_the_next_set_warms(digits, monkeypatch
     assert POOL._dir is None
 
 
+def test_warm_workers_outlive_the_thread_that_started_them(monkeypatch):
+    # A background job ends on its own thread, which starts the next warm set. Workers told to
+    # die with their parent (PR_SET_PDEATHSIG) would die with that thread: the "parent" is the
+    # thread that spawned them. Here the thread lives until the workers are ready, then ends.
+    import threading
+
+    monkeypatch.setenv(warm.ENV_COUNT, "2")
+    try:
+        starter = threading.Thread(target=lambda: (start_warm_workers(), _wait_ready(2)))
+        starter.start()
+        starter.join(200)
+        assert not starter.is_alive()
+        time.sleep(1.0)
+        assert POOL.ready_count() == 2
+    finally:
+        POOL.close()
+    assert wait_no_workers() == []
+
+
 def test_pinning_reaches_the_threads_a_warm_worker_already_runs():
     code = ("import threading, time; [threading.Thread(target=time.sleep, args=(60,), daemon=True).start() "
             "for _ in range(3)]; print('up', flush=True); time.sleep(60)")
@@ -120,3 +139,35 @@ def test_the_extension_starts_warm_workers_and_unloading_stops_them(monkeypatch)
         monkeypatch.setenv(warm.ENV_COUNT, "0")
         nbdist.load_ipython_extension(shell)
     assert not POOL.enabled and "dist_train" in shell.magics_manager.magics["cell"]
+
+
+def test_warm_workers_exit_when_the_kernel_is_killed():
+    # Without PR_SET_PDEATHSIG, a waiting warm worker ends on its stdin's EOF: a kernel killed
+    # with SIGKILL leaves no process behind.
+    import psutil
+
+    code = ("import os, sys, time; os.environ['NBDIST_WARM_WORKERS'] = '2'; "
+            "from nbdist.backends.local import start_warm_workers; from nbdist.backends.warm import POOL; "
+            "start_warm_workers(); [time.sleep(0.2) for _ in iter(lambda: POOL.ready_count() < 2, False)]; "
+            "print(*[w.proc.pid for w in POOL._workers], flush=True); time.sleep(120)")
+    kernel = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        pids = [int(p) for p in kernel.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    finally:
+        kernel.kill()
+        kernel.wait()
+    deadline = time.monotonic() + 15
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(p) for p in pids)
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -133,8 +133,11 @@ class WarmPool:
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="nbdist-warm-"))
         fd, name = tempfile.mkstemp(prefix="worker-", suffix=".log", dir=self._dir)
+        # No --die-with-parent: Linux would kill the worker when the *thread* that started it
+        # ends (a background job's). While it waits, its stdin reaches EOF if the kernel dies;
+        # once in a job, the driver link and its heartbeats end it as they end any worker.
         with os.fdopen(fd, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "nbdist.worker", "--warm", "--die-with-parent"],
+            proc = subprocess.Popen([sys.executable, "-m", "nbdist.worker", "--warm"],
                                     env=env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         return WarmWorker(proc, Path(name), dict(env))

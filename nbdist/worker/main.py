@@ -144,9 +144,10 @@ def wait_warm(stream: Any = None) -> tuple[str, int] | None:
     import tensorflow  # noqa: F401  (the seconds a warm worker saves)
     import torch.distributed  # noqa: F401
 
+    from ..backends.warm import READY
     from . import allreduce_fit, training  # noqa: F401
 
-    log.info("warm: ready for a job")
+    log.info("%s", READY)
     stream = stream if stream is not None else sys.stdin.buffer
     line = stream.readline(1 << 16)
     if not line:
