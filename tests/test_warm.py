@@ -5,6 +5,7 @@ pin every thread they already run, and leave a fresh set warming for the next jo
 pool leaves no process behind.
 """
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -148,11 +149,12 @@ def test_warm_workers_exit_when_the_kernel_is_killed():
     code = ("import os, sys, time; os.environ['NBDIST_WARM_WORKERS'] = '2'; "
             "from nbdist.backends.local import start_warm_workers; from nbdist.backends.warm import POOL; "
             "start_warm_workers(); [time.sleep(0.2) for _ in iter(lambda: POOL.ready_count() < 2, False)]; "
-            "print(*[w.proc.pid for w in POOL._workers], flush=True); time.sleep(120)")
+            "print(POOL._dir, *[w.proc.pid for w in POOL._workers], flush=True); time.sleep(120)")
     kernel = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
-        pids = [int(p) for p in kernel.stdout.readline().split()]
+        warm_dir, *pids = kernel.stdout.readline().split()
+        pids = [int(p) for p in pids]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
     finally:
         kernel.kill()
@@ -161,6 +163,7 @@ def test_warm_workers_exit_when_the_kernel_is_killed():
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_running(p) for p in pids)
+    shutil.rmtree(warm_dir)  # the workers' logs: a killed kernel cannot remove them (README)
 
 
 def _running(pid: int) -> bool:
