@@ -20,9 +20,10 @@ from .data import Dataset, check_workers, make_dataset
 from .errors import NbdistError
 from .evaluation import (ClassifierSpec, check_labels, classifier_spec, labels_are_classes, merge_classifier_stats,
                          sum_states)
-from .job import TrainingJob, _cores, job_arrays
+from .job import TrainingJob, job_arrays
 from .model_io import ModelSpec, _custom_objects, _json_default, is_keras_model
 from .spark_data import SparkData, is_spark_data
+from .strategies.placement import threads_per_worker
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class InferenceJob(TrainingJob):
             "model_config": spec.config, "n_weights": len(spec.weights), "n_optimizer": -1,
             "has_custom": bool(spec.custom_objects), "has_y": on_task or shard.y is not None, "has_val": False,
             "data_source": "task" if on_task else "wire",
-            "threads": max(1, _cores() // self.world_size), **self._extra_body(),
+            "threads": threads_per_worker(self.world_size), **self._extra_body(),
         }
         self._coordinator.send(rank, body, arrays)
 

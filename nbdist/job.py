@@ -28,6 +28,7 @@ from .progress import RunState
 from .restarts import CheckpointKeeper
 from .spark_data import SparkData
 from .strategies.averaging import rounds_per_epoch
+from .strategies.placement import threads_per_worker
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,7 @@ class TrainingJob:
         self._coordinator = Coordinator(secret, world, backend.bind_host, backend.advertise_host,
                                         self.config.heartbeat_interval)
         self._backend = backend
-        cores = _cores()
-        threads = max(1, cores // world)
+        threads = threads_per_worker(world)
         self._launched_at = time.monotonic()
         try:
             self._handles = backend.launch(world, self._coordinator.address, secret, threads)
@@ -358,7 +358,7 @@ class TrainingJob:
             "rounds_per_epoch": self._rounds,
             "initial_epoch": self._initial_epoch,
             "iterations": self._keeper.iterations if self._keeper is not None else None,
-            "threads": max(1, _cores() // self.world_size),
+            "threads": threads_per_worker(self.world_size),
             "bind_host": self._backend.bind_host,
             "advertise_host": self._backend.advertise_host,
             "gloo_ifname": getattr(self._backend, "gloo_ifname", None),
@@ -554,15 +554,6 @@ def job_arrays(spec: ModelSpec, shard: Dataset | None, validation: Dataset | Non
             if part.y is not None:
                 arrays.append(part.y)
     return arrays
-
-
-def _cores() -> int:
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 __all__ = ["TrainingJob", "NbdistError", "TrainingFailed"]

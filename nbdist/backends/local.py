@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 from ..config import default_local_workers
-from ..strategies.placement import core_slices, count_host_gpus, local_gpu_env
+from ..strategies import placement
+from ..strategies.placement import core_slices, count_host_gpus, local_gpu_env, usable_cores
 from .secret import hand_over
-from .warm import POOL, handoff_lines, wanted_count
+from .warm import POOL, job_line, wanted_count
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,6 @@ def read_log_tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def usable_cores() -> set[int] | None:
-    """The cores this process may run on, or None where the OS cannot say (no sched_getaffinity)."""
-    try:
-        return os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return None
-
-
 def pin_to_cores(pid: int, cores: set[int]) -> None:
     """Bind a worker to ``cores``: every thread it has now; threads created later inherit the mask.
 
@@ -87,9 +80,7 @@ def start_warm_workers() -> int:
     # has a SparkContext: jobs then run on Spark's executors by default.
     if size == 0 or count_host_gpus() > 0 or active_spark_context() is not None:
         return 0
-    cores = usable_cores()
-    threads = max(1, (len(cores) if cores else os.cpu_count() or 1) // world)  # as the job computes it
-    POOL.enable(size, worker_env(b"", threads))
+    POOL.enable(size, worker_env(b"", placement.threads_per_worker(world)))
     return size
 
 
@@ -142,13 +133,11 @@ class LocalBackend:
         for rank in range(world_size):
             gpu_env = local_gpu_env(rank)  # one GPU per worker by local rank, if any
             log_path = self.run_dir / f"worker-{rank}.log"
-            if rank < len(warm):  # already imported TensorFlow: told its job on stdin
-                proc = warm[rank].proc
+            if rank < len(warm):  # already imported TensorFlow: told its job on stdin, before the secret
+                proc, job = warm[rank].proc, job_line(address, rank, gpu_env)
                 os.replace(warm[rank].log_path, log_path)  # its open log file moves with it
-                if slices is not None:
-                    pin_to_cores(proc.pid, slices[rank])
-                _write_and_close(proc, handoff_lines(address, rank, gpu_env, secret))
             else:
+                job = b""
                 with open(log_path, "wb") as out:
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "nbdist.worker", "--address", f"{host}:{port}",
@@ -156,9 +145,9 @@ class LocalBackend:
                         env={**env, **gpu_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                         start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
                     )
-                if slices is not None:  # now: TensorFlow has not started its threads in the child yet
-                    pin_to_cores(proc.pid, slices[rank])
-                hand_over(proc, secret)
+            if slices is not None:  # every thread a warm worker runs; a cold one has not started any yet
+                pin_to_cores(proc.pid, slices[rank])
+            hand_over(proc, secret, job)
             self.workers.append(LocalWorker(rank, proc, log_path))
         log.info("started %d local workers (%d of them warm)%s, logs in %s", world_size, len(warm),
                  f" pinned to cores {[sorted(c) for c in slices]}" if slices else "", self.run_dir)
@@ -184,12 +173,3 @@ class LocalBackend:
         if self._warm_env is not None:  # the job is over: warm the next one's workers meanwhile
             POOL.fill(self._warm_env)
 
-
-def _write_and_close(proc: subprocess.Popen, data: bytes) -> None:
-    """Write a warm worker's job and secret to its stdin (a pipe) and close it."""
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(data)  # well under a pipe's buffer: never blocks
-        proc.stdin.close()
-    except OSError as exc:  # it died meanwhile; its exit status tells the job why
-        log.debug("could not hand the job to warm worker pid %s: %s", proc.pid, exc)

@@ -13,12 +13,15 @@ import subprocess
 log = logging.getLogger(__name__)
 
 
-def hand_over(proc: subprocess.Popen, secret: bytes) -> None:
-    """Write ``secret`` to a just-started worker's stdin (a pipe) and close it."""
+def hand_over(proc: subprocess.Popen, secret: bytes, before: bytes = b"") -> None:
+    """Write ``secret`` to a worker's stdin (a pipe) and close it.
+
+    ``before``: lines the worker reads first (a warm worker's job, backends/warm.py).
+    """
     if proc.stdin is None:
         raise ValueError("start the worker with stdin=subprocess.PIPE to hand it the secret")
     try:
-        proc.stdin.write(secret.hex().encode() + b"\n")  # 65 bytes: never blocks on a pipe
+        proc.stdin.write(before + secret.hex().encode() + b"\n")  # well under a pipe's buffer: never blocks
         proc.stdin.close()
     except OSError as exc:  # it died at once; its exit status tells the job why
         log.debug("could not hand the secret to pid %s: %s", proc.pid, exc)

@@ -62,10 +62,10 @@ def wanted_count(default: int, environ: dict[str, str] | None = None) -> int:
         return default
 
 
-def handoff_lines(address: tuple[str, int], rank: int, env: dict[str, str], secret: bytes) -> bytes:
-    """What a warm worker reads on stdin: its job as one JSON line, then the secret as one hex line."""
+def job_line(address: tuple[str, int], rank: int, env: dict[str, str]) -> bytes:
+    """What a warm worker reads on stdin before the secret (``hand_over``): its job, one JSON line."""
     job = {"address": f"{address[0]}:{address[1]}", "rank": rank, "env": env}
-    return json.dumps(job).encode() + b"\n" + secret.hex().encode() + b"\n"
+    return json.dumps(job).encode() + b"\n"
 
 
 class WarmPool:

@@ -63,6 +63,20 @@ def local_gpu_env(rank: int, environ: dict[str, str] | None = None, gpu_count: i
     return {"CUDA_VISIBLE_DEVICES": cuda_visible_devices_for_rank(rank, count, environ.get("CUDA_VISIBLE_DEVICES"))}
 
 
+def usable_cores() -> set[int] | None:
+    """The cores this process may run on, or None where the OS cannot say (no sched_getaffinity)."""
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+
+
+def threads_per_worker(world: int) -> int:
+    """Each of ``world`` workers' share of this process's cores (at least 1): their thread budget."""
+    cores = usable_cores()
+    return max(1, (len(cores) if cores else os.cpu_count() or 1) // world)
+
+
 def core_slices(cores: "list[int] | set[int] | tuple[int, ...]", world: int, threads: int) -> list[set[int]] | None:
     """Each local worker's own contiguous cores (``threads`` each), like ``mpirun --bind-to core``.
 

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .direct import add_in_rank_order
+from .placement import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -187,10 +188,7 @@ def open_shared_sum(collective: Any, length: int) -> SharedMemorySum | None:
     rank, world, store = collective.rank, collective.world_size, collective.store
     n = collective.next_key("shm")
     me = ProcessId.of(os.getpid())
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = []
+    cores = sorted(usable_cores() or ())
     size = segment_bytes(world, length)
     path, buf = "", None
     if rank == 0:
