@@ -23,6 +23,7 @@ def test_spark_dataframe_notebook_executes():
     text = "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                    for out in cell.get("outputs", []) if out.get("output_type") == "stream")
     assert "on 2 spark workers" in text  # the text renderer's header names the backend
-    found = re.search(r"test accuracy: ([0-9.]+) on (\d+) images after 2 epochs", text)
+    found = re.search(r"test accuracy: ([0-9.]+) on (\d+) images after 4 epochs", text)
     assert found, text[-2000:]
     assert float(found.group(1)) > 0.8  # three classes: chance is 0.33
+    # 4 epochs: at 2 the jump from ~0.5 to ~1.0 sometimes had not happened yet (0.683 once in CI)
