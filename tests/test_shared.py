@@ -79,6 +79,54 @@ def test_a_single_process_sums_through_its_own_segment(tmp_path):
     b.close()
 
 
+def test_a_peer_one_call_ahead_does_not_overwrite_the_rows_being_read(tmp_path, monkeypatch):
+    import mmap
+    import threading
+
+    # Worker 0 stops just before adding call 1's rows; worker 1 finishes call 1 and writes call 2's
+    # bucket meanwhile. With one slot instead of two, worker 0 would add call 2's row into call 1.
+    path = tmp_path / "seg"
+    path.write_bytes(b"\0" * segment_bytes(2, 3))
+    with open(path, "r+b") as f:
+        buf = mmap.mmap(f.fileno(), 0)
+    a = SharedMemorySum(0, 2, 3, buf, [None, None], timeout=5, spin=False)
+    b = SharedMemorySum(1, 2, 3, buf, [None, None], timeout=5, spin=False)
+    reading, go_on = threading.Event(), threading.Event()
+    add = shared.add_in_rank_order
+
+    def add_slowly_on_worker_0(rows, out):
+        if threading.current_thread().name == "worker0" and not go_on.is_set():
+            reading.set()
+            assert go_on.wait(10)
+        add(rows, out)
+
+    monkeypatch.setattr(shared, "add_in_rank_order", add_slowly_on_worker_0)
+    results: dict[str, list] = {"worker0": [], "worker1": []}
+
+    def run(summer, buckets):
+        for bucket in buckets:
+            summer(bucket)
+            results[threading.current_thread().name].append(bucket.copy())
+
+    ones, twos = np.ones(3, np.float32), np.full(3, 2.0, np.float32)
+    t0 = threading.Thread(target=run, name="worker0", args=(a, [ones.copy(), ones.copy()]))
+    t1 = threading.Thread(target=run, name="worker1", args=(b, [twos.copy(), 100 * twos]))
+    t0.start()
+    t1.start()
+    assert reading.wait(10)
+    deadline = time.monotonic() + 10
+    while int(b._seq[1]) < 2 and time.monotonic() < deadline:  # worker 1 has published call 2
+        time.sleep(0.01)
+    assert int(b._seq[1]) == 2
+    go_on.set()
+    t0.join(10)
+    t1.join(10)
+    assert [r.tolist() for r in results["worker0"]] == [[3.0] * 3, [201.0] * 3]
+    assert [r.tolist() for r in results["worker1"]] == [[3.0] * 3, [201.0] * 3]
+    a.close()
+    b.close()
+
+
 def _bucket(rank, step):
     return np.random.default_rng(100 * rank + step).standard_normal(LENGTH).astype(np.float32)
 
