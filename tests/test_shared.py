@@ -57,16 +57,21 @@ def test_process_identity_tells_a_live_process_from_an_exited_one():
         child.wait()
 
 
-def test_a_single_process_sums_through_its_own_segment(tmp_path):
+def _two_workers_in_this_process(tmp_path, spin: bool) -> tuple[SharedMemorySum, SharedMemorySum]:
+    """Ranks 0 and 1 of a 3-float sum over one file mapping."""
     import mmap
 
-    # Two "workers" in one process share a mapping: enough to check slots and rank order.
     path = tmp_path / "seg"
     path.write_bytes(b"\0" * segment_bytes(2, 3))
     with open(path, "r+b") as f:
         buf = mmap.mmap(f.fileno(), 0)
-    a = SharedMemorySum(0, 2, 3, buf, [None, None], timeout=5, spin=True)
-    b = SharedMemorySum(1, 2, 3, buf, [None, None], timeout=5, spin=False)
+    return (SharedMemorySum(0, 2, 3, buf, [None, None], timeout=5, spin=spin),
+            SharedMemorySum(1, 2, 3, buf, [None, None], timeout=5, spin=False))
+
+
+def test_a_single_process_sums_through_its_own_segment(tmp_path):
+    # Two "workers" in one process share a mapping: enough to check slots and rank order.
+    a, b = _two_workers_in_this_process(tmp_path, spin=True)
     for step in range(3):  # both slots used, then the first again
         x = np.array([1.0, 2.0, step], dtype=np.float32)
         y = np.array([10.0, 20.0, 1e8], dtype=np.float32)
@@ -80,17 +85,11 @@ def test_a_single_process_sums_through_its_own_segment(tmp_path):
 
 
 def test_a_peer_one_call_ahead_does_not_overwrite_the_rows_being_read(tmp_path, monkeypatch):
-    import mmap
     import threading
 
     # Worker 0 stops just before adding call 1's rows; worker 1 finishes call 1 and writes call 2's
     # bucket meanwhile. With one slot instead of two, worker 0 would add call 2's row into call 1.
-    path = tmp_path / "seg"
-    path.write_bytes(b"\0" * segment_bytes(2, 3))
-    with open(path, "r+b") as f:
-        buf = mmap.mmap(f.fileno(), 0)
-    a = SharedMemorySum(0, 2, 3, buf, [None, None], timeout=5, spin=False)
-    b = SharedMemorySum(1, 2, 3, buf, [None, None], timeout=5, spin=False)
+    a, b = _two_workers_in_this_process(tmp_path, spin=False)
     reading, go_on = threading.Event(), threading.Event()
     add = shared.add_in_rank_order
 
