@@ -157,6 +157,7 @@ class TrainingJob:
         self._coordinator = Coordinator(secret, world, backend.bind_host, backend.advertise_host,
                                         self.config.heartbeat_interval)
         self._backend = backend
+        self._rendezvous: dict[str, Any] | None = None  # where rank 0's store listens, once it says
         threads = threads_per_worker(world)
         self._launched_at = time.monotonic()
         try:
@@ -266,6 +267,8 @@ class TrainingJob:
             body = event.message.body
             st.worker_connected(event.rank, str(body.get("host", "")), body.get("pid"))
             self._send_job(event.rank)
+            if self._rendezvous is not None:  # rank 0 published the store before this worker came
+                self._coordinator.send(event.rank, self._rendezvous)
             self._notify("worker")
         elif event.kind == "closed":
             if event.rank not in self._done:
@@ -294,8 +297,10 @@ class TrainingJob:
             self._opt_weights = msg.arrays[n:]
             self._iterations = msg.body.get("iterations")
         elif kind == "store":
-            self._coordinator.broadcast({"type": "rendezvous", "host": msg.body["host"],
-                                         "port": int(msg.body["port"])})
+            # Kept for workers that connect later (a warm rank 0 can be seconds ahead of a cold
+            # rank 1); one that connected but has no job yet drops this copy and gets it with its job.
+            self._rendezvous = {"type": "rendezvous", "host": msg.body["host"], "port": int(msg.body["port"])}
+            self._coordinator.broadcast(self._rendezvous)
         elif kind == "done":
             self._done.add(rank)
             self.reports[rank] = {k: v for k, v in msg.body.items() if k != "type"}

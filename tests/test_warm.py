@@ -17,6 +17,7 @@ import nbdist
 from nbdist.backends import warm
 from nbdist.backends.local import pin_to_cores, start_warm_workers, worker_env
 from nbdist.backends.warm import POOL, WarmPool, WarmWorker
+from nbdist.strategies.placement import threads_per_worker
 
 from .conftest import ipython_shell, wait_no_workers, worker_processes
 
@@ -58,6 +59,22 @@ def test_a_job_takes_the_warm_workers_and_the_next_set_warms(digits, monkeypatch
         POOL.close()
     assert wait_no_workers() == []
     assert POOL._dir is None
+
+
+def test_a_worker_that_connects_after_the_rendezvous_still_gets_it(digits, monkeypatch):
+    # One warm worker for a 2-worker job: rank 0 (warm) connects and publishes the Gloo store
+    # seconds before rank 1 (cold) has imported TensorFlow. Rank 1 must still be told where
+    # the store is; it used to wait for the startup timeout instead.
+    monkeypatch.setenv(warm.ENV_COUNT, "1")
+    try:
+        POOL.enable(1, worker_env(b"", threads_per_worker(2)))  # what a 2-worker job's workers get
+        _wait_ready(1)
+        x, y = digits
+        job = nbdist.train(_mlp(), x, y, epochs=2, batch_size=32, workers=2, ui="none", startup_timeout=40)
+        assert job.status == "done" and len(job.history["loss"]) == 2
+    finally:
+        POOL.close()
+    assert wait_no_workers() == []
 
 
 def test_warm_workers_outlive_the_thread_that_started_them(monkeypatch):
@@ -117,7 +134,7 @@ def test_a_job_takes_only_workers_started_with_its_environment():
 
 @pytest.mark.parametrize("line, code, says", [
     (b"", 0, "warm: ready for a job"),  # the pool let it go: stdin closed, nothing to do
-    (b"not json\n", 2, "malformed job line on stdin"),
+    (b"not json\n", 2, "malformed job line"),
 ])
 def test_a_warm_worker_without_a_job_exits_with_one_line(line, code, says):
     proc = subprocess.run([sys.executable, "-m", "nbdist.worker", "--warm"], input=line, capture_output=True,
