@@ -20,6 +20,7 @@ from typing import Any, Callable
 from .. import protocol
 from ..errors import NbdistError
 from .spark_task import TaskSpec, run_task
+from .warm import wanted_count
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class SparkTaskWorker:
         self.host = ""
         self.code: int | None = None
         self.log = ""
+        self.warm = False  # the task took a worker that had imported TensorFlow already
         self.spark_error = ""  # set when the Spark job itself failed or was cancelled
 
     def exit_status(self) -> int | None:
@@ -145,7 +147,8 @@ class SparkBackend:
         if rdd.getNumPartitions() != world_size:
             raise NbdistError(f"the data has {rdd.getNumPartitions()} partitions for {world_size} workers.")
         spec = TaskSpec(address=tuple(address), status_address=status_address, secret_hex=secret.hex(),
-                        threads=threads_per_worker, layout=layout, expected_rows=expected)
+                        threads=threads_per_worker, layout=layout, expected_rows=expected,
+                        warm=wanted_count(1) > 0)  # NBDIST_WARM_WORKERS=0 turns executors' warm workers off
         self._thread = threading.Thread(target=self._run, args=(rdd, spec), name="nbdist-spark-job", daemon=True)
         self._thread.start()
         log.info("started Spark job group %s with %d barrier tasks", self.group, world_size)
@@ -196,6 +199,9 @@ class SparkBackend:
                 w = self.workers[rank]
                 if body.get("type") == "started":
                     w.pid, w.host = int(body["pid"]), str(body.get("host", ""))
+                    w.warm = bool(body.get("warm"))
+                    if w.warm:
+                        log.info("worker %d: a warm worker on %s (pid %d)", rank, w.host, w.pid)
                 elif body.get("type") == "exit":
                     w.log = str(body.get("log", ""))
                     w.code = int(body["code"])

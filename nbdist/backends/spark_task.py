@@ -18,6 +18,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -185,6 +186,7 @@ class TaskSpec:
     threads: int
     layout: Layout | None = None  # None: the data comes over the wire from the driver
     expected_rows: tuple[int, ...] = ()
+    warm: bool = False  # take a warm worker if one waits, and leave one for the next job (spark_warm.py)
 
 
 class _Reporter:
@@ -221,13 +223,35 @@ def _tail(path: str, lines: int = 40) -> str:
         return ""
 
 
+def executor_id() -> tuple[int, int] | None:
+    """The process that started this task's Python worker (pid, start time): the executor's side.
+
+    Warm workers are kept per executor and end with it.
+    """
+    from ..strategies.shared import ProcessId
+
+    parent = ProcessId.of(os.getppid())
+    return None if parent is None else (parent.pid, parent.start)
+
+
+def _move(src: Path, dst: str) -> str:
+    """Move a warm worker's log into the task's directory (its open file moves with it); its path."""
+    try:
+        os.replace(src, dst)
+        return dst
+    except OSError:  # another filesystem: read it where it is
+        return str(src)
+
+
 def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
     """Body of one barrier task. Never raises: a failed barrier stage would be retried with
     workers the coordinator already counted, so failures are reported to the driver instead."""
     from pyspark import BarrierTaskContext
 
+    from . import spark_warm
     from .local import worker_env
     from .secret import hand_over
+    from .warm import job_line
 
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
@@ -235,27 +259,39 @@ def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
     reporter = _Reporter(spec, secret)
     workdir = tempfile.mkdtemp(prefix=f"nbdist-task{rank}-")
     log_path = os.path.join(workdir, "worker.log")
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | spark_warm.ClaimedWorker | None = None
     code, tail = 1, ""
+    env = worker_env(secret, spec.threads)
+    executor = executor_id()
+    pool = None  # this executor's warm workers, if it keeps any
     try:
-        env = worker_env(secret, spec.threads)
         devices = task_visible_devices(ctx.resources())
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
+        elif spec.warm and executor is not None:  # not with GPUs: the device is chosen before TF starts
+            pool = spark_warm.pool_dir(executor)
+        job_env = {}
         if spec.layout is not None:
             n = write_partition(rows, spec.layout, workdir)
             if spec.expected_rows and n != spec.expected_rows[rank]:
                 raise RuntimeError(
                     f"partition {rank} holds {n} rows but counted {spec.expected_rows[rank]} before training: "
                     "the data changes each time it is computed; cache() or checkpoint it first.")
-            env[DATA_ENV] = workdir
-        with open(log_path, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "nbdist.worker", "--address", f"{spec.address[0]}:{spec.address[1]}",
-                 "--rank", str(rank), "--die-with-parent"],  # dies with this task's Python process
-                env=env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            hand_over(proc, secret)  # on stdin, not in the worker's command line or environment
-        reporter.send({"type": "started", "rank": rank, "pid": proc.pid, "host": socket.gethostname()})
+            job_env[DATA_ENV] = workdir
+        if pool is not None:
+            proc = spark_warm.claim(pool, env, job_line(spec.address, rank, job_env), secret)
+        if proc is not None:
+            log_path = _move(proc.log_path, log_path)
+        else:
+            with open(log_path, "wb") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "nbdist.worker", "--address", f"{spec.address[0]}:{spec.address[1]}",
+                     "--rank", str(rank), "--die-with-parent"],  # dies with this task's Python process
+                    env={**env, **job_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True)
+                hand_over(proc, secret)  # on stdin, not in the worker's command line or environment
+        reporter.send({"type": "started", "rank": rank, "pid": proc.pid, "host": socket.gethostname(),
+                       "warm": isinstance(proc, spark_warm.ClaimedWorker)})
         code = proc.wait()
         tail = _tail(log_path)
     except BaseException:  # includes the task being interrupted
@@ -271,4 +307,9 @@ def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
         reporter.send({"type": "exit", "rank": rank, "code": code, "log": tail, "at": time.time()})
         reporter.close()
         shutil.rmtree(workdir, ignore_errors=True)
+        if pool is not None:  # the next job's worker imports TensorFlow while the notebook idles
+            try:
+                spark_warm.start(pool, env, executor)
+            except OSError as exc:
+                log.warning("could not start a warm worker: %s", exc)
     yield {"rank": rank, "code": code, "log": tail[-4000:]}

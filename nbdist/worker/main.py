@@ -8,6 +8,7 @@ which ``podman inspect`` shows); see backends/secret.py.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -128,37 +129,96 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, help="this worker's rank")
     p.add_argument("--warm", action="store_true",
                    help="import everything first, then read the address and rank on stdin (backends/warm.py)")
+    p.add_argument("--warm-socket", metavar="PATH",
+                   help="import everything first, then take a Spark task's job on this Unix socket "
+                        "(backends/spark_warm.py)")
+    p.add_argument("--watch", metavar="PID:START", help="with --warm-socket: exit when this process ends")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the parent process dies")
     args = p.parse_args(argv)
-    if not args.warm and (args.address is None or args.rank is None):
-        p.error("--address and --rank are required unless --warm")
+    if args.warm_socket and not args.watch:
+        p.error("--warm-socket needs --watch")
+    if not (args.warm or args.warm_socket) and (args.address is None or args.rank is None):
+        p.error("--address and --rank are required unless --warm or --warm-socket")
     return args
 
 
-def wait_warm(stream: Any = None) -> tuple[str, int] | None:
-    """A warm worker: import what training needs, then read its job line from stdin.
-
-    Returns (address, rank), or None when stdin closed without a job (the pool let the worker
-    go). The job line may also set environment variables, before anything reads them.
-    """
-    import tensorflow  # noqa: F401  (the seconds a warm worker saves)
+def _import_for_training() -> None:
+    """What a warm worker imports ahead of its job: the seconds it saves."""
+    import tensorflow  # noqa: F401
     import torch.distributed  # noqa: F401
 
     from ..backends.warm import READY
     from . import allreduce_fit, training  # noqa: F401
 
     log.info("%s", READY)
-    stream = stream if stream is not None else sys.stdin.buffer
-    line = stream.readline(1 << 16)
-    if not line:
-        return None
+
+
+def _take_job(line: bytes) -> tuple[str, int]:
+    """(address, rank) from a warm worker's job line; sets the environment variables it carries."""
     try:
         job = json.loads(line)
         env, address, rank = job.get("env", {}), str(job["address"]), int(job["rank"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError("malformed job line on stdin; a warm worker must be started by nbdist") from exc
+        raise ValueError("malformed job line; a warm worker must be started by nbdist") from exc
     os.environ.update({str(k): str(v) for k, v in env.items()})
     return address, rank
+
+
+def wait_warm(stream: Any = None) -> tuple[str, int] | None:
+    """A warm local worker: import what training needs, then read its job line from stdin.
+
+    Returns (address, rank), or None when stdin closed without a job (the pool let the worker
+    go). The job line may also set environment variables, before anything reads them.
+    """
+    _import_for_training()
+    stream = stream if stream is not None else sys.stdin.buffer
+    line = stream.readline(1 << 16)
+    return _take_job(line) if line else None
+
+
+def wait_warm_socket(path: str, watch: str) -> tuple[str, int, bytes, socket.socket] | None:
+    """A warm worker on a Spark executor (backends/spark_warm.py): import, then wait for a task.
+
+    Returns (address, rank, secret line, the task's connection), or None when the executor went
+    away or nobody came. Once taken, the worker dies with that connection, as a child started
+    with ``--die-with-parent`` dies with its task.
+    """
+    from ..backends import spark_warm
+    from ..strategies.shared import ProcessId
+
+    pid, start = (int(v) for v in watch.split(":"))
+    listener = spark_warm.listen(path)
+    _import_for_training()
+    taken = spark_warm.serve_one(listener, path, lambda: ProcessId(pid, start).alive())
+    if taken is None:
+        _remove(path[:-len(".sock")] + ".log")  # nobody will read it
+        return None
+    conn, job, secret = taken
+    address, rank = _take_job(job)
+    conn.sendall(f"pid {os.getpid()}\n".encode())
+    threading.Thread(target=_die_with_connection, args=(conn,), name="nbdist-task-link", daemon=True).start()
+    return address, rank, secret, conn
+
+
+_finished = threading.Event()  # set before the exit line: the task may then close the connection
+
+
+def _die_with_connection(conn: socket.socket) -> None:
+    try:
+        while conn.recv(1024):
+            pass
+    except OSError:
+        pass
+    if not _finished.is_set():
+        log.error("the Spark task that took this worker is gone; exiting")
+        os._exit(3)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,27 +230,50 @@ def main(argv: list[str] | None = None) -> int:
         _die_with_parent()
         if os.getppid() != parent:
             return 5
-    if args.warm:
-        try:
+    task: socket.socket | None = None  # a Spark task's connection, when it took this warm worker
+    secret_line = None
+    try:
+        if args.warm:
             job = wait_warm()
-        except ValueError as exc:
-            log.error("%s", exc)
-            return 2
-        if job is None:
-            return 0  # released unused
-        args.address, args.rank = job
-    secret = read_secret()
+            if job is None:
+                return 0  # released unused
+            args.address, args.rank = job
+        elif args.warm_socket:
+            taken = wait_warm_socket(args.warm_socket, args.watch)
+            if taken is None:
+                return 0
+            args.address, args.rank, secret_line, task = taken
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    secret = read_secret(io.BytesIO(secret_line + b"\n") if secret_line is not None else None)
     if secret is None:
         log.error("no secret on stdin; a worker must be started by nbdist")
         return 2
-    host, _, port = args.address.rpartition(":")
+    code = 1
+    try:
+        code = _work(args.address, args.rank, secret)
+    except Exception:  # e.g. the driver unreachable: in the log before the task hears the code
+        log.error("worker failed:\n%s", traceback.format_exc())
+    finally:
+        if task is not None:  # the task waits for this line as it would wait for its child
+            _finished.set()
+            try:
+                task.sendall(f"exit {code}\n".encode())
+            except OSError:
+                pass
+    return code
+
+
+def _work(address: str, rank: int, secret: bytes) -> int:
+    host, _, port = address.rpartition(":")
     channel = protocol.connect((host, int(port)), secret)
     link = DriverLink(channel)
-    link.send({"type": "hello", "rank": args.rank, "pid": os.getpid(), "host": socket.gethostname()})
+    link.send({"type": "hello", "rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     try:
         from .training import run_job
 
-        run_job(link, args.rank)
+        run_job(link, rank)
     except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
         tb = traceback.format_exc()
         log.error("training failed:\n%s", tb)

@@ -1,0 +1,230 @@
+"""Warm workers on Spark executors: the next job's workers import TensorFlow while the notebook idles.
+
+A Spark task starts its worker as a new process, which spends 5-6 s importing TensorFlow and
+torch: most of a short training call (digits on ``local[2]``: 7-8 s, of which 1.5 s training).
+So when a task's job is over, it starts one worker with ``--warm-socket`` for the next job. That
+worker imports everything, then listens on a Unix socket in a directory only this user can
+enter, and the next task on the same executor with the same worker environment takes it:
+
+- it claims the socket by renaming it (atomic: two tasks never take the same worker);
+- it connects and sends the job line (address, rank, environment) and the run's secret;
+- the worker answers with its pid, and later with its exit code; the task waits on that
+  connection as it waits on a child it started, and the worker kills itself if the connection
+  drops (the task was cancelled or its Python process died), as ``--die-with-parent`` would.
+
+A waiting warm worker exits when the executor is gone (it watches the process that started
+its task's Python worker, by pid and start time) or after ``IDLE_LIMIT`` seconds unused.
+Nothing read from the socket is unpickled: one JSON line and one hex line, from a peer the
+kernel says runs as this user. Not used with GPUs (a worker's device is chosen before
+TensorFlow starts) or when ``NBDIST_WARM_WORKERS=0``.
+
+Runs on the executor: standard library only at module level.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import secrets
+import select
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+IDLE_LIMIT = 3600.0  # seconds a warm worker waits for a job before it gives its memory back
+CLAIM_TIMEOUT = 120.0  # a worker still importing answers once its imports are done
+# What a worker's start depends on: two environments that agree on these get the same worker.
+ENV_KEYS = ("PYTHONPATH", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
+            "CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL")
+SUN_PATH_MAX = 107  # bytes of a Unix socket's path (108 with the terminating NUL)
+NAME_LENGTH = 1 + 16 + 1 + 12 + 5  # "/<env key>-<token>.sock"
+_started: list[subprocess.Popen] = []  # reaped at the next start; orphans go to init if we exit first
+
+
+def env_key(env: dict[str, str]) -> str:
+    """A short name for the worker environment, which a warm worker's socket name begins with."""
+    text = json.dumps([sys.executable] + [env.get(k, "") for k in ENV_KEYS])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def pool_dir(executor: tuple[int, int], root: str | None = None) -> Path | None:
+    """This user's warm-worker directory for one executor (pid, start time); None if unsafe.
+
+    Both levels are created 0700 and must be owned by this user with no access for others:
+    whoever can enter the directory can hand a worker a job.
+    """
+    base = Path(root or tempfile.gettempdir()) / f"nbdist-warm-{os.getuid()}"
+    path = base / f"{executor[0]}-{executor[1]}"
+    if len(str(path)) + NAME_LENGTH > SUN_PATH_MAX:
+        log.debug("no warm workers: socket paths under %s would be too long", path)
+        return None
+    for d in (base, path):
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            st = os.lstat(d)
+        except OSError as exc:
+            log.debug("no warm workers: %s", exc)
+            return None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            log.warning("not using warm workers: %s is not a private directory of this user", d)
+            return None
+    return path
+
+
+def start(directory: Path, env: dict[str, str], executor: tuple[int, int]) -> subprocess.Popen:
+    """Start one warm worker for jobs with environment ``env`` (it listens once imported)."""
+    for p in list(_started):
+        if p.poll() is not None:
+            _started.remove(p)
+    name = f"{env_key(env)}-{secrets.token_hex(6)}"
+    with open(directory / f"{name}.log", "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nbdist.worker", "--warm-socket", str(directory / f"{name}.sock"),
+             "--watch", f"{executor[0]}:{executor[1]}"],
+            env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    _started.append(proc)
+    return proc
+
+
+class ClaimedWorker:
+    """A warm worker this task took: waited on through its socket as a child through ``wait()``."""
+
+    def __init__(self, conn: socket.socket, pid: int, log_path: Path) -> None:
+        self._conn, self.pid, self.log_path = conn, pid, log_path
+        self.returncode: int | None = None
+        self._buf = b""
+
+    def poll(self) -> int | None:
+        self._read(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"warm worker {self.pid}", timeout or 0)
+            self._read(1.0 if left is None else min(1.0, left))
+        return self.returncode
+
+    def _read(self, timeout: float) -> None:
+        if self.returncode is not None or not select.select([self._conn], [], [], timeout)[0]:
+            return
+        try:
+            data = self._conn.recv(4096)
+        except OSError:
+            data = b""
+        self._buf += data
+        for line in self._buf.split(b"\n")[:-1]:
+            if line.startswith(b"exit "):
+                self.returncode = int(line[5:])
+        if not data and self.returncode is None:  # gone without a word: killed
+            self.returncode = -9
+        if self.returncode is not None:
+            self._conn.close()
+
+
+def claim(directory: Path, env: dict[str, str], job: bytes, secret: bytes,
+          timeout: float = CLAIM_TIMEOUT) -> ClaimedWorker | None:
+    """Take a warm worker started with ``env`` and hand it ``job`` and ``secret``; None if none is left."""
+    for sock_path in sorted(glob.glob(str(directory / f"{env_key(env)}-*.sock"))):
+        mine = f"{sock_path}.taken-{os.getpid()}"
+        try:
+            os.rename(sock_path, mine)  # atomic: the one task that renames it owns it
+        except OSError:
+            continue
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(timeout)
+            conn.connect(mine)
+            conn.sendall(job + secret.hex().encode() + b"\n")
+            answer = _read_line(conn)
+            conn.settimeout(None)
+        except OSError as exc:
+            log.debug("warm worker at %s did not take the job: %s", sock_path, exc)
+            conn.close()
+            answer = b""
+        finally:
+            _unlink(mine)
+        if answer.startswith(b"pid "):
+            return ClaimedWorker(conn, int(answer[4:]), Path(sock_path[:-len(".sock")] + ".log"))
+    return None
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    line = b""
+    while not line.endswith(b"\n") and len(line) < 1024:
+        chunk = conn.recv(1)
+        if not chunk:
+            break
+        line += chunk
+    return line.strip()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# -- the worker's side --------------------------------------------------------
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket, as the kernel records it."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[2]
+
+
+def listen(path: str) -> socket.socket:
+    """The warm worker's socket, bound before it imports so a task can already queue for it."""
+    old = os.umask(0o077)  # the socket file is 0600 (the directory is 0700 already)
+    try:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(4)
+    return listener
+
+
+def serve_one(listener: socket.socket, path: str, executor_alive: Callable[[], bool],
+              idle_limit: float = IDLE_LIMIT) -> tuple[socket.socket, bytes, bytes] | None:
+    """Wait for a task of this user; return (connection, job line, secret line).
+
+    None when the executor is gone or nobody came within ``idle_limit`` seconds.
+    """
+    listener.settimeout(1.0)
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < idle_limit:
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                if not executor_alive():
+                    return None
+                continue
+            if peer_uid(conn) != os.getuid():
+                conn.close()
+                continue
+            conn.settimeout(10.0)
+            try:
+                job, secret = _read_line(conn), _read_line(conn)
+            except OSError:
+                conn.close()
+                continue
+            conn.settimeout(None)
+            return conn, job, secret
+        return None
+    finally:
+        listener.close()
+        _unlink(path)  # still there if no task renamed it
