@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -83,6 +84,32 @@ def wait_until_no_workers(job: Any, timeout: float = 30.0) -> list[int]:
     while nbdist_worker_pids(job) and time.monotonic() < deadline:
         time.sleep(0.5)
     return nbdist_worker_pids(job)
+
+
+def wait_warm_ready(directory: Path, count: int, timeout: float = 120.0) -> list[Path]:
+    """The socket files in ``directory`` of ``count`` warm workers that have finished importing."""
+    from nbdist.backends.warm import READY
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        socks = sorted(directory.glob("*.sock"))
+        logs = [s.with_suffix(".log") for s in socks]
+        if len(socks) >= count and all(READY in log.read_text(errors="replace") for log in logs):
+            return socks
+        time.sleep(0.2)
+    raise AssertionError(f"{count} warm workers not ready in {timeout:.0f} s: {list(directory.iterdir())}")
+
+
+def warm_socket_workers() -> dict[int, Path]:
+    """Warm workers waiting on Spark executors of this machine: pid -> socket path."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "--warm-socket" in cmd:
+            out[p.info["pid"]] = Path(cmd[cmd.index("--warm-socket") + 1])
+    return out
 
 
 # Fixtures shared by the local[2] test modules (import them by name: `from .spark_helpers import spark, data`).

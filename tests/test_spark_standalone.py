@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from .spark_helpers import accuracy, digits, digits_frame, wait_until_no_workers, need_spark, small_model, spark_session
+from .spark_helpers import (accuracy, digits, digits_frame, need_spark, small_model, spark_session, wait_until_no_workers,
+                            wait_warm_ready, warm_socket_workers)
 
 need_spark()
 
@@ -103,3 +104,18 @@ def test_dataframe_training_on_standalone_cluster(spark):
     got, want = accuracy(model, Xte, yte), accuracy(local, Xte, yte)
     assert got >= want - 0.01, (got, want)  # not more than 1 point below one machine (see test_spark_local)
     assert not wait_until_no_workers(job)
+
+
+def test_a_standalone_executor_keeps_warm_workers_for_the_next_run(spark, monkeypatch):
+    monkeypatch.delenv("NBDIST_WARM_WORKERS", raising=False)  # conftest turns them off for other tests
+    Xtr, Xte, ytr, yte = digits()
+    df = digits_frame(spark, Xtr, ytr)
+    nbdist.train(small_model(), df, features="pixels", label="digit", epochs=1, workers=2, ui="none")
+    left = warm_socket_workers()  # left by the executor's tasks, in the executor's own directory
+    assert len(left) == 2 and len({s.parent for s in left.values()}) == 1, left
+    wait_warm_ready(next(iter(left.values())).parent, 2)
+    model = small_model()
+    job = nbdist.train(model, df, features="pixels", label="digit", epochs=8, workers=2, ui="none")
+    assert [w.warm for w in job._backend.workers] == [True, True]
+    assert {w.pid for w in job._backend.workers} == set(left)
+    assert accuracy(model, Xte, yte) > 0.8

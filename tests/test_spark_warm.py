@@ -14,13 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from nbdist.backends import spark_warm
 from nbdist.backends.local import worker_env
-from nbdist.backends.warm import READY, job_line
+from nbdist.backends.warm import job_line
 from nbdist.strategies.shared import ProcessId
+
+from .spark_helpers import wait_warm_ready, warm_socket_workers
 
 pytestmark = pytest.mark.timeout(240)
 ENV = worker_env(b"", 1)
@@ -29,18 +30,6 @@ ENV = worker_env(b"", 1)
 def _me() -> tuple[int, int]:
     me = ProcessId.of(os.getpid())
     return me.pid, me.start
-
-
-def _wait_ready(directory: Path, count: int, timeout: float = 120.0) -> list[Path]:
-    """The socket files of ``count`` warm workers that have finished importing."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        socks = sorted(directory.glob("*.sock"))
-        logs = [s.with_suffix(".log") for s in socks]
-        if len(socks) >= count and all(READY in log.read_text(errors="replace") for log in logs):
-            return socks
-        time.sleep(0.2)
-    raise AssertionError(f"{count} warm workers not ready in {timeout:.0f} s: {list(directory.iterdir())}")
 
 
 def _gone(pid: int, timeout: float) -> bool:
@@ -76,7 +65,7 @@ def test_a_claim_hands_over_the_job_and_returns_the_workers_own_exit_code(tmp_pa
     directory = spark_warm.pool_dir(_me(), root=str(tmp_path))
     proc = spark_warm.start(directory, ENV, _me())
     try:
-        _wait_ready(directory, 1)
+        wait_warm_ready(directory, 1)
         assert spark_warm.claim(directory, {**ENV, "OMP_NUM_THREADS": "7"}, b"{}\n", b"k") is None  # other env
         closed = socket.socket()
         closed.bind(("127.0.0.1", 0))
@@ -98,7 +87,7 @@ def test_a_taken_worker_dies_with_its_tasks_connection(tmp_path):
     silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers the handshake
     proc = spark_warm.start(directory, ENV, _me())
     try:
-        _wait_ready(directory, 1)
+        wait_warm_ready(directory, 1)
         worker = spark_warm.claim(directory, ENV, job_line(silent.getsockname(), 0, {}), b"\x01" * 16)
         assert worker is not None and worker.poll() is None
         worker._conn.close()  # the task's Python process is gone
@@ -115,23 +104,13 @@ def test_a_waiting_worker_ends_with_the_process_it_watches(tmp_path):
         who = ProcessId.of(executor.pid)
         directory = spark_warm.pool_dir((who.pid, who.start), root=str(tmp_path))
         proc = spark_warm.start(directory, ENV, (who.pid, who.start))
-        _wait_ready(directory, 1)
+        wait_warm_ready(directory, 1)
         executor.kill()
         executor.wait()
         assert proc.wait(timeout=15) == 0
         assert not list(directory.iterdir())  # its socket and log are gone with it
     finally:
         executor.kill()
-
-
-def _warm_workers() -> dict[int, Path]:
-    """Waiting warm workers on this machine: pid -> socket path."""
-    out = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "--warm-socket" in cmd:
-            out[p.info["pid"]] = Path(cmd[cmd.index("--warm-socket") + 1])
-    return out
 
 
 def test_spark_second_run_takes_the_warm_workers_and_they_end_with_spark(monkeypatch):
@@ -142,23 +121,23 @@ def test_spark_second_run_takes_the_warm_workers_and_they_end_with_spark(monkeyp
 
     monkeypatch.delenv("NBDIST_WARM_WORKERS", raising=False)  # conftest turns them off for other tests
     Xtr, Xte, ytr, yte = digits()
-    assert not _warm_workers()
+    assert not warm_socket_workers()
     spark = spark_session("local[2]")
     waiting: dict[int, Path] = {}
     try:
         rdd = spark.sparkContext.parallelize(list(zip(Xtr.tolist(), ytr.tolist())), 2)
         first = nbdist.train(small_model(), rdd, epochs=2, workers=2, backend="spark", ui="none")
         assert [w.warm for w in first._backend.workers] == [False, False]
-        left = _warm_workers()  # one per task, for the next job
+        left = warm_socket_workers()  # one per task, for the next job
         assert len(left) == 2 and len({s.parent for s in left.values()}) == 1, left
-        _wait_ready(next(iter(left.values())).parent, 2)
+        wait_warm_ready(next(iter(left.values())).parent, 2)
         model = small_model()
         second = nbdist.train(model, rdd, epochs=8, workers=2, backend="spark", ui="none")
         assert [w.warm for w in second._backend.workers] == [True, True]
         assert {w.pid for w in second._backend.workers} == set(left)
         assert accuracy(model, Xte, yte) > 0.8
         assert all(_gone(pid, 15) for pid in left)  # each ran its one job and exited
-        waiting = _warm_workers()  # the next run's
+        waiting = warm_socket_workers()  # the next run's
         assert len(waiting) == 2 and not set(waiting) & set(left)
     finally:
         spark.stop()
