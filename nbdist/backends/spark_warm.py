@@ -81,15 +81,20 @@ def pool_dir(executor: tuple[int, int], root: str | None = None) -> Path | None:
     return path
 
 
+def log_path_of(sock_path: str) -> Path:
+    """The log file of the warm worker listening at ``sock_path`` (same name, ``.log``)."""
+    return Path(sock_path).with_suffix(".log")
+
+
 def start(directory: Path, env: dict[str, str], executor: tuple[int, int]) -> subprocess.Popen:
     """Start one warm worker for jobs with environment ``env`` (it listens once imported)."""
     for p in list(_started):
         if p.poll() is not None:
             _started.remove(p)
-    name = f"{env_key(env)}-{secrets.token_hex(6)}"
-    with open(directory / f"{name}.log", "wb") as out:
+    sock_path = str(directory / f"{env_key(env)}-{secrets.token_hex(6)}.sock")
+    with open(log_path_of(sock_path), "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nbdist.worker", "--warm-socket", str(directory / f"{name}.sock"),
+            [sys.executable, "-m", "nbdist.worker", "--warm-socket", sock_path,
              "--watch", f"{executor[0]}:{executor[1]}"],
             env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     _started.append(proc)
@@ -157,7 +162,7 @@ def claim(directory: Path, env: dict[str, str], job: bytes, secret: bytes,
         finally:
             _unlink(mine)
         if answer.startswith(b"pid "):
-            return ClaimedWorker(conn, int(answer[4:]), Path(sock_path[:-len(".sock")] + ".log"))
+            return ClaimedWorker(conn, int(answer[4:]), log_path_of(sock_path))
     return None
 
 
@@ -201,10 +206,12 @@ def serve_one(listener: socket.socket, path: str, executor_alive: Callable[[], b
               idle_limit: float = IDLE_LIMIT) -> tuple[socket.socket, bytes, bytes] | None:
     """Wait for a task of this user; return (connection, job line, secret line).
 
-    None when the executor is gone or nobody came within ``idle_limit`` seconds.
+    None when the executor is gone or nobody came within ``idle_limit`` seconds; the worker's
+    socket and log are then removed, since no task will read them.
     """
     listener.settimeout(1.0)
     started = time.monotonic()
+    taken = None
     try:
         while time.monotonic() - started < idle_limit:
             try:
@@ -223,8 +230,11 @@ def serve_one(listener: socket.socket, path: str, executor_alive: Callable[[], b
                 conn.close()
                 continue
             conn.settimeout(None)
-            return conn, job, secret
+            taken = conn, job, secret
+            return taken
         return None
     finally:
         listener.close()
         _unlink(path)  # still there if no task renamed it
+        if taken is None:
+            _unlink(str(log_path_of(path)))

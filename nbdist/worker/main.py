@@ -191,7 +191,6 @@ def wait_warm_socket(path: str, watch: str) -> tuple[str, int, bytes, socket.soc
     _import_for_training()
     taken = spark_warm.serve_one(listener, path, lambda: ProcessId(pid, start).alive())
     if taken is None:
-        _remove(path[:-len(".sock")] + ".log")  # nobody will read it
         return None
     conn, job, secret = taken
     address, rank = _take_job(job)
@@ -212,13 +211,6 @@ def _die_with_connection(conn: socket.socket) -> None:
     if not _finished.is_set():
         log.error("the Spark task that took this worker is gone; exiting")
         os._exit(3)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
