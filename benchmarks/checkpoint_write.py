@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from nbdist import checkpoint
+from nbdist.driver import checkpoint
 
 
 def _time(fn, repeat: int = 3) -> float:

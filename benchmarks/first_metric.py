@@ -46,10 +46,9 @@ class StampedStream(io.TextIOBase):
 
 
 def measure(repeats: int = 3, workers: int = 2, epochs: int = 3, warm: bool = True) -> list[float]:
+    import keras  # noqa: F401 - a notebook that builds Keras models has it imported
     from IPython.core.interactiveshell import InteractiveShell
     from sklearn.datasets import load_digits
-
-    import keras  # noqa: F401 - a notebook that builds Keras models has it imported
 
     from nbdist.backends.warm import ENV_COUNT, POOL
 

@@ -37,7 +37,6 @@ def cnn_throughput(workers: int, per_worker: int = 1024, epochs: int = 5) -> flo
     """Samples per second over the last epochs (the first traces the step and is excluded)."""
     import keras
 
-    import nbdist
 
     rng = np.random.default_rng(0)
     x = rng.random((per_worker * workers, 32, 32, 3), dtype=np.float32)

@@ -5,10 +5,9 @@ thing as a function.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from .config import TrainConfig  # noqa: E402
-from .errors import NbdistError, TrainingFailed  # noqa: E402
+from .config import TrainConfig
+from .errors import NbdistError, TrainingFailed
+from .version import __version__
 
 
 def train(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy wrapper, see api.train
@@ -21,19 +20,19 @@ train.__doc__ = "Train a compiled Keras model data-parallel; see nbdist.api.trai
 
 
 def evaluate(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy wrapper, see inference.evaluate
-    from .inference import evaluate as _evaluate
+    from .driver.inference import evaluate as _evaluate
 
     return _evaluate(*args, **kwargs)
 
 
 def predict(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy wrapper, see inference.predict
-    from .inference import predict as _predict
+    from .driver.inference import predict as _predict
 
     return _predict(*args, **kwargs)
 
 
-evaluate.__doc__ = "Evaluate a compiled Keras model sharded over workers, metrics merged exactly; see nbdist.inference.evaluate."
-predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist.inference.predict."
+evaluate.__doc__ = "Evaluate a compiled Keras model sharded over workers, metrics merged exactly; see nbdist.driver.inference.evaluate."
+predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist.driver.inference.predict."
 
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001
@@ -43,14 +42,15 @@ def load_ipython_extension(ipython) -> None:  # noqa: ANN001
     ipython.register_magics(EvaluateMagics)
     # Start the default local workers now, so the first %%dist_train finds TensorFlow imported.
     from .backends.local import start_warm_workers
+    from .spark.backend import active_spark_context
 
-    start_warm_workers()
+    if active_spark_context() is None:  # with Spark active, runs go to its executors
+        start_warm_workers()
 
 
 def unload_ipython_extension(ipython) -> None:  # noqa: ANN001
-    from .magics import DistMagics, EvaluateMagics
-
     from .backends.warm import POOL
+    from .magics import DistMagics, EvaluateMagics
 
     POOL.close()
     # IPython has no unregister; drop our names so a reload registers afresh.

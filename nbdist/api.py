@@ -6,11 +6,11 @@ from typing import Any
 from .checks import check_model_fits_data
 from .config import TrainConfig
 from .data import make_dataset
+from .driver.inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
+from .driver.training import TrainingJob
 from .errors import NbdistError
-from .inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
-from .job import TrainingJob
 from .model_io import check_trainable
-from .spark_data import SparkData, is_spark_data, spark_dataset
+from .spark.data import SparkData, is_spark_data, spark_dataset
 from .ui import make_renderer
 
 

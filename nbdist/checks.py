@@ -14,7 +14,7 @@ import numpy as np
 from .errors import NbdistError
 
 
-def _input_shape(model: Any) -> tuple[int, ...] | None:
+def input_shape(model: Any) -> tuple[int, ...] | None:
     try:
         shape = tuple(model.inputs[0].shape[1:]) if len(model.inputs) == 1 else None
     except (AttributeError, ValueError, TypeError):
@@ -31,9 +31,9 @@ def _output_shape(model: Any) -> tuple[Any, ...] | None:
 
 def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what: str = "training data") -> None:
     """One sentence if ``x`` cannot feed the model or ``y`` cannot be the target of its loss."""
-    from .evaluation import check_labels, classifier_spec, labels_are_classes
+    from .metrics import check_labels, classifier_spec, labels_are_classes
 
-    expected = _input_shape(model)
+    expected = input_shape(model)
     if expected is not None and tuple(x.shape[1:]) != expected:
         raise NbdistError(f"the {what} features have shape {tuple(x.shape[1:])} per row but the model expects "
                           f"{expected}; pass data shaped like the model's input or change keras.Input.")

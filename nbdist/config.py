@@ -150,6 +150,6 @@ def _positive_int(name: str, value: Any, example: str) -> None:
 
 
 def _version() -> str:
-    from . import __version__
+    from .version import __version__
 
     return __version__

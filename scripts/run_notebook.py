@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
-
-import os
 
 import nbformat
 from nbclient import NotebookClient

@@ -88,7 +88,7 @@ def wait_until_no_workers(job: Any, timeout: float = 30.0) -> list[int]:
 
 def wait_warm_ready(directory: Path, count: int, timeout: float = 120.0) -> list[Path]:
     """The socket files in ``directory`` of ``count`` warm workers that have finished importing."""
-    from nbdist.backends.warm import READY
+    from nbdist.wire.handover import READY
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -7,8 +7,13 @@ import pytest
 
 from nbdist.config import TrainConfig
 from nbdist.errors import NbdistError
-from nbdist.strategies.placement import (choose_engine, count_host_gpus, cuda_visible_devices_for_rank,
-                                         gpu_for_local_rank, local_gpu_env)
+from nbdist.placement import (
+    choose_engine,
+    count_host_gpus,
+    cuda_visible_devices_for_rank,
+    gpu_for_local_rank,
+    local_gpu_env,
+)
 
 
 def test_one_gpu_per_local_rank():

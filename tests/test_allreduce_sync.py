@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from nbdist.collective import SoloCollective
 from nbdist.strategies.allreduce import GradientAllreduce, chunk_bounds, step_totals
 from nbdist.strategies.averaging import batch_sizes
+from nbdist.strategies.collective import SoloCollective
 from nbdist.strategies.ring import ALIGN, aligned_offsets, pieces
 
 from .ranks import run_ranks
@@ -92,7 +92,7 @@ STEPS = [(3, 1), (4, 4), (2, 0)]
 
 def _rank_main(rank: int, world: int, port: int, direct_sum_bytes: int, shared_memory: bool) -> None:
     """One worker of test_two_process_exchange (run in its own process)."""
-    from nbdist.collective import GlooCollective
+    from nbdist.strategies.collective import GlooCollective
     from nbdist.worker.phases import PhaseClock, PhaseCollective
 
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)

@@ -11,12 +11,12 @@ import textwrap
 import numpy as np
 import pytest
 
-from nbdist import checkpoint
-from nbdist.checkpoint import Checkpoint
 from nbdist.config import TrainConfig
+from nbdist.driver import checkpoint
+from nbdist.driver.checkpoint import Checkpoint
+from nbdist.driver.keeper import CheckpointKeeper
+from nbdist.driver.state import RunState
 from nbdist.errors import NbdistError
-from nbdist.progress import RunState
-from nbdist.restarts import CheckpointKeeper
 from nbdist.ui.text import TextRenderer
 
 from .conftest import mlp
@@ -69,7 +69,7 @@ def test_a_write_that_fails_midway_leaves_the_previous_checkpoint(tmp_path):
 SLOW_WRITER = textwrap.dedent("""
     import sys, time
     import numpy as np
-    from nbdist import checkpoint
+    from nbdist.driver import checkpoint
 
     class Slow:
         def __array__(self, dtype=None, copy=None):

@@ -20,7 +20,14 @@ import pytest  # noqa: E402
 import nbdist  # noqa: E402
 from nbdist.api import prepare  # noqa: E402
 from nbdist.backends.containers import (  # noqa: E402
-    ENGINE_ENV, LABEL, ContainerBackend, Engine, environment_mounts, find_engine, gpu_flags, run_command,
+    ENGINE_ENV,
+    LABEL,
+    ContainerBackend,
+    Engine,
+    environment_mounts,
+    find_engine,
+    gpu_flags,
+    run_command,
 )
 from nbdist.config import TrainConfig  # noqa: E402
 from nbdist.errors import NbdistError, TrainingFailed  # noqa: E402

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from nbdist.coordinator import Coordinator
+from nbdist.driver.coordinator import Coordinator
 
 
 def accept_threads() -> int:

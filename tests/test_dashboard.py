@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from nbdist.progress import RunState
+from nbdist.driver.state import RunState
 from nbdist.ui import detect_frontend
 from nbdist.ui.summary import summary_html
 from nbdist.ui.view import Throttle, metric_groups, overview, worker_rows

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from nbdist.progress import RunState
+from nbdist.driver.state import RunState
 from nbdist.ui.html import HtmlRenderer, progress_html
 from nbdist.ui.text import TextRenderer
 from nbdist.ui.view import overview, status_sentence

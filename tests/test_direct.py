@@ -43,7 +43,7 @@ def _bucket(rank, step):
 
 
 def _rank_main(rank: int, world: int, port: int) -> None:
-    from nbdist.collective import GlooCollective
+    from nbdist.strategies.collective import GlooCollective
     from nbdist.strategies.direct import DirectSum
 
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)

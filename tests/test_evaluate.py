@@ -11,8 +11,15 @@ import keras
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
-from sklearn.metrics import (accuracy_score, confusion_matrix, f1_score, precision_recall_fscore_support,
-                             precision_score, recall_score, roc_auc_score)
+from sklearn.metrics import (
+    accuracy_score,
+    confusion_matrix,
+    f1_score,
+    precision_recall_fscore_support,
+    precision_score,
+    recall_score,
+    roc_auc_score,
+)
 
 import nbdist
 from nbdist.errors import NbdistError

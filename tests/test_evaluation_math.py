@@ -11,9 +11,18 @@ from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_
 
 from nbdist.data import shard_bounds
 from nbdist.errors import NbdistError
-from nbdist.evaluation import (ClassifierSpec, check_labels, classifier_spec, confusion_counts,
-                               merge_classifier_stats, merge_histograms, roc_auc, score_histogram,
-                               shard_statistics, sum_states)
+from nbdist.metrics import (
+    ClassifierSpec,
+    check_labels,
+    classifier_spec,
+    confusion_counts,
+    merge_classifier_stats,
+    merge_histograms,
+    roc_auc,
+    score_histogram,
+    shard_statistics,
+    sum_states,
+)
 
 
 def _uneven_splits(n: int, rng: np.random.Generator, parts: int) -> list[tuple[int, int]]:

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nbdist import protocol
 from nbdist.api import prepare
 from nbdist.config import TrainConfig
+from nbdist.wire import protocol
 
 from .conftest import mlp, wait_no_workers
 

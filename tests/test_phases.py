@@ -8,14 +8,14 @@ import time
 import numpy as np
 import pytest
 
-from nbdist.progress import RunState
+from nbdist.driver.state import RunState
 from nbdist.worker.phases import PhaseClock, PhaseReporter
 
 LATE = 1.5  # seconds rank 1 keeps rank 0 waiting
 
 
 def _rank(rank: int, ports: "mp.Queue", results: "mp.Queue") -> None:
-    from nbdist.collective import GlooCollective, open_store_listener
+    from nbdist.strategies.collective import GlooCollective, open_store_listener
     from nbdist.worker.phases import PhaseClock, PhaseCollective, PhaseReporter
 
     listen_fd = None
@@ -113,6 +113,7 @@ def test_driver_state_follows_phase_messages():
 
 def test_an_allreduce_run_reports_compute_and_synchronisation_per_worker(digits, no_leftover_workers):
     import nbdist
+
     from .conftest import mlp
 
     x, y = digits

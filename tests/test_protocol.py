@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from nbdist import protocol
+from nbdist.wire import protocol
 
 
 def pair(secret_server: bytes, secret_client: bytes):

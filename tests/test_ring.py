@@ -88,7 +88,7 @@ def _arrays(rank, step):
 
 
 def _rank_main(rank: int, world: int, port: int, segment: int) -> None:
-    from nbdist.collective import GlooCollective
+    from nbdist.strategies.collective import GlooCollective
     from nbdist.strategies.ring import RingSum
 
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)

@@ -135,7 +135,7 @@ def _segments() -> list[str]:
 
 
 def _rank_main(rank: int, world: int, port: int, mode: str) -> None:
-    from nbdist.collective import GlooCollective
+    from nbdist.strategies.collective import GlooCollective
 
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
     if mode == "no-map" and rank == world - 1:

@@ -8,14 +8,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .spark_helpers import data, spark  # noqa: F401  (module fixtures)
-from .spark_helpers import need_spark
+from .spark_helpers import data, need_spark, spark  # noqa: F401  (module fixtures)
 
 need_spark()
 
 import keras  # noqa: E402
-from sklearn.metrics import (accuracy_score, confusion_matrix, f1_score, precision_recall_fscore_support,  # noqa: E402
-                             precision_score, recall_score, roc_auc_score)
+from sklearn.metrics import (  # noqa: E402
+    accuracy_score,
+    confusion_matrix,
+    f1_score,
+    precision_recall_fscore_support,
+    precision_score,
+    recall_score,
+    roc_auc_score,
+)
 
 import nbdist  # noqa: E402
 from nbdist.errors import NbdistError  # noqa: E402
@@ -197,7 +203,7 @@ def test_bad_input_is_one_sentence(spark, data, multiclass, test_frame):
 def test_union_is_repartitioned_for_barrier_tasks(spark, data):
     # A union's RDD chain has parents with other partition counts, which Spark refuses in a
     # barrier stage (SPARK-24820) even when its partition count equals the workers.
-    from nbdist.spark_data import barrier_safe, spark_dataset
+    from nbdist.spark.data import barrier_safe, spark_dataset
 
     _, Xte, _, yte = data
     rows = [(i, x.tolist(), int(label)) for i, (x, label) in enumerate(zip(Xte[:80], yte[:80]))]

@@ -8,8 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from .spark_helpers import data, spark  # noqa: F401  (module fixtures)
-from .spark_helpers import accuracy, digits_frame, need_spark, small_model, wait_until_no_workers
+from .spark_helpers import accuracy, data, digits_frame, need_spark, small_model, spark, wait_until_no_workers  # noqa: F401  (module fixtures)
 
 need_spark()
 
@@ -73,7 +72,7 @@ def test_bad_columns_are_one_sentence(spark, data):
     # ML Vector and numeric columns pass the schema check; text does not.
     from pyspark.ml.linalg import Vectors
 
-    from nbdist.spark_data import spark_dataset
+    from nbdist.spark.data import spark_dataset
 
     mixed = spark.createDataFrame([(Vectors.dense([1.0, 2.0]), 0.5, "a", 1)], ["v", "n", "s", "y"])
     assert spark_dataset(mixed, None, ["v", "n"], "y").layout.features == ("v", "n")

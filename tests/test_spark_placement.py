@@ -5,9 +5,9 @@ one GPU per worker -> NCCL or Gloo), not that NCCL runs. Unverified on a GPU.
 """
 import pytest
 
-from nbdist.backends.spark_task import task_visible_devices
 from nbdist.errors import NbdistError
-from nbdist.strategies.placement import spark_task_placement, spark_task_visible_devices
+from nbdist.placement import spark_task_placement, spark_task_visible_devices
+from nbdist.spark.task import task_visible_devices
 
 
 def test_task_gpus_become_one_visible_device_per_worker():

@@ -6,11 +6,11 @@ import io
 import numpy as np
 import pytest
 
-from nbdist.backends.spark import NO_SPARK, coordinator_host, summarize_spark_error
-from nbdist.backends.spark_task import (Layout, NpyStreamWriter, cuda_visible_devices, load_task_data,
-                                        npy_header, write_partition)
 from nbdist.config import TrainConfig
 from nbdist.errors import NbdistError
+from nbdist.spark.backend import NO_SPARK, coordinator_host, summarize_spark_error
+from nbdist.spark.task import Layout, cuda_visible_devices, write_partition
+from nbdist.wire.shardfile import NpyStreamWriter, load_task_data, npy_header
 
 
 def test_npy_header_is_fixed_size_and_loadable():
@@ -80,8 +80,8 @@ def test_spark_errors_are_summarised():
 
 
 def test_backend_spark_without_spark_is_one_sentence():
-    from nbdist.backends import resolve_backend
-    from nbdist.backends.spark import active_spark_context
+    from nbdist.driver.resolve import resolve_backend
+    from nbdist.spark.backend import active_spark_context
 
     if active_spark_context() is not None:
         pytest.skip("a SparkContext is active in this process")
@@ -93,7 +93,8 @@ def test_backend_spark_without_spark_is_one_sentence():
 
 def test_magic_backend_spark_without_spark():
     from IPython.core.error import UsageError
-    from nbdist.backends.spark import active_spark_context
+
+    from nbdist.spark.backend import active_spark_context
 
     from .conftest import ipython_shell  # the session's one shell: a second shell class cannot coexist
 

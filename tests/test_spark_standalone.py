@@ -10,8 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from .spark_helpers import (accuracy, digits, digits_frame, need_spark, small_model, spark_session, wait_until_no_workers,
-                            wait_warm_ready, warm_socket_workers)
+from .spark_helpers import (
+    accuracy,
+    digits,
+    digits_frame,
+    need_spark,
+    small_model,
+    spark_session,
+    wait_until_no_workers,
+    wait_warm_ready,
+    warm_socket_workers,
+)
 
 need_spark()
 

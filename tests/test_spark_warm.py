@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from nbdist.backends import spark_warm
 from nbdist.backends.local import worker_env
-from nbdist.backends.warm import job_line
+from nbdist.spark import warm as spark_warm
 from nbdist.strategies.shared import ProcessId
+from nbdist.wire.handover import job_line
 
 from .spark_helpers import wait_warm_ready, warm_socket_workers
 

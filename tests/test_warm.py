@@ -17,7 +17,7 @@ import nbdist
 from nbdist.backends import warm
 from nbdist.backends.local import pin_to_cores, start_warm_workers, worker_env
 from nbdist.backends.warm import POOL, WarmPool, WarmWorker
-from nbdist.strategies.placement import threads_per_worker
+from nbdist.placement import threads_per_worker
 
 from .conftest import ipython_shell, wait_no_workers, worker_processes
 

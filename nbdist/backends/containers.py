@@ -31,8 +31,8 @@ from pathlib import Path
 
 from ..config import TrainConfig
 from ..errors import NbdistError
+from ..wire.secret import hand_over
 from .local import package_root, read_log_tail
-from .secret import hand_over
 
 log = logging.getLogger(__name__)
 

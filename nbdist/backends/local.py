@@ -11,11 +11,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from .. import placement
 from ..config import default_local_workers
-from ..strategies import placement
-from ..strategies.placement import core_slices, count_host_gpus, local_gpu_env, usable_cores
-from .secret import hand_over
-from .warm import POOL, job_line, wanted_count
+from ..placement import core_slices, count_host_gpus, local_gpu_env, usable_cores
+from ..wire.handover import job_line
+from ..wire.secret import hand_over
+from .warm import POOL, wanted_count
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +73,11 @@ def pin_to_cores(pid: int, cores: set[int]) -> None:
 
 def start_warm_workers() -> int:
     """Warm the workers a default local job will take (backends/warm.py); return how many start."""
-    from .spark import active_spark_context
-
     world = default_local_workers()
     size = wanted_count(world)
-    # Not with GPUs (a worker's device is chosen before TensorFlow starts), nor when the notebook
-    # has a SparkContext: jobs then run on Spark's executors by default.
-    if size == 0 or count_host_gpus() > 0 or active_spark_context() is not None:
+    # Not with GPUs: a worker's device is chosen before TensorFlow starts. (Nor with Spark active:
+    # the extension loader does not call this then.)
+    if size == 0 or count_host_gpus() > 0:
         return 0
     POOL.enable(size, worker_env(b"", placement.threads_per_worker(world)))
     return size

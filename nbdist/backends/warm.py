@@ -15,7 +15,6 @@ how many are kept.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import shutil
@@ -27,10 +26,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..wire.handover import READY
+
 log = logging.getLogger(__name__)
 
 ENV_COUNT = "NBDIST_WARM_WORKERS"
-READY = "warm: ready for a job"  # the line a warm worker logs once its imports are done
 
 
 @dataclass
@@ -60,12 +60,6 @@ def wanted_count(default: int, environ: dict[str, str] | None = None) -> int:
     except ValueError:
         log.warning("%s=%r is not a number of workers; keeping %d warm workers", ENV_COUNT, raw, default)
         return default
-
-
-def job_line(address: tuple[str, int], rank: int, env: dict[str, str]) -> bytes:
-    """What a warm worker reads on stdin before the secret (``hand_over``): its job, one JSON line."""
-    job = {"address": f"{address[0]}:{address[1]}", "rank": rank, "env": env}
-    return json.dumps(job).encode() + b"\n"
 
 
 class WarmPool:

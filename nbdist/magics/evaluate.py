@@ -1,4 +1,4 @@
-"""``%dist_evaluate`` and ``%dist_predict``: thin glue from a line to ``nbdist.inference``."""
+"""``%dist_evaluate`` and ``%dist_predict``: thin glue from a line to ``nbdist.driver.inference``."""
 from __future__ import annotations
 
 import logging
@@ -73,7 +73,7 @@ class EvaluateMagics(Magics):
     def _evaluate(self, line: str) -> None:
         from IPython.display import display
 
-        from ..inference import evaluate
+        from ..driver.inference import evaluate
         from ..ui.report import EvaluationReport
 
         args = parse_argstring(self.dist_evaluate, line)
@@ -113,7 +113,7 @@ class EvaluateMagics(Magics):
         _run(lambda: self._predict(line))
 
     def _predict(self, line: str) -> None:
-        from ..inference import predict
+        from ..driver.inference import predict
 
         args = parse_argstring(self.dist_predict, line)
         ns = self.shell.user_ns
@@ -134,6 +134,6 @@ class EvaluateMagics(Magics):
 
 
 def _is_spark(obj: Any) -> bool:
-    from ..spark_data import is_spark_data
+    from ..spark.data import is_spark_data
 
     return is_spark_data(obj)

@@ -107,7 +107,7 @@ class DistMagics(Magics):
 
         # Check the data before running the cell, so a typo costs nothing (Spark: schema only).
         training_data(x, y, args.features, args.label)
-        from ..backends import resolve_backend
+        from ..driver.resolve import resolve_backend
 
         resolve_backend(config)  # e.g. --backend spark with no SparkContext: say so before the cell runs
 

@@ -56,11 +56,11 @@ from typing import Any, Callable, Sequence
 import keras
 import numpy as np
 
-from ..collective import Collective, GlooCollective
 from .averaging import FlatBuffer, WeightedAverager, batch_sizes
+from .collective import Collective, GlooCollective
 from .direct import DirectSum
-from .shared import SharedMemorySum, open_shared_sum
 from .ring import ALIGN, RingSum, aligned_offsets, pieces
+from .shared import SharedMemorySum, open_shared_sum
 
 log = logging.getLogger(__name__)
 

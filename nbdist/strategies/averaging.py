@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..collective import Collective
+from .collective import Collective
 
 
 def rounds_in_epoch(batches: int, k: int) -> int:

@@ -35,8 +35,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..placement import usable_cores
 from .direct import add_in_rank_order
-from .placement import usable_cores
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any, Callable, TextIO
 
-from ..progress import RunState
+from ..driver.state import RunState
 
 Listener = Callable[[str, RunState, Any], None]
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from IPython.display import HTML, display
 
-from ..progress import RunState
+from ..driver.state import RunState
 from .summary import summary_html
 from .text import epoch_line
 from .view import Throttle, metrics_table_html, overview, status_sentence, workers_table_html

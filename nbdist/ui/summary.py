@@ -6,7 +6,7 @@ import html
 import io
 import logging
 
-from ..progress import RunState
+from ..driver.state import RunState
 from .view import epoch_axis, metric_groups, metrics_table_html, status_sentence, workers_table_html
 
 log = logging.getLogger(__name__)

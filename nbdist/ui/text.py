@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, TextIO
 
-from ..progress import RunState
+from ..driver.state import RunState
 
 
 def format_metrics(logs: dict[str, float]) -> str:

@@ -9,7 +9,7 @@ import html
 import time
 from dataclasses import dataclass, field
 
-from ..progress import RunState, WorkerProgress
+from ..driver.state import RunState, WorkerProgress
 
 # At most this many redraws per second (the limit is 5).
 MAX_REDRAWS_PER_SECOND = 5.0

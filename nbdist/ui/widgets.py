@@ -17,10 +17,19 @@ import bqplot
 import ipywidgets as W
 from IPython.display import HTML, display
 
-from ..progress import RunState
+from ..driver.state import RunState
 from .summary import summary_html
-from .view import (STATE_COLOURS, EpochPhases, Throttle, epoch_axis, epoch_ticks, metric_groups, overview, status_sentence,
-                   worker_rows)
+from .view import (
+    STATE_COLOURS,
+    EpochPhases,
+    Throttle,
+    epoch_axis,
+    epoch_ticks,
+    metric_groups,
+    overview,
+    status_sentence,
+    worker_rows,
+)
 
 log = logging.getLogger(__name__)
 

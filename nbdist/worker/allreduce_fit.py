@@ -10,7 +10,7 @@ log = logging.getLogger("nbdist.worker")
 def resolve_engine(requested: str | None) -> tuple[str, str | None]:
     import tensorflow as tf
 
-    from ..strategies.placement import choose_engine, horovod_import_error
+    from ..placement import choose_engine, horovod_import_error
 
     has_gpu = bool(tf.config.list_physical_devices("GPU"))
     horovod_error = horovod_import_error() if requested == "horovod" else None
@@ -19,8 +19,14 @@ def resolve_engine(requested: str | None) -> tuple[str, str | None]:
 
 def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collective: Any) -> None:
     from ..model_io import averaged_optimizer_variables
-    from ..strategies.allreduce import (AllreduceCallback, GradientAllreduce, broadcast_state,
-                                        shard_samples, step_totals, wrap_optimizer)
+    from ..strategies.allreduce import (
+        AllreduceCallback,
+        GradientAllreduce,
+        broadcast_state,
+        shard_samples,
+        step_totals,
+        wrap_optimizer,
+    )
     from ..strategies.averaging import WeightedAverager
     from .callbacks import EventCallback, weight_shipper
     from .datasets import job_inputs

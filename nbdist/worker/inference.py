@@ -17,7 +17,7 @@ log = logging.getLogger("nbdist.worker")
 def evaluate_shard(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int,
                    classifier: dict[str, Any] | None) -> tuple[list[str], list[np.ndarray], dict[str, Any]]:
     """Metric variables after evaluating this shard, plus the classifier's additive counts."""
-    from ..evaluation import ClassifierSpec, shard_statistics
+    from ..metrics import ClassifierSpec, shard_statistics
 
     model.evaluate(x, y, batch_size=batch_size, verbose=0)
     names = [v.path for v in model.metrics_variables]
@@ -49,7 +49,7 @@ def _fit_input(model: Any, x: np.ndarray) -> np.ndarray:
 
 def run_inference(link: Any, job: dict[str, Any]) -> None:
     from ..model_io import ModelSpec, model_from_spec
-    from .training import pin_threads
+    from .runtime import pin_threads
 
     cfg = job["config"]
     link.heartbeat_timeout = float(cfg["heartbeat_timeout"])

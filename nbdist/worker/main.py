@@ -20,7 +20,7 @@ import time
 import traceback
 from typing import Any
 
-from .. import protocol
+from ..wire import protocol
 
 log = logging.getLogger("nbdist.worker")
 
@@ -131,7 +131,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="import everything first, then read the address and rank on stdin (backends/warm.py)")
     p.add_argument("--warm-socket", metavar="PATH",
                    help="import everything first, then take a Spark task's job on this Unix socket "
-                        "(backends/spark_warm.py)")
+                        "(spark/warm.py, worker/warm_socket.py)")
     p.add_argument("--watch", metavar="PID:START", help="with --warm-socket: exit when this process ends")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the parent process dies")
     args = p.parse_args(argv)
@@ -147,7 +147,7 @@ def _import_for_training() -> None:
     import tensorflow  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    from ..backends.warm import READY
+    from ..wire.handover import READY
     from . import allreduce_fit, training  # noqa: F401
 
     log.info("%s", READY)
@@ -177,19 +177,19 @@ def wait_warm(stream: Any = None) -> tuple[str, int] | None:
 
 
 def wait_warm_socket(path: str, watch: str) -> tuple[str, int, bytes, socket.socket] | None:
-    """A warm worker on a Spark executor (backends/spark_warm.py): import, then wait for a task.
+    """A warm worker on a Spark executor (spark/warm.py, worker/warm_socket.py): import, then wait for a task.
 
     Returns (address, rank, secret line, the task's connection), or None when the executor went
     away or nobody came. Once taken, the worker dies with that connection, as a child started
     with ``--die-with-parent`` dies with its task.
     """
-    from ..backends import spark_warm
     from ..strategies.shared import ProcessId
+    from . import warm_socket
 
     pid, start = (int(v) for v in watch.split(":"))
-    listener = spark_warm.listen(path)
+    listener = warm_socket.listen(path)
     _import_for_training()
-    taken = spark_warm.serve_one(listener, path, lambda: ProcessId(pid, start).alive())
+    taken = warm_socket.serve_one(listener, path, lambda: ProcessId(pid, start).alive())
     if taken is None:
         return None
     conn, job, secret = taken
@@ -263,9 +263,17 @@ def _work(address: str, rank: int, secret: bytes) -> int:
     link = DriverLink(channel)
     link.send({"type": "hello", "rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     try:
-        from .training import run_job
+        from .runtime import unpack_job
 
-        run_job(link, rank)
+        job = unpack_job(link.expect("job", timeout=300))
+        if job.get("kind", "train") == "train":
+            from .training import run_training
+
+            run_training(link, rank, job)
+        else:  # evaluate / predict
+            from .inference import run_inference
+
+            run_inference(link, job)
     except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
         tb = traceback.format_exc()
         log.error("training failed:\n%s", tb)

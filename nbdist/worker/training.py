@@ -4,15 +4,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .runtime import pin_threads
+
 log = logging.getLogger("nbdist.worker")
-
-
-def pin_threads(threads: int) -> None:
-    """Keep N workers on one machine from each using every core."""
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, threads)))
 
 
 def scale_learning_rate(model: Any, mode: str, world_size: int) -> None:
@@ -29,27 +23,8 @@ def scale_learning_rate(model: Any, mode: str, world_size: int) -> None:
     log.info("learning rate scaled by %g for %d workers (lr_scaling=%s)", factor, world_size, mode)
 
 
-def unpack_job(msg: Any) -> dict[str, Any]:
-    """Split a job message's arrays into weights, optimizer state, custom objects and data."""
-    body, arrays = msg.body, list(msg.arrays)
-    take = lambda n: [arrays.pop(0) for _ in range(n)]  # noqa: E731
-    job = dict(body)
-    job["weights"] = take(body["n_weights"])
-    job["optimizer_weights"] = take(body["n_optimizer"]) if body["n_optimizer"] >= 0 else None
-    job["custom_objects"] = take(1)[0].tobytes() if body["has_custom"] else None
-    if body.get("data_source") == "task":  # the Spark task wrote this worker's shard next to it
-        from ..backends.spark_task import load_task_data
-
-        job["x"], job["y"] = load_task_data()
-    else:
-        job["x"], job["y"] = take(1)[0], (take(1)[0] if body["has_y"] else None)
-    if body["has_val"]:
-        job["xv"], job["yv"] = take(1)[0], (take(1)[0] if body["has_y"] else None)
-    return job
-
-
 def connect_collective(link: Any, job: dict[str, Any]) -> Any:
-    from ..collective import GlooCollective, SoloCollective, open_store_listener
+    from ..strategies.collective import GlooCollective, SoloCollective, open_store_listener
 
     rank, world = job["rank"], job["world_size"]
     if world == 1:
@@ -67,12 +42,7 @@ def connect_collective(link: Any, job: dict[str, Any]) -> Any:
                           listen_fd=listen_fd, ifname=job.get("gloo_ifname"))
 
 
-def run_job(link: Any, rank: int) -> None:
-    job = unpack_job(link.expect("job", timeout=300))
-    if job.get("kind", "train") != "train":  # evaluate / predict: see inference.py
-        from .inference import run_inference
-
-        return run_inference(link, job)
+def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
     cfg = job["config"]
     link.heartbeat_timeout = float(cfg["heartbeat_timeout"])
     pin_threads(int(job["threads"]))

@@ -7,23 +7,33 @@ predictions (predict); the driver sums the state and computes every metric once.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import uuid
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from . import protocol
-from .config import TrainConfig
-from .data import Dataset, check_workers, make_dataset
-from .errors import NbdistError
-from .evaluation import (ClassifierSpec, check_labels, classifier_spec, labels_are_classes, merge_classifier_stats,
-                         sum_states)
-from .job import TrainingJob, job_arrays
-from .model_io import ModelSpec, _custom_objects, _json_default, is_keras_model
-from .spark_data import SparkData, is_spark_data
-from .strategies.placement import threads_per_worker
+from ..checks import input_shape
+from ..config import TrainConfig
+from ..data import Dataset, check_workers, make_dataset
+from ..errors import NbdistError
+from ..metrics import (
+    ClassifierSpec,
+    check_labels,
+    classifier_spec,
+    labels_are_classes,
+    merge_classifier_stats,
+    sum_states,
+)
+from ..model_io import ModelSpec, _custom_objects, _json_default, is_keras_model
+from ..placement import threads_per_worker
+from ..spark.checks import SPARK_BACKENDS, check_label_classes, check_width
+from ..spark.data import SparkData, is_spark_data, is_spark_rdd, spark_dataset, sql_types
+from ..wire import protocol
+from .training import TrainingJob, job_arrays
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +243,7 @@ def _prepare(model: Any, x: Any, y: Any, need_labels: bool, options: dict[str, A
     if need_labels and y is None:
         raise NbdistError("evaluation needs labels; pass them as y (or --data X,y).")
     data = make_dataset(x, y, "evaluation data" if need_labels else "prediction data")
-    in_shape = _input_shape(model)
+    in_shape = input_shape(model)
     if in_shape is not None and tuple(data.x.shape[1:]) != in_shape:
         raise NbdistError(f"the features have shape {tuple(data.x.shape[1:])} per row but {name} expects "
                           f"{in_shape}; pass data shaped like the training data.")
@@ -246,14 +256,6 @@ def _no_columns(features: Any, label: Any) -> None:
     if features is not None or label is not None:
         raise NbdistError("--features and --label name the columns of a Spark DataFrame; with numpy or pandas "
                           "data pass --data X,y instead.")
-
-
-def _input_shape(model: Any) -> tuple[int, ...] | None:
-    try:
-        shape = tuple(model.inputs[0].shape[1:]) if len(model.inputs) == 1 else None
-    except (AttributeError, ValueError):
-        return None
-    return None if shape is None or any(d is None for d in shape) else shape
 
 
 def evaluate(model: Any, x: Any, y: Any = None, *, namespace: dict[str, Any] | None = None,
@@ -270,8 +272,6 @@ def evaluate(model: Any, x: Any, y: Any = None, *, namespace: dict[str, Any] | N
     RDD of (features, label) pairs: each Spark task then evaluates its partition in place.
     """
     if is_spark_data(x):
-        from .spark_inference import evaluate_spark
-
         return evaluate_spark(model, x, y, features, label, namespace, options)
     _no_columns(features, label)
     config, data = _prepare(model, x, y, True, dict(options), "the model")
@@ -296,9 +296,83 @@ def predict(model: Any, x: Any, *, namespace: dict[str, Any] | None = None,
     ``prediction_col`` added, computed lazily on the executors; no row visits the driver.
     """
     if is_spark_data(x):
-        from .spark_inference import predict_spark
-
         return predict_spark(model, x, features, namespace, options, prediction_col)
     _no_columns(features, None)
     config, data = _prepare(model, x, None, False, dict(options), "the model")
     return PredictionJob(model, config, data, namespace).run()
+
+
+# -- Spark data: partitions evaluated where they live, predictions as a lazy DataFrame ----------
+def evaluate_spark(model: Any, x: Any, y: Any, features: str | Sequence[str] | None, label: str | None,
+                   namespace: dict[str, Any] | None, options: dict[str, Any]) -> dict[str, Any]:
+    """``nbdist.evaluate`` on a DataFrame (or an RDD of (features, label)): partitions evaluated in place."""
+    config = _config(dict(options))
+    _check_spark_backend(config.backend, "evaluated")
+    check_model(model, "the model", need_compiled=True)
+    data = spark_dataset(x, y, features, label)
+    check_width(model, data)
+    loss = (model.get_compile_config() or {}).get("loss")
+    output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
+    classifier = classifier_spec(loss, output_shape)
+    if data.dataframe is not None:  # a numeric label column: one value per row
+        if output_shape:
+            check_labels((1,), output_shape, loss, what=f"label column {label!r} values")
+        if classifier is not None and classifier.kind == "multiclass" and classifier.sparse_labels:
+            check_label_classes(data, classifier.classes)
+    job = EvaluationJob(model, config, data, namespace, classifier=classifier)
+    return job.run()
+
+
+def predict_spark(model: Any, df: Any, features: str | Sequence[str] | None, namespace: dict[str, Any] | None,
+                  options: dict[str, Any], prediction_col: str = "prediction") -> Any:
+    """A new DataFrame: ``df``'s columns plus ``prediction_col``, computed lazily on the executors.
+
+    One output value per row gives a double column, several an array<double> column.
+    """
+    from ..spark.predict import PredictSpec, pack_weights, predict_batches
+
+    options = dict(options)
+    if options.get("workers") is not None:
+        raise NbdistError("prediction on a Spark DataFrame runs in the DataFrame's own partitions; drop --workers "
+                          "(repartition the DataFrame to change how many tasks run).")
+    options.pop("workers", None)
+    config = _config(options)
+    _check_spark_backend(config.backend, "predicted")
+    if is_spark_rdd(df):
+        raise NbdistError("prediction on Spark returns a DataFrame with a prediction column, so it needs a "
+                          "DataFrame; convert the RDD first, e.g. spark.createDataFrame(rdd, ['features']).")
+    check_model(model, "the model", need_compiled=False)
+    if not isinstance(prediction_col, str) or not prediction_col:
+        raise NbdistError(f"the prediction column needs a name, got {prediction_col!r}; e.g. prediction_col='prediction'.")
+    if prediction_col in df.columns:
+        raise NbdistError(f"the DataFrame already has a column {prediction_col!r}; drop it or choose another "
+                          "prediction column name.")
+    data = spark_dataset(df, None, features, None, label_required=False)
+    in_shape = check_width(model, data)
+    out_shape = tuple(model.outputs[0].shape[1:])
+    if any(d is None for d in out_shape):
+        raise NbdistError("the model's output size depends on its input; nbdist predicts fixed-size outputs only.")
+    scalar = int(np.prod(out_shape)) == 1
+    spec, custom = inference_spec(model, namespace)
+    spark_types = sql_types()
+    sc = df.sparkSession.sparkContext
+    # JSON text and an npz of numbers: nothing the executors would have to unpickle from us.
+    broadcast = sc.broadcast({"config": json.dumps(spec.config), "weights": pack_weights(spec.weights)})
+    task = PredictSpec(model=broadcast, key=uuid.uuid4().hex, features=data.layout.features, column=prediction_col,
+                       batch_size=config.batch_size,
+                       input_shape=in_shape if in_shape is not None and len(in_shape) > 1 else None,
+                       scalar=scalar, threads=max(1, int(sc.getConf().get("spark.task.cpus", "1") or 1)),
+                       custom_objects=custom,
+                       udt_columns=tuple((f.name, f.dataType) for f in df.schema.fields
+                                         if isinstance(f.dataType, spark_types.UserDefinedType)))
+    kind = spark_types.DoubleType() if scalar else spark_types.ArrayType(spark_types.DoubleType(), containsNull=False)
+    schema = spark_types.StructType(list(df.schema.fields) + [spark_types.StructField(prediction_col, kind, nullable=False)])
+    log.info("prediction column %r added lazily (%d feature columns, model broadcast once)",
+             prediction_col, len(task.features))
+    return df.mapInPandas(functools.partial(predict_batches, task), schema)
+
+
+def _check_spark_backend(backend: str | None, what: str) -> None:
+    if (backend or "auto") not in SPARK_BACKENDS:
+        raise NbdistError(f"Spark data is {what} on the Spark backend, where it lives; drop --backend {backend} "
+                          "(or convert it first, e.g. df.toPandas(), if it fits in memory).")

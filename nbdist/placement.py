@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import NbdistError
+from .errors import NbdistError
 
 ENGINES = ("gloo", "nccl", "horovod")
 

@@ -31,17 +31,16 @@ import secrets
 import select
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+
+from ..wire.handover import log_path_of, read_line, remove_quietly
 
 log = logging.getLogger(__name__)
 
-IDLE_LIMIT = 3600.0  # seconds a warm worker waits for a job before it gives its memory back
 CLAIM_TIMEOUT = 120.0  # a worker still importing answers once its imports are done
 # What a worker's start depends on: two environments that agree on these get the same worker.
 ENV_KEYS = ("PYTHONPATH", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
@@ -79,11 +78,6 @@ def pool_dir(executor: tuple[int, int], root: str | None = None) -> Path | None:
             log.warning("not using warm workers: %s is not a private directory of this user", d)
             return None
     return path
-
-
-def log_path_of(sock_path: str) -> Path:
-    """The log file of the warm worker listening at ``sock_path`` (same name, ``.log``)."""
-    return Path(sock_path).with_suffix(".log")
 
 
 def start(directory: Path, env: dict[str, str], executor: tuple[int, int]) -> subprocess.Popen:
@@ -153,88 +147,14 @@ def claim(directory: Path, env: dict[str, str], job: bytes, secret: bytes,
             conn.settimeout(timeout)
             conn.connect(mine)
             conn.sendall(job + secret.hex().encode() + b"\n")
-            answer = _read_line(conn)
+            answer = read_line(conn)
             conn.settimeout(None)
         except OSError as exc:
             log.debug("warm worker at %s did not take the job: %s", sock_path, exc)
             conn.close()
             answer = b""
         finally:
-            _unlink(mine)
+            remove_quietly(mine)
         if answer.startswith(b"pid "):
             return ClaimedWorker(conn, int(answer[4:]), log_path_of(sock_path))
     return None
-
-
-def _read_line(conn: socket.socket) -> bytes:
-    line = b""
-    while not line.endswith(b"\n") and len(line) < 1024:
-        chunk = conn.recv(1)
-        if not chunk:
-            break
-        line += chunk
-    return line.strip()
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-# -- the worker's side --------------------------------------------------------
-def peer_uid(conn: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket, as the kernel records it."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[2]
-
-
-def listen(path: str) -> socket.socket:
-    """The warm worker's socket, bound before it imports so a task can already queue for it."""
-    old = os.umask(0o077)  # the socket file is 0600 (the directory is 0700 already)
-    try:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(path)
-    finally:
-        os.umask(old)
-    listener.listen(4)
-    return listener
-
-
-def serve_one(listener: socket.socket, path: str, executor_alive: Callable[[], bool],
-              idle_limit: float = IDLE_LIMIT) -> tuple[socket.socket, bytes, bytes] | None:
-    """Wait for a task of this user; return (connection, job line, secret line).
-
-    None when the executor is gone or nobody came within ``idle_limit`` seconds; the worker's
-    socket and log are then removed, since no task will read them.
-    """
-    listener.settimeout(1.0)
-    started = time.monotonic()
-    taken = None
-    try:
-        while time.monotonic() - started < idle_limit:
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                if not executor_alive():
-                    return None
-                continue
-            if peer_uid(conn) != os.getuid():
-                conn.close()
-                continue
-            conn.settimeout(10.0)
-            try:
-                job, secret = _read_line(conn), _read_line(conn)
-            except OSError:
-                conn.close()
-                continue
-            conn.settimeout(None)
-            taken = conn, job, secret
-            return taken
-        return None
-    finally:
-        listener.close()
-        _unlink(path)  # still there if no task renamed it
-        if taken is None:
-            _unlink(str(log_path_of(path)))

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .spark_task import _feature_block
+from .task import _feature_block
 
 log = logging.getLogger(__name__)
 

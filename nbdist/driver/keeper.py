@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from ..config import TrainConfig
+from ..errors import NbdistError
+from ..model_io import ModelSpec
 from . import checkpoint
-from .config import TrainConfig
-from .errors import NbdistError
-from .model_io import ModelSpec
-from .progress import RunState
+from .state import RunState
 
 log = logging.getLogger(__name__)
 

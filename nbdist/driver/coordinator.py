@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import protocol
+from ..wire import protocol
 
 log = logging.getLogger(__name__)
 

@@ -16,19 +16,20 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import protocol
-from .backends import Backend, WorkerHandle, resolve_backend
-from .checks import non_finite, non_finite_message
-from .config import TrainConfig
+from ..backends import Backend, WorkerHandle
+from ..checks import non_finite, non_finite_message
+from ..config import TrainConfig
+from ..data import Dataset, batches_per_epoch, check_workers, shard_bounds
+from ..errors import NbdistError, TrainingFailed
+from ..model_io import ModelSpec, build_optimizer, set_optimizer_weights, spec_from_model
+from ..placement import threads_per_worker
+from ..spark.data import SparkData
+from ..strategies.averaging import rounds_per_epoch
+from ..wire import protocol
 from .coordinator import Coordinator, Event
-from .data import Dataset, batches_per_epoch, check_workers, shard_bounds
-from .errors import NbdistError, TrainingFailed
-from .model_io import ModelSpec, build_optimizer, set_optimizer_weights, spec_from_model
-from .progress import RunState
-from .restarts import CheckpointKeeper
-from .spark_data import SparkData
-from .strategies.averaging import rounds_per_epoch
-from .strategies.placement import threads_per_worker
+from .keeper import CheckpointKeeper
+from .resolve import resolve_backend
+from .state import RunState
 
 log = logging.getLogger(__name__)
 
@@ -546,7 +547,7 @@ def _interrupts_held() -> Iterator[None]:
 
 def job_arrays(spec: ModelSpec, shard: Dataset | None, validation: Dataset | None = None,
                with_optimizer: bool = False) -> list[np.ndarray]:
-    """A job message's arrays, in the order a worker unpacks them (worker/training.py unpack_job):
+    """A job message's arrays, in the order a worker unpacks them (worker/runtime.py unpack_job):
     weights, optimizer state, custom objects, the shard's x and y, the validation x and y."""
     arrays: list[np.ndarray] = list(spec.weights)
     if with_optimizer and spec.optimizer_weights is not None:

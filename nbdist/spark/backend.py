@@ -17,10 +17,10 @@ import threading
 import uuid
 from typing import Any, Callable
 
-from .. import protocol
+from ..backends.warm import wanted_count
 from ..errors import NbdistError
-from .spark_task import TaskSpec, run_task
-from .warm import wanted_count
+from ..wire import protocol
+from .task import TaskSpec, run_task
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import NbdistError
+from ..errors import NbdistError
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
-from .backends.spark_task import Layout
-from .errors import NbdistError
+from ..errors import NbdistError
+from .task import Layout
 
 
 def is_spark_dataframe(obj: Any) -> bool:
@@ -146,3 +146,10 @@ def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: s
         raise NbdistError(f"label column {label!r} is {fields[label].simpleString()}, not a number; "
                           "index it first (e.g. pyspark.ml.feature.StringIndexer).")
     return SparkData(None, Layout(cols, label), dataframe=x.select(*cols, label))
+
+
+def sql_types() -> Any:
+    """``pyspark.sql.types``, for callers outside this package (only nbdist.spark imports pyspark)."""
+    from pyspark.sql import types
+
+    return types

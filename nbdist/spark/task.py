@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -19,15 +18,14 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
+from ..wire.shardfile import DATA_ENV, X_FILE, Y_FILE, NpyStreamWriter
+
 log = logging.getLogger(__name__)
 
-DATA_ENV = "NBDIST_DATA_DIR"  # tells the worker where its task wrote the shard
-X_FILE, Y_FILE = "x.npy", "y.npy"
-NPY_HEADER_SIZE = 128  # fixed, so the shape can be written after streaming the rows
 CHUNK_ROWS = 4096
 
 
@@ -49,46 +47,10 @@ def cuda_visible_devices(resources: Mapping[str, Any]) -> str | None:
 
 def task_visible_devices(resources: Mapping[str, Any]) -> str | None:
     """The one GPU this task's worker uses (allreduce pins one per worker); None: Spark assigned none."""
-    from ..strategies.placement import spark_task_visible_devices
+    from ..placement import spark_task_visible_devices
 
     devices = cuda_visible_devices(resources)
     return None if devices is None else spark_task_visible_devices(devices.split(","))
-
-
-def npy_header(dtype: np.dtype, shape: Sequence[int], size: int = NPY_HEADER_SIZE) -> bytes:
-    """A version 1.0 .npy header padded to exactly ``size`` bytes (a multiple of 64)."""
-    descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
-    text = repr({"descr": descr, "fortran_order": False, "shape": tuple(int(s) for s in shape)}).encode("latin1")
-    room = size - 10  # magic (6) + version (2) + length (2)
-    if len(text) + 1 > room:
-        raise ValueError(f"shape {tuple(shape)} does not fit a {size}-byte npy header")
-    return b"\x93NUMPY\x01\x00" + struct.pack("<H", room) + text + b" " * (room - len(text) - 1) + b"\n"
-
-
-class NpyStreamWriter:
-    """Append row blocks to a .npy file without holding the whole partition in memory."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._f = open(path, "wb")
-        self._f.write(b"\0" * NPY_HEADER_SIZE)
-        self.dtype: np.dtype | None = None
-        self.row_shape: tuple[int, ...] | None = None
-        self.rows = 0
-
-    def append(self, block: np.ndarray, what: str) -> None:
-        if self.dtype is None:
-            self.dtype, self.row_shape = block.dtype, block.shape[1:]
-        elif block.shape[1:] != self.row_shape:
-            raise ValueError(f"{what} has {block.shape[1:]} values in some rows but {self.row_shape} in others; "
-                             "every row needs the same number of values.")
-        self._f.write(np.ascontiguousarray(block, dtype=self.dtype).tobytes())
-        self.rows += len(block)
-
-    def close(self) -> None:
-        self._f.seek(0)
-        self._f.write(npy_header(self.dtype or np.float32, (self.rows, *(self.row_shape or ()))))
-        self._f.close()
 
 
 def _feature_block(values: list[Any], name: str) -> np.ndarray:
@@ -166,17 +128,6 @@ def _write_block(block: list[Any], layout: Layout, xw: NpyStreamWriter, yw: NpyS
         yw.append(y, "the label")
 
 
-def load_task_data(directory: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """The worker's side: read what its task wrote."""
-    directory = directory or os.environ.get(DATA_ENV)
-    if not directory:
-        raise RuntimeError(f"the job says the data is local but {DATA_ENV} is not set")
-    x = np.load(os.path.join(directory, X_FILE))
-    y_path = os.path.join(directory, Y_FILE)
-    y = np.load(y_path) if os.path.exists(y_path) else None
-    return x, y
-
-
 # -- the task -------------------------------------------------------------
 @dataclass(frozen=True)
 class TaskSpec:
@@ -193,7 +144,7 @@ class _Reporter:
     """The task's authenticated line back to the driver: which worker it started and how it ended."""
 
     def __init__(self, spec: TaskSpec, secret: bytes) -> None:
-        from .. import protocol
+        from ..wire import protocol
 
         try:
             self.channel: Any = protocol.connect(tuple(spec.status_address), secret)
@@ -248,10 +199,10 @@ def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
     workers the coordinator already counted, so failures are reported to the driver instead."""
     from pyspark import BarrierTaskContext
 
-    from . import spark_warm
-    from .local import worker_env
-    from .secret import hand_over
-    from .warm import job_line
+    from ..backends.local import worker_env
+    from ..wire.handover import job_line
+    from ..wire.secret import hand_over
+    from . import warm as spark_warm
 
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()

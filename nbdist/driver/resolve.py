@@ -1,0 +1,29 @@
+"""Which backend a run uses: ``--backend auto`` is Spark when the notebook has it, else local processes."""
+from __future__ import annotations
+
+from ..backends import Backend
+from ..config import TrainConfig
+from ..errors import NbdistError
+
+
+def resolve_backend(config: TrainConfig) -> Backend:
+    name = config.backend
+    if name in ("auto", "spark"):
+        from ..spark.backend import NO_SPARK, SparkBackend, active_spark_context
+
+        sc = active_spark_context()
+        if sc is not None:
+            return SparkBackend(sc)
+        if name == "spark":
+            raise NbdistError(NO_SPARK)
+        name = "local"
+    if name == "local":
+        from ..backends.local import LocalBackend
+
+        return LocalBackend()
+    if name == "containers":
+        from ..backends.containers import ContainerBackend
+
+        return ContainerBackend(config)
+    raise NbdistError(f"--backend {name} is not available yet; use --backend local.")
+

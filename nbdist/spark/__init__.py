@@ -1,0 +1,1 @@
+"""nbdist.spark."""

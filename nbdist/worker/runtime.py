@@ -1,0 +1,31 @@
+"""What every job needs on a worker, whatever its kind: its message unpacked, its thread budget."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def pin_threads(threads: int) -> None:
+    """Keep N workers on one machine from each using every core."""
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, threads)))
+
+
+def unpack_job(msg: Any) -> dict[str, Any]:
+    """Split a job message's arrays into weights, optimizer state, custom objects and data."""
+    body, arrays = msg.body, list(msg.arrays)
+    take = lambda n: [arrays.pop(0) for _ in range(n)]  # noqa: E731
+    job = dict(body)
+    job["weights"] = take(body["n_weights"])
+    job["optimizer_weights"] = take(body["n_optimizer"]) if body["n_optimizer"] >= 0 else None
+    job["custom_objects"] = take(1)[0].tobytes() if body["has_custom"] else None
+    if body.get("data_source") == "task":  # the Spark task wrote this worker's shard next to it
+        from ..wire.shardfile import load_task_data
+
+        job["x"], job["y"] = load_task_data()
+    else:
+        job["x"], job["y"] = take(1)[0], (take(1)[0] if body["has_y"] else None)
+    if body["has_val"]:
+        job["xv"], job["yv"] = take(1)[0], (take(1)[0] if body["has_y"] else None)
+    return job
