@@ -12,10 +12,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import nbdist  # noqa: E402
+import nbdist
 
 
 def main(rows: int) -> None:

@@ -30,7 +30,7 @@ model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
 class StampedStream(io.TextIOBase):
     """Stands in for the cell's stdout; remembers when the first epoch line arrived."""
 
-    def __init__(self, real) -> None:  # noqa: ANN001
+    def __init__(self, real) -> None:
         self.real = real
         self.first_epoch: float | None = None
         self.text = []
@@ -46,7 +46,7 @@ class StampedStream(io.TextIOBase):
 
 
 def measure(repeats: int = 3, workers: int = 2, epochs: int = 3, warm: bool = True) -> list[float]:
-    import keras  # noqa: F401 - a notebook that builds Keras models has it imported
+    import keras
     from IPython.core.interactiveshell import InteractiveShell
     from sklearn.datasets import load_digits
 
@@ -76,7 +76,7 @@ def measure(repeats: int = 3, workers: int = 2, epochs: int = 3, warm: bool = Tr
     return seconds
 
 
-def _wait_ready(pool, count: int, timeout: float = 300.0) -> None:  # noqa: ANN001
+def _wait_ready(pool, count: int, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while pool.ready_count() < count:
         if time.monotonic() > deadline:

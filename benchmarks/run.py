@@ -31,9 +31,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -117,8 +118,8 @@ def row_p3(quick: bool, workdir: Path) -> Row:
     # --quick uses Elephas only if its venv is already there: installing it needs PyPI.
     m = ec.measure(workdir, repeats=1 if quick else 3, install=not quick)
     nb, el, ke = m["nbdist"], m["elephas"], m["keras"]
-    acc = lambda runs: statistics.median(r["accuracy"] for r in runs)  # noqa: E731
-    sec = lambda runs: statistics.median(r["seconds"] for r in runs)  # noqa: E731
+    acc = lambda runs: statistics.median(r["accuracy"] for r in runs)
+    sec = lambda runs: statistics.median(r["seconds"] for r in runs)
     detail = (f"acc nbdist {acc(nb):.3f} ({sec(nb):.1f} s), Keras {acc(ke):.3f} ({sec(ke):.1f} s)")
     row = Row("P3", *GOALS["P3"], extra=m)
     if el:
@@ -144,7 +145,7 @@ def row_p4(quick: bool, workdir: Path) -> Row:
         raw.append(scaling.raw_gloo_allreduce(12, mib))
         ours.append(scaling.nbdist_sync_per_step(12, mib))
     r, o = statistics.median(raw), statistics.median(ours)
-    bus = lambda s: scaling.bus_bandwidth(s, 2, nbytes)  # noqa: E731
+    bus = lambda s: scaling.bus_bandwidth(s, 2, nbytes)
     return Row("P4", *GOALS["P4"], runs=[b / a for a, b in zip(raw, ours)],
                detail=f"{mib} MiB: nbdist {o * 1e3:.0f} ms (bus {bus(o):.2f} GB/s), raw Gloo {r * 1e3:.0f} ms "
                       f"(bus {bus(r):.2f} GB/s); loopback TCP {tcp:.2f} GB/s",

@@ -49,7 +49,7 @@ def cnn_throughput(workers: int, per_worker: int = 1024, epochs: int = 5) -> flo
     model.compile("sgd", "sparse_categorical_crossentropy")
     stamps: list[float] = []
 
-    def on_event(kind: str, state, payload) -> None:  # noqa: ANN001
+    def on_event(kind: str, state, payload) -> None:
         if kind == "epoch":
             stamps.append(time.perf_counter())
 

@@ -10,7 +10,7 @@ from .errors import NbdistError, TrainingFailed
 from .version import __version__
 
 
-def train(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy wrapper, see api.train
+def train(*args, **kwargs):
     from .api import train as _train
 
     return _train(*args, **kwargs)
@@ -19,13 +19,13 @@ def train(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy wrapper, see api
 train.__doc__ = "Train a compiled Keras model data-parallel; see nbdist.api.train."
 
 
-def evaluate(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy wrapper, see inference.evaluate
+def evaluate(*args, **kwargs):
     from .driver.inference import evaluate as _evaluate
 
     return _evaluate(*args, **kwargs)
 
 
-def predict(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy wrapper, see inference.predict
+def predict(*args, **kwargs):
     from .driver.inference import predict as _predict
 
     return _predict(*args, **kwargs)
@@ -35,7 +35,7 @@ evaluate.__doc__ = "Evaluate a compiled Keras model sharded over workers, metric
 predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist.driver.inference.predict."
 
 
-def load_ipython_extension(ipython) -> None:  # noqa: ANN001
+def load_ipython_extension(ipython) -> None:
     from .magics import DistMagics, EvaluateMagics
 
     ipython.register_magics(DistMagics)
@@ -48,7 +48,7 @@ def load_ipython_extension(ipython) -> None:  # noqa: ANN001
         start_warm_workers()
 
 
-def unload_ipython_extension(ipython) -> None:  # noqa: ANN001
+def unload_ipython_extension(ipython) -> None:
     from .backends.warm import POOL
     from .magics import DistMagics, EvaluateMagics
 

@@ -97,7 +97,7 @@ class TrainConfig:
                                   "add --strategy allreduce or drop --engine.")
         _validate_containers(self)
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -109,7 +109,7 @@ def default_local_workers() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def _validate_containers(cfg: "TrainConfig") -> None:
+def _validate_containers(cfg: TrainConfig) -> None:
     options = {"image": "--image", "container_cpus": "--cpus", "container_memory": "--memory",
                "container_gpus": "--gpus"}
     given = [flag for name, flag in options.items() if getattr(cfg, name) is not None]
@@ -129,7 +129,7 @@ def _validate_containers(cfg: "TrainConfig") -> None:
         raise NbdistError(f"--gpus must be 'all' or GPU indices like 0,1, got {gpus!r}.")
 
 
-def _validate_checkpointing(cfg: "TrainConfig") -> None:
+def _validate_checkpointing(cfg: TrainConfig) -> None:
     d = cfg.checkpoint_dir
     if d is not None and (not isinstance(d, (str, os.PathLike)) or not os.fspath(d).strip()):
         raise NbdistError(f"--checkpoint-dir must name a directory, got {d!r}; for example --checkpoint-dir ckpt.")

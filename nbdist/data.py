@@ -19,7 +19,7 @@ class Dataset:
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
-    def slice(self, start: int, stop: int) -> "Dataset":
+    def slice(self, start: int, stop: int) -> Dataset:
         return Dataset(self.x[start:stop], None if self.y is None else self.y[start:stop])
 
 

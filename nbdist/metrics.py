@@ -9,8 +9,9 @@ computes every score once, from the whole.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ class ClassifierSpec:
                 "threshold": self.threshold}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any] | None) -> "ClassifierSpec | None":
+    def from_json(cls, d: dict[str, Any] | None) -> ClassifierSpec | None:
         if not d:
             return None
         return cls(str(d["kind"]), int(d["classes"]), bool(d["sparse_labels"]), float(d["threshold"]))

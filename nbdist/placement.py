@@ -77,7 +77,7 @@ def threads_per_worker(world: int) -> int:
     return max(1, (len(cores) if cores else os.cpu_count() or 1) // world)
 
 
-def core_slices(cores: "list[int] | set[int] | tuple[int, ...]", world: int, threads: int) -> list[set[int]] | None:
+def core_slices(cores: list[int] | set[int] | tuple[int, ...], world: int, threads: int) -> list[set[int]] | None:
     """Each local worker's own contiguous cores (``threads`` each), like ``mpirun --bind-to core``.
 
     ``cores`` are the ones this process may use (``os.sched_getaffinity(0)``). Pinned, a worker
@@ -124,7 +124,7 @@ def horovod_import_error() -> str | None:
     return None
 
 
-def spark_task_visible_devices(addresses: "list[str] | tuple[str, ...] | None") -> str | None:
+def spark_task_visible_devices(addresses: list[str] | tuple[str, ...] | None) -> str | None:
     """CUDA_VISIBLE_DEVICES for the worker a Spark task hosts, from the GPUs Spark assigned the task.
 
     ``addresses`` are the task's ``resources()["gpu"].addresses`` (None: Spark schedules no GPUs,
@@ -138,7 +138,7 @@ def spark_task_visible_devices(addresses: "list[str] | tuple[str, ...] | None") 
     return ids[0] if ids else ""
 
 
-def spark_task_placement(addresses: "list[str] | tuple[str, ...] | None", requested_engine: str | None,
+def spark_task_placement(addresses: list[str] | tuple[str, ...] | None, requested_engine: str | None,
                          horovod_error: str | None = None) -> tuple[str | None, str | None, str | None]:
     """The whole chain for a Spark-hosted worker: task GPUs -> CUDA_VISIBLE_DEVICES -> engine.
 

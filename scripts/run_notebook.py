@@ -22,7 +22,7 @@ def main() -> int:
     client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(args.notebook.parent)}})
 
-    def show(cell, cell_index, execute_reply=None, **_):  # noqa: ANN001, ANN003
+    def show(cell, cell_index, execute_reply=None, **_):
         for out in cell.get("outputs", []):
             if out.get("output_type") == "stream":
                 sys.stdout.write(out.get("text", ""))

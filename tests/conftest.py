@@ -9,9 +9,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # and kernels started by the notebook tests inherit this.
 os.environ["NBDIST_WARM_WORKERS"] = "0"
 
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import psutil
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,12 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
-import nbdist  # noqa: E402
-from nbdist.api import prepare  # noqa: E402
-from nbdist.backends.containers import (  # noqa: E402
+import nbdist
+from nbdist.api import prepare
+from nbdist.backends.containers import (
     ENGINE_ENV,
     LABEL,
     ContainerBackend,
@@ -29,8 +29,8 @@ from nbdist.backends.containers import (  # noqa: E402
     gpu_flags,
     run_command,
 )
-from nbdist.config import TrainConfig  # noqa: E402
-from nbdist.errors import NbdistError, TrainingFailed  # noqa: E402
+from nbdist.config import TrainConfig
+from nbdist.errors import NbdistError, TrainingFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 10
@@ -50,8 +50,8 @@ def test_run_command_keeps_the_secret_off_the_command_line():
     cmd = run_command(Engine("podman", "/usr/bin/podman"), name="nbdist-x-w0", run_id="x", rank=0,
                       image="img", python="/py", address="127.0.0.1:5", threads=1, mounts=["/usr"], config=cfg)
     assert "-i" in cmd and not any("SECRET" in a for a in cmd)  # the secret goes on stdin, not in --env
-    assert ["--cpus", "1.5"] == cmd[cmd.index("--cpus"):cmd.index("--cpus") + 2]
-    assert ["--memory", "2g"] == cmd[cmd.index("--memory"):cmd.index("--memory") + 2]
+    assert cmd[cmd.index("--cpus"):cmd.index("--cpus") + 2] == ["--cpus", "1.5"]
+    assert cmd[cmd.index("--memory"):cmd.index("--memory") + 2] == ["--memory", "2g"]
     assert "/usr:/usr:ro" in cmd and f"{LABEL}=x" in cmd and "host" in cmd
     assert cmd[-7:] == ["img", "/py", "-m", "nbdist.worker", "--address", "127.0.0.1:5", "--rank", "0"][-7:]
 

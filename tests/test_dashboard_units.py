@@ -151,7 +151,7 @@ def test_a_failed_run_opens_the_error_panel_with_the_workers_traceback(dashboard
     assert dash.error_panel.layout.display is None
     assert "traceback from worker 1" in dash.error_panel.value
     assert "ValueError: bad &lt;input&gt;" in dash.error_panel.value  # escaped, not HTML
-    assert "failed" in dash.worker_states[1].value and "danger" == dash.worker_bars[1].bar_style
+    assert "failed" in dash.worker_states[1].value and dash.worker_bars[1].bar_style == "danger"
     assert dash.stop_button.layout.display == "none"
     assert "nbdist-summary" in shown.updates[-1].data  # the static summary replaced the placeholder
 

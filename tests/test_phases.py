@@ -14,7 +14,7 @@ from nbdist.worker.phases import PhaseClock, PhaseReporter
 LATE = 1.5  # seconds rank 1 keeps rank 0 waiting
 
 
-def _rank(rank: int, ports: "mp.Queue", results: "mp.Queue") -> None:
+def _rank(rank: int, ports: mp.Queue, results: mp.Queue) -> None:
     from nbdist.strategies.collective import GlooCollective, open_store_listener
     from nbdist.worker.phases import PhaseClock, PhaseCollective, PhaseReporter
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import soak  # noqa: E402
+import soak
 
-from .conftest import ipython_shell  # noqa: E402
+from .conftest import ipython_shell
 
 pytestmark = pytest.mark.soak
 TRIALS = int(os.environ.get("NBDIST_SOAK_TRIALS", "8"))

@@ -70,7 +70,7 @@ def test_accuracy_two_workers_within_one_point_of_local(digits_split):
     local.fit(x_train, y_train, batch_size=32, epochs=20, verbose=0)
     job = nbdist.train(dist, x_train, y_train, epochs=20, batch_size=32, workers=2, seed=3,
                        validation_data=(x_test, y_test))
-    acc = lambda m: float((m.predict(x_test, verbose=0).argmax(1) == y_test).mean())  # noqa: E731
+    acc = lambda m: float((m.predict(x_test, verbose=0).argmax(1) == y_test).mean())
     local_acc, dist_acc = acc(local), acc(dist)
     assert dist_acc >= local_acc - 0.01, (dist_acc, local_acc)
     h = job.history

@@ -114,7 +114,7 @@ class WarmPool:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
 
-    def _drop(self, which) -> None:  # noqa: ANN001
+    def _drop(self, which) -> None:
         keep = []
         for w in self._workers:
             if which(w):

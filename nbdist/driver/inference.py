@@ -12,7 +12,8 @@ import json
 import logging
 import uuid
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

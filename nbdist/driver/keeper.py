@@ -35,7 +35,7 @@ class ModelInfo:
     optimizer: str
 
     @classmethod
-    def of(cls, model: Any) -> "ModelInfo":
+    def of(cls, model: Any) -> ModelInfo:
         return cls([tuple(int(d) for d in w.shape) for w in model.weights],
                    [str(getattr(w, "path", w.name)) for w in model.weights],
                    type(model.optimizer).__name__)
@@ -60,7 +60,7 @@ class CheckpointKeeper:
         self.base_spec: ModelSpec | None = None
 
     @classmethod
-    def for_run(cls, config: TrainConfig, model: Any) -> "CheckpointKeeper | None":
+    def for_run(cls, config: TrainConfig, model: Any) -> CheckpointKeeper | None:
         """The keeper for this run, or None when it neither checkpoints nor restarts.
 
         Everything the user could get wrong is checked here, before any worker starts.

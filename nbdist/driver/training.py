@@ -12,7 +12,8 @@ import queue
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -111,7 +112,7 @@ class TrainingJob:
     def error(self) -> TrainingFailed | None:
         return self._failure
 
-    def start(self) -> "TrainingJob":
+    def start(self) -> TrainingJob:
         """Validate, serialise the model and launch the workers (from the main thread)."""
         cfg = self.config
         self._spec = self._make_spec()
@@ -210,7 +211,7 @@ class TrainingJob:
         self.state.finish("stopped", reason)
         self._notify("end")
 
-    def run_in_background(self) -> "TrainingJob":
+    def run_in_background(self) -> TrainingJob:
         """Pump events on a daemon thread; ``start()`` must have run on the calling thread, because
         workers die with the thread that spawned them (PR_SET_PDEATHSIG)."""
         if self.state is None:

@@ -19,8 +19,8 @@ worker_arguments = [
 ]
 
 
-def apply(decorators: list[Any]):  # noqa: ANN201
-    def wrap(func):  # noqa: ANN001, ANN202
+def apply(decorators: list[Any]):
+    def wrap(func):
         for deco in reversed(decorators):
             func = deco(func)
         return func

@@ -15,7 +15,8 @@ import socket
 import sys
 import threading
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..backends.warm import wanted_count
 from ..errors import NbdistError

@@ -8,7 +8,8 @@ pyspark is imported lazily: this module is importable without it.
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..errors import NbdistError
 from .task import Layout

@@ -11,8 +11,9 @@ import io
 import json
 import logging
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -51,7 +51,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -257,7 +258,7 @@ class GradientAllreduce:
                                "and positive before each allreduce step")
         return self.total
 
-    def _hand_back(self, bucket: "_Bucket", total: float, t0: float) -> list[np.ndarray]:
+    def _hand_back(self, bucket: _Bucket, total: float, t0: float) -> list[np.ndarray]:
         """Check the summed sample count; return the gradients as views of the bucket."""
         buf = bucket.data
         if buf[-1] != total:
@@ -271,7 +272,7 @@ class GradientAllreduce:
         bucket.lent = [weakref.ref(o) for o in out]
         return out
 
-    def _free_bucket(self) -> "_Bucket":
+    def _free_bucket(self) -> _Bucket:
         """A bucket no TensorFlow tensor still shares memory with (normally the one of last step)."""
         for bucket in self._buckets:
             if not bucket.in_use():

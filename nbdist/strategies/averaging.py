@@ -10,7 +10,8 @@ starts validation -- with identical weights.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

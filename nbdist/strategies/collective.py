@@ -84,7 +84,7 @@ class GlooCollective:
         self._keys = 0
 
     @property
-    def store(self):  # noqa: ANN201  (torch.distributed.Store)
+    def store(self):
         """The rendezvous store, for small side agreements between the workers."""
         return self._store
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import datetime
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -30,8 +30,9 @@ import os
 import platform
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +96,7 @@ class ProcessId:
     start: int  # clock ticks after boot (/proc/<pid>/stat field 22): a reused pid differs
 
     @staticmethod
-    def of(pid: int) -> "ProcessId | None":
+    def of(pid: int) -> ProcessId | None:
         """The running process ``pid`` (None: there is none, or it has exited and awaits its parent)."""
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:

@@ -7,7 +7,8 @@ static summary.
 from __future__ import annotations
 
 import html
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from IPython.display import HTML, display
 

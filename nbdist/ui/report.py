@@ -36,7 +36,7 @@ def class_rows(result: dict[str, Any]) -> list[list[str]]:
 
 def _text_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 

@@ -11,7 +11,8 @@ import html
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import bqplot
 import ipywidgets as W

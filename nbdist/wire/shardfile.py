@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

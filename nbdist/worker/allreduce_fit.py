@@ -39,7 +39,7 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
         link.send({"type": "warning", "message": warning})
     log.info("worker %d: allreduce on engine %s", rank, engine)
 
-    floats = lambda vs: [v for v in vs if "float" in str(v.dtype)]  # noqa: E731
+    floats = lambda vs: [v for v in vs if "float" in str(v.dtype)]
     # Rank 0's weights and optimizer state are everyone's starting point.
     broadcast_state(collective, floats(model.weights) + averaged_optimizer_variables(model))
 

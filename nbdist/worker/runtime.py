@@ -15,7 +15,7 @@ def pin_threads(threads: int) -> None:
 def unpack_job(msg: Any) -> dict[str, Any]:
     """Split a job message's arrays into weights, optimizer state, custom objects and data."""
     body, arrays = msg.body, list(msg.arrays)
-    take = lambda n: [arrays.pop(0) for _ in range(n)]  # noqa: E731
+    take = lambda n: [arrays.pop(0) for _ in range(n)]
     job = dict(body)
     job["weights"] = take(body["n_weights"])
     job["optimizer_weights"] = take(body["n_optimizer"]) if body["n_optimizer"] >= 0 else None

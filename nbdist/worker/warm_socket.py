@@ -10,7 +10,7 @@ import os
 import socket
 import struct
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..wire.handover import IDLE_LIMIT, log_path_of, read_line, remove_quietly
 
@@ -47,7 +47,7 @@ def serve_one(listener: socket.socket, path: str, executor_alive: Callable[[], b
         while time.monotonic() - started < idle_limit:
             try:
                 conn, _ = listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 if not executor_alive():
                     return None
                 continue
