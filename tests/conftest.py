@@ -65,6 +65,15 @@ def ipython_shell():
     return shell
 
 
+@pytest.fixture(scope="module")
+def ip(digits):
+    """The shared IPython shell with nbdist loaded and digits as X, y (600 rows) and Xv, yv (200)."""
+    shell = ipython_shell()
+    x, y = digits
+    shell.user_ns.update(X=x[:600], y=y[:600], Xv=x[600:800], yv=y[600:800])
+    yield shell
+
+
 @pytest.fixture
 def no_leftover_workers():
     yield

@@ -19,7 +19,7 @@ import pytest
 from nbdist.strategies import shared
 from nbdist.strategies.shared import ProcessId, SharedMemorySum, row_stride, segment_bytes, should_spin
 
-from .ranks import run_ranks
+from ..ranks import run_ranks
 
 pytestmark = [pytest.mark.timeout(150),
               pytest.mark.skipif(not shared.supported_here(), reason="shared-memory sums need x86-64 and /dev/shm")]

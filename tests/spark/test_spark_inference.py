@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .spark_helpers import data, need_spark, spark  # noqa: F401  (module fixtures)
+from ..spark_helpers import data, need_spark, spark  # noqa: F401  (module fixtures)
 
 need_spark()
 
@@ -26,7 +26,7 @@ from sklearn.metrics import (  # noqa: E402
 import nbdist  # noqa: E402
 from nbdist.errors import NbdistError  # noqa: E402
 
-from .conftest import ipython_shell  # noqa: E402
+from ..conftest import ipython_shell  # noqa: E402
 
 TOL = 1e-6
 SMALL = 100  # rows in the first partition; the rest (260) in the second

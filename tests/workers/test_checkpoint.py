@@ -19,7 +19,7 @@ from nbdist.driver.state import RunState
 from nbdist.errors import NbdistError
 from nbdist.ui.text import TextRenderer
 
-from .conftest import mlp
+from ..conftest import mlp
 
 
 def make_ckpt(epoch: int, seed: int = 0) -> Checkpoint:

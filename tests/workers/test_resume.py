@@ -18,9 +18,8 @@ from nbdist.config import TrainConfig
 from nbdist.driver import checkpoint
 from nbdist.errors import TrainingFailed
 
-from .conftest import mlp, relative_error, wait_no_workers
+from ..conftest import mlp, relative_error, wait_no_workers
 from .test_failures import FAILING_CELL  # a layer that raises after 20 training steps
-from .test_magic import ip  # noqa: F401  (the shared IPython shell fixture)
 
 EPOCHS = 6
 KILL_AFTER = 2  # epochs

@@ -18,7 +18,7 @@ from nbdist.config import TrainConfig
 from nbdist.errors import NbdistError
 from nbdist.worker.main import read_secret
 
-from .conftest import mlp, wait_no_workers
+from ..conftest import mlp, wait_no_workers
 
 
 def test_worker_reads_one_hex_line_from_stdin():

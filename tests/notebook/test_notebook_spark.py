@@ -5,11 +5,11 @@ import os
 import re
 from pathlib import Path
 
-from .spark_helpers import need_spark
+from ..spark_helpers import need_spark
 
 need_spark()
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_spark_dataframe.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "02_spark_dataframe.ipynb"
 
 
 def test_spark_dataframe_notebook_executes():

@@ -12,7 +12,7 @@ import pytest
 from nbdist.strategies.allreduce import direct_sum_fits
 from nbdist.strategies.direct import add_in_rank_order
 
-from .ranks import run_ranks
+from ..ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(150)
 LENGTH = 5003

@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 import nbdist
 from nbdist.errors import NbdistError
 
-from .conftest import ipython_shell, wait_no_workers
+from ..conftest import ipython_shell, wait_no_workers
 
 # The cell most cases run: it hands the prepared, compiled model `m0` to the magic.
 USE_M0 = "model = m0"

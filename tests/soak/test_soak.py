@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import soak
 
-from .conftest import ipython_shell
+from ..conftest import ipython_shell
 
 pytestmark = pytest.mark.soak
 TRIALS = int(os.environ.get("NBDIST_SOAK_TRIALS", "8"))

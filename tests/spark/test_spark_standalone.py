@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .spark_helpers import (
+from ..spark_helpers import (
     accuracy,
     digits,
     digits_frame,

@@ -19,7 +19,7 @@ from nbdist.backends.local import pin_to_cores, start_warm_workers, worker_env
 from nbdist.backends.warm import POOL, WarmPool, WarmWorker
 from nbdist.placement import threads_per_worker
 
-from .conftest import ipython_shell, wait_no_workers, worker_processes
+from ..conftest import ipython_shell, wait_no_workers, worker_processes
 
 pytestmark = pytest.mark.timeout(300)
 

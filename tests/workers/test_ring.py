@@ -12,7 +12,7 @@ import pytest
 
 from nbdist.strategies.ring import aligned_offsets, block_bounds, plan, ring_schedule, segment_bounds
 
-from .ranks import run_ranks
+from ..ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(150)
 SIZES = [37, 35, 1000, 18, 5000, 3, 1]  # the last: a sample count, as the gradient allreduce appends

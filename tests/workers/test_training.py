@@ -8,7 +8,7 @@ import pytest
 import nbdist
 from nbdist.data import shard_bounds
 
-from .conftest import mlp, relative_error
+from ..conftest import mlp, relative_error
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 

@@ -32,7 +32,7 @@ from nbdist.backends.containers import (
 from nbdist.config import TrainConfig
 from nbdist.errors import NbdistError, TrainingFailed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EPOCHS = 10
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from IPython.core.error import UsageError
 
-from .conftest import ipython_shell, worker_processes
+from ..conftest import worker_processes
 
 MODEL_CELL = """
 import keras
@@ -14,14 +14,6 @@ model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation=
                           keras.layers.Dense(10, activation="softmax")])
 model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
 """
-
-
-@pytest.fixture(scope="module")
-def ip(digits):
-    shell = ipython_shell()
-    x, y = digits
-    shell.user_ns.update(X=x[:600], y=y[:600], Xv=x[600:800], yv=y[600:800])
-    yield shell
 
 
 def run(ip, line: str, cell: str = MODEL_CELL):

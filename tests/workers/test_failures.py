@@ -11,8 +11,7 @@ import pytest
 import nbdist
 from nbdist.errors import TrainingFailed
 
-from .conftest import mlp, wait_no_workers
-from .test_magic import ip  # noqa: F401  (the shared IPython shell fixture)
+from ..conftest import mlp, wait_no_workers
 
 FAILING_CELL = """
 import keras, tensorflow as tf

@@ -21,7 +21,7 @@ from nbdist.spark import warm as spark_warm
 from nbdist.strategies.shared import ProcessId
 from nbdist.wire.handover import job_line
 
-from .spark_helpers import wait_warm_ready, warm_socket_workers
+from ..spark_helpers import wait_warm_ready, warm_socket_workers
 
 pytestmark = pytest.mark.timeout(240)
 ENV = worker_env(b"", 1)

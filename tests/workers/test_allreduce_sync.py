@@ -14,7 +14,7 @@ from nbdist.strategies.averaging import batch_sizes
 from nbdist.strategies.collective import SoloCollective
 from nbdist.strategies.ring import ALIGN, aligned_offsets, pieces
 
-from .ranks import run_ranks
+from ..ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 SHAPES = [(37,), (5, 7), (100,), (3, 3, 2)]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import wait_no_workers
+from ..conftest import wait_no_workers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROWS = ["P1", "P2", "P3", "P4", "P5", "P6"]
 
 

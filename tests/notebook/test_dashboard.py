@@ -20,7 +20,7 @@ from nbdist.ui import detect_frontend
 from nbdist.ui.summary import summary_html
 from nbdist.ui.view import Throttle, metric_groups, overview, worker_rows
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
 

@@ -24,7 +24,7 @@ from nbdist.api import prepare
 from nbdist.config import TrainConfig
 from nbdist.wire import protocol
 
-from .conftest import mlp, wait_no_workers
+from ..conftest import mlp, wait_no_workers
 
 FRAMES = int(os.environ.get("NBDIST_FUZZ_FRAMES", "10000"))
 BUDGET = 60.0  # seconds for the whole attack
