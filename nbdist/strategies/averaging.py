@@ -10,7 +10,7 @@ starts validation -- with identical weights.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,14 +37,21 @@ def sync_after(batch: int, batches: int, k: int) -> bool:
 
 
 class FlatBuffer:
-    """Variables packed into one contiguous float32 buffer, so one allreduce moves them all."""
+    """Variables packed into one contiguous float32 buffer, so one allreduce moves them all.
 
-    def __init__(self, variables: Sequence[Any]) -> None:
+    ``extra`` float32 slots follow the variables (the averager's sample count). Read and written
+    variable by variable: one compiled function each way measured slower here (2.2 ms per round
+    for the quickstart MLP with Adam's slots, against 4.2 ms through two ``tf.function`` calls).
+    """
+
+    def __init__(self, variables: Sequence[Any], extra: int = 0) -> None:
         self.variables = list(variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
         sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.buffer = np.zeros(int(self.offsets[-1]), dtype=np.float32)
+        self.size = int(self.offsets[-1])
+        self.buffer = np.zeros(self.size + extra, dtype=np.float32)
+        self.values = self.buffer[:self.size]  # the variables' part of the buffer
 
     def gather(self, scale: float = 1.0) -> np.ndarray:
         for v, a, b in zip(self.variables, self.offsets[:-1], self.offsets[1:]):
@@ -57,12 +64,21 @@ class FlatBuffer:
 
 
 class WeightedAverager:
-    """One averaging round: weights scaled by this worker's share of the samples, then summed."""
+    """One averaging round: the sample-weighted average of every worker's variables, in ONE sum.
 
-    def __init__(self, collective: Collective, variables: Sequence[Any]) -> None:
+    Each worker contributes ``samples * weights`` and, in the buffer's last slot, ``samples``;
+    after the sum the weights are divided by the summed count. One exchange per round instead of
+    a count allreduce followed by a weights allreduce. ``summer`` sums the buffer in place across
+    workers (a ``SharedMemorySum`` when they share this machine, see ``open_averaging_sum``);
+    by default the collective's allreduce.
+    """
+
+    def __init__(self, collective: Collective, variables: Sequence[Any],
+                 summer: Callable[[np.ndarray], None] | None = None, clock: Any = None) -> None:
         self.collective = collective
-        self.flat = FlatBuffer(variables)
-        self._count = np.zeros(1, dtype=np.float64)
+        self.flat = FlatBuffer(variables, extra=1)
+        self.summer = summer
+        self.clock = clock  # a PhaseClock told when a shared-memory round waits (it sees no collective call)
         self.seconds = 0.0
         self.rounds = 0
 
@@ -71,16 +87,62 @@ class WeightedAverager:
         if self.collective.world_size == 1:
             return samples
         t0 = time.perf_counter()
-        self._count[0] = samples
-        self.collective.allreduce_sum(self._count)
-        total = int(self._count[0])
+        flat = self.flat
+        if samples:
+            flat.gather(float(samples))
+        else:
+            flat.values.fill(0.0)
+        flat.buffer[-1] = samples
+        if self.summer is not None:
+            if self.clock is not None:
+                self.clock.enter()
+            try:
+                self.summer(flat.buffer)
+            finally:
+                if self.clock is not None:
+                    self.clock.leave()
+        else:
+            self.collective.allreduce_sum(flat.buffer)
+        total = int(round(float(flat.buffer[-1])))
         if total > 0:
-            if samples:
-                self.flat.gather(samples / total)
-            else:
-                self.flat.buffer.fill(0.0)
-            self.collective.allreduce_sum(self.flat.buffer)
-            self.flat.scatter()
+            np.divide(flat.values, np.float32(total), out=flat.values)
+            flat.scatter()
         self.seconds += time.perf_counter() - t0
         self.rounds += 1
         return total
+
+    @property
+    def summed_by(self) -> str:
+        """How a round is summed: "shared" (memory), "direct" (one round of messages) or "allreduce"."""
+        if self.summer is None:
+            return "allreduce"
+        return {"SharedMemorySum": "shared", "DirectSum": "direct"}.get(type(self.summer).__name__, "custom")
+
+    def close(self) -> None:
+        close = getattr(self.summer, "close", None)
+        if close is not None:
+            close()
+
+
+def open_averaging_sum(collective: Any, length: int, shared_memory: bool = True,
+                       direct_sum_bytes: int = 4 * 2**20) -> Callable[[np.ndarray], None] | None:
+    """How a round's buffer of ``length`` float32 is summed; None: the collective's allreduce.
+
+    Collective: every worker calls it at the same point. A small buffer (its copies to all peers
+    at most ``direct_sum_bytes``, the allreduce strategy's rule) is summed through shared memory
+    when every worker runs on this machine, else in one round of messages to every peer; a
+    large one by Gloo's allreduce, where the bytes rather than the rounds are the time.
+    """
+    from .collective import GlooCollective
+    from .direct import DirectSum
+    from .shared import open_shared_sum
+
+    inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
+    world = inner.world_size
+    if not isinstance(inner, GlooCollective) or world < 2 or 4 * length * (world - 1) > direct_sum_bytes:
+        return None
+    if shared_memory:
+        summer = open_shared_sum(inner, length)
+        if summer is not None:
+            return summer
+    return DirectSum(inner.rank, world, length, inner.timeout)

@@ -30,7 +30,7 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     from ..strategies.averaging import WeightedAverager
     from .callbacks import EventCallback, weight_shipper
     from .datasets import job_inputs
-    from .phases import phase_callbacks, phase_timer
+    from .phases import EpochPhases, phase_callbacks, phase_timer, phase_times_enabled
 
     cfg = job["config"]
     engine, warning = resolve_engine(cfg.get("engine"))
@@ -57,16 +57,24 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     non_trainable = floats(model.non_trainable_weights)
     stats = WeightedAverager(collective, non_trainable) if non_trainable else None
 
-    ship = weight_shipper(link.send, model)
+    phases = EpochPhases(reducer) if phase_times_enabled() else None
+    ship = weight_shipper(link.send, model) if rank == 0 else None
+    if phases is not None:
+        ship = phases.wrap_shipper(ship)
 
     sync = AllreduceCallback(reducer, original_apply, model.trainable_variables, samples, batch_size,
                              steps, stats, totals)
     callbacks = [sync, EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer),
-                                     ship if rank == 0 else None)] + phase_callbacks(link.send, collective)
+                                     ship)] + phase_callbacks(link.send, collective)
+    if phases is not None:
+        first, last = phases.callbacks()
+        callbacks = [first, *callbacks, last]
     model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
               initial_epoch=int(job["initial_epoch"]))
-    link.send({"type": "done", "sync_seconds": reducer.seconds, "rounds": reducer.steps,
-               "engine": engine, "padded_steps": sync.padded_steps,
-               "summed_by": reducer.summed_by})
+    done = {"type": "done", "sync_seconds": reducer.seconds, "rounds": reducer.steps,
+            "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by}
+    if phases is not None:
+        done["phase_times"] = phases.epochs
+    link.send(done)
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",
              rank, reducer.steps, sync.padded_steps, reducer.seconds)

@@ -99,6 +99,20 @@ def repeated_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int =
     return epochs.map(order).flat_map(batches).map(gather, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
 
 
+def validation_batches(x: Any, y: Any, batch_size: int) -> Any:
+    """The validation shard in order, in batches of ``batch_size``, repeated: a pipeline without functions.
+
+    Keras makes a new iterator over the validation data at every epoch (``evaluate`` resets it),
+    and an iterator over ``repeated_batches`` instantiates its map functions each time: measured
+    here 60 ms per epoch for 225 digits, against 0.9 ms for slices and a batch, with one copy
+    of the shard either way (an eager tensor, which the dataset holds by reference).
+    """
+    import tensorflow as tf
+
+    data = tf.nest.map_structure(tf.convert_to_tensor, x if y is None else (x, y))
+    return tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat()
+
+
 def resident(array: Any) -> Any:
     """``array`` as a non-trainable variable: one copy, which ``tf.data`` reads by reference."""
     import tensorflow as tf
@@ -117,7 +131,7 @@ def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None,
         "shuffle": False,  # the pipeline shuffles; Keras would only warn that it ignores the flag
     }
     if val_steps is not None:
-        kwargs["validation_data"] = repeated_batches(validation[0], validation[1], batch_size, shuffle=False)
+        kwargs["validation_data"] = validation_batches(validation[0], validation[1], batch_size)
         kwargs["validation_steps"] = val_steps
     log.debug("input pipeline: %d steps per epoch, %s validation steps", steps, val_steps)
     return kwargs

@@ -169,3 +169,134 @@ def phase_callbacks(send: Callable[[dict[str, Any]], None], collective: Any) -> 
     if not isinstance(clock, PhaseClock) or collective.world_size < 2:
         return []
     return [phase_callback(PhaseReporter(send, clock))]
+
+
+# -- per-phase breakdown of each epoch (benchmarks/epoch_breakdown.py) ------
+ENV_PHASE_TIMES = "NBDIST_PHASE_TIMES"  # "1": the worker times each epoch's phases and reports them
+
+
+def phase_times_enabled() -> bool:
+    import os
+
+    return os.environ.get(ENV_PHASE_TIMES) == "1"
+
+
+class EpochPhases:
+    """Where one epoch's wall time goes on a worker, in seconds per phase, one entry per epoch.
+
+    Phases: ``steps`` (train steps, synchronisation inside them excluded), ``sync`` (averaging
+    rounds or gradient exchanges: the strategy's timer), ``batch_hooks`` (the rest between two
+    steps: other callbacks' batch hooks and Keras' loop), ``epoch_metrics`` (from the last step's
+    hooks to validation: Keras reading the metrics), ``validation``, ``ship_weights`` (rank 0
+    sending the weights to the driver), ``epoch_end`` (the other epoch-end callbacks: the epoch
+    message), ``between_epochs`` (Keras from one epoch's end to the next one's start). Clock
+    reads only, and off unless NBDIST_PHASE_TIMES=1.
+    """
+
+    PHASES = ("steps", "sync", "batch_hooks", "epoch_metrics", "validation", "ship_weights", "epoch_end",
+              "between_epochs", "total")
+
+    def __init__(self, strategy_timer: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.timer = strategy_timer
+        self.clock = clock
+        self.epochs: list[dict[str, float]] = []
+        self._cur: dict[str, float] = {}
+        self._mark = self._t = self._epoch_start = 0.0
+        self._sync0 = self._step_sync0 = self._sync_in_steps = 0.0
+        self._prev_end: float | None = None
+        self._validated = False
+
+    def _sync(self) -> float:
+        return float(self.timer.seconds) if self.timer is not None else 0.0
+
+    # Called by the two callbacks of ``callbacks()``, first and last in the fit's callback list.
+    def epoch_begin(self) -> None:
+        now = self.clock()
+        self._cur = dict.fromkeys(self.PHASES, 0.0)
+        if self._prev_end is not None:
+            self._cur["between_epochs"] = now - self._prev_end
+        self._epoch_start = self._mark = now
+        self._sync0, self._sync_in_steps, self._validated = self._sync(), 0.0, False
+
+    def batch_begin(self) -> None:
+        now = self.clock()
+        self._cur["batch_hooks"] += now - self._mark
+        self._t, self._step_sync0 = now, self._sync()
+
+    def batch_end(self) -> None:
+        now = self.clock()
+        inside = self._sync() - self._step_sync0  # allreduce: the exchange runs inside the step
+        self._sync_in_steps += inside
+        self._cur["steps"] += now - self._t - inside
+        self._mark = now
+
+    def batch_hooks_done(self) -> None:
+        now = self.clock()
+        self._cur["batch_hooks"] += now - self._mark
+        self._mark = now
+
+    def test_begin(self) -> None:
+        now = self.clock()
+        self._cur["epoch_metrics"] += now - self._mark
+        self._mark, self._validated = now, True
+
+    def epoch_end_begin(self) -> None:
+        now = self.clock()
+        self._cur["validation" if self._validated else "epoch_metrics"] += now - self._mark
+        self._t = now
+
+    def shipped(self, seconds: float) -> None:
+        self._cur["ship_weights"] += seconds
+
+    def epoch_end_done(self) -> None:
+        now = self.clock()
+        cur = self._cur
+        cur["epoch_end"] = now - self._t - cur["ship_weights"]
+        cur["sync"] = self._sync() - self._sync0
+        # Averaging rounds (and allreduce's pad steps) run in a batch hook: they count as sync.
+        cur["batch_hooks"] = max(0.0, cur["batch_hooks"] - (cur["sync"] - self._sync_in_steps))
+        cur["total"] = now - self._epoch_start
+        self._prev_end = now
+        self.epochs.append(cur)
+
+    def wrap_shipper(self, ship: Callable[[int], None] | None) -> Callable[[int], None] | None:
+        if ship is None:
+            return None
+
+        def timed(epoch: int) -> None:
+            t0 = self.clock()
+            ship(epoch)
+            self.shipped(self.clock() - t0)
+
+        return timed
+
+    def callbacks(self) -> tuple[Any, Any]:
+        """(first, last): put ``first`` before every other callback of the fit and ``last`` after them."""
+        import keras
+
+        phases = self
+
+        class First(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+                phases.epoch_begin()
+
+            def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+                phases.batch_begin()
+
+            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                phases.batch_end()
+
+            def on_test_begin(self, logs: Any = None) -> None:
+                phases.test_begin()
+
+            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+                phases.epoch_end_begin()
+
+        class Last(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                phases.batch_hooks_done()
+
+            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+                phases.epoch_end_done()
+
+        return First(), Last()

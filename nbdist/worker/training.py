@@ -49,7 +49,7 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
     import keras
 
     from ..model_io import ModelSpec, build_optimizer, model_from_spec
-    from ..strategies.averaging import WeightedAverager
+    from ..strategies.averaging import WeightedAverager, open_averaging_sum
     from .callbacks import AveragingCallback, EventCallback, weight_shipper
     from .datasets import job_inputs
 
@@ -73,7 +73,7 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
     scale_learning_rate(model, cfg.get("lr_scaling", "none"), int(job["world_size"]))
     link.send({"type": "progress", "state": "starting", "epoch": int(job["initial_epoch"])})
 
-    from .phases import PhaseClock, PhaseCollective, phase_callbacks, phase_timer
+    from .phases import EpochPhases, PhaseClock, PhaseCollective, phase_callbacks, phase_timer, phase_times_enabled
 
     # Watched, so the worker can report time in synchronisation vs compute (see phases.py).
     collective = PhaseCollective(connect_collective(link, job), PhaseClock())
@@ -85,28 +85,44 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
         finally:
             collective.close()
         return
+    averager = None
     try:
         from ..model_io import averaged_optimizer_variables
 
         variables = [w for w in model.weights if "float" in str(w.dtype)]
         if cfg["average_optimizer"]:
             variables += averaged_optimizer_variables(model)
-        averager = WeightedAverager(collective, variables)
+        averager = WeightedAverager(collective, variables, clock=collective.clock)
+        # One exchange per round: through shared memory when every worker runs on this machine.
+        averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(cfg["shared_memory"]),
+                                             int(cfg["direct_sum_bytes"]))
         # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
         inputs, samples, val_samples = job_inputs(job, rank)
         batch_size = int(cfg["batch_size"])
 
-        ship = weight_shipper(link.send, model)
+        phases = EpochPhases(averager) if phase_times_enabled() else None
+        ship = weight_shipper(link.send, model) if rank == 0 else None
+        if phases is not None:
+            ship = phases.wrap_shipper(ship)
 
         callbacks = [EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, averager),
-                                   ship if rank == 0 else None)] + phase_callbacks(link.send, collective)
+                                   ship)] + phase_callbacks(link.send, collective)
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
             callbacks.insert(0, AveragingCallback(averager, int(cfg["averaging_frequency"]), samples,
                                                   batch_size, int(job["rounds_per_epoch"])))
+        if phases is not None:
+            first, last = phases.callbacks()
+            callbacks = [first, *callbacks, last]
         model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
                   initial_epoch=int(job["initial_epoch"]))
-        link.send({"type": "done", "sync_seconds": averager.seconds, "rounds": averager.rounds})
+        done = {"type": "done", "sync_seconds": averager.seconds, "rounds": averager.rounds,
+                "summed_by": averager.summed_by}
+        if phases is not None:
+            done["phase_times"] = phases.epochs
+        link.send(done)
     finally:
+        if averager is not None:
+            averager.close()
         collective.close()
     log.info("worker %d finished (%d averaging rounds, %.2f s synchronising)",
              rank, averager.rounds, averager.seconds)

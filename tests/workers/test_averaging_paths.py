@@ -1,0 +1,35 @@
+"""Averaging sums each round through shared memory, one round of messages, or Gloo: all equal big-batch SGD."""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import nbdist
+from nbdist.strategies import shared
+
+from ..conftest import mlp, relative_error
+from .test_training import interleave_batches
+
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+
+@pytest.mark.parametrize("shared_memory,direct_sum_bytes,summed_by", [
+    pytest.param(True, 4 * 2**20, "shared", marks=pytest.mark.skipif(not shared.supported_here(),
+                                                                      reason="needs x86-64 and /dev/shm")),
+    (False, 4 * 2**20, "direct"),
+    (True, 0, "allreduce"),
+])
+def test_every_summing_path_equals_big_batch_sgd(digits, shared_memory, direct_sum_bytes, summed_by):
+    """K=1, SGD, 2 workers with batch b == local fit with batch 2b, whichever way the rounds are summed."""
+    x, y = digits[0][:600], digits[1][:600]
+    b = 16
+    local = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
+    remote = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
+    remote.set_weights(local.get_weights())
+    idx = interleave_batches(np.arange(len(x)), 2, b)
+    local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
+    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False,
+                       shared_memory=shared_memory, direct_sum_bytes=direct_sum_bytes)
+    assert [job.reports[r]["summed_by"] for r in range(2)] == [summed_by] * 2
+    assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5
