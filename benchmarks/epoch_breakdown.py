@@ -113,7 +113,7 @@ def nbdist_fit(epochs: int, workers: int, strategy: str, batch: int = 32) -> dic
     per_epoch = [max(ws) for ws in zip(*worker_epochs)]  # the slowest worker sets the pace
     driver_gaps = [b - a for a, b in zip(merged_at, merged_at[1:])]
     n_epochs = max(1, len(merged_at))
-    return {"epoch": steady([0.0] + per_epoch) if per_epoch else float("nan"),
+    return {"epoch": steady([0.0] + per_epoch) if per_epoch else float("nan"),  # per_epoch starts at epoch 1
             "epochs": per_epoch, "driver_epoch": steady([0.0] + driver_gaps) if driver_gaps else float("nan"),
             "phases": [median_phases(rep) for rep in reports],
             "driver": {k: sum(v) / n_epochs for k, v in driver.items()},
@@ -121,14 +121,17 @@ def nbdist_fit(epochs: int, workers: int, strategy: str, batch: int = 32) -> dic
 
 
 def measure(epochs: int = 12, repeats: int = 3, workers: int = 2,
-            strategies: tuple[str, ...] = ("averaging", "allreduce")) -> dict[str, Any]:
-    """Alternating runs (plain, then each strategy) so every ratio compares runs under the same load."""
+            strategies: tuple[str, ...] = ("averaging", "allreduce"), batch: int = 32) -> dict[str, Any]:
+    """Alternating runs (plain, then each strategy) so every ratio compares runs under the same load.
+
+    Plain fit uses the workers' global batch, ``workers * batch``.
+    """
     out: dict[str, Any] = {"plain": [], **{s: [] for s in strategies}}
     for _ in range(repeats):
-        plain = plain_fit(epochs, batch=32 * workers)
+        plain = plain_fit(epochs, batch=batch * workers)
         out["plain"].append(plain)
         for s in strategies:
-            run = nbdist_fit(epochs, workers, s)
+            run = nbdist_fit(epochs, workers, s, batch)
             run["ratio"] = run["epoch"] / plain["epoch"]
             out[s].append(run)
     return out
@@ -145,7 +148,8 @@ def breakdown_table(result: dict[str, Any]) -> str:
     lines = [f"{'phase (ms per epoch)':<22}" + "".join(f"{c:>12}" for c, _ in cols)]
     for p in EpochPhases.PHASES:
         lines.append(f"{p:<22}" + "".join(f"{d.get(p, 0.0) * 1e3:>12.1f}" for _, d in cols))
-    lines.append(f"{'epoch (end to end)':<22}" + f"{statistics.median(r['epoch'] for r in result['plain']) * 1e3:>12.1f}"
+    plain_epoch = statistics.median(r["epoch"] for r in result["plain"])
+    lines.append(f"{'epoch (end to end)':<22}" + f"{plain_epoch * 1e3:>12.1f}"
                  + "".join(f"{statistics.median(r['epoch'] for r in result[s]) * 1e3:>12.1f}"
                            for s in ("averaging", "allreduce") if s in result
                            for _ in result[s][0]["phases"]))
@@ -153,8 +157,9 @@ def breakdown_table(result: dict[str, Any]) -> str:
         if s not in result:
             continue
         drv = _median_dicts([r["driver"] for r in result[s]])
+        every = statistics.median(r["driver_epoch"] for r in result[s])
         lines.append(f"driver, {s}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(drv.items()))
-                     + f" per epoch; merged epochs every {statistics.median(r['driver_epoch'] for r in result[s]) * 1e3:.0f} ms")
+                     + f" per epoch; merged epochs every {every * 1e3:.0f} ms")
     return "\n".join(lines)
 
 
@@ -168,10 +173,11 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=32, help="per worker; plain fit uses workers * batch")
     p.add_argument("--strategies", default="averaging,allreduce")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    r = measure(args.epochs, args.repeats, args.workers, tuple(args.strategies.split(",")))
+    r = measure(args.epochs, args.repeats, args.workers, tuple(args.strategies.split(",")), args.batch)
     print(breakdown_table(r))
     for s in args.strategies.split(","):
         ratios = [x["ratio"] for x in r[s]]

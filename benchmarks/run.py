@@ -12,6 +12,9 @@ Rows (issue 9):
      with both bus bandwidths and loopback TCP bandwidth                  goal <= 1.10
   P5 %%dist_train cell start to first metric on screen (s)                goal <= 6
   P6 driver RSS growth training on a >= 1 GB Spark DataFrame (MB)         goal < 100
+  P7 steady epoch of the digits MLP, 2 local workers / plain model.fit with the same global batch,
+     the worse of the two strategies (each, and 4 workers on 2 cores, in the detail)   goal <= 0.6
+  P8 the quickstart cell, start to return: 2 warm local workers / the cell without the magic  goal <= 1.0
 Each figure is the median of several runs, with min and max. Every row runs in its own
 process (a clean driver for memory, its own CPU affinity) under a timeout, reusing the
 functions of the single-purpose scripts beside this one. Results go to
@@ -38,7 +41,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ROWS = ("P1", "P2", "P3", "P4", "P5", "P6")
+ROWS = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8")
 log = logging.getLogger("nbdist.bench")
 
 
@@ -82,6 +85,8 @@ GOALS = {
     "P4": ("sync per step, nbdist / raw Gloo allreduce", "<= 1.10", "x"),
     "P5": ("cell start to first metric on screen", "<= 6", "s"),
     "P6": ("driver RSS growth, >= 1 GB DataFrame", "< 100", "MB"),
+    "P7": ("steady epoch, 2 workers / plain fit (digits MLP)", "<= 0.6", "x"),
+    "P8": ("quickstart cell, 2 warm workers / no magic", "<= 1.0", "x"),
 }
 
 
@@ -180,8 +185,40 @@ def row_p6(quick: bool, workdir: Path) -> Row:
                extra={"runs": ms})
 
 
+def row_p7(quick: bool, workdir: Path) -> Row:
+    import epoch_breakdown as eb
+
+    epochs, repeats = (5, 1) if quick else (12, 3)
+    two = eb.measure(epochs, repeats, workers=2)
+    # 4 workers on 2 cores: batch 16 each keeps the global batch of 64.
+    four = eb.measure(epochs, 1 if quick else 2, workers=4, batch=16)
+    strategies = ("averaging", "allreduce")
+    ratios = {s: [r["ratio"] for r in two[s]] for s in strategies}
+    med = lambda xs: statistics.median(xs)
+    detail = "; ".join(f"{s} {med(ratios[s]):.2f} ({med(r['epoch'] for r in two[s]) * 1e3:.0f} ms)"
+                       for s in strategies)
+    detail += (f" vs plain fit batch 64 {med(r['epoch'] for r in two['plain']) * 1e3:.0f} ms; 4 workers on 2 cores: "
+               + ", ".join(f"{s} {med(r['ratio'] for r in four[s]):.2f}" for s in strategies)
+               + " (goal <= 1.0); digits MLP 64-10, quickstart split, batch 32 per worker, validation each epoch")
+    return Row("P7", *GOALS["P7"], runs=[max(a, b) for a, b in zip(*ratios.values())], detail=detail,
+               extra={"two_workers": two, "four_workers": four, "breakdown": eb.breakdown_table(two)})
+
+
+def row_p8(quick: bool, workdir: Path) -> Row:
+    import quickstart_cell
+
+    m = quickstart_cell.measure(repeats=1 if quick else 3, epochs=5 if quick else 20)
+    return Row("P8", *GOALS["P8"], runs=m["ratio"],
+               detail=f"{statistics.median(m['magic']):.1f} s vs {statistics.median(m['plain']):.1f} s; "
+                      f"val accuracy {statistics.median(m['magic_accuracy']):.3f} vs "
+                      f"{statistics.median(m['plain_accuracy']):.3f}; {5 if quick else 20} epochs, --ui none, "
+                      "the plain cell fits with the cell's batch 32",
+               extra=m)
+
+
 ROW_FUNCS: dict[str, Callable[[bool, Path], Row]] = {
-    "P1": row_p1, "P2": row_p2, "P3": row_p3, "P4": row_p4, "P5": row_p5, "P6": row_p6}
+    "P1": row_p1, "P2": row_p2, "P3": row_p3, "P4": row_p4, "P5": row_p5, "P6": row_p6, "P7": row_p7,
+    "P8": row_p8}
 
 
 # -- the parent: run each row in a child, then print, save and draw -------

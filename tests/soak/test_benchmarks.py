@@ -16,7 +16,7 @@ import pytest
 from ..conftest import wait_no_workers
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = ["P1", "P2", "P3", "P4", "P5", "P6"]
+ROWS = ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_quick_prints_every_row_once(quick_run):
     stdout, _ = quick_run
     lines = stdout.splitlines()
     header = next(i for i, ln in enumerate(lines) if ln.startswith("row "))
-    assert [ln.split()[0] for ln in lines[header + 1: header + 7]] == ROWS
+    assert [ln.split()[0] for ln in lines[header + 1: header + 1 + len(ROWS)]] == ROWS
     assert "nbdist benchmarks (quick)" in stdout
 
 
@@ -58,5 +58,6 @@ def test_quick_results_json_and_chart(quick_run):
         assert r["min"] <= r["median"] <= r["max"] and r["min"] > 0, r
         assert isinstance(r["met"], bool)
     assert "loopback TCP" in rows["P4"]["detail"] and "bus" in rows["P4"]["detail"]
+    assert "allreduce" in rows["P7"]["detail"] and "4 workers on 2 cores" in rows["P7"]["detail"]
     assert (result_dir / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not wait_no_workers()
