@@ -96,7 +96,7 @@ def test_magic_backend_spark_without_spark():
 
     from nbdist.spark.backend import active_spark_context
 
-    from .conftest import ipython_shell  # the session's one shell: a second shell class cannot coexist
+    from ..conftest import ipython_shell  # the session's one shell: a second shell class cannot coexist
 
     if active_spark_context() is not None:
         pytest.skip("a SparkContext is active in this process")

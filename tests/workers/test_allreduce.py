@@ -151,7 +151,7 @@ def test_cnn_accuracy_parity_and_horovod_falls_back(digits, caplog):
 
 
 def test_magic_trains_with_allreduce(digits):
-    from .conftest import ipython_shell
+    from ..conftest import ipython_shell
 
     x, y = digits
     shell = ipython_shell()

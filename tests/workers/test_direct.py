@@ -61,7 +61,7 @@ def _rank_main(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_direct_sum_between_real_processes_equals_numpy_with_the_same_bits_everywhere(world):
-    reports = run_ranks("tests.test_direct:_rank_main", world)
+    reports = run_ranks("tests.workers.test_direct:_rank_main", world)
     for report in reports:
         assert max(report["errors"]) < 1e-5
     assert all(r["digests"] == reports[0]["digests"] for r in reports)

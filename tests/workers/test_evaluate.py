@@ -142,7 +142,7 @@ def test_bad_input_gets_one_sentence_before_any_worker_starts(digits) -> None:
 # -- magics, through a real IPython shell -------------------------------------------
 @pytest.fixture(scope="module")
 def shell():
-    from .conftest import ipython_shell
+    from ..conftest import ipython_shell
 
     return ipython_shell()
 

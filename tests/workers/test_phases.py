@@ -114,7 +114,7 @@ def test_driver_state_follows_phase_messages():
 def test_an_allreduce_run_reports_compute_and_synchronisation_per_worker(digits, no_leftover_workers):
     import nbdist
 
-    from .conftest import mlp
+    from ..conftest import mlp
 
     x, y = digits
     job = nbdist.train(mlp(seed=0), x[:600], y[:600], epochs=2, batch_size=32, workers=2, strategy="allreduce")

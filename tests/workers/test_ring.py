@@ -108,5 +108,5 @@ def _rank_main(rank: int, world: int, port: int, segment: int) -> None:
 
 @pytest.mark.parametrize("world,segment", [(2, 64), (3, 32), (2, 2**20)])
 def test_ring_sum_between_real_processes_equals_numpy(world, segment):
-    for report in run_ranks("tests.test_ring:_rank_main", world, segment):
+    for report in run_ranks("tests.workers.test_ring:_rank_main", world, segment):
         assert max(report["errors"]) < 1e-5

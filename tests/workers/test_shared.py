@@ -175,7 +175,7 @@ def _rank_main(rank: int, world: int, port: int, mode: str) -> None:
 @pytest.mark.parametrize("world,mode", [(2, "spin"), (3, "spin"), (2, "sleep")])
 def test_shared_sum_between_real_processes_equals_numpy_with_the_same_bits_everywhere(world, mode):
     before = _segments()
-    reports = run_ranks("tests.test_shared:_rank_main", world, mode)
+    reports = run_ranks("tests.workers.test_shared:_rank_main", world, mode)
     for report in reports:
         assert report["shared"]
         assert len(report["errors"]) == 6 and max(report["errors"]) < 1e-5
@@ -188,7 +188,7 @@ def test_shared_sum_between_real_processes_equals_numpy_with_the_same_bits_every
 @pytest.mark.parametrize("mode", ["no-map", "no-segment"])
 def test_when_one_worker_cannot_map_the_segment_all_use_messages(mode):
     before = _segments()
-    reports = run_ranks("tests.test_shared:_rank_main", 3, mode, timeout=60)
+    reports = run_ranks("tests.workers.test_shared:_rank_main", 3, mode, timeout=60)
     assert [r["shared"] for r in reports] == [False, False, False]
     assert _segments() == before
 
@@ -201,7 +201,7 @@ def test_a_peer_that_dies_fails_the_wait_naming_it():
     port = s.getsockname()[1]
     s.close()
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "TF_CPP_MIN_LOG_LEVEL": "3"}
-    code = ("import sys; from tests.test_shared import _rank_main; "
+    code = ("import sys; from tests.workers.test_shared import _rank_main; "
             "_rank_main(int(sys.argv[1]), 2, int(sys.argv[2]), 'peer-dies')")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port)], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
