@@ -118,7 +118,8 @@ def _rank_main(rank: int, world: int, port: int, direct_sum_bytes: int, shared_m
                          [(0, True, "NoneType"), (2**20, False, "DirectSum"), (2**20, True, "SharedMemorySum")],
                          ids=["chunked-allreduce", "one-round", "shared-memory"])
 def test_two_process_exchange_equals_the_weighted_average(direct_sum_bytes, shared_memory, small_sum):
-    for report in run_ranks("tests.workers.test_allreduce_sync:_rank_main", 2, direct_sum_bytes, shared_memory, timeout=90):
+    reports = run_ranks("tests.workers.test_allreduce_sync:_rank_main", 2, direct_sum_bytes, shared_memory, timeout=90)
+    for report in reports:
         assert report["small_sum"] == small_sum
         assert report["chunks"] > 4 and report["steps"] == len(STEPS) and report["seconds"] > 0
         assert max(report["errors"]) < 1e-6, report
