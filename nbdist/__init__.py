@@ -42,9 +42,9 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(EvaluateMagics)
     # Start the default local workers now, so the first %%dist_train finds TensorFlow imported.
     from .backends.local import start_warm_workers
-    from .spark.backend import active_spark_context
+    from .spark.backend import active_spark_session
 
-    if active_spark_context() is None:  # with Spark active, runs go to its executors
+    if active_spark_session() is None:  # with Spark active, runs go to its executors
         start_warm_workers()
 
 

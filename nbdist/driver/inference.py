@@ -31,6 +31,7 @@ from ..metrics import (
 )
 from ..model_io import ModelSpec, _custom_objects, _json_default, is_keras_model
 from ..placement import threads_per_worker
+from ..spark.backend import is_connect_session
 from ..spark.checks import SPARK_BACKENDS, check_label_classes, check_width
 from ..spark.data import SparkData, is_spark_data, is_spark_rdd, spark_dataset, sql_types
 from ..wire import protocol
@@ -344,7 +345,8 @@ def predict_spark(model: Any, df: Any, features: str | Sequence[str] | None, nam
                           "DataFrame; convert the RDD first, e.g. spark.createDataFrame(rdd, ['features']).")
     check_model(model, "the model", need_compiled=False)
     if not isinstance(prediction_col, str) or not prediction_col:
-        raise NbdistError(f"the prediction column needs a name, got {prediction_col!r}; e.g. prediction_col='prediction'.")
+        raise NbdistError(f"the prediction column needs a name, got {prediction_col!r}; "
+                          "e.g. prediction_col='prediction'.")
     if prediction_col in df.columns:
         raise NbdistError(f"the DataFrame already has a column {prediction_col!r}; drop it or choose another "
                           "prediction column name.")
@@ -356,20 +358,23 @@ def predict_spark(model: Any, df: Any, features: str | Sequence[str] | None, nam
     scalar = int(np.prod(out_shape)) == 1
     spec, custom = inference_spec(model, namespace)
     spark_types = sql_types()
-    sc = df.sparkSession.sparkContext
+    session = df.sparkSession
     # JSON text and an npz of numbers: nothing the executors would have to unpickle from us.
-    broadcast = sc.broadcast({"config": json.dumps(spec.config), "weights": pack_weights(spec.weights)})
-    task = PredictSpec(model=broadcast, key=uuid.uuid4().hex, features=data.layout.features, column=prediction_col,
+    payload = {"config": json.dumps(spec.config), "weights": pack_weights(spec.weights)}
+    if not is_connect_session(session):
+        payload = session.sparkContext.broadcast(payload)  # once per executor, not per task
+    # Over Connect there is no broadcast: the model travels inside the function's closure.
+    task = PredictSpec(model=payload, key=uuid.uuid4().hex, features=data.layout.features, column=prediction_col,
                        batch_size=config.batch_size,
                        input_shape=in_shape if in_shape is not None and len(in_shape) > 1 else None,
-                       scalar=scalar, threads=max(1, int(sc.getConf().get("spark.task.cpus", "1") or 1)),
+                       scalar=scalar, threads=max(1, int(session.conf.get("spark.task.cpus", "1") or 1)),
                        custom_objects=custom,
                        udt_columns=tuple((f.name, f.dataType) for f in df.schema.fields
                                          if isinstance(f.dataType, spark_types.UserDefinedType)))
     kind = spark_types.DoubleType() if scalar else spark_types.ArrayType(spark_types.DoubleType(), containsNull=False)
-    schema = spark_types.StructType(list(df.schema.fields) + [spark_types.StructField(prediction_col, kind, nullable=False)])
-    log.info("prediction column %r added lazily (%d feature columns, model broadcast once)",
-             prediction_col, len(task.features))
+    column = spark_types.StructField(prediction_col, kind, nullable=False)
+    schema = spark_types.StructType(list(df.schema.fields) + [column])
+    log.info("prediction column %r added lazily (%d feature columns)", prediction_col, len(task.features))
     return df.mapInPandas(functools.partial(predict_batches, task), schema)
 
 

@@ -1,4 +1,5 @@
-"""Which backend a run uses: ``--backend auto`` is Spark when the notebook has it, else local processes."""
+"""Which backend a run uses: ``--backend auto`` is Spark when the notebook has a SparkSession (classic,
+or a Spark Connect client, which has no SparkContext), else local processes."""
 from __future__ import annotations
 
 from ..backends import Backend
@@ -9,11 +10,11 @@ from ..errors import NbdistError
 def resolve_backend(config: TrainConfig) -> Backend:
     name = config.backend
     if name in ("auto", "spark"):
-        from ..spark.backend import NO_SPARK, SparkBackend, active_spark_context
+        from ..spark.backend import NO_SPARK, SparkBackend, active_spark_session
 
-        sc = active_spark_context()
-        if sc is not None:
-            return SparkBackend(sc)
+        session = active_spark_session()
+        if session is not None:
+            return SparkBackend(session)
         if name == "spark":
             raise NbdistError(NO_SPARK)
         name = "local"

@@ -48,6 +48,14 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _raised(worker_traceback: str) -> str:
+    """': <the exception>' from a worker's traceback (its last line), so the message says why."""
+    if not worker_traceback.startswith("Traceback"):
+        return ""
+    lines = [line.strip() for line in worker_traceback.strip().splitlines() if line.strip()]
+    return f": {_first_line(lines[-1])}" if len(lines) > 1 else ""
+
+
 def _first_line(text: str, limit: int = 200) -> str:
     """The head of an exception message: the whole of it is in the worker's traceback."""
     line = text.strip().splitlines()[0] if text.strip() else "error"
@@ -118,22 +126,17 @@ class TrainingJob:
         self._spec = self._make_spec()
         backend = resolve_backend(cfg)
         world = cfg.workers or backend.default_workers()
-        if isinstance(self.train_data, SparkData):  # stays on the executors; only counts come back
+        shards = None
+        if isinstance(self.train_data, SparkData):  # stays on the executors; its tasks count the rows
             if backend.name != "spark":
                 raise NbdistError("a Spark DataFrame or RDD trains on the Spark backend; use --backend spark "
                                   "(or auto with the SparkContext active), or convert it to numpy first.")
-            sizes = self.train_data.partition_sizes(world)
-            check_workers(sum(sizes), world)
-            backend.train_data = self.train_data
-            self._shards = [(sum(sizes[:r]), sum(sizes[:r + 1])) for r in range(world)]
         else:
             check_workers(len(self.train_data), world)
-            self._shards = shard_bounds(len(self.train_data), world)
+            shards = shard_bounds(len(self.train_data), world)
         self.world_size = world
         self._val_shards = (shard_bounds(len(self.validation_data), world)
                             if self.validation_data is not None else None)
-        batches = [batches_per_epoch(b - a, cfg.batch_size) for a, b in self._shards]
-        self._rounds = rounds_per_epoch(batches, cfg.averaging_frequency)
         # Last of the checks (a temporary checkpoint directory is made here and removed by every ending).
         self._keeper = CheckpointKeeper.for_run(cfg, self.model)
         if self._keeper is not None:
@@ -141,9 +144,9 @@ class TrainingJob:
         self.state = RunState(world, cfg.epochs, backend=backend.name, strategy=cfg.strategy)
         if self._keeper is not None:
             self._keeper.seed_state(self.state)
-        for w, (a, b) in zip(self.state.workers, self._shards):
-            w.samples = b - a
-            w.batches = batches_per_epoch(b - a, cfg.batch_size)
+        self._shards = None
+        if shards is not None:
+            self._apply_shards(shards)
         try:
             self._launch(backend)
         except Exception:
@@ -152,9 +155,41 @@ class TrainingJob:
         self._notify("start")
         return self
 
+    def _apply_shards(self, shards: list[tuple[int, int]]) -> None:
+        """Each worker's rows (start, end): its epoch's batches and the averaging rounds all agree on."""
+        cfg = self.config
+        self._shards = shards
+        batches = [batches_per_epoch(b - a, cfg.batch_size) for a, b in shards]
+        self._rounds = rounds_per_epoch(batches, cfg.averaging_frequency)
+        for w, (a, b), n in zip(self.state.workers, shards, batches):
+            w.samples, w.batches = b - a, n
+
+    def _take_counts(self) -> None:
+        """Spark data: once every task has counted the partition it read, size the shards and send
+        the jobs held back meanwhile (counted by the tasks, so they match what the workers load)."""
+        if self._shards is not None or self.status in TERMINAL:
+            return
+        rows = getattr(self._backend, "partition_rows", lambda: None)()
+        if rows is None:
+            return
+        try:
+            check_workers(sum(rows), self.world_size)
+        except NbdistError as exc:
+            self._fail(None, str(exc), "")
+            return
+        self._apply_shards([(sum(rows[:r]), sum(rows[:r + 1])) for r in range(len(rows))])
+        for rank in sorted(self._held):
+            self._give_job(rank)
+        self._held.clear()
+        self._notify("worker")
+
     def _launch(self, backend: Backend) -> None:
         """A fresh coordinator (new secret) and ``world_size`` workers from ``backend``."""
         world = self.world_size
+        self._held: set[int] = set()  # connected workers whose job waits for the tasks' row counts
+        spark_data = self.train_data if isinstance(self.train_data, SparkData) else None
+        if spark_data is not None:
+            self._shards = None  # a relaunch reads the partitions afresh
         secret = protocol.new_secret()
         self._coordinator = Coordinator(secret, world, backend.bind_host, backend.advertise_host,
                                         self.config.heartbeat_interval)
@@ -163,7 +198,8 @@ class TrainingJob:
         threads = threads_per_worker(world)
         self._launched_at = time.monotonic()
         try:
-            self._handles = backend.launch(world, self._coordinator.address, secret, threads)
+            more = {"data": spark_data} if spark_data is not None else {}
+            self._handles = backend.launch(world, self._coordinator.address, secret, threads, **more)
         except Exception:
             self._shutdown()
             raise
@@ -259,6 +295,8 @@ class TrainingJob:
                 break
             self._handle(event)
         if self.status not in TERMINAL and self._restart_pending is None:
+            self._take_counts()
+        if self.status not in TERMINAL and self._restart_pending is None:
             self._check_health()
         if self._restart_pending is not None:
             self._restart()
@@ -268,15 +306,22 @@ class TrainingJob:
         if event.kind == "connected":
             body = event.message.body
             st.worker_connected(event.rank, str(body.get("host", "")), body.get("pid"))
-            self._send_job(event.rank)
-            if self._rendezvous is not None:  # rank 0 published the store before this worker came
-                self._coordinator.send(event.rank, self._rendezvous)
+            if self._shards is None:
+                self._held.add(event.rank)
+                self._take_counts()
+            else:
+                self._give_job(event.rank)
             self._notify("worker")
         elif event.kind == "closed":
             if event.rank not in self._done:
                 self._closing[event.rank] = time.monotonic()
         else:
             self._handle_message(event.rank, event.message)
+
+    def _give_job(self, rank: int) -> None:
+        self._send_job(rank)
+        if self._rendezvous is not None:  # rank 0 published the store before this worker came
+            self._coordinator.send(rank, self._rendezvous)
 
     def _handle_message(self, rank: int, msg: protocol.Message) -> None:
         st, kind = self.state, msg.type
@@ -386,7 +431,8 @@ class TrainingJob:
                 if self.status in TERMINAL:
                     return
                 how = _describe_exit(code) if code is not None else "closed its connection"
-                self._fail(h.rank, f"{h.describe()} {how} during training", last_traceback(h.log_tail(400)))
+                tb = last_traceback(h.log_tail(400))
+                self._fail(h.rank, f"{h.describe()} {how} during training{_raised(tb)}", tb)
                 return
             if code == 0 and h.rank not in self._done:
                 self._drain_errors()
@@ -468,10 +514,7 @@ class TrainingJob:
             reason = keeper.restart_reason(message, self._initial_epoch)
             log.info("%s", reason)
             self._notify("restart", reason)
-            backend = resolve_backend(self.config)
-            if isinstance(self.train_data, SparkData):
-                backend.train_data = self.train_data
-            self._launch(backend)
+            self._launch(resolve_backend(self.config))
         except Exception as exc:
             self._fail(rank, f"relaunching the workers failed ({exc}) after: {message}", worker_traceback)
 

@@ -1,32 +1,46 @@
-"""Spark backend: workers are barrier tasks of the notebook's own SparkContext.
+"""Spark backend: workers are barrier tasks of the notebook's SparkSession, classic or Spark Connect.
 
-The Spark job runs on a background thread under a job group named for the run,
-so stopping the run cancels exactly its tasks. Each task starts the same worker
-program as the local backend (see spark_task.run_task) and reports, over an
-authenticated side channel, which process it started and how that process
-ended: the driver then knows each worker's exit code and log tail without
-reading executor logs.
+One launcher serves both kinds of session: the workers' barrier stage is
+``df.mapInArrow(arrow_task, schema, barrier=True)`` over the training DataFrame
+(one partition per worker) or over ``spark.range(n, numPartitions=n)`` when the
+data travels over the wire, and a background thread ``collect()``s it (a barrier
+stage must end in collect). Only an RDD of pairs, which exists on classic
+sessions alone, runs as ``rdd.barrier().mapPartitions`` with the same task body.
+The thread tags its Spark job (a job group on classic sessions, an operation tag
+over Connect), so stopping the run cancels exactly its tasks. Each task starts
+the same worker program as the local backend and reports, over an authenticated
+side channel, its partition's row count, which process it started and how that
+process ended: the driver then knows each worker's exit code and log tail
+without reading executor logs.
+
+Where the coordinator lives: in the notebook, also over Connect. The executors
+connect to it (and to the status listener); a Connect client has no other
+channel to its tasks (gRPC answers only come back when ``collect()`` ends), so a
+notebook the executors cannot reach is told so by the first task, in one sentence.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import socket
 import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..backends.warm import wanted_count
 from ..errors import NbdistError
 from ..wire import protocol
-from .task import TaskSpec, run_task
+from .data import barrier_safe
+from .task import RESULT_SCHEMA, TaskSpec, arrow_task, run_task
 
 log = logging.getLogger(__name__)
 
 NO_SPARK = ("--backend spark needs an active SparkContext and there is none; start one first, e.g. "
             "spark = SparkSession.builder.master('local[2]').getOrCreate().")
+ADVERTISE_ENV = "NBDIST_ADVERTISE_HOST"  # the notebook's address as the executors should use it
 
 
 def active_spark_context() -> Any | None:
@@ -44,6 +58,26 @@ def active_spark_context() -> Any | None:
     return sc
 
 
+def is_connect_session(session: Any) -> bool:
+    """A Spark Connect client session: no SparkContext, no RDDs."""
+    return type(session).__module__.startswith("pyspark.sql.connect")
+
+
+def active_spark_session() -> Any | None:
+    """The notebook's SparkSession: a classic one (with a running SparkContext) or a Spark Connect one."""
+    if "pyspark" not in sys.modules:
+        return None
+    if active_spark_context() is not None:
+        from pyspark.sql import SparkSession
+
+        return SparkSession.builder.getOrCreate()  # the context's own session, not a new context
+    if "pyspark.sql.connect.session" in sys.modules:
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+        return ConnectSession.getActiveSession() or ConnectSession._get_default_session()
+    return None
+
+
 def coordinator_host(master: str, driver_host: str | None,
                      resolve: Callable[[str], str] = socket.gethostbyname) -> str:
     """Where the coordinator listens: the driver address executors use, loopback when that is local."""
@@ -57,10 +91,64 @@ def coordinator_host(master: str, driver_host: str | None,
     return "127.0.0.1" if ip.startswith("127.") else ip
 
 
+def route_to(host: str, resolve: Callable[[str], str] = socket.gethostbyname) -> str:
+    """This machine's address on the way to ``host`` (a Connect server): loopback for a local server."""
+    try:
+        ip = resolve(host)
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    if ip.startswith("127.") or ip == "::1":
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((ip, 15002))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        probe.close()
+
+
+def session_hosts(session: Any, environ: Mapping[str, str] = os.environ) -> tuple[str, str]:
+    """(bind, advertise) for the coordinator and status listener of a run on ``session``.
+
+    ``$NBDIST_ADVERTISE_HOST`` names the notebook's address as executors see it (a NAT, a VPN):
+    the listeners then bind every interface. Otherwise a classic session uses the driver's own
+    address and a Connect client the address of its route to the Connect server.
+    """
+    named = environ.get(ADVERTISE_ENV, "").strip()
+    if named:
+        return "0.0.0.0", named
+    if is_connect_session(session):
+        host = route_to(session.client.host)
+    else:
+        sc = session.sparkContext
+        host = coordinator_host(sc.master, sc.getConf().get("spark.driver.host", None))
+    return host, host
+
+
 def task_slots(sc: Any) -> int:
     """How many tasks can run at once, which a barrier stage needs for all its tasks."""
     cpus = int(sc.getConf().get("spark.task.cpus", "1") or 1)
     return max(1, sc.defaultParallelism // max(1, cpus))
+
+
+def connect_slots(conf: Callable[[str], str | None]) -> int:
+    """Task slots as a Connect client can tell them from the server's configuration (it has no
+    SparkContext to ask): the default parallelism, else local[N] or executors x cores."""
+    cpus = max(1, int(conf("spark.task.cpus") or 1))
+    parallelism = conf("spark.default.parallelism")
+    if parallelism:
+        return max(1, int(parallelism) // cpus)
+    master = conf("spark.master") or ""
+    if master.startswith("local"):
+        inner = (master[master.find("[") + 1:master.find("]")] if "[" in master else "1").split(",")[0].strip()
+        n = (os.cpu_count() or 1) if inner == "*" else int(inner)
+        return max(1, n // cpus)
+    instances, cores = conf("spark.executor.instances"), conf("spark.executor.cores")
+    if instances and cores:
+        return max(1, int(instances) * int(cores) // cpus)
+    return 2
 
 
 def summarize_spark_error(exc: BaseException) -> str:
@@ -94,6 +182,8 @@ class SparkTaskWorker:
         self.log = ""
         self.warm = False  # the task took a worker that had imported TensorFlow already
         self.spark_error = ""  # set when the Spark job itself failed or was cancelled
+        self.error = ""  # the task's own sentence, e.g. that it cannot reach the notebook
+        self.rows: int | None = None  # the rows of its partition, as the task counted them
 
     def exit_status(self) -> int | None:
         return self.code
@@ -101,6 +191,7 @@ class SparkTaskWorker:
     def describe(self) -> str:
         where = f", pid {self.pid} on {self.host}" if self.pid else ""
         why = f"; its Spark job failed: {self.spark_error}" if self.spark_error else ""
+        why = f": {self.error}" if self.error else why
         return f"worker {self.rank} (Spark task {self.rank}{where}{why})"
 
     def log_tail(self, lines: int = 20) -> str:
@@ -111,12 +202,12 @@ class SparkBackend:
     name = "spark"
     store_on_link = True  # rank 0 binds the rendezvous store on its own executor, not the driver's host
 
-    def __init__(self, sc: Any) -> None:
-        self.sc = sc
-        self.bind_host = self.advertise_host = coordinator_host(sc.master, sc.getConf().get("spark.driver.host", None))
-        self.gloo_ifname = "lo" if self.bind_host == "127.0.0.1" else None
-        self.train_data: Any = None  # a SparkData, set by the job when the data lives on the executors
-        self.group = f"nbdist-{uuid.uuid4().hex[:12]}"
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.connect = is_connect_session(session)
+        self.bind_host, self.advertise_host = session_hosts(session)
+        self.gloo_ifname = "lo" if self.advertise_host == "127.0.0.1" else None
+        self.group = f"nbdist-{uuid.uuid4().hex[:12]}"  # the job group (classic) or operation tag (Connect)
         self.workers: list[SparkTaskWorker] = []
         self.job_error: str | None = None
         self._thread: threading.Thread | None = None
@@ -125,12 +216,22 @@ class SparkBackend:
         self._secret = b""
 
     def default_workers(self) -> int:
-        return task_slots(self.sc)
+        if self.connect:
+            return connect_slots(lambda key: self.session.conf.get(key, None))
+        return task_slots(self.session.sparkContext)
 
-    def launch(self, world_size: int, address: tuple[str, int], secret: bytes,
-               threads_per_worker: int) -> list[SparkTaskWorker]:
-        slots = task_slots(self.sc)
-        if world_size > slots:
+    def partition_rows(self) -> list[int] | None:
+        """Each task's row count once every task has written its partition, else None."""
+        rows = [w.rows for w in self.workers]
+        return None if not rows or any(r is None for r in rows) else [int(r) for r in rows]
+
+    def launch(self, world_size: int, address: tuple[str, int], secret: bytes, threads_per_worker: int,
+               data: Any = None) -> list[SparkTaskWorker]:
+        if self.connect and data is not None and data.dataframe is None:
+            raise NbdistError("RDDs do not exist over Spark Connect; pass a DataFrame instead, e.g. "
+                              "spark.createDataFrame(pandas_df), naming its columns with --features and --label.")
+        slots = self.default_workers()
+        if world_size > slots and not self.connect:  # Connect: the server's conf is only a guess
             raise NbdistError(f"{world_size} workers need {world_size} Spark task slots at once (barrier mode) "
                               f"but this SparkContext has {slots}; use --workers {slots} or fewer.")
         self._secret = secret
@@ -140,26 +241,42 @@ class SparkBackend:
         self._server.listen(64)
         status_address = (self.advertise_host, self._server.getsockname()[1])
         threading.Thread(target=self._accept, name="nbdist-spark-status", daemon=True).start()
-        data = self.train_data
-        if data is not None:
-            rdd, layout, expected = data.rdd, data.layout, tuple(data.sizes or ())
-        else:  # numpy/pandas data travels over the wire; the tasks only host the workers
-            rdd, layout, expected = self.sc.parallelize(range(world_size), world_size), None, ()
-        if rdd.getNumPartitions() != world_size:
-            raise NbdistError(f"the data has {rdd.getNumPartitions()} partitions for {world_size} workers.")
         spec = TaskSpec(address=tuple(address), status_address=status_address, secret_hex=secret.hex(),
-                        threads=threads_per_worker, layout=layout, expected_rows=expected,
+                        threads=threads_per_worker, layout=None if data is None else data.layout,
                         warm=wanted_count(1) > 0)  # NBDIST_WARM_WORKERS=0 turns executors' warm workers off
-        self._thread = threading.Thread(target=self._run, args=(rdd, spec), name="nbdist-spark-job", daemon=True)
+        stage = self._stage(world_size, data, spec)
+        self._thread = threading.Thread(target=self._run, args=(stage,), name="nbdist-spark-job", daemon=True)
         self._thread.start()
-        log.info("started Spark job group %s with %d barrier tasks", self.group, world_size)
+        log.info("started Spark job %s with %d barrier tasks%s", self.group, world_size,
+                 " over Spark Connect" if self.connect else "")
         return list(self.workers)
 
-    def _run(self, rdd: Any, spec: TaskSpec) -> None:
-        # Job groups are per thread (pinned thread mode), so set it on the thread that runs the job.
-        self.sc.setJobGroup(self.group, f"nbdist training ({len(self.workers)} workers)", interruptOnCancel=True)
+    def _stage(self, world_size: int, data: Any, spec: TaskSpec) -> Callable[[], list[Any]]:
+        """The barrier stage, as a function that runs it and returns one result per task."""
+        if data is not None and data.dataframe is None:  # an RDD of pairs: classic sessions only
+            rdd = data.rdd
+            if rdd.getNumPartitions() != world_size or not barrier_safe(rdd._jrdd.rdd()):
+                rdd = rdd.repartition(world_size)
+            return rdd.barrier().mapPartitions(functools.partial(run_task, spec)).collect
+        if data is None:  # numpy/pandas data travels over the wire; the tasks only host the workers
+            df = self.session.range(world_size, numPartitions=world_size)
+        else:
+            df = data.dataframe
+            # Classic: keep the DataFrame's own partitions when they fit a barrier stage as they are.
+            # Connect cannot see partitions; a repartition is always safe for a barrier stage.
+            if self.connect or df.rdd.getNumPartitions() != world_size or not barrier_safe(df._jdf.rdd()):
+                df = df.repartition(world_size)
+        return df.mapInArrow(functools.partial(arrow_task, spec), RESULT_SCHEMA, barrier=True).collect
+
+    def _run(self, stage: Callable[[], list[Any]]) -> None:
+        # Job groups and tags are per thread, so set them on the thread that runs the job.
+        if self.connect:
+            self.session.addTag(self.group)
+        else:
+            self.session.sparkContext.setJobGroup(self.group, f"nbdist ({len(self.workers)} workers)",
+                                                  interruptOnCancel=True)
         try:
-            results = rdd.barrier().mapPartitions(functools.partial(run_task, spec)).collect()
+            results = stage()
         except Exception as exc:
             self.job_error = summarize_spark_error(exc)
             if not self._closed.is_set():
@@ -170,10 +287,16 @@ class SparkBackend:
                     w.log = (w.log + "\n" if w.log else "") + f"Spark job failed: {self.job_error}"
                     w.code = 1
             return
-        for result in results:  # in case a task's report did not arrive
+        finally:
+            if self.connect:
+                self.session.removeTag(self.group)
+        for result in results:  # what the status channel did not bring (a task that could not reach it)
+            result = result.asDict() if hasattr(result, "asDict") else dict(result)
             w = self.workers[int(result["rank"])]
+            if result.get("error"):
+                w.error = str(result["error"])
             if w.code is None:
-                w.code, w.log = int(result["code"]), str(result.get("log", ""))
+                w.code, w.log = int(result["code"]), str(result.get("log") or "")
 
     # -- reports from the tasks -------------------------------------------
     def _accept(self) -> None:
@@ -203,6 +326,8 @@ class SparkBackend:
                     w.warm = bool(body.get("warm"))
                     if w.warm:
                         log.info("worker %d: a warm worker on %s (pid %d)", rank, w.host, w.pid)
+                elif body.get("type") == "rows":
+                    w.rows = int(body["rows"])
                 elif body.get("type") == "exit":
                     w.log = str(body.get("log", ""))
                     w.code = int(body["code"])
@@ -212,15 +337,25 @@ class SparkBackend:
             channel.close()
 
     # -- ending -------------------------------------------------------------
+    def cancel(self) -> None:
+        """Cancel this run's Spark job: its operation tag over Connect, its job group on a classic session."""
+        try:
+            if self.connect:
+                self.session.interruptTag(self.group)
+            else:
+                self.session.sparkContext.cancelJobGroup(self.group)
+        except Exception as exc:  # a session stopped meanwhile: its tasks went with it
+            log.warning("could not cancel Spark job %s: %s", self.group, exc)
+
     def stop(self, grace: float = 3.0) -> None:
         """Let the tasks end by themselves (their workers exit when the coordinator closes), else cancel."""
         thread = self._thread
         if thread is not None and thread.is_alive():
             thread.join(grace)
             if thread.is_alive():
-                log.info("cancelling Spark job group %s", self.group)
+                log.info("cancelling Spark job %s", self.group)
                 self._closed.set()
-                self.sc.cancelJobGroup(self.group)
+                self.cancel()
                 thread.join(30.0)
                 if thread.is_alive():
                     log.warning("Spark job group %s still running 30 s after cancelling", self.group)

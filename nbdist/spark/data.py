@@ -1,8 +1,7 @@
 """Training data that lives on Spark executors: a DataFrame or an RDD of (features, label).
 
-The driver never collects rows. It only makes sure there is one partition per
-worker and counts the rows of each partition with a small Spark job, because
-the number of averaging rounds per epoch must be known before training starts.
+The driver never collects rows and never counts them: the backend gives the data
+one partition per worker and each task reports its own partition's rows.
 pyspark is imported lazily: this module is importable without it.
 """
 from __future__ import annotations
@@ -16,7 +15,9 @@ from .task import Layout
 
 
 def is_spark_dataframe(obj: Any) -> bool:
-    return type(obj).__module__.startswith("pyspark.sql") and hasattr(obj, "rdd") and hasattr(obj, "columns")
+    """A classic or a Spark Connect DataFrame (whose ``rdd`` raises, so it is not probed)."""
+    kind = type(obj)
+    return kind.__module__.startswith("pyspark.sql") and kind.__name__ == "DataFrame"
 
 
 def is_spark_rdd(obj: Any) -> bool:
@@ -40,45 +41,17 @@ def _names(features: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 class SparkData:
-    """Rows on the executors plus how to turn them into (x, y); sized per partition by ``partition_sizes``."""
+    """Rows on the executors plus how to turn them into (x, y).
+
+    The driver never counts them: each barrier task reports the rows of the partition it
+    read (``SparkBackend.partition_rows``), so the counts are those of the data trained on,
+    even for a DataFrame that is recomputed differently each time (uncached, nondeterministic).
+    """
 
     def __init__(self, rdd: Any, layout: Layout, dataframe: Any = None) -> None:
-        self.rdd = rdd  # before repartitioning
+        self.rdd = rdd  # an RDD of (features, label) pairs (classic sessions), else None
         self.layout = layout
         self.dataframe = dataframe  # the selected columns, when the source is a DataFrame
-        self.sizes: list[int] | None = None
-
-    @property
-    def context(self) -> Any:
-        if self.dataframe is not None:
-            return self.dataframe.sparkSession.sparkContext
-        return self.rdd.context
-
-    def __len__(self) -> int:
-        if self.sizes is None:
-            raise RuntimeError("call partition_sizes(workers) first")
-        return sum(self.sizes)
-
-    def partition_sizes(self, workers: int) -> list[int]:
-        """Give the data exactly ``workers`` partitions and count each one on the executors."""
-        if self.dataframe is not None:
-            from pyspark.sql import functions as F
-
-            df = self.dataframe
-            if df.rdd.getNumPartitions() != workers or not barrier_safe(df._jdf.rdd()):
-                df = df.repartition(workers)
-            # Counted in the JVM: no row reaches Python, only one count per partition comes back.
-            counts = dict(df.groupBy(F.spark_partition_id().alias("p")).count().collect())
-            self.rdd = df.rdd
-        else:
-            rdd = self.rdd
-            if rdd.getNumPartitions() != workers or not barrier_safe(rdd._jrdd.rdd()):
-                rdd = rdd.repartition(workers)
-            # The same RDD object trains later, so its shuffle output is reused and the counts hold.
-            counts = dict(enumerate(rdd.mapPartitions(_count).collect()))
-            self.rdd = rdd
-        self.sizes = [int(counts.get(p, 0)) for p in range(workers)]
-        return self.sizes
 
 
 def barrier_safe(jrdd: Any) -> bool:
@@ -100,10 +73,6 @@ def barrier_safe(jrdd: Any) -> bool:
             if not dep.getClass().getSimpleName().startswith("Shuffle"):  # narrow: same stage
                 stack.append(dep.rdd())
     return True
-
-
-def _count(rows: Any) -> list[int]:
-    return [sum(1 for _ in rows)]
 
 
 def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: str | None,

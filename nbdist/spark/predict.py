@@ -3,7 +3,8 @@
 Everything here runs on the executors, so only the standard library, numpy and
 pandas are imported at module level. The model travels as plain data: its JSON
 config and its weights as an ``.npz`` blob (read with ``allow_pickle=False``),
-in one broadcast per call, so it is shipped once per executor, not per task.
+in one broadcast per call on a classic session (shipped once per executor, not
+per task), inside the function's closure over Spark Connect (which has no broadcast).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .task import _feature_block
+from .task import _feature_block, vector_values
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def unpack_weights(blob: bytes) -> list[np.ndarray]:
 class PredictSpec:
     """What each task needs besides the broadcast model."""
 
-    model: Any  # a pyspark Broadcast of {"config": json text, "weights": npz bytes}
+    model: Any  # {"config": json text, "weights": npz bytes}, or a pyspark Broadcast of it (classic sessions)
     key: str  # unique per predict call
     features: tuple[str, ...]
     column: str  # the prediction column to add
@@ -58,18 +59,6 @@ class PredictSpec:
     # Columns of a user-defined type (ML Vectors): Arrow hands them over as their struct, and
     # Spark needs the objects back, so each is rebuilt with its own type's deserialize().
     udt_columns: tuple[tuple[str, Any], ...] = ()
-
-
-def vector_values(cell: Any) -> Any:
-    """An ML Vector as Arrow hands it to pandas (its struct: type, size, indices, values) -> dense values."""
-    if not isinstance(cell, dict) or "values" not in cell:
-        return cell
-    values = np.asarray(cell["values"], dtype=np.float32)
-    if cell.get("type") == 1:  # dense
-        return values
-    dense = np.zeros(int(cell["size"]), dtype=np.float32)
-    dense[np.asarray(cell["indices"], dtype=np.int64)] = values
-    return dense
 
 
 def feature_matrix(columns: Sequence[Sequence[Any]], names: Sequence[str]) -> np.ndarray:
@@ -93,7 +82,7 @@ def _model(spec: PredictSpec) -> Any:
             _pin_threads(spec.threads)
             from ..model_io import ModelSpec, model_from_spec
 
-            payload = spec.model.value
+            payload = spec.model.value if hasattr(spec.model, "value") else spec.model  # a broadcast, or the dict
             model = model_from_spec(ModelSpec(json.loads(payload["config"]), unpack_weights(payload["weights"]),
                                               None, None), spec.custom_objects or None)
             _MODELS.clear()  # one call's model at a time: earlier calls' are garbage

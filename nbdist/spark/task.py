@@ -122,6 +122,69 @@ def write_partition(rows: Iterable[Any], layout: Layout, directory: str, chunk: 
     return xw.rows
 
 
+def vector_values(cell: Any) -> Any:
+    """An ML Vector as Arrow hands it over (its struct: type, size, indices, values) -> dense values."""
+    if not isinstance(cell, dict) or "values" not in cell:
+        return cell
+    values = np.asarray(cell["values"], dtype=np.float32)
+    if cell.get("type") == 1:  # dense
+        return values
+    dense = np.zeros(int(cell["size"]), dtype=np.float32)
+    dense[np.asarray(cell["indices"], dtype=np.int64)] = values
+    return dense
+
+
+def arrow_features(column: Any, name: str) -> np.ndarray:
+    """One Arrow feature column (numbers, lists of numbers, ML Vector structs) as float32 (rows, k)."""
+    import pyarrow as pa
+
+    if column.null_count:
+        raise ValueError(f"column {name!r} holds nulls; drop or fill them first (e.g. df.na.drop()).")
+    kind = column.type
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        lengths = np.diff(np.asarray(column.offsets)) if not pa.types.is_fixed_size_list(kind) else None
+        if lengths is not None and len(lengths) and (lengths != lengths[0]).any():
+            raise ValueError(f"column {name!r} has {lengths.min()} values in some rows but {lengths.max()} in "
+                             "others; every row needs the same number of values.")
+        flat = column.flatten().to_numpy(zero_copy_only=False)
+        arr = np.asarray(flat, dtype=np.float32).reshape(len(column), -1)
+    elif pa.types.is_struct(kind):  # an ML Vector
+        arr = _feature_block([vector_values(v) for v in column.to_pylist()], name)
+    else:
+        try:
+            arr = np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float32).reshape(len(column), 1)
+        except (TypeError, ValueError, pa.ArrowException) as exc:
+            raise ValueError(f"column {name!r} cannot be read as numbers ({exc}).") from None
+    if not np.isfinite(arr).all():
+        raise ValueError(f"column {name!r} holds NaN or infinite values; drop or fill them first.")
+    return arr
+
+
+def arrow_label(column: Any, name: str) -> np.ndarray:
+    if column.null_count:
+        raise ValueError(f"label {name!r} holds nulls; drop them first (e.g. df.na.drop()).")
+    return _label_block(column.to_numpy(zero_copy_only=False), name)
+
+
+def write_batches(batches: Iterable[Any], layout: Layout, directory: str) -> int:
+    """Stream a partition's Arrow record batches into ``directory``/x.npy and y.npy; the row count."""
+    xw = NpyStreamWriter(os.path.join(directory, X_FILE))
+    yw = NpyStreamWriter(os.path.join(directory, Y_FILE)) if layout.label is not None else None
+    try:
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            blocks = [arrow_features(batch.column(name), name) for name in layout.features]
+            xw.append(blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1), "the features")
+            if yw is not None:
+                yw.append(arrow_label(batch.column(layout.label), layout.label), "the label")
+    finally:
+        xw.close()
+        if yw is not None:
+            yw.close()
+    return xw.rows
+
+
 def _write_block(block: list[Any], layout: Layout, xw: NpyStreamWriter, yw: NpyStreamWriter | None) -> None:
     x, y = layout.split(block)
     xw.append(x, "the features")
@@ -137,7 +200,6 @@ class TaskSpec:
     secret_hex: str  # travels inside the Spark task: protect Spark RPC (spark.authenticate) on shared clusters
     threads: int
     layout: Layout | None = None  # None: the data comes over the wire from the driver
-    expected_rows: tuple[int, ...] = ()
     warm: bool = False  # take a warm worker if one waits, and leave one for the next job (spark_warm.py)
 
 
@@ -147,10 +209,12 @@ class _Reporter:
     def __init__(self, spec: TaskSpec, secret: bytes) -> None:
         from ..wire import protocol
 
+        self.error = ""
         try:
-            self.channel: Any = protocol.connect(tuple(spec.status_address), secret)
-        except Exception as exc:  # the driver notices the worker anyway, through the coordinator
-            log.warning("cannot report to the driver: %s", exc)
+            self.channel: Any = protocol.connect(tuple(spec.status_address), secret, timeout=REACH_TIMEOUT)
+        except Exception as exc:
+            self.error = unreachable(tuple(spec.status_address), exc)
+            log.warning("%s", self.error)
             self.channel = None
 
     def send(self, body: dict[str, Any]) -> None:
@@ -195,40 +259,78 @@ def _move(src: Path, dst: str) -> str:
         return str(src)
 
 
+REACH_TIMEOUT = 10.0  # a task that cannot reach the notebook says so well within 30 s
+# What each task of the DataFrame barrier stage returns (one row): the driver's fallback record.
+RESULT_SCHEMA = "rank long, code long, rows long, log string, error string"
+
+
+def unreachable(address: tuple[str, int], exc: BaseException) -> str:
+    """The one sentence a task returns when the notebook's coordinator is out of its reach."""
+    return (f"the Spark executors cannot reach the notebook at {address[0]}:{address[1]} ({exc}); run the "
+            "notebook on the cluster's network, or set NBDIST_ADVERTISE_HOST to an address of this machine "
+            "that the executors can reach (and open its ports to them).")
+
+
 def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
-    """Body of one barrier task. Never raises: a failed barrier stage would be retried with
-    workers the coordinator already counted, so failures are reported to the driver instead."""
+    """``rdd.barrier().mapPartitions`` body (an RDD of pairs on a classic session): one result dict."""
     from pyspark import BarrierTaskContext
 
+    ctx = BarrierTaskContext.get()
+    write = None if spec.layout is None else (lambda d: write_partition(rows, spec.layout, d))
+    yield task_body(spec, ctx.partitionId(), ctx.resources(), write)
+
+
+def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
+    """``DataFrame.mapInArrow(..., barrier=True)`` body, for classic and Connect sessions alike:
+    this task's partition arrives as Arrow record batches; one result row goes back."""
+    import pyarrow as pa
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    write = None if spec.layout is None else (lambda d: write_batches(batches, spec.layout, d))
+    result = task_body(spec, ctx.partitionId(), ctx.resources(), write)
+    if write is None:
+        for _ in batches:  # spark.range's rows: nothing to read, but the input is consumed
+            pass
+    result["log"] = result["log"][-4000:]
+    yield pa.RecordBatch.from_pylist([result], schema=pa.schema([
+        ("rank", pa.int64()), ("code", pa.int64()), ("rows", pa.int64()), ("log", pa.string()),
+        ("error", pa.string())]))
+
+
+def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
+              write: Any = None) -> dict[str, Any]:
+    """One barrier task: write its partition (``write(directory) -> rows``), start or claim a worker,
+    wait for it. Never raises: a failed barrier stage would be retried with workers the coordinator
+    already counted, so failures are reported to the driver (and returned) instead."""
     from ..backends.local import worker_env
     from ..wire.handover import job_line
     from ..wire.secret import hand_over
     from . import warm as spark_warm
 
-    ctx = BarrierTaskContext.get()
-    rank = ctx.partitionId()
     secret = bytes.fromhex(spec.secret_hex)
     reporter = _Reporter(spec, secret)
+    if reporter.channel is None:  # the coordinator, on the same host, is out of reach too: no worker
+        return {"rank": rank, "code": 1, "rows": -1, "log": reporter.error, "error": reporter.error}
     workdir = tempfile.mkdtemp(prefix=f"nbdist-task{rank}-")
     log_path = os.path.join(workdir, "worker.log")
     proc: subprocess.Popen | spark_warm.ClaimedWorker | None = None
-    code, tail = 1, ""
+    code, tail, rows = 1, "", -1
     env = worker_env(secret, spec.threads)
     executor = executor_id()
     pool = None  # this executor's warm workers, if it keeps any
     try:
-        devices = task_visible_devices(ctx.resources())
+        devices = task_visible_devices(resources)
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
         elif spec.warm and executor is not None:  # not with GPUs: the device is chosen before TF starts
             pool = spark_warm.pool_dir(executor)
         job_env = {}
-        if spec.layout is not None:
-            n = write_partition(rows, spec.layout, workdir)
-            if spec.expected_rows and n != spec.expected_rows[rank]:
-                raise RuntimeError(
-                    f"partition {rank} holds {n} rows but counted {spec.expected_rows[rank]} before training: "
-                    "the data changes each time it is computed; cache() or checkpoint it first.")
+        if write is not None:
+            rows = write(workdir)
+            # The driver sizes every worker's epoch from these counts: no separate count pass, whose
+            # partitions could differ from the ones read here (an uncached, recomputed DataFrame).
+            reporter.send({"type": "rows", "rank": rank, "rows": rows})
             job_env[DATA_ENV] = workdir
         if pool is not None:
             proc = spark_warm.claim(pool, env, job_line(spec.address, rank, job_env), secret)
@@ -264,4 +366,4 @@ def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
                 spark_warm.start(pool, env, executor)
             except OSError as exc:
                 log.warning("could not start a warm worker: %s", exc)
-    yield {"rank": rank, "code": code, "log": tail[-4000:]}
+    return {"rank": rank, "code": code, "rows": rows, "log": tail, "error": ""}
