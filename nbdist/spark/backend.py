@@ -64,18 +64,26 @@ def is_connect_session(session: Any) -> bool:
 
 
 def active_spark_session() -> Any | None:
-    """The notebook's SparkSession: a classic one (with a running SparkContext) or a Spark Connect one."""
+    """The notebook's SparkSession: a Spark Connect client's, else a classic one with a running context.
+
+    A Connect session comes first: ``SparkSession.builder.remote("local[2]")`` runs its server's
+    SparkContext in this very process, yet the notebook's ``spark`` is the Connect client.
+    """
     if "pyspark" not in sys.modules:
         return None
-    if active_spark_context() is not None:
-        from pyspark.sql import SparkSession
-
-        return SparkSession.builder.getOrCreate()  # the context's own session, not a new context
     if "pyspark.sql.connect.session" in sys.modules:
         from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-        return ConnectSession.getActiveSession() or ConnectSession._get_default_session()
-    return None
+        session = ConnectSession.getActiveSession() or ConnectSession._get_default_session()
+        if session is not None:
+            return session
+    sc = active_spark_context()
+    if sc is None:
+        return None
+    from pyspark.sql import SparkSession
+
+    # The context's own session; never the builder, which may hand out a Connect session (SPARK_REMOTE).
+    return SparkSession.getActiveSession() or SparkSession._instantiatedSession or SparkSession(sc)
 
 
 def coordinator_host(master: str, driver_host: str | None,

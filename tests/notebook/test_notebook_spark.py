@@ -27,3 +27,25 @@ def test_spark_dataframe_notebook_executes():
     assert found, text[-2000:]
     assert float(found.group(1)) > 0.8  # three classes: chance is 0.33
     # 4 epochs: at 2 the jump from ~0.5 to ~1.0 sometimes had not happened yet (0.683 once in CI)
+
+
+def test_spark_connect_notebook_executes():
+    """The Connect variant: a notebook whose `spark` is a Spark Connect client (no SparkContext)."""
+    import pytest
+
+    for module in ("grpc", "grpc_status", "zstandard"):  # the `spark` extra's Connect client
+        pytest.importorskip(module)
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = NOTEBOOK.parent / "02b_spark_connect.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    text = "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                   for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+    assert "pyspark.sql.connect.session" in text
+    assert "on 2 spark workers" in text  # trained by barrier tasks over Connect, not local processes
+    found = re.search(r"test accuracy: ([0-9.]+) on 360 images", text)
+    assert found, text[-2000:]
+    assert float(found.group(1)) > 0.8  # ten classes: chance is 0.1
+    assert "predicted digits:" in text

@@ -211,8 +211,38 @@ def test_union_is_repartitioned_for_barrier_tasks(spark, data):
     union = spark.createDataFrame(sc.parallelize(rows[:50], 1).union(sc.parallelize(rows[50:], 1)),
                                   "id long, pixels array<float>, digit long")
     assert union.rdd.getNumPartitions() == 2 and not barrier_safe(union._jdf.rdd())
-    data_ = spark_dataset(union, None, "pixels", "digit")
-    assert data_.partition_sizes(2) == [40, 40]  # repartitioned round-robin (was 50 and 30)
-    counts = data_.rdd.barrier().mapPartitions(lambda part: [sum(1 for _ in part)]).collect()
-    assert counts == [40, 40]
+    assert spark_dataset(union, None, "pixels", "digit").layout.features == ("pixels",)
     assert barrier_safe(unequal_frame(spark, Xte[:10], yte[:10])._jdf.rdd())
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(Xte[:10], yte[:10], epochs=1, verbose=0)
+    got = nbdist.evaluate(model, union, features="pixels", label="digit", workers=2)
+    assert got["samples"] == 80  # the barrier stage ran: the union was repartitioned (round-robin)
+
+
+def test_uncached_vector_assembler_frame_trains_and_evaluates(spark, data, no_leftover_workers):
+    # The everyday DataFrame: pandas -> createDataFrame -> VectorAssembler, never cached. A count
+    # taken in a separate pass does not match what the barrier tasks read ("data changes each
+    # time it is computed"); the rows the tasks count themselves do.
+    import pandas as pd
+    from pyspark.ml.feature import VectorAssembler
+
+    Xtr, Xte, ytr, yte = data
+    cols = [f"p{i}" for i in range(64)]
+
+    def frame(X, y):
+        pdf = pd.DataFrame(X.astype("float64"), columns=cols)
+        pdf["digit"] = y.astype("int64")
+        return VectorAssembler(inputCols=cols, outputCol="features").transform(spark.createDataFrame(pdf))
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    job = nbdist.train(model, frame(Xtr, ytr), features="features", label="digit", epochs=4, workers=2, ui="none")
+    assert job.status == "done" and sum(w.samples for w in job.state.workers) == len(Xtr)
+    got = nbdist.evaluate(model, frame(Xte, yte), features="features", label="digit", workers=2)
+    want = model.evaluate(Xte, yte, batch_size=256, verbose=0, return_dict=True)
+    assert got["samples"] == len(Xte)
+    assert abs(got["loss"] - want["loss"]) < TOL and abs(got["accuracy"] - want["accuracy"]) < TOL
+    assert want["accuracy"] > 0.5  # it learned

@@ -1,0 +1,232 @@
+"""Spark Connect: a real Connect server (PySpark's own, on loopback) and a notebook holding only a client.
+
+One server for the module (it takes 10-40 s to start here). The tests that leave warm workers
+on its executor come last, so the worker counts of the others hold.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from ..conftest import wait_no_workers
+from ..spark_helpers import (
+    PYTHON,
+    accuracy,
+    digits,
+    need_spark,
+    small_model,
+    wait_until_no_workers,
+    wait_warm_ready,
+    warm_socket_workers,
+)
+
+need_spark()
+for _module in ("grpc", "grpc_status", "google.rpc", "zstandard"):  # the `spark` extra's Connect client
+    pytest.importorskip(_module)
+
+import nbdist  # noqa: E402
+from nbdist.api import prepare  # noqa: E402
+from nbdist.config import TrainConfig  # noqa: E402
+from nbdist.errors import NbdistError, TrainingFailed  # noqa: E402
+
+EPOCHS = 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def spark(tmp_path_factory):
+    """A Spark Connect server (local[2]) on a free loopback port, and a client session to it."""
+    import pyspark
+    from pyspark.sql import SparkSession
+
+    home = os.path.dirname(pyspark.__file__)
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("connect") / "server.log"
+    env = {**os.environ, "SPARK_HOME": home, "PYSPARK_PYTHON": PYTHON, "SPARK_LOCAL_IP": "127.0.0.1"}
+    conf = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.connect.grpc.binding.port": str(port),
+            "spark.ui.enabled": "false", "spark.pyspark.python": PYTHON, "spark.driver.host": "127.0.0.1",
+            "spark.driver.bindAddress": "127.0.0.1"}
+    cmd = [os.path.join(home, "bin", "spark-submit"), "--master", "local[2]",
+           "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
+    for key, value in conf.items():
+        cmd += ["--conf", f"{key}={value}"]
+    with open(log_path, "wb") as out:
+        server = subprocess.Popen([*cmd, "spark-internal"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the Connect server did not open its port"
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        session = SparkSession.builder.remote(f"sc://127.0.0.1:{port}").getOrCreate()
+        yield session
+        session.stop()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+@pytest.fixture(scope="module")
+def data():
+    return digits()
+
+
+def _frame(spark, X, y):
+    import pandas as pd
+
+    pdf = pd.DataFrame({"pixels": list(X.astype("float64")), "digit": y.astype("int64")})
+    return spark.createDataFrame(pdf)
+
+
+@pytest.fixture(scope="module")
+def test_frame(spark, data):
+    _, Xte, _, yte = data
+    return _frame(spark, Xte, yte).repartition(2)
+
+
+def test_session_is_connect_and_auto_finds_it(spark):
+    from nbdist.driver.resolve import resolve_backend
+    from nbdist.spark.backend import active_spark_context
+
+    assert type(spark).__module__.startswith("pyspark.sql.connect")
+    assert active_spark_context() is None  # no SparkContext in this process
+    backend = resolve_backend(TrainConfig(backend="auto"))
+    assert backend.name == "spark" and backend.connect and backend.default_workers() == 2
+
+
+def test_evaluate_equals_keras_incl_auc(spark, data, test_frame, no_leftover_workers):
+    Xtr, Xte, ytr, yte = data
+    keras.utils.set_random_seed(4)
+    binary = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                               keras.layers.Dense(1, activation="sigmoid")])
+    binary.compile(keras.optimizers.Adam(0.01), "binary_crossentropy",
+                   metrics=["accuracy", keras.metrics.AUC(name="auc")])
+    binary.fit(Xtr, (ytr >= 5).astype("float32"), epochs=2, batch_size=32, verbose=0)
+    from pyspark.sql import functions as F
+
+    frame = test_frame.withColumn("big", (F.col("digit") >= 5).cast("double"))
+    got = nbdist.evaluate(binary, frame, features="pixels", label="big", workers=2)
+    want = binary.evaluate(Xte, (yte >= 5).astype("float32"), batch_size=256, verbose=0, return_dict=True)
+    assert got["samples"] == len(Xte)
+    for name in ("loss", "accuracy", "auc"):
+        assert abs(got[name] - want[name]) < 1e-6, (name, got[name], want[name])
+
+
+def test_predict_equals_model_predict(spark, data, test_frame):
+    _, Xte, _, yte = data
+    model = small_model(1)
+    out = nbdist.predict(model, test_frame, features="pixels")  # lazy: a Connect DataFrame
+    assert type(out).__module__.startswith("pyspark.sql.connect") and "prediction" in out.columns
+    rows = out.select("pixels", "prediction").toPandas()
+    X = np.stack(rows["pixels"].to_numpy()).astype("float32")
+    got = np.stack(rows["prediction"].to_numpy())
+    np.testing.assert_allclose(got, model.predict(X, verbose=0), atol=1e-6)
+
+
+def test_unreachable_notebook_is_one_sentence_within_30_s(spark, data, monkeypatch, no_leftover_workers):
+    Xtr, _, ytr, _ = data
+    monkeypatch.setenv("NBDIST_ADVERTISE_HOST", "192.0.2.1")  # TEST-NET-1: reaches nothing
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed) as info:
+        nbdist.train(small_model(), Xtr[:200], ytr[:200], epochs=1, workers=2, ui="none")
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert "cannot reach the notebook at 192.0.2.1" in message and "NBDIST_ADVERTISE_HOST" in message, message
+    assert elapsed < 30, elapsed
+
+
+def test_an_rdd_over_connect_is_one_sentence(spark):
+    from nbdist.spark.backend import SparkBackend
+    from nbdist.spark.data import SparkData
+    from nbdist.spark.task import Layout
+
+    with pytest.raises(NbdistError, match="RDDs do not exist over Spark Connect") as info:
+        SparkBackend(spark).launch(2, ("127.0.0.1", 1), b"s" * 32, 1, data=SparkData(object(), Layout()))
+    assert "\n" not in str(info.value)
+
+
+def _started(spark, data, **options):
+    """A long DataFrame training run over Connect, once its first epoch is done."""
+    Xtr, _, ytr, _ = data
+    config = TrainConfig(epochs=500, batch_size=8, workers=2, ui="none", **options)
+    job = prepare(small_model(), config, _frame(spark, Xtr, ytr), None, None, features="pixels", label="digit").start()
+    deadline = time.monotonic() + 300
+    while job.state.epochs_done < 1:
+        assert time.monotonic() < deadline, "training did not start"
+        job.pump(0.2)
+    return job
+
+
+def test_killed_worker_ends_the_job_and_every_process(spark, data, monkeypatch):
+    job = _started(spark, data)
+    victim = job._handles[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(TrainingFailed) as info:
+        job.wait(timeout=60)
+    assert time.monotonic() - killed_at < 20
+    assert "worker 1" in str(info.value) and "SIGKILL" in str(info.value)
+    job._backend._thread.join(30)
+    assert not job._backend._thread.is_alive()  # collect() returned: the barrier stage is over
+    assert not wait_until_no_workers(job) and not wait_no_workers(15)
+    assert spark.range(10).count() == 10  # the session lives on
+
+
+def test_interrupt_cancels_the_connect_job(spark, data):
+    job = _started(spark, data)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        job.wait(timeout=120)
+    assert job.status == "stopped"
+    job._backend._thread.join(30)
+    assert not job._backend._thread.is_alive()
+    assert time.monotonic() - started < 45
+    assert not wait_until_no_workers(job) and not wait_no_workers(15)
+    assert spark.range(10).count() == 10
+
+
+def test_both_strategies_match_local_fit_and_warm_workers_serve_the_second_run(spark, data, monkeypatch):
+    Xtr, Xte, ytr, yte = data
+    local = small_model()
+    local.fit(Xtr, ytr, epochs=EPOCHS, batch_size=64, verbose=0)
+    want = accuracy(local, Xte, yte)
+    monkeypatch.delenv("NBDIST_WARM_WORKERS", raising=False)  # conftest turns them off elsewhere
+    df = _frame(spark, Xtr, ytr)
+    runs = {}
+    for strategy in ("averaging", "allreduce"):
+        if strategy == "allreduce":  # the first run's tasks left one warm worker each
+            socks = list(warm_socket_workers().values())
+            assert len(socks) == 2, socks
+            wait_warm_ready(socks[0].parent, 2)
+        model = small_model()
+        job = nbdist.train(model, df, features="pixels", label="digit", epochs=EPOCHS, batch_size=32, workers=2,
+                           strategy=strategy, seed=0, ui="none")
+        assert job.status == "done" and job.state.backend == "spark"
+        assert sum(w.samples for w in job.state.workers) == len(Xtr)
+        runs[strategy] = (accuracy(model, Xte, yte), [w.warm for w in job._backend.workers])
+    for strategy, (got, _) in runs.items():
+        assert got >= want - 0.01, (strategy, got, want)
+    assert runs["averaging"][1] == [False, False] and runs["allreduce"][1] == [True, True], runs
