@@ -5,6 +5,8 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 from ..spark_helpers import need_spark
 
 need_spark()
@@ -29,10 +31,9 @@ def test_spark_dataframe_notebook_executes():
     # 4 epochs: at 2 the jump from ~0.5 to ~1.0 sometimes had not happened yet (0.683 once in CI)
 
 
+@pytest.mark.timeout(900)  # a Connect server starts inside the kernel first (10-40 s here)
 def test_spark_connect_notebook_executes():
     """The Connect variant: a notebook whose `spark` is a Spark Connect client (no SparkContext)."""
-    import pytest
-
     for module in ("grpc", "grpc_status", "zstandard"):  # the `spark` extra's Connect client
         pytest.importorskip(module)
     import nbformat
