@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from .config import TrainConfig
 from .errors import NbdistError, TrainingFailed
+from .model_io import capture_constructor_args
 from .version import __version__
 
 # Before the notebook builds layers: one without get_config() is then made again on a worker from its
 # constructor arguments (see model_io).
-from .model_io import capture_constructor_args  # noqa: E402 - after the names above, which it does not need
-
 capture_constructor_args()
 
 
@@ -43,7 +42,6 @@ predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist
 
 def load_ipython_extension(ipython) -> None:
     from .magics import DistMagics, EvaluateMagics
-
     from .magics.train import continue_in_empty_cell
 
     ipython.register_magics(DistMagics)
@@ -61,7 +59,6 @@ def load_ipython_extension(ipython) -> None:
 def unload_ipython_extension(ipython) -> None:
     from .backends.warm import POOL
     from .magics import DistMagics, EvaluateMagics
-
     from .magics.train import continue_in_empty_cell
 
     POOL.close()
