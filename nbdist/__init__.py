@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from .config import TrainConfig
 from .errors import NbdistError, TrainingFailed
+from .model_io import capture_constructor_args
 from .version import __version__
+
+# Before the notebook builds layers: one without get_config() is then made again on a worker from its
+# constructor arguments (see model_io).
+capture_constructor_args()
 
 
 def train(*args, **kwargs):
@@ -37,9 +42,12 @@ predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist
 
 def load_ipython_extension(ipython) -> None:
     from .magics import DistMagics, EvaluateMagics
+    from .magics.train import continue_in_empty_cell
 
     ipython.register_magics(DistMagics)
     ipython.register_magics(EvaluateMagics)
+    if continue_in_empty_cell not in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.append(continue_in_empty_cell)
     # Start the default local workers now, so the first %%dist_train finds TensorFlow imported.
     from .backends.local import start_warm_workers
     from .spark.backend import active_spark_session
@@ -51,8 +59,11 @@ def load_ipython_extension(ipython) -> None:
 def unload_ipython_extension(ipython) -> None:
     from .backends.warm import POOL
     from .magics import DistMagics, EvaluateMagics
+    from .magics.train import continue_in_empty_cell
 
     POOL.close()
+    if continue_in_empty_cell in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.remove(continue_in_empty_cell)
     # IPython has no unregister; drop our names so a reload registers afresh.
     for kind in ("cell", "line"):
         table = ipython.magics_manager.magics[kind]

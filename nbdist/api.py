@@ -9,7 +9,7 @@ from .data import make_dataset
 from .driver.inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
 from .driver.training import TrainingJob
 from .errors import NbdistError
-from .model_io import check_trainable
+from .model_io import check_trainable, ensure_built
 from .spark.data import SparkData, is_spark_data, spark_dataset
 from .ui import make_renderer
 
@@ -59,6 +59,7 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
                               f"features have {train_set.x.shape[1:]}; pass matching arrays.")
     if not isinstance(train_set, SparkData):  # a mismatch is one sentence here, not a worker's traceback
         check_trainable(model)
+        ensure_built(model, train_set.x, train_set.y)
         check_model_fits_data(model, train_set.x, train_set.y)
         if val_set is not None:
             check_model_fits_data(model, val_set.x, val_set.y, "validation data")

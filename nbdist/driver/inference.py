@@ -29,7 +29,7 @@ from ..metrics import (
     merge_classifier_stats,
     sum_states,
 )
-from ..model_io import ModelSpec, _custom_objects, _json_default, is_keras_model
+from ..model_io import ModelSpec, is_keras_model, travelling_model
 from ..placement import threads_per_worker
 from ..spark.backend import is_connect_session
 from ..spark.checks import SPARK_BACKENDS, check_label_classes, check_width
@@ -73,20 +73,7 @@ def _has_trained(model: Any) -> bool:
 
 def inference_spec(model: Any, namespace: dict[str, Any] | None) -> tuple[ModelSpec, dict[str, Any]]:
     """The model as config + weights (no optimizer state), and the notebook objects it needs."""
-    from keras.saving import serialize_keras_object
-
-    try:
-        config = json.loads(json.dumps(serialize_keras_object(model), default=_json_default))
-    except Exception as exc:
-        raise NbdistError(f"the model cannot be serialised ({exc}); give custom layers a get_config() "
-                          "method.") from None
-    custom = _custom_objects(config, namespace or {})
-    blob = None
-    if custom:
-        import cloudpickle
-
-        blob = cloudpickle.dumps(custom)
-    return ModelSpec(config, [np.asarray(w) for w in model.get_weights()], None, blob), custom
+    return travelling_model(model, namespace, optimizer=False)
 
 
 def _config(options: dict[str, Any]) -> TrainConfig:

@@ -140,7 +140,8 @@ class CheckpointKeeper:
 
 
 def _with_state(spec: ModelSpec, ckpt: checkpoint.Checkpoint) -> ModelSpec:
-    return dataclasses.replace(spec, weights=ckpt.weights, optimizer_weights=ckpt.optimizer_weights)
+    return dataclasses.replace(spec, weights=ckpt.weights, optimizer_weights=ckpt.optimizer_weights,
+                               iterations=ckpt.iterations)
 
 
 def _config_dict(config: TrainConfig) -> dict[str, Any]:

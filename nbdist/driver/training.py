@@ -409,7 +409,7 @@ class TrainingJob:
             "has_val": val is not None,
             "rounds_per_epoch": self._rounds,
             "initial_epoch": self._initial_epoch,
-            "iterations": self._keeper.iterations if self._keeper is not None else None,
+            "iterations": spec.iterations,
             "threads": threads_per_worker(self.world_size),
             "bind_host": self._backend.bind_host,
             "advertise_host": self._backend.advertise_host,
@@ -540,8 +540,8 @@ class TrainingJob:
         if n_opt and self.config.average_optimizer:
             build_optimizer(self.model)
             set_optimizer_weights(self.model, self._opt_weights)
-            if self._iterations is not None:  # Adam's bias correction continues, not restarts
-                self.model.optimizer.iterations.assign(int(self._iterations))
+        if self._iterations is not None:  # Adam's bias correction and LR schedules continue, not restart
+            self.model.optimizer.iterations.assign(int(self._iterations))
 
     @property
     def weights_epoch(self) -> int | None:

@@ -23,6 +23,14 @@ def _new_models(before: dict[str, int], namespace: dict[str, Any]) -> list[str]:
             if not name.startswith("_") and before.get(name) != id(value) and is_keras_model(value)]
 
 
+def continue_in_empty_cell(lines: list[str]) -> list[str]:
+    """``%%dist_train --model NAME`` alone in its cell trains NAME further. IPython refuses a cell
+    magic with an empty body before calling it, so this input transformer gives it ``pass``."""
+    if lines and lines[0].lstrip().startswith("%%dist_train") and not "".join(lines[1:]).strip():
+        return [lines[0].rstrip("\n") + "\n", "pass\n"]
+    return lines
+
+
 @magics_class
 class DistMagics(Magics):
     @magic_arguments()

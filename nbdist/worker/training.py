@@ -65,11 +65,10 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
     compile_config["steps_per_execution"] = 1
     if cfg.get("strategy") == "allreduce":  # the gradient allreduce is a Python op: XLA cannot compile it
         compile_config["jit_compile"] = False
-    spec = ModelSpec(job["model_config"], job["weights"], job["optimizer_weights"], None)
+    # The step count comes with the state: Adam's bias correction and LR schedules continue.
+    spec = ModelSpec(job["model_config"], job["weights"], job["optimizer_weights"], None, job.get("iterations"))
     model = model_from_spec(spec, custom)
     build_optimizer(model)
-    if job.get("iterations") is not None:  # resumed: Adam's bias correction continues, not restarts
-        model.optimizer.iterations.assign(int(job["iterations"]))
     scale_learning_rate(model, cfg.get("lr_scaling", "none"), int(job["world_size"]))
     link.send({"type": "progress", "state": "starting", "epoch": int(job["initial_epoch"])})
 

@@ -136,6 +136,17 @@ def test_label_shape_mismatch_is_one_sentence() -> None:
     check_labels((50, 1), (None, 1), "binary_crossentropy")
 
 
+def test_a_notebook_loss_function_takes_any_label_shape() -> None:
+    """Keras's config of a notebook function: local fit decides what labels it takes, not nbdist."""
+    def fn(name: str) -> dict:
+        return {"module": "builtins", "class_name": "function", "config": name, "registered_name": "function"}
+
+    check_labels((50,), (None, 10), fn("my_loss"))
+    check_labels((50,), (None, 10), {"module": None, "class_name": "MyLoss", "config": {}})
+    with pytest.raises(NbdistError, match=r"labels have shape \(\) per row but the model outputs \(10,\)"):
+        check_labels((50,), (None, 10), fn("mean_squared_error"))
+
+
 def test_labels_outside_the_model_classes() -> None:
     with pytest.raises(NbdistError, match=r"outside 0..2"):
         confusion_counts(np.array([0, 3]), np.array([0, 1]), 3)

@@ -1,0 +1,174 @@
+"""Models a notebook defines with its own code train on workers as they would locally (issue 16).
+
+Every class and function here is defined inside a function, so a worker cannot import it by name:
+like a notebook's, it has to travel by value.
+"""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import nbdist
+
+from ..conftest import relative_error
+from .test_allreduce import global_batches
+from .test_training import interleave_batches
+
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+
+def notebook_objects():
+    """What a notebook cell would define: plain-function loss and metric, a layer without get_config
+    (its argument is an array), a step counter with an integer weight, a subclassed model with its own
+    train_step and a custom metric."""
+    def my_loss(y_true, y_pred):
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred)
+
+    def top2(y_true, y_pred):
+        return keras.metrics.sparse_top_k_categorical_accuracy(y_true, y_pred, k=2)
+
+    class Scale(keras.layers.Layer):
+        def __init__(self, factor, **kwargs):
+            super().__init__(**kwargs)
+            self.factor = np.asarray(factor, dtype="float32")
+
+        def call(self, x):
+            return x * self.factor
+
+    class StepCounter(keras.layers.Layer):
+        def build(self, input_shape):
+            self.count = self.add_weight(shape=(), dtype="int64", initializer="zeros", trainable=False)
+
+        def call(self, x, training=None):
+            if training:
+                self.count.assign_add(1)
+            return x
+
+    class PenaltyModel(keras.Model):
+        """keras.io's "Customizing what happens in fit()": its own train_step and metric."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(32, activation="relu")
+            self.head = keras.layers.Dense(10, activation="softmax")
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+            self.penalty = keras.metrics.Mean(name="penalty")
+
+        def call(self, x):
+            return self.head(self.hidden(x))
+
+        def train_step(self, data):
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+            self.loss_tracker.update_state(loss)
+            self.penalty.update_state(tf.reduce_mean(tf.square(self.head.kernel)))
+            return {"loss": self.loss_tracker.result(), "penalty": self.penalty.result()}
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker, self.penalty]
+
+    return my_loss, top2, Scale, StepCounter, PenaltyModel
+
+
+def combined_model(seed: int, optimizer="adam"):
+    """Notebook loss and metric functions, a layer without get_config, a Lambda with a closure, a shared
+    layer, a nested model and an integer weight, in one functional model."""
+    my_loss, top2, Scale, StepCounter, _ = notebook_objects()
+    keras.utils.set_random_seed(seed)
+    half = 0.5
+    inp = keras.Input((64,))
+    h = keras.layers.Lambda(lambda t: t * half * 2)(Scale(np.full(64, 0.5))(inp))
+    shared = keras.layers.Dense(64, activation="relu")
+    h = StepCounter()(shared(shared(h)))
+    inner = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu")])
+    model = keras.Model(inp, keras.layers.Dense(10, activation="softmax")(inner(h)))
+    model.compile(optimizer, my_loss, metrics=[top2])
+    return model
+
+
+def subclassed(seed: int, optimizer="adam", build=True):
+    *_, PenaltyModel = notebook_objects()
+    keras.utils.set_random_seed(seed)
+    model = PenaltyModel()
+    if build:
+        model.build((None, 64))  # no weights in its layers until it is called
+    model.compile(optimizer, "sparse_categorical_crossentropy")
+    return model
+
+
+def accuracy(model, x, y) -> float:
+    return float((model.predict(x, verbose=0).argmax(1) == y).mean())
+
+
+@pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
+def test_notebook_objects_train_within_one_point_of_local(digits_split, strategy):
+    x_train, x_test, y_train, y_test = digits_split
+    local, dist = combined_model(4), combined_model(4)
+    dist.set_weights(local.get_weights())
+    local.fit(x_train, y_train, batch_size=32, epochs=15, verbose=0)
+    job = nbdist.train(dist, x_train, y_train, epochs=15, batch_size=32, workers=2, seed=4, strategy=strategy)
+    assert accuracy(dist, x_test, y_test) >= accuracy(local, x_test, y_test) - 0.01
+    assert set(job.history) == {"loss", "top2"} and job.history["top2"][-1] > 0.9
+    # The notebook's model holds the workers' final synchronised weights, the integer counter included
+    # (rank 0 counted its own steps: 15 epochs of ceil(674 / 32) batches).
+    assert all(np.array_equal(a, b) for a, b in zip(dist.get_weights(), job._last_weights[1]))
+    counter = next(w for w in dist.weights if "int" in str(w.dtype))
+    assert int(counter.numpy()) == 15 * 22
+
+
+@pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
+def test_subclassed_model_built_with_build_trains(digits_split, strategy):
+    x_train, x_test, y_train, y_test = digits_split
+    local = subclassed(5)
+    local.fit(x_train, y_train, batch_size=32, epochs=15, verbose=0)
+    dist = subclassed(5)
+    job = nbdist.train(dist, x_train, y_train, epochs=15, batch_size=32, workers=2, seed=5, strategy=strategy)
+    assert accuracy(dist, x_test, y_test) >= accuracy(local, x_test, y_test) - 0.01
+    assert set(job.history) == {"loss", "penalty"}  # its own train_step's metrics reach the history
+    assert int(dist.optimizer.iterations.numpy()) == 15 * 22
+
+
+def equivalence_models(kind: str):
+    """Two identical models with plain SGD: a notebook loss function, or the subclassed train_step."""
+    def make():
+        if kind == "loss":
+            my_loss = notebook_objects()[0]
+            keras.utils.set_random_seed(6)
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                                      keras.layers.Dense(10, activation="softmax")])
+            model.compile(keras.optimizers.SGD(0.1), my_loss)
+            return model
+        model = subclassed(6, keras.optimizers.SGD(0.1), build=False)
+        model(np.zeros((1, 64), "float32"))
+        return model
+
+    local, dist = make(), make()
+    dist.set_weights(local.get_weights())
+    return local, dist
+
+
+@pytest.mark.parametrize("kind", ["loss", "train_step"])
+def test_c2_averaging_every_step_equals_big_batch(digits, kind):
+    x, y = digits
+    local, dist = equivalence_models(kind)
+    idx = interleave_batches(np.arange(len(x)), 2, 16)
+    local.fit(x[idx], y[idx], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    nbdist.train(dist, x, y, epochs=1, batch_size=16, workers=2, averaging_frequency=1, shuffle=False)
+    assert relative_error(dist.get_weights(), local.get_weights()) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["loss", "train_step"])
+def test_c3_allreduce_equals_big_batch(digits, kind):
+    x, y = digits
+    local, dist = equivalence_models(kind)
+    for idx in global_batches(len(x), 2, 16):
+        local.train_on_batch(x[idx], y[idx])
+    nbdist.train(dist, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
+                 lr_scaling="none")
+    assert relative_error(dist.get_weights(), local.get_weights()) < 1e-5
