@@ -243,7 +243,7 @@ def test_interrupt_stops_and_removes_every_container(engine, digits_xy):
     assert run_containers(engine, job._backend.run_id) == []
 
 
-def test_notebook_05_executes(engine):
+def test_containers_notebook_executes_and_learns(engine):
     import nbformat
     from nbclient import NotebookClient
 

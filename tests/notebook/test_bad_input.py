@@ -217,10 +217,6 @@ def test_api_bad_input(ip, call, words):
     assert_untouched(before, ns)
 
 
-def test_catalogue_has_at_least_30_cases():
-    assert len(TRAIN_CASES) + len(CHECKPOINT_CASES) + len(EVALUATE_CASES) + len(API_CASES) >= 30
-
-
 # -- cases that need real workers -------------------------------------------------
 def test_diverging_loss_stops_with_one_sentence(ip):
     """Finite data, but a learning rate that blows the weights up: the run ends at the first

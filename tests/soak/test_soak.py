@@ -60,7 +60,8 @@ def accept_threads() -> int:
 
 
 @LIMIT
-def test_r1_kill_a_worker_mid_epoch(digits):
+def test_killing_a_worker_mid_epoch_fails_the_run_fast_and_leaves_nothing(digits):
+    """R1: a worker killed mid-epoch fails the run within the limit, with no hang and no leftovers."""
     x, y = digits
     rng = random.Random(1)
     trials = [soak.kill_trial(x, y, rng, STRATEGIES[i % 2]) for i in range(TRIALS)]
@@ -72,7 +73,8 @@ def test_r1_kill_a_worker_mid_epoch(digits):
 
 
 @LIMIT
-def test_r2_interrupt_job_wait(digits):
+def test_interrupting_job_wait_stops_every_worker(digits):
+    """R2: KeyboardInterrupt in ``job.wait()`` stops every worker and leaves nothing."""
     x, y = digits
     rng = random.Random(2)
     trials = [soak.interrupt_trial(x, y, rng, STRATEGIES[i % 2]) for i in range(TRIALS - TRIALS // 2)]
@@ -129,7 +131,8 @@ def interrupt_cell_trial(ip, rng: random.Random) -> soak.Trial:
 
 
 @LIMIT
-def test_r2_interrupt_dist_train_cell(digits):
+def test_interrupting_a_dist_train_cell_stops_every_worker(digits):
+    """R2: KeyboardInterrupt in a running ``%%dist_train`` cell stops every worker within the limit."""
     x, y = digits
     ip = ipython_shell()
     ip.user_ns.update(X=x, y=y)

@@ -20,6 +20,7 @@ def pair(secret_server: bytes, secret_client: bytes):
             result["server"] = protocol.server_handshake(a, secret_server, timeout=5)
         except Exception as exc:
             result["server_error"] = exc
+            a.close()  # as the coordinator does: the client sees the refusal now, not at its timeout
 
     t = threading.Thread(target=serve)
     t.start()

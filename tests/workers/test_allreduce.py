@@ -64,7 +64,9 @@ def accuracy(model, x, y):
 
 @pytest.mark.parametrize("direct_sum_bytes,shared_memory,summed_by",
                          [(4 * 2**20, True, "shared"), (4 * 2**20, False, "direct"), (0, True, "ring")])
-def test_c3_two_workers_batch_b_equal_local_batch_2b(digits, direct_sum_bytes, shared_memory, summed_by):
+def test_allreduce_two_workers_with_batch_b_equal_local_fit_with_batch_2b(digits, direct_sum_bytes, shared_memory,
+                                                                           summed_by):
+    """C3: 2 allreduce workers with batch b and SGD end with the parameters of a local fit with batch 2b."""
     x, y = digits
     model = compiled(mlp(), keras.optimizers.SGD(0.1))
     job = nbdist.train(model, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
@@ -103,7 +105,8 @@ def own_step_mlp(seed=0):
                          keras.layers.Dense(10, activation="softmax")])
 
 
-def test_c3_holds_for_a_train_step_that_does_not_scale_the_loss(digits):
+def test_allreduce_equals_local_fit_for_a_train_step_that_does_not_scale_the_loss(digits):
+    """C3 for a notebook model whose own ``train_step`` never calls ``optimizer.scale_loss``."""
     # Without scale_loss the gradients arrive unweighted: nbdist weights them while copying them
     # into the bucket instead, and the average is the same (here summed by chunked Gloo allreduces,
     # the path of large buckets).
@@ -117,7 +120,7 @@ def test_c3_holds_for_a_train_step_that_does_not_scale_the_loss(digits):
     assert [r["summed_by"] for r in job.reports.values()] == ["allreduce", "allreduce"]
 
 
-def test_mlp_4_workers_uneven_shards_adam_parity_and_validation(digits):
+def test_four_allreduce_workers_with_uneven_shards_match_local_adam_and_validate(digits):
     # 1497 rows / 4 workers = 375, 374, 374, 374: with batch 34 worker 0 has 12 batches, the others 11,
     # so they run one zero-sample step per epoch and must neither hang nor drift apart.
     # (2-worker MLP parity: the C3 test above shows equal parameters, hence equal accuracy.)

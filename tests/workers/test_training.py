@@ -13,7 +13,7 @@ from ..conftest import mlp, relative_error
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 
-def test_c1_one_worker_equals_local_fit(digits):
+def test_one_worker_equals_local_fit(digits):
     """C1: one worker, same seed and data order: parameters equal to 1e-6 relative."""
     x, y = digits
     local = mlp(seed=1)
@@ -36,7 +36,7 @@ def interleave_batches(x: np.ndarray, workers: int, batch: int) -> np.ndarray:
     return np.concatenate([s[j * batch:(j + 1) * batch] for j in range(steps) for s in shards])
 
 
-def test_c2_averaging_every_step_with_sgd_equals_big_batch(digits):
+def test_averaging_every_step_with_sgd_equals_local_fit_with_the_combined_batch(digits):
     """C2: K=1, plain SGD, 2 workers with batch b == local fit with batch 2b, to 1e-5 relative."""
     x, y = digits
     b = 16

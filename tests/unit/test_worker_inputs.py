@@ -1,4 +1,4 @@
-"""The worker's input pipeline (worker/datasets.py) and local core pinning (placement.core_slices).
+"""The worker's input pipeline (worker/datasets.py) and core slicing (placement.core_slices), in-process.
 
 The pipeline must give exactly Keras' batches (the averaging and allreduce callbacks count
 them with ``batch_sizes``), one pass per epoch, and fit must train and validate as before.
@@ -133,64 +133,6 @@ def test_core_slices_bind_each_worker_to_its_own_cores():
     assert core_slices({4}, 1, 1) == [{4}]
     with pytest.raises(ValueError):
         core_slices({0, 1}, 0, 1)
-
-
-@pytest.mark.skipif(len(getattr(__import__("os"), "sched_getaffinity", lambda _: ())(0)) < 2, reason="needs 2 cores")
-def test_local_backend_pins_each_worker_to_its_own_core():
-    import os
-
-    from nbdist.backends.local import LocalBackend
-
-    before = os.sched_getaffinity(0)
-    cores = sorted(before)[:2]
-    backends = [LocalBackend(), LocalBackend()]
-    try:
-        os.sched_setaffinity(0, cores)  # the driver's usable cores: the workers split them
-        # Nobody listens on port 9: the workers only start (and soon exit), which is all we look at.
-        workers = backends[0].launch(2, ("127.0.0.1", 9), b"x" * 32, 1)
-        assert [os.sched_getaffinity(w.proc.pid) for w in workers] == [{cores[0]}, {cores[1]}]
-        workers = backends[1].launch(3, ("127.0.0.1", 9), b"x" * 32, 1)  # more workers than cores
-        assert all(os.sched_getaffinity(w.proc.pid) == set(cores) for w in workers)
-    finally:
-        os.sched_setaffinity(0, before)
-        for backend in backends:
-            backend.stop(grace=1.0)
-            backend.cleanup()
-
-
-def _worker_rss_mib(rows: int) -> float:
-    """A 2-worker run's worker RSS (MiB, the larger of the two) at the end of its first epoch."""
-    import keras
-    import psutil
-
-    from nbdist.api import prepare
-    from nbdist.config import TrainConfig
-
-    x = np.random.default_rng(0).random((rows, 500), dtype=np.float32)
-    y = (x[:, 0] > 0.5).astype("int64")
-    model = keras.Sequential([keras.Input((500,)), keras.layers.Dense(8, activation="relu"),
-                              keras.layers.Dense(2, activation="softmax")])
-    model.compile("sgd", "sparse_categorical_crossentropy")
-    seen: list[float] = []
-
-    def on_event(kind, state, payload):
-        if kind == "epoch" and not seen:
-            seen.append(max(psutil.Process(w.pid).memory_info().rss for w in state.workers) / 2**20)
-
-    job = prepare(model, TrainConfig(epochs=1, batch_size=1024, workers=2, ui="none"), x, y, None,
-                  listeners=[on_event])
-    job.start()
-    job.wait()
-    return seen[0]
-
-
-def test_a_worker_holds_its_shard_once(no_leftover_workers):
-    # 200,000 x 500 float32 = 381 MiB, 191 MiB per worker. Keeping the received numpy arrays next
-    # to the pipeline's copy, and letting tf.data copy a captured tensor once more, made a
-    # worker hold its shard 3.1 times (measured); now once, plus the labels.
-    shard_mib = 200_000 * 500 * 4 / 2 / 2**20
-    grown = _worker_rss_mib(200_000) - _worker_rss_mib(2_000)
-    assert grown < 1.5 * shard_mib, f"a worker grew by {grown:.0f} MiB for a {shard_mib:.0f} MiB shard"
 
 
 def test_validation_batches_are_in_order_every_epoch_and_cheap_to_restart():
