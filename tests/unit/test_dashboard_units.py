@@ -1,19 +1,23 @@
-"""The renderers in-process, without a kernel: throttling, restarts, unknown event kinds, phase view.
+"""The dashboard without a kernel: the pure view, and the renderers in-process (throttling, restarts,
+unknown event kinds, phase view, the summary).
 
 ipywidgets and bqplot models work without a frontend, so the real dashboard is built and fed
 real ``RunState`` events here; ``show`` records what would be displayed in the cell.
 """
 from __future__ import annotations
 
+import base64
 import io
 import time
 
 import pytest
 
 from nbdist.driver.state import RunState
+from nbdist.ui import detect_frontend
 from nbdist.ui.html import HtmlRenderer, progress_html
+from nbdist.ui.summary import summary_html
 from nbdist.ui.text import TextRenderer
-from nbdist.ui.view import overview, status_sentence
+from nbdist.ui.view import Throttle, metric_groups, overview, status_sentence, worker_rows
 
 
 class Shown:
@@ -215,3 +219,87 @@ def test_nbdist_ui_environment_variable_chooses_what_auto_means(monkeypatch) -> 
     monkeypatch.setenv("NBDIST_UI", "fancy")
     with pytest.raises(NbdistError, match="NBDIST_UI"):
         make_renderer("auto")
+
+
+# -- the pure view and the summary -----------------------------------------------------------------
+
+def finished_state(epochs: int = 3) -> RunState:
+    st = RunState(world_size=2, epochs=epochs)
+    for r in range(2):
+        st.worker_connected(r, "127.0.0.1", 100 + r)
+    for e in range(epochs):
+        for r in range(2):
+            st.worker_epoch(r, {"epoch": e, "batch": 10, "batches": 10, "samples": 100, "val_samples": 20,
+                                "seconds": 0.5, "compute_seconds": 0.4 * (e + 1), "sync_seconds": 0.1 * (e + 1),
+                                "logs": {"loss": 1.0 / (e + 1), "accuracy": 0.5 + 0.1 * e,
+                                         "val_loss": 1.2 / (e + 1), "val_accuracy": 0.4 + 0.1 * e}})
+    for r in range(2):
+        st.worker_finished(r, "done")
+    st.finish("done")
+    return st
+
+
+def test_view_of_a_finished_run():
+    st = finished_state()
+    ov = overview(st)
+    assert (ov.epochs_done, ov.epochs_total, ov.eta, ov.throughput) == (3, 3, "0.0s", 400.0)
+    rows = worker_rows(st)
+    assert [r.state for r in rows] == ["done", "done"] and [r.fraction for r in rows] == [1.0, 1.0]
+    assert rows[0].sync_fraction == pytest.approx(0.2)
+    groups = metric_groups(st.history)
+    assert set(groups) == {"loss", "accuracy"}
+    assert groups["loss"]["validation"] == pytest.approx([1.2, 0.6, 0.4])
+
+
+def test_worker_fraction_counts_epochs_and_batches():
+    st = RunState(world_size=1, epochs=4)
+    st.worker_progress(0, {"state": "training", "epoch": 1, "batch": 5, "batches": 10})
+    assert worker_rows(st)[0].fraction == pytest.approx(1.5 / 4)
+    assert st.eta is None and overview(st).eta == "–"
+
+
+def test_throttle_allows_at_most_five_per_second():
+    now = [0.0]
+    t = Throttle(clock=lambda: now[0])
+    passed = 0
+    for _ in range(1000):  # 1000 events over 2 seconds
+        now[0] += 0.002
+        passed += t.ready()
+    assert passed <= 10 + 1
+    assert t.ready(force=True)
+
+
+def test_summary_has_table_and_chart_image():
+    page = summary_html(finished_state())
+    assert page.count("<tr><td>") >= 3 + 2  # 3 epochs + 2 workers
+    assert "data:image/png;base64," in page
+    png = base64.b64decode(page.split("data:image/png;base64,")[1].split('"')[0])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_summary_of_a_failed_run_shows_the_traceback():
+    st = RunState(world_size=2, epochs=2)
+    st.worker_finished(1, "failed", "Traceback (most recent call last):\nValueError: boom")
+    st.finish("failed", "worker 1 failed: boom")
+    page = summary_html(st)
+    assert "ValueError: boom" in page and "worker 1 failed" in page
+
+
+def test_auto_picks_text_outside_a_kernel_and_html_in_zeppelin():
+    assert detect_frontend(shell=None) == "text"
+
+    class Shell:  # a terminal IPython has no kernel attribute
+        pass
+
+    assert detect_frontend(shell=Shell()) == "text"
+
+    class Kernel:
+        comm_manager = object()
+
+    class KernelShell:
+        kernel = Kernel()
+
+    assert detect_frontend(shell=KernelShell(), environ={}) == "widgets"
+    assert detect_frontend(shell=KernelShell(), environ={"ZEPPELIN_HOME": "/opt/zeppelin"}) == "html"
+    Kernel.comm_manager = None
+    assert detect_frontend(shell=KernelShell(), environ={}) == "html"
