@@ -37,10 +37,11 @@ def main() -> None:
         ckpt = checkpoint.Checkpoint(epoch=1, weights=w, optimizer_weights=[w[0], w[0]], iterations=1,
                                      history={"loss": [1.0]})
         with tempfile.TemporaryDirectory() as d:
-            save = _time(lambda: checkpoint.save(d, ckpt))
-            load = _time(lambda: checkpoint.load(d))
+            # Each lambda is timed at once; the defaults bind this size's values all the same.
+            save = _time(lambda d=d, ckpt=ckpt: checkpoint.save(d, ckpt))
+            load = _time(lambda d=d: checkpoint.load(d))
             plain_path = os.path.join(d, "plain.npy")
-            plain = _time(lambda: np.save(plain_path, np.concatenate([w[0], w[0], w[0]])))
+            plain = _time(lambda p=plain_path, w=w: np.save(p, np.concatenate([w[0], w[0], w[0]])))
         print(f"{mb:>10.0f} {save:>8.3f} {load:>8.3f} {3 * mb / save:>10.0f} {save / plain:>15.2f}")
 
 

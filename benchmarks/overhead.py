@@ -46,18 +46,23 @@ def measure(epochs: int = 8, samples: int = 60_000, width: int = 256, repeats: i
     y = rng.integers(0, 10, samples)
     out: dict[str, list[float]] = {"ratio": [], "plain_epoch": [], "dist_epoch": [], "first_metric": []}
 
+    class Timer(keras.callbacks.Callback):
+        """Appends each epoch's seconds after the first (which traces the graph) to ``sink``."""
+
+        def __init__(self, sink: list[float]) -> None:
+            super().__init__()
+            self.sink = sink
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.t = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch > 0:
+                self.sink.append(time.perf_counter() - self.t)
+
     for _ in range(repeats):
         plain_epochs: list[float] = []
-
-        class Timer(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                self.t = time.perf_counter()
-
-            def on_epoch_end(self, epoch, logs=None):
-                if epoch > 0:
-                    plain_epochs.append(time.perf_counter() - self.t)
-
-        build(0, width).fit(x, y, batch_size=64, epochs=epochs, verbose=0, callbacks=[Timer()])
+        build(0, width).fit(x, y, batch_size=64, epochs=epochs, verbose=0, callbacks=[Timer(plain_epochs)])
         job = prepare(build(0, width), TrainConfig(epochs=epochs, batch_size=64, workers=1, ui="none"),
                       x, y, None)
         job.start()

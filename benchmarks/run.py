@@ -180,7 +180,8 @@ def row_p6(quick: bool, workdir: Path) -> Row:
         spark.stop()
     return Row("P6", *GOALS["P6"], runs=[m["growth_mb"] for m in ms],
                detail=f"{ms[0]['data_mb']:,.0f} MB DataFrame on 2 Spark tasks; driver RSS "
-                      f"{ms[0]['base_mb']:,.0f} MB before; {statistics.median(m['seconds'] for m in ms):.0f} s per epoch"
+                      f"{ms[0]['base_mb']:,.0f} MB before; "
+                      f"{statistics.median(m['seconds'] for m in ms):.0f} s per epoch"
                       + (" (--quick: a smaller DataFrame)" if quick else ""),
                extra={"runs": ms})
 
@@ -289,7 +290,7 @@ def chart(rows: list[Row], path: Path, title: str) -> None:
         op, target = r.goal.split()
         target = float(target)
         # ">=" goals: the goal divided by the value, so that smaller is better for every bar.
-        norm = (lambda v: target / v) if op == ">=" else (lambda v: v / target)
+        norm = (lambda v, t=target: t / v) if op == ">=" else (lambda v, t=target: v / t)
         vals = sorted(norm(v) for v in r.runs)
         mid = norm(r.median)
         mids.append(mid), lows.append(mid - vals[0]), highs.append(vals[-1] - mid)

@@ -111,18 +111,3 @@ def warm_socket_workers() -> dict[int, Path]:
             out[p.info["pid"]] = Path(cmd[cmd.index("--warm-socket") + 1])
     return out
 
-
-# Fixtures shared by the local[2] test modules (import them by name: `from .spark_helpers import spark, data`).
-@pytest.fixture(scope="module")
-def spark():
-    """A local[2] SparkSession for one test module, stopped after it."""
-    session = spark_session("local[2]")
-    yield session
-    session.stop()
-
-
-@pytest.fixture(scope="module")
-def data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Digits split into train and test: (Xtr, Xte, ytr, yte)."""
-    return digits()
-

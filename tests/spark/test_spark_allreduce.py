@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ..spark_helpers import accuracy, data, digits_frame, need_spark, small_model, spark  # noqa: F401  (module fixtures)
+from ..spark_helpers import accuracy, digits_frame, need_spark, small_model
 
 need_spark()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ..spark_helpers import data, need_spark, spark  # noqa: F401  (module fixtures)
+from ..spark_helpers import need_spark
 
 need_spark()
 

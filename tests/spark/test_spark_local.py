@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from ..spark_helpers import accuracy, data, digits_frame, need_spark, small_model, spark, wait_until_no_workers  # noqa: F401  (module fixtures)
+from ..spark_helpers import accuracy, digits_frame, need_spark, small_model, wait_until_no_workers
 
 need_spark()
 

@@ -61,17 +61,19 @@ def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("spark-logs")
     procs = []
     try:
-        procs.append(subprocess.Popen(
-            [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-             "--webui-port", str(_free_port())],
-            env=env, stdout=open(logs / "master.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True))
+        with open(logs / "master.log", "wb") as log:  # the daemon keeps its own copy of the descriptor
+            procs.append(subprocess.Popen(
+                [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                 "--webui-port", str(_free_port())],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         _wait_for_port(port, procs[0], 120)
         wport = _free_port()
-        procs.append(subprocess.Popen(
-            [spark_class, "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
-             "--host", "127.0.0.1", "--port", str(wport), "--webui-port", str(_free_port()),
-             "--cores", "2", "--memory", "2g"],
-            env=env, stdout=open(logs / "worker.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True))
+        with open(logs / "worker.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [spark_class, "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
+                 "--host", "127.0.0.1", "--port", str(wport), "--webui-port", str(_free_port()),
+                 "--cores", "2", "--memory", "2g"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         _wait_for_port(wport, procs[1], 120)
         yield f"spark://127.0.0.1:{port}"
     finally:
