@@ -4,10 +4,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
+
+# Run first in the kernel: TensorFlow loads there without its load-time notices (nbdist/worker/__main__.py).
+QUIET_TENSORFLOW = "__import__('nbdist.worker.__main__', fromlist=['_']).quiet_tensorflow_import()"
 
 
 def main() -> int:
@@ -19,7 +24,13 @@ def main() -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow start-up noise out of the output
     os.environ.setdefault("NBDIST_UI", "text")  # no browser here: --ui auto prints one line per epoch
     nb = nbformat.read(args.notebook, as_version=4)
-    client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
+    # A kernel on this machine talks over Unix sockets: no unencrypted TCP ports (nor ipykernel's warning).
+    # Their path is absolute: the kernel runs in the notebook's folder, this script maybe elsewhere.
+    sockets = tempfile.TemporaryDirectory(prefix="nbdist-demo-")
+    kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets.name, "kernel"))
+    # The kernel imports TensorFlow before it answers (exec_lines): give it the time a loaded machine needs.
+    client = NotebookClient(nb, km=kernel, timeout=args.timeout, kernel_name="python3", startup_timeout=300,
+                            extra_arguments=[f"--IPKernelApp.exec_lines={QUIET_TENSORFLOW}"],
                             resources={"metadata": {"path": str(args.notebook.parent)}})
 
     def show(cell, cell_index, execute_reply=None, **_):
@@ -33,7 +44,8 @@ def main() -> int:
         sys.stdout.flush()
 
     client.on_cell_executed = show
-    client.execute()
+    with sockets:
+        client.execute()
     if args.save:
         nbformat.write(nb, args.save)
     return 0

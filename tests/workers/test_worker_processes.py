@@ -64,3 +64,21 @@ def test_a_worker_holds_its_shard_once(no_leftover_workers):
     shard_mib = 200_000 * 500 * 4 / 2 / 2**20
     grown = _worker_rss_mib(200_000) - _worker_rss_mib(2_000)
     assert grown < 1.5 * shard_mib, f"a worker grew by {grown:.0f} MiB for a {shard_mib:.0f} MiB shard"
+
+
+def test_a_worker_starts_without_tensorflows_load_time_noise():
+    """A worker's log holds its own lines, not TensorFlow's oneDNN / CUDA-probing / absl notices."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}  # as on a Spark executor
+    # A warm worker imports TensorFlow and torch, then stops at a malformed job line with its one sentence.
+    done = subprocess.run([sys.executable, "-m", "nbdist.worker", "--warm"], input=b"not a job\n",
+                          capture_output=True, env=env, timeout=300)
+    err = done.stderr.decode(errors="replace")
+    assert done.returncode == 2 and "malformed job line" in err, err
+    for noise in ("absl::InitializeLog", "oneDNN", "cuda drivers", "port.cc", "cudart_stub"):
+        assert noise not in err, err
+    if not os.path.exists("/proc/driver/nvidia"):
+        assert "cuInit" not in err, err
