@@ -1,9 +1,9 @@
-# Two commands for users: `make demo` and `make test`. Both install what they need.
+# Two commands for users: `make demo` and `make test`; `make lint` for contributors. All install what they need.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install system-deps demo test bench clean
+.PHONY: install system-deps demo lint test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,12 @@ system-deps:
 demo: install
 	$(BIN)/python scripts/run_notebook.py notebooks/01_quickstart.ipynb
 
-test: install system-deps
+# The code's style (ruff) and its layering (import-linter contracts in pyproject.toml); fails on either.
+lint: install
+	$(BIN)/ruff check nbdist tests benchmarks scripts
+	$(BIN)/lint-imports
+
+test: lint system-deps
 	$(BIN)/python -m pytest -q -rs
 
 bench: install
