@@ -154,7 +154,8 @@ def equivalence_models(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["loss", "train_step"])
-def test_c2_averaging_every_step_equals_big_batch(digits, kind):
+def test_averaging_every_step_with_a_notebook_loss_or_train_step_equals_the_combined_batch(digits, kind):
+    """C2 with a notebook-defined loss, or a model with its own train_step."""
     x, y = digits
     local, dist = equivalence_models(kind)
     idx = interleave_batches(np.arange(len(x)), 2, 16)
@@ -164,7 +165,8 @@ def test_c2_averaging_every_step_equals_big_batch(digits, kind):
 
 
 @pytest.mark.parametrize("kind", ["loss", "train_step"])
-def test_c3_allreduce_equals_big_batch(digits, kind):
+def test_allreduce_with_a_notebook_loss_or_train_step_equals_the_combined_batch(digits, kind):
+    """C3 with a notebook-defined loss, or a model with its own train_step."""
     x, y = digits
     local, dist = equivalence_models(kind)
     for idx in global_batches(len(x), 2, 16):
