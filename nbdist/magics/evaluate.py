@@ -1,7 +1,6 @@
 """``%dist_evaluate`` and ``%dist_predict``: thin glue from a line to ``nbdist.driver.inference``."""
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -11,8 +10,6 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ..errors import NbdistError, TrainingFailed
 from .args import apply, data_arguments, lookup_pair, worker_arguments
-
-log = logging.getLogger(__name__)
 
 _batch = argument("--batch-size", type=int, default=256, help="rows per batch on each worker (default: 256)")
 _features = argument("--features", default=None, metavar="COLS",

@@ -1,7 +1,6 @@
 """``%%dist_train``: run the cell to build a model, train it on workers, write back the result."""
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -13,8 +12,6 @@ from ..config import TrainConfig
 from ..errors import NbdistError, TrainingFailed
 from ..model_io import is_keras_model
 from .args import apply, data_arguments, lookup_pair, worker_arguments
-
-log = logging.getLogger(__name__)
 
 
 def _new_models(before: dict[str, int], namespace: dict[str, Any]) -> list[str]:
