@@ -43,6 +43,15 @@ def _run(fn: Any) -> Any:
 
 @magics_class
 class EvaluateMagics(Magics):
+    def _inputs(self, magic: Any, line: str) -> tuple[Any, dict[str, Any], str, Any, tuple[Any, Any]]:
+        """What both magics read from their line: the arguments, the notebook namespace, the --out
+        name, the model and the --data pair, each checked in that order."""
+        args = parse_argstring(magic, line)
+        ns = self.shell.user_ns
+        out = _out(args.out)
+        model = _model(args.model, ns)
+        return args, ns, out, model, lookup_pair(args.data, ns, "--data")
+
     @magic_arguments()
     @argument("model", help="the notebook variable holding the trained, compiled Keras model")
     @apply(data_arguments)
@@ -73,11 +82,7 @@ class EvaluateMagics(Magics):
         from ..driver.inference import evaluate
         from ..ui.report import EvaluationReport
 
-        args = parse_argstring(self.dist_evaluate, line)
-        ns = self.shell.user_ns
-        out = _out(args.out)
-        model = _model(args.model, ns)
-        x, y = lookup_pair(args.data, ns, "--data")
+        args, ns, out, model, (x, y) = self._inputs(self.dist_evaluate, line)
         if y is None and not _is_spark(x):
             raise NbdistError("--data needs features and labels to evaluate; write it as --data X,y.")
         result = evaluate(model, x, y, namespace=ns, workers=args.workers, backend=args.backend,
@@ -112,11 +117,7 @@ class EvaluateMagics(Magics):
     def _predict(self, line: str) -> None:
         from ..driver.inference import predict
 
-        args = parse_argstring(self.dist_predict, line)
-        ns = self.shell.user_ns
-        out = _out(args.out)
-        model = _model(args.model, ns)
-        x, y = lookup_pair(args.data, ns, "--data")
+        args, ns, out, model, (x, y) = self._inputs(self.dist_predict, line)
         if y is not None:
             raise NbdistError("--data for %dist_predict names only the features, e.g. --data X.")
         result = predict(model, x, namespace=ns, workers=args.workers, backend=args.backend,

@@ -31,7 +31,7 @@ model.compile("adam", "sparse_categorical_crossentropy")
 """
 
 
-def test_worker_exception_fails_the_cell_with_its_traceback(ip, capsys):  # noqa: F811
+def test_worker_exception_fails_the_cell_with_its_traceback(ip, capsys):
     start = time.monotonic()
     result = ip.run_cell(f"%%dist_train --data X,y --epochs 50 --workers 2 --ui none --out h\n{FAILING_CELL}")
     took = time.monotonic() - start

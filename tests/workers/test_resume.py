@@ -125,7 +125,7 @@ def test_max_restarts_recovers_without_the_user(reference, digits_split, capsys)
     assert not wait_no_workers(5)
 
 
-def test_after_max_restarts_the_cell_fails_with_the_workers_traceback(ip, capsys):  # noqa: F811
+def test_after_max_restarts_the_cell_fails_with_the_workers_traceback(ip, capsys):
     result = ip.run_cell(f"%%dist_train --data X,y --epochs 3 --workers 1 --max-restarts 1 --ui text "
                          f"--out h\n{FAILING_CELL}")
     assert not result.success
