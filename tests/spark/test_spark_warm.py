@@ -114,7 +114,7 @@ def test_a_waiting_worker_ends_with_the_process_it_watches(tmp_path):
 
 
 def test_spark_second_run_takes_the_warm_workers_and_they_end_with_spark(monkeypatch):
-    from .spark_helpers import accuracy, digits, need_spark, small_model, spark_session
+    from ..spark_helpers import accuracy, digits, need_spark, small_model, spark_session
 
     need_spark()
     import nbdist
