@@ -61,7 +61,7 @@ def test_lenet_allreduce_notebook_executes():
 
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_elephas_migration_notebook_executes():
-    from .spark_helpers import need_spark
+    from ..spark_helpers import need_spark
 
     need_spark()
     text = stream_text(execute("04_from_elephas.ipynb"))
