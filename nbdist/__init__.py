@@ -36,7 +36,8 @@ def predict(*args, **kwargs):
     return _predict(*args, **kwargs)
 
 
-evaluate.__doc__ = "Evaluate a compiled Keras model sharded over workers, metrics merged exactly; see nbdist.driver.inference.evaluate."
+evaluate.__doc__ = ("Evaluate a compiled Keras model sharded over workers, metrics merged exactly; "
+                    "see nbdist.driver.inference.evaluate.")
 predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist.driver.inference.predict."
 
 

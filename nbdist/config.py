@@ -8,16 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import NbdistError
+from .placement import ENGINES
 
 STRATEGIES = ("averaging", "allreduce")
 BACKENDS = ("auto", "local", "spark", "containers")
 UIS = ("auto", "widgets", "html", "text", "none")
 LR_SCALINGS = ("auto", "none", "linear")
-ENGINES = ("gloo", "nccl", "horovod")  # allreduce only; None picks nccl on GPU, else gloo
-
-# Options the interface reserves for capabilities that have not landed yet:
-# asking for them gets a sentence, not a crash or a silent ignore.
-NOT_AVAILABLE_YET: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -43,7 +39,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: bool = False
     max_restarts: int = 0
-    engine: str | None = None
+    engine: str | None = None  # allreduce only; None picks nccl on GPU, else gloo
     # --strategy allreduce on Gloo: gradient buckets whose copies to all peers come to at most this
     # many bytes per worker are summed in one round of messages (strategies/direct.py), larger ones
     # by the ring (strategies/ring.py). 0: always the ring.
@@ -81,14 +77,11 @@ class TrainConfig:
             if not isinstance(value, (int, float)) or value <= 0:
                 raise NbdistError(f"{name} must be a positive number of seconds, got {value!r}.")
         if not isinstance(self.direct_sum_bytes, int) or self.direct_sum_bytes < 0:
-            raise NbdistError(f"direct_sum_bytes must be a non-negative number of bytes, got {self.direct_sum_bytes!r}.")
+            raise NbdistError("direct_sum_bytes must be a non-negative number of bytes, "
+                              f"got {self.direct_sum_bytes!r}.")
         if not isinstance(self.shared_memory, bool):
             raise NbdistError(f"shared_memory must be True or False, got {self.shared_memory!r}.")
         _validate_checkpointing(self)
-        for name, default in NOT_AVAILABLE_YET.items():
-            if getattr(self, name) != default:
-                flag = "--" + name.replace("_", "-")
-                raise NbdistError(f"{flag} is not available yet in nbdist {_version()}; run without it.")
         if self.engine is not None:
             if self.engine not in ENGINES:
                 raise NbdistError(f"unknown engine {self.engine!r}; use one of: {', '.join(ENGINES)}.")
@@ -147,9 +140,3 @@ def _validate_checkpointing(cfg: TrainConfig) -> None:
 def _positive_int(name: str, value: Any, example: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise NbdistError(f"{name} must be a whole number of at least 1, got {value!r}; for example {example}.")
-
-
-def _version() -> str:
-    from .version import __version__
-
-    return __version__

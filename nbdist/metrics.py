@@ -233,7 +233,8 @@ def classification_report(confusion: np.ndarray) -> tuple[dict[int, dict[str, fl
     return per_class, averages
 
 
-def merge_classifier_stats(shards: Sequence[dict[str, np.ndarray] | None], spec: ClassifierSpec) -> dict[str, Any] | None:
+def merge_classifier_stats(shards: Sequence[dict[str, np.ndarray] | None],
+                           spec: ClassifierSpec) -> dict[str, Any] | None:
     """The classifier part of the result, or None if any shard could not count classes."""
     if not shards or any(s is None for s in shards):
         return None

@@ -21,7 +21,6 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import json
-import logging
 import sys
 import types
 from collections.abc import Iterator
@@ -31,8 +30,6 @@ from typing import Any
 import numpy as np
 
 from .errors import NbdistError
-
-log = logging.getLogger(__name__)
 
 # Where a config names a notebook object shipped by value: its key in the custom objects.
 _KEY_PREFIX = "nbdist>"

@@ -77,6 +77,11 @@ def threads_per_worker(world: int) -> int:
     return max(1, (len(cores) if cores else os.cpu_count() or 1) // world)
 
 
+def interop_threads(threads: int) -> int:
+    """TensorFlow's inter-op pool for a worker with ``threads`` cores: one or two, never more than it has."""
+    return max(1, min(2, threads))
+
+
 def core_slices(cores: list[int] | set[int] | tuple[int, ...], world: int, threads: int) -> list[set[int]] | None:
     """Each local worker's own contiguous cores (``threads`` each), like ``mpirun --bind-to core``.
 

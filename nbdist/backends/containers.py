@@ -29,10 +29,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import TrainConfig
+from ..config import TrainConfig, default_local_workers
 from ..errors import NbdistError
+from ..procs import read_log_tail
 from ..wire.secret import hand_over
-from .local import package_root, read_log_tail
+from .command import container_env, job_command, package_root
 
 log = logging.getLogger(__name__)
 
@@ -177,20 +178,14 @@ def gpu_flags(engine_name: str, gpus: str | None) -> list[str]:
 
 
 def run_command(engine: Engine, *, name: str, run_id: str, rank: int, image: str, python: str,
-                address: str, threads: int, mounts: list[str], config: TrainConfig) -> list[str]:
+                address: tuple[str, int], threads: int, mounts: list[str], config: TrainConfig) -> list[str]:
     """``<engine> run ...`` for one worker. The secret is not here: it goes to the worker's stdin
     (``-i``), so neither the command line nor ``<engine> inspect`` shows it."""
     cmd = [engine.path, "run", "--rm", "-i", "--name", name, "--label", f"{LABEL}={run_id}",
            "--label", f"nbdist.rank={rank}", "--network", "host", "--init", "--workdir", "/tmp"]
-    env = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
-           "OMP_NUM_THREADS": str(threads), "TF_NUM_INTRAOP_THREADS": str(threads),
-           "TF_NUM_INTEROP_THREADS": str(max(1, min(2, threads))), "HOME": "/tmp"}
-    if mounts:  # the default image: the notebook's own environment, read-only
-        env["PYTHONPATH"] = package_root()
-        for m in mounts:
-            cmd += ["--volume", f"{m}:{m}:ro"]
-    if not config.container_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    for m in mounts:  # the default image: the notebook's own environment, read-only
+        cmd += ["--volume", f"{m}:{m}:ro"]
+    env = container_env(threads, mounted_package=bool(mounts), gpus=bool(config.container_gpus))
     for k, v in env.items():
         cmd += ["--env", f"{k}={v}"]
     if config.container_cpus:
@@ -198,8 +193,7 @@ def run_command(engine: Engine, *, name: str, run_id: str, rank: int, image: str
     if config.container_memory:
         cmd += ["--memory", config.container_memory]
     cmd += gpu_flags(engine.name, config.container_gpus)
-    cmd += [image, python, "-m", "nbdist.worker", "--address", address, "--rank", str(rank)]
-    return cmd
+    return [*cmd, image, *job_command(address, rank, python=python)]
 
 
 def _exit_code(code: int | None) -> int | None:
@@ -242,8 +236,6 @@ class ContainerBackend:
         self.start_seconds: float | None = None  # seconds launch() took (image check or build, clients spawned)
 
     def default_workers(self) -> int:
-        from ..config import default_local_workers
-
         return default_local_workers()
 
     def container_names(self, world_size: int) -> list[str]:
@@ -258,10 +250,9 @@ class ContainerBackend:
         else:
             image, python, mounts = ensure_base_image(self.engine), sys.executable, environment_mounts()
         self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-containers-"))
-        host, port = address
         for rank, name in enumerate(self.container_names(world_size)):
             cmd = run_command(self.engine, name=name, run_id=self.run_id, rank=rank, image=image,
-                              python=python, address=f"{host}:{port}", threads=threads_per_worker,
+                              python=python, address=address, threads=threads_per_worker,
                               mounts=mounts, config=self.config)
             log_path = self.run_dir / f"worker-{rank}.log"
             with open(log_path, "wb") as out:

@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,61 +13,13 @@ from pathlib import Path
 from .. import placement
 from ..config import default_local_workers
 from ..placement import core_slices, count_host_gpus, local_gpu_env, usable_cores
+from ..procs import pin_to_cores, read_log_tail, signal_group
 from ..wire.handover import job_line
 from ..wire.secret import hand_over
+from .command import job_command, worker_env
 from .warm import POOL, wanted_count
 
 log = logging.getLogger(__name__)
-
-
-def package_root() -> str:
-    """The directory holding the nbdist package, so workers import the driver's own copy."""
-    return str(Path(__file__).resolve().parents[2])
-
-
-def worker_env(secret: bytes, threads: int) -> dict[str, str]:
-    """The worker's environment. ``secret`` is not in it: it goes on stdin (backends/secret.py)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH", "")) if p)
-    env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "2")
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["TF_NUM_INTRAOP_THREADS"] = str(threads)
-    env["TF_NUM_INTEROP_THREADS"] = str(max(1, min(2, threads)))
-    env["PYTHONUNBUFFERED"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "")  # GPU placement: allreduce issue
-    env.pop("MPLBACKEND", None)  # the kernel's inline backend does not exist in a worker
-    return env
-
-
-def read_log_tail(path: Path, lines: int = 20) -> str:
-    """The last ``lines`` of a worker's log file, reading only its final 64 KiB."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def pin_to_cores(pid: int, cores: set[int]) -> None:
-    """Bind a worker to ``cores``: every thread it has now; threads created later inherit the mask.
-
-    A warm worker already runs the threads its imports started, so each is pinned by its id.
-    """
-    try:
-        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        threads = [pid]
-    try:
-        for tid in threads:
-            try:
-                os.sched_setaffinity(tid, cores)
-            except ProcessLookupError:  # a thread that ended meanwhile
-                continue
-    except OSError as exc:  # the child already exited, or a restricted container: run unpinned
-        log.warning("could not pin worker pid %d to cores %s: %s", pid, sorted(cores), exc)
 
 
 def start_warm_workers() -> int:
@@ -79,7 +30,7 @@ def start_warm_workers() -> int:
     # the extension loader does not call this then.)
     if size == 0 or count_host_gpus() > 0:
         return 0
-    POOL.enable(size, worker_env(b"", placement.threads_per_worker(world)))
+    POOL.enable(size, worker_env(placement.threads_per_worker(world)))
     return size
 
 
@@ -99,10 +50,7 @@ class LocalWorker:
         return read_log_tail(self.log_path, lines)
 
     def signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        signal_group(self.proc.pid, sig)
 
 
 class LocalBackend:
@@ -122,8 +70,7 @@ class LocalBackend:
     def launch(self, world_size: int, address: tuple[str, int], secret: bytes,
                threads_per_worker: int) -> list[LocalWorker]:
         self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-run-"))
-        env = worker_env(secret, threads_per_worker)
-        host, port = address
+        env = worker_env(threads_per_worker)
         cores = usable_cores()
         slices = core_slices(cores, world_size, threads_per_worker) if cores else None
         self._warm_env = env
@@ -139,8 +86,7 @@ class LocalBackend:
                 job = b""
                 with open(log_path, "wb") as out:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "nbdist.worker", "--address", f"{host}:{port}",
-                         "--rank", str(rank), "--die-with-parent"],
+                        job_command(address, rank, die_with_parent=True),
                         env={**env, **gpu_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                         start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
                     )

@@ -20,13 +20,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..procs import remove_quietly, signal_group
 from ..wire.handover import READY
+from .command import warm_command
 
 log = logging.getLogger(__name__)
 
@@ -131,28 +132,21 @@ class WarmPool:
         # ends (a background job's). While it waits, its stdin reaches EOF if the kernel dies;
         # once in a job, the driver link and its heartbeats end it as they end any worker.
         with os.fdopen(fd, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "nbdist.worker", "--warm"],
-                                    env=env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(warm_command(), env=env, stdin=subprocess.PIPE, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         return WarmWorker(proc, Path(name), dict(env))
 
 
 def _stop(w: WarmWorker) -> None:
     if w.proc.poll() is None:
-        try:
-            os.killpg(w.proc.pid, signal.SIGKILL)  # it holds no job: nothing to finish
-        except (ProcessLookupError, PermissionError):
-            pass
+        signal_group(w.proc.pid, signal.SIGKILL)  # it holds no job: nothing to finish
     try:
         w.proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         log.warning("warm worker pid %d did not exit", w.proc.pid)
     if w.proc.stdin is not None:
         w.proc.stdin.close()
-    try:
-        w.log_path.unlink()
-    except OSError:
-        pass
+    remove_quietly(w.log_path)
 
 
 POOL = WarmPool()

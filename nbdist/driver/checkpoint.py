@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import tempfile
 import time
@@ -25,8 +24,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import NbdistError
-
-log = logging.getLogger(__name__)
 
 FILENAME = "nbdist-checkpoint.npz"
 FORMAT = 1

@@ -225,10 +225,6 @@ def _prepare(model: Any, x: Any, y: Any, need_labels: bool, options: dict[str, A
              name: str) -> tuple[TrainConfig, Dataset]:
     config = _config(options)
     check_model(model, name, need_compiled=need_labels)
-    if type(x).__module__.startswith("pyspark"):
-        # Evaluating partitions where they live needs the Spark backend's shard source.
-        raise NbdistError("Spark DataFrames and RDDs are not supported by evaluate/predict yet; pass numpy "
-                          "arrays or pandas objects (e.g. df.toPandas() for data that fits in memory).")
     if need_labels and y is None:
         raise NbdistError("evaluation needs labels; pass them as y (or --data X,y).")
     data = make_dataset(x, y, "evaluation data" if need_labels else "prediction data")

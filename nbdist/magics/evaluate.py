@@ -1,7 +1,6 @@
 """``%dist_evaluate`` and ``%dist_predict``: thin glue from a line to ``nbdist.driver.inference``."""
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -11,8 +10,6 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ..errors import NbdistError, TrainingFailed
 from .args import apply, data_arguments, lookup_pair, worker_arguments
-
-log = logging.getLogger(__name__)
 
 _batch = argument("--batch-size", type=int, default=256, help="rows per batch on each worker (default: 256)")
 _features = argument("--features", default=None, metavar="COLS",
@@ -46,6 +43,15 @@ def _run(fn: Any) -> Any:
 
 @magics_class
 class EvaluateMagics(Magics):
+    def _inputs(self, magic: Any, line: str) -> tuple[Any, dict[str, Any], str, Any, tuple[Any, Any]]:
+        """What both magics read from their line: the arguments, the notebook namespace, the --out
+        name, the model and the --data pair, each checked in that order."""
+        args = parse_argstring(magic, line)
+        ns = self.shell.user_ns
+        out = _out(args.out)
+        model = _model(args.model, ns)
+        return args, ns, out, model, lookup_pair(args.data, ns, "--data")
+
     @magic_arguments()
     @argument("model", help="the notebook variable holding the trained, compiled Keras model")
     @apply(data_arguments)
@@ -76,11 +82,7 @@ class EvaluateMagics(Magics):
         from ..driver.inference import evaluate
         from ..ui.report import EvaluationReport
 
-        args = parse_argstring(self.dist_evaluate, line)
-        ns = self.shell.user_ns
-        out = _out(args.out)
-        model = _model(args.model, ns)
-        x, y = lookup_pair(args.data, ns, "--data")
+        args, ns, out, model, (x, y) = self._inputs(self.dist_evaluate, line)
         if y is None and not _is_spark(x):
             raise NbdistError("--data needs features and labels to evaluate; write it as --data X,y.")
         result = evaluate(model, x, y, namespace=ns, workers=args.workers, backend=args.backend,
@@ -115,11 +117,7 @@ class EvaluateMagics(Magics):
     def _predict(self, line: str) -> None:
         from ..driver.inference import predict
 
-        args = parse_argstring(self.dist_predict, line)
-        ns = self.shell.user_ns
-        out = _out(args.out)
-        model = _model(args.model, ns)
-        x, y = lookup_pair(args.data, ns, "--data")
+        args, ns, out, model, (x, y) = self._inputs(self.dist_predict, line)
         if y is not None:
             raise NbdistError("--data for %dist_predict names only the features, e.g. --data X.")
         result = predict(model, x, namespace=ns, workers=args.workers, backend=args.backend,

@@ -1,7 +1,6 @@
 """``%%dist_train``: run the cell to build a model, train it on workers, write back the result."""
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -13,8 +12,6 @@ from ..config import TrainConfig
 from ..errors import NbdistError, TrainingFailed
 from ..model_io import is_keras_model
 from .args import apply, data_arguments, lookup_pair, worker_arguments
-
-log = logging.getLogger(__name__)
 
 
 def _new_models(before: dict[str, int], namespace: dict[str, Any]) -> list[str]:
@@ -55,15 +52,18 @@ class DistMagics(Magics):
               help="variable to receive per-epoch metrics (default: history)")
     @argument("--seed", type=int, default=None, help="random seed; worker r uses seed + r")
     @argument("--ui", default="auto", help="auto | widgets | html | text | none (default: auto)")
-    @argument("--checkpoint-dir", default=None, metavar="DIR", help="save weights, optimizer state and history here after every epoch")
+    @argument("--checkpoint-dir", default=None, metavar="DIR",
+              help="save weights, optimizer state and history here after every epoch")
     @argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
     @argument("--background", action="store_true", help="return at once; training continues")
-    @argument("--max-restarts", type=int, default=0, metavar="N", help="when a worker fails, relaunch all workers from the last checkpoint, up to N times")
+    @argument("--max-restarts", type=int, default=0, metavar="N",
+              help="when a worker fails, relaunch all workers from the last checkpoint, up to N times")
     @argument("--engine", default=None, help="collective engine: gloo | nccl | horovod")
     @argument("--image", default=None, help="container image for --backend containers")
     @argument("--cpus", type=float, default=None, help="CPUs per worker container (--backend containers)")
     @argument("--memory", default=None, help="memory per worker container, e.g. 2g (--backend containers)")
-    @argument("--gpus", default=None, help="GPUs per worker container: all | 0,1 (Docker --gpus; Podman CDI, unverified)")
+    @argument("--gpus", default=None,
+              help="GPUs per worker container: all | 0,1 (Docker --gpus; Podman CDI, unverified)")
     @cell_magic
     def dist_train(self, line: str, cell: str) -> Any:
         """Train the Keras model this cell builds on several workers, data-parallel.
@@ -82,10 +82,11 @@ class DistMagics(Magics):
         Every run's ``TrainingJob`` is stored in the notebook as ``<out>_job``
         (``history_job`` by default): after a failure, ``job.error`` and
         ``job.worker_log(rank)`` tell what happened. With ``--background`` the cell
-        returns at once and its value is the running job. ``--out`` then holds the history as it grows; ``job.wait()`` blocks until the
-        end, ``job.stop()`` (or the dashboard's Stop button) ends every worker and keeps the
-        last averaged weights; ``job.history`` and ``job.status`` tell where it is. When the
-        run ends, the model holds the trained weights and ``--out`` a copy of the history.
+        returns at once and its value is the running job. ``--out`` then holds the history as it
+        grows; ``job.wait()`` blocks until the end, ``job.stop()`` (or the dashboard's Stop
+        button) ends every worker and keeps the last averaged weights; ``job.history`` and
+        ``job.status`` tell where it is. When the run ends, the model holds the trained weights
+        and ``--out`` a copy of the history.
         """
         try:
             return self._train(line, cell)
@@ -98,7 +99,8 @@ class DistMagics(Magics):
         options = {
             "epochs": args.epochs, "batch_size": args.batch_size, "workers": args.workers,
             "strategy": args.strategy, "backend": args.backend,
-            "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling, "seed": args.seed, "ui": args.ui,
+            "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling, "seed": args.seed,
+            "ui": args.ui,
             "checkpoint_dir": args.checkpoint_dir, "resume": args.resume, "background": args.background,
             "max_restarts": args.max_restarts, "engine": args.engine, "image": args.image,
             "container_cpus": args.cpus, "container_memory": args.memory, "container_gpus": args.gpus,

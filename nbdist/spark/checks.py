@@ -2,7 +2,6 @@
 or one row, so a mismatch is one sentence on the driver rather than a failed task."""
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -10,8 +9,6 @@ import numpy as np
 from ..checks import input_shape
 from ..errors import NbdistError
 from .data import SparkData
-
-log = logging.getLogger(__name__)
 
 SPARK_BACKENDS = ("auto", "spark")
 

@@ -8,9 +8,9 @@ per task), inside the function's closure over Spark Connect (which has no broadc
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
-import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from ..worker.runtime import pin_threads
 from .task import _feature_block, vector_values
-
-log = logging.getLogger(__name__)
 
 # Built models per Python worker process, by broadcast id: Spark reuses its Python workers,
 # so later partitions (and batches) of the same call skip rebuilding the model.
@@ -79,7 +78,9 @@ def _model(spec: PredictSpec) -> Any:
     with _LOCK:
         model = _MODELS.get(spec.key)
         if model is None:
-            _pin_threads(spec.threads)
+            # Use the task's cores only; TensorFlow refuses once this Python worker already ran it.
+            with contextlib.suppress(RuntimeError):
+                pin_threads(spec.threads)
             from ..model_io import ModelSpec, model_from_spec
 
             payload = spec.model.value if hasattr(spec.model, "value") else spec.model  # a broadcast, or the dict
@@ -88,17 +89,6 @@ def _model(spec: PredictSpec) -> Any:
             _MODELS.clear()  # one call's model at a time: earlier calls' are garbage
             _MODELS[spec.key] = model
         return model
-
-
-def _pin_threads(threads: int) -> None:
-    """Use the task's cores only; TensorFlow refuses once it has started, which is fine then."""
-    try:
-        import tensorflow as tf
-
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, threads)))
-    except RuntimeError:
-        pass
 
 
 def predict_batches(spec: PredictSpec, batches: Iterator[Any]) -> Iterator[Any]:

@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -23,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.command import job_command, worker_env
+from ..procs import ProcessId, read_log_tail, signal_group
 from ..wire.shardfile import DATA_ENV, X_FILE, Y_FILE, NpyStreamWriter
 
 log = logging.getLogger(__name__)
@@ -229,23 +230,11 @@ class _Reporter:
             self.channel.close()
 
 
-def _tail(path: str, lines: int = 40) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def executor_id() -> tuple[int, int] | None:
     """The process that started this task's Python worker (pid, start time): the executor's side.
 
     Warm workers are kept per executor and end with it.
     """
-    from ..strategies.shared import ProcessId
-
     parent = ProcessId.of(os.getppid())
     return None if parent is None else (parent.pid, parent.start)
 
@@ -303,7 +292,6 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
     """One barrier task: write its partition (``write(directory) -> rows``), start or claim a worker,
     wait for it. Never raises: a failed barrier stage would be retried with workers the coordinator
     already counted, so failures are reported to the driver (and returned) instead."""
-    from ..backends.local import worker_env
     from ..wire.handover import job_line
     from ..wire.secret import hand_over
     from . import warm as spark_warm
@@ -316,7 +304,7 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
     log_path = os.path.join(workdir, "worker.log")
     proc: subprocess.Popen | spark_warm.ClaimedWorker | None = None
     code, tail, rows = 1, "", -1
-    env = worker_env(secret, spec.threads)
+    env = worker_env(spec.threads)
     executor = executor_id()
     pool = None  # this executor's warm workers, if it keeps any
     try:
@@ -339,24 +327,20 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
         else:
             with open(log_path, "wb") as out:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "nbdist.worker", "--address", f"{spec.address[0]}:{spec.address[1]}",
-                     "--rank", str(rank), "--die-with-parent"],  # dies with this task's Python process
+                    job_command(spec.address, rank, die_with_parent=True),  # dies with this task's Python process
                     env={**env, **job_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True)
                 hand_over(proc, secret)  # on stdin, not in the worker's command line or environment
         reporter.send({"type": "started", "rank": rank, "pid": proc.pid, "host": socket.gethostname(),
                        "warm": isinstance(proc, spark_warm.ClaimedWorker)})
         code = proc.wait()
-        tail = _tail(log_path)
+        tail = read_log_tail(log_path, 40)
     except BaseException:  # includes the task being interrupted
-        tail = (_tail(log_path) + "\n" if proc is not None else "") + traceback.format_exc()
+        tail = (read_log_tail(log_path, 40) + "\n" if proc is not None else "") + traceback.format_exc()
         code = proc.poll() if proc is not None and proc.poll() is not None else 1
     finally:
         if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
+            signal_group(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         reporter.send({"type": "exit", "rank": rank, "code": code, "log": tail, "at": time.time()})
         reporter.close()

@@ -18,7 +18,7 @@ Nothing read from the socket is unpickled: one JSON line and one hex line, from 
 kernel says runs as this user. Not used with GPUs (a worker's device is chosen before
 TensorFlow starts) or when ``NBDIST_WARM_WORKERS=0``.
 
-Runs on the executor: standard library only at module level.
+Runs on the executor: no third-party package at module level.
 """
 from __future__ import annotations
 
@@ -37,14 +37,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..wire.handover import log_path_of, read_line, remove_quietly
+from ..backends.command import STARTUP_KEYS, warm_socket_command
+from ..procs import remove_quietly
+from ..wire.handover import log_path_of, read_line
 
 log = logging.getLogger(__name__)
 
 CLAIM_TIMEOUT = 120.0  # a worker still importing answers once its imports are done
-# What a worker's start depends on: two environments that agree on these get the same worker.
-ENV_KEYS = ("PYTHONPATH", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
-            "CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL")
 SUN_PATH_MAX = 107  # bytes of a Unix socket's path (108 with the terminating NUL)
 NAME_LENGTH = 1 + 16 + 1 + 12 + 5  # "/<env key>-<token>.sock"
 _started: list[subprocess.Popen] = []  # reaped at the next start; orphans go to init if we exit first
@@ -52,7 +51,7 @@ _started: list[subprocess.Popen] = []  # reaped at the next start; orphans go to
 
 def env_key(env: dict[str, str]) -> str:
     """A short name for the worker environment, which a warm worker's socket name begins with."""
-    text = json.dumps([sys.executable] + [env.get(k, "") for k in ENV_KEYS])
+    text = json.dumps([sys.executable] + [env.get(k, "") for k in STARTUP_KEYS])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -88,8 +87,7 @@ def start(directory: Path, env: dict[str, str], executor: tuple[int, int]) -> su
     sock_path = str(directory / f"{env_key(env)}-{secrets.token_hex(6)}.sock")
     with open(log_path_of(sock_path), "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nbdist.worker", "--warm-socket", sock_path,
-             "--watch", f"{executor[0]}:{executor[1]}"],
+            warm_socket_command(sock_path, executor),
             env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     _started.append(proc)
     return proc

@@ -43,8 +43,8 @@ like everyone else, so all workers keep identical weights.
 
 Engines: Gloo (CPU; the tensors cross via ``tf.numpy_function`` as numpy views
 and ``torch.from_numpy``, in either direction) is the tested path. NCCL (GPU;
-DLPack) and Horovod's raw ops are written to the same shape but NOT VERIFIED: there is no GPU and no importable Horovod where this
-was built.
+DLPack) and Horovod's raw ops are written to the same shape but NOT VERIFIED: there is no GPU and
+no importable Horovod where this was built.
 """
 from __future__ import annotations
 

@@ -31,12 +31,12 @@ import platform
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..placement import usable_cores
+from ..procs import ProcessId, remove_quietly
 from .direct import add_in_rank_order
 
 log = logging.getLogger(__name__)
@@ -86,31 +86,6 @@ def should_spin(affinities: Sequence[frozenset[int]]) -> bool:
             return False
         seen |= s
     return True
-
-
-@dataclass(frozen=True)
-class ProcessId:
-    """A process as another process of the same machine can check it: pid and start time."""
-
-    pid: int
-    start: int  # clock ticks after boot (/proc/<pid>/stat field 22): a reused pid differs
-
-    @staticmethod
-    def of(pid: int) -> ProcessId | None:
-        """The running process ``pid`` (None: there is none, or it has exited and awaits its parent)."""
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            return None
-        # Field 2 (the command) is in parentheses and may hold spaces; count from its end.
-        fields = stat[stat.rindex(b")") + 2:].split()
-        if fields[0] in (b"Z", b"X"):  # dead; a zombie's entry stays until its parent reaps it
-            return None
-        return ProcessId(pid, int(fields[19]))
-
-    def alive(self) -> bool:
-        return ProcessId.of(self.pid) == self
 
 
 class SharedMemorySum:
@@ -210,7 +185,7 @@ def open_shared_sum(collective: Any, length: int) -> SharedMemorySum | None:
     ok = np.array([1.0 if buf is not None and visible else 0.0], dtype=np.float32)
     collective.allreduce_sum(ok)  # every worker mapped the segment, or none uses it
     if rank == 0 and path:
-        _unlink(path)
+        remove_quietly(path)
     if ok[0] != world:
         if buf is not None:
             buf.close()
@@ -232,7 +207,7 @@ def _create(path: str, size: int) -> mmap.mmap | None:
         return mmap.mmap(fd, size)
     except OSError as exc:  # /dev/shm too small for the segment (a container's default 64 MiB)
         log.debug("cannot size %s: %s", path, exc)
-        _unlink(path)
+        remove_quietly(path)
         return None
     finally:
         os.close(fd)
@@ -251,10 +226,3 @@ def _attach(path: str, size: int) -> mmap.mmap | None:
         return None
     finally:
         os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

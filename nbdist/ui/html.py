@@ -56,7 +56,6 @@ class HtmlRenderer:
             if kind == "epoch":
                 self._show(HTML(f"<div class='nbdist-epoch'><code>{html.escape(epoch_line(state, payload))}"
                                 "</code></div>"))
-        elif self._handle is not None:
+        elif self._handle is not None and self._throttle.ready():
             # Throttled; the "end" redraw above always shows the final numbers.
-            if self._throttle.ready():
-                self._handle.update(HTML(progress_html(state)))
+            self._handle.update(HTML(progress_html(state)))

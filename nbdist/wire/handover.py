@@ -8,7 +8,6 @@ executor's warm worker keeps its log beside its socket (``log_path_of``).
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 
@@ -35,10 +34,3 @@ def read_line(conn: socket.socket) -> bytes:
             break
         line += chunk
     return line.strip()
-
-
-def remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -31,7 +31,7 @@ class NpyStreamWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._f = open(path, "wb")
+        self._f = open(path, "wb")  # noqa: SIM115 - appended to across calls, closed by close()
         self._f.write(b"\0" * NPY_HEADER_SIZE)
         self.dtype: np.dtype | None = None
         self.row_shape: tuple[int, ...] | None = None

@@ -183,7 +183,7 @@ def wait_warm_socket(path: str, watch: str) -> tuple[str, int, bytes, socket.soc
     away or nobody came. Once taken, the worker dies with that connection, as a child started
     with ``--die-with-parent`` dies with its task.
     """
-    from ..strategies.shared import ProcessId
+    from ..procs import ProcessId
     from . import warm_socket
 
     pid, start = (int(v) for v in watch.split(":"))

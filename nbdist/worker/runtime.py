@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..placement import interop_threads
+
 
 def pin_threads(threads: int) -> None:
     """Keep N workers on one machine from each using every core."""
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, threads)))
+    tf.config.threading.set_inter_op_parallelism_threads(interop_threads(threads))
 
 
 def unpack_job(msg: Any) -> dict[str, Any]:

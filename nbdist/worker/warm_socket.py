@@ -12,7 +12,8 @@ import struct
 import time
 from collections.abc import Callable
 
-from ..wire.handover import IDLE_LIMIT, log_path_of, read_line, remove_quietly
+from ..procs import remove_quietly
+from ..wire.handover import IDLE_LIMIT, log_path_of, read_line
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -68,4 +69,4 @@ def serve_one(listener: socket.socket, path: str, executor_alive: Callable[[], b
         listener.close()
         remove_quietly(path)  # still there if no task renamed it
         if taken is None:
-            remove_quietly(str(log_path_of(path)))
+            remove_quietly(log_path_of(path))

@@ -48,7 +48,7 @@ def test_gpu_flags_per_engine():
 def test_run_command_keeps_the_secret_off_the_command_line():
     cfg = TrainConfig(backend="containers", container_cpus=1.5, container_memory="2g")
     cmd = run_command(Engine("podman", "/usr/bin/podman"), name="nbdist-x-w0", run_id="x", rank=0,
-                      image="img", python="/py", address="127.0.0.1:5", threads=1, mounts=["/usr"], config=cfg)
+                      image="img", python="/py", address=("127.0.0.1", 5), threads=1, mounts=["/usr"], config=cfg)
     assert "-i" in cmd and not any("SECRET" in a for a in cmd)  # the secret goes on stdin, not in --env
     assert cmd[cmd.index("--cpus"):cmd.index("--cpus") + 2] == ["--cpus", "1.5"]
     assert cmd[cmd.index("--memory"):cmd.index("--memory") + 2] == ["--memory", "2g"]

@@ -1,4 +1,4 @@
-"""Warm workers on Spark executors (backends/spark_warm.py).
+"""Warm workers on Spark executors (spark/warm.py).
 
 Real worker processes on real Unix sockets: a claim hands over the job and later the worker's
 own exit code, only one task can take a worker, a taken worker dies with its task's connection,
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from nbdist.backends.local import worker_env
+from nbdist.backends.command import worker_env
+from nbdist.procs import ProcessId
 from nbdist.spark import warm as spark_warm
-from nbdist.strategies.shared import ProcessId
 from nbdist.wire.handover import job_line
 
 from ..spark_helpers import wait_warm_ready, warm_socket_workers
 
 pytestmark = pytest.mark.timeout(240)
-ENV = worker_env(b"", 1)
+ENV = worker_env(1)
 
 
 def _me() -> tuple[int, int]:

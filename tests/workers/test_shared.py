@@ -16,8 +16,9 @@ import time
 import numpy as np
 import pytest
 
+from nbdist.procs import ProcessId
 from nbdist.strategies import shared
-from nbdist.strategies.shared import ProcessId, SharedMemorySum, row_stride, segment_bytes, should_spin
+from nbdist.strategies.shared import SharedMemorySum, row_stride, segment_bytes, should_spin
 
 from ..ranks import run_ranks
 

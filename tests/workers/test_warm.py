@@ -15,9 +15,11 @@ import pytest
 
 import nbdist
 from nbdist.backends import warm
-from nbdist.backends.local import pin_to_cores, start_warm_workers, worker_env
+from nbdist.backends.command import worker_env
+from nbdist.backends.local import start_warm_workers
 from nbdist.backends.warm import POOL, WarmPool, WarmWorker
 from nbdist.placement import threads_per_worker
+from nbdist.procs import pin_to_cores
 
 from ..conftest import ipython_shell, wait_no_workers, worker_processes
 
@@ -67,7 +69,7 @@ def test_a_worker_that_connects_after_the_rendezvous_still_gets_it(digits, monke
     # the store is; it used to wait for the startup timeout instead.
     monkeypatch.setenv(warm.ENV_COUNT, "1")
     try:
-        POOL.enable(1, worker_env(b"", threads_per_worker(2)))  # what a 2-worker job's workers get
+        POOL.enable(1, worker_env(threads_per_worker(2)))  # what a 2-worker job's workers get
         _wait_ready(1)
         x, y = digits
         job = nbdist.train(_mlp(), x, y, epochs=2, batch_size=32, workers=2, ui="none", startup_timeout=40)
@@ -138,7 +140,7 @@ def test_a_job_takes_only_workers_started_with_its_environment():
 ])
 def test_a_warm_worker_without_a_job_exits_with_one_line(line, code, says):
     proc = subprocess.run([sys.executable, "-m", "nbdist.worker", "--warm"], input=line, capture_output=True,
-                          env=worker_env(b"", 1), timeout=180)
+                          env=worker_env(1), timeout=180)
     out = proc.stderr.decode()
     assert proc.returncode == code and says in out, out[-2000:]
     assert "Traceback" not in out

@@ -1,0 +1,93 @@
+"""The worker program's command line and environment, built once for every way a worker starts.
+
+``python -m nbdist.worker`` and its flags are an interface: warm workers and users' container
+images start it, so they change only together with the worker's parser (worker/main.py). The
+run's secret is never here: it goes on the worker's stdin or socket (wire/secret.py).
+
+Runs on Spark executors too (spark/task.py, spark/warm.py), so it imports no third-party package.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..placement import interop_threads
+
+WORKER_MODULE = "nbdist.worker"
+# The variables a worker's start depends on: two environments that agree on these can share a
+# warm worker (spark/warm.py names its sockets after them; the order keeps those names stable).
+STARTUP_KEYS = ("PYTHONPATH", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
+                "CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL")
+
+
+def package_root() -> str:
+    """The directory holding the nbdist package, so workers import the driver's own copy."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+# -- command lines ---------------------------------------------------------------
+def _worker(python: str) -> list[str]:
+    return [python, "-m", WORKER_MODULE]
+
+
+def job_command(address: tuple[str, int], rank: int, *, die_with_parent: bool = False,
+                python: str = sys.executable) -> list[str]:
+    """A cold worker for one job: it connects to the coordinator at ``address`` as ``rank``.
+
+    ``die_with_parent``: the worker dies with the process that starts it (not for containers,
+    whose engine client is the parent, nor for warm workers; see backends/warm.py).
+    """
+    cmd = [*_worker(python), "--address", f"{address[0]}:{address[1]}", "--rank", str(rank)]
+    return [*cmd, "--die-with-parent"] if die_with_parent else cmd
+
+
+def warm_command(python: str = sys.executable) -> list[str]:
+    """A warm local worker: imports first, then reads its job on stdin (backends/warm.py)."""
+    return [*_worker(python), "--warm"]
+
+
+def warm_socket_command(sock_path: str, executor: tuple[int, int], python: str = sys.executable) -> list[str]:
+    """A warm worker on a Spark executor: imports, then waits on ``sock_path`` while ``executor``
+    (pid, start time) lives (spark/warm.py)."""
+    return [*_worker(python), "--warm-socket", sock_path, "--watch", f"{executor[0]}:{executor[1]}"]
+
+
+# -- environment -----------------------------------------------------------------
+def thread_env(threads: int) -> dict[str, str]:
+    """The thread budget as the variables OpenMP and TensorFlow read when they start."""
+    return {"OMP_NUM_THREADS": str(threads), "TF_NUM_INTRAOP_THREADS": str(threads),
+            "TF_NUM_INTEROP_THREADS": str(interop_threads(threads))}
+
+
+def _worker_variables(threads: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """What every worker gets wherever it runs: unbuffered output, TensorFlow's C++ logs quiet
+    unless the notebook set a level, and its thread budget."""
+    return {"TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), **thread_env(threads),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def worker_env(threads: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of a worker process on this machine: the notebook's, plus nbdist's own."""
+    env = dict(os.environ if environ is None else environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH", "")) if p)
+    env.update(_worker_variables(threads, env))
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "")  # the backend sets a GPU per worker
+    env.pop("MPLBACKEND", None)  # the kernel's inline backend does not exist in a worker
+    return env
+
+
+def container_env(threads: int, *, mounted_package: bool, gpus: bool,
+                  environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables a worker container is given (the image has its own environment otherwise).
+
+    ``mounted_package``: nbdist is mounted from the host at its own path (the default image);
+    ``gpus``: GPUs are passed through, so the worker may see them.
+    """
+    env = {**_worker_variables(threads, os.environ if environ is None else environ), "HOME": "/tmp"}
+    if mounted_package:
+        env["PYTHONPATH"] = package_root()
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env

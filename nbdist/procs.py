@@ -1,0 +1,90 @@
+"""Helpers for the processes nbdist starts or watches: who a process is, its cores, its log, its end.
+
+Shared by the notebook side (local and warm workers), Spark tasks on executors and the workers
+themselves, so it imports only the standard library.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_BYTES = 65536  # how much of a log's end is read for its last lines
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """A process as another process of the same machine can check it: pid and start time."""
+
+    pid: int
+    start: int  # clock ticks after boot (/proc/<pid>/stat field 22): a reused pid differs
+
+    @staticmethod
+    def of(pid: int) -> ProcessId | None:
+        """The running process ``pid`` (None: there is none, or it has exited and awaits its parent)."""
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return None
+        # Field 2 (the command) is in parentheses and may hold spaces; count from its end.
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if fields[0] in (b"Z", b"X"):  # dead; a zombie's entry stays until its parent reaps it
+            return None
+        return ProcessId(pid, int(fields[19]))
+
+    def alive(self) -> bool:
+        return ProcessId.of(self.pid) == self
+
+
+def read_log_tail(path: str | os.PathLike[str], lines: int = 20) -> str:
+    """The last ``lines`` of a worker's log file, reading only its final 64 KiB ("" if unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group a worker leads (started with ``start_new_session``).
+
+    A group already gone, or not ours to signal, needs nothing more.
+    """
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def pin_to_cores(pid: int, cores: set[int]) -> None:
+    """Bind a worker to ``cores``: every thread it has now; threads created later inherit the mask.
+
+    A warm worker already runs the threads its imports started, so each is pinned by its id.
+    """
+    try:
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        threads = [pid]
+    try:
+        for tid in threads:
+            try:
+                os.sched_setaffinity(tid, cores)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+    except OSError as exc:  # the child already exited, or a restricted container: run unpinned
+        log.warning("could not pin worker pid %d to cores %s: %s", pid, sorted(cores), exc)
+
+
+def remove_quietly(path: str | os.PathLike[str]) -> None:
+    """Delete a file that may already be gone (a socket, a log, a shared-memory segment)."""
+    try:
+        Path(path).unlink()
+    except OSError:
+        pass
