@@ -14,7 +14,9 @@ from .spark.data import SparkData, is_spark_data, spark_dataset
 from .ui import make_renderer
 
 
-def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, Any] | None = None,
+def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...] | None = None,
+          callbacks: list[Any] | None = None, class_weight: dict[Any, float] | None = None,
+          sample_weight: Any = None, validation_split: float = 0.0, initial_epoch: int = 0,
           namespace: dict[str, Any] | None = None, features: str | list[str] | None = None,
           label: str | None = None, **options: Any) -> TrainingJob:
     """Train ``model`` data-parallel on ``x``/``y`` and put the trained weights back into it.
@@ -25,13 +27,34 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, Any]
     The API is silent by default (``ui="none"``). ``x`` may be a Spark DataFrame (name its
     columns with ``features`` and ``label``) or an RDD of (features, label) pairs: each Spark
     task then reads its own partition on its executor.
+
+    ``callbacks``, ``class_weight``, ``sample_weight``, ``validation_split``, ``validation_data``
+    (2- or 3-tuples), ``initial_epoch`` and ``x``/``y`` as dicts or lists of arrays mean what they
+    mean in ``model.fit``: callbacks run here with the merged metrics (``job.fit_history`` is
+    their ``keras.callbacks.History``). ``batch_size`` stays per worker: every global batch of
+    ``batch_size * workers`` rows is split over the workers.
     """
     unknown = set(options) - TrainConfig.field_names()
     if unknown:
         raise NbdistError(f"unknown option(s) {', '.join(sorted(unknown))}; see help(nbdist.TrainConfig).")
     options.setdefault("ui", "none")
+    fit_style = (callbacks is not None or class_weight is not None or sample_weight is not None
+                 or bool(validation_split) or bool(initial_epoch) or isinstance(x, (dict, list, tuple))
+                 or isinstance(y, (dict, list, tuple))
+                 or (isinstance(validation_data, (tuple, list)) and len(validation_data) == 3))
     config = TrainConfig(**options)
-    job = prepare(model, config, x, y, validation_data, namespace, features=features, label=label)
+    if fit_style:
+        if is_spark_data(x):
+            raise NbdistError("callbacks, class_weight, sample_weight, validation_split and initial_epoch need "
+                              "in-memory data (numpy or pandas); a Spark DataFrame trains without them.")
+        fit = {"x": x, "y": y, "batch_size": None, "epochs": config.epochs, "callbacks": callbacks,
+               "validation_split": validation_split, "validation_data": validation_data,
+               "shuffle": config.shuffle, "class_weight": class_weight, "sample_weight": sample_weight,
+               "initial_epoch": initial_epoch, "steps_per_epoch": None, "validation_steps": None,
+               "validation_freq": 1}
+        job = prepare_fit(model, config, fit, None, namespace)
+    else:
+        job = prepare(model, config, x, y, validation_data, namespace, features=features, label=label)
     job.start()
     if config.background:
         return job.run_in_background()
@@ -66,6 +89,23 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
     renderer = make_renderer(config.ui)
     all_listeners = list(listeners or []) + ([renderer] if renderer else [])
     job = TrainingJob(model, config, train_set, val_set, namespace, all_listeners)
+    if hasattr(renderer, "attach"):
+        renderer.attach(job)
+    return job
+
+
+def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_batch: int | None,
+                namespace: dict[str, Any] | None = None, listeners: list[Any] | None = None) -> TrainingJob:
+    """A job for one ``model.fit(...)``'s arguments (driver/fit_call.py), not yet started."""
+    from .driver.fit_call import check_fit_arguments, fit_data, prepare_fit_run
+
+    check_fit_arguments(fit)
+    check_trainable(model)
+    train_set, val_set = fit_data(fit)
+    renderer = make_renderer(config.ui)
+    all_listeners = list(listeners or []) + ([renderer] if renderer else [])
+    job = TrainingJob(model, config, train_set, val_set, namespace, all_listeners)
+    job.fit = prepare_fit_run(model, fit, config.epochs, global_batch, len(train_set))
     if hasattr(renderer, "attach"):
         renderer.attach(job)
     return job

@@ -106,6 +106,10 @@ class TrainingJob:
         self._keeper: CheckpointKeeper | None = None  # --checkpoint-dir / --resume / --max-restarts
         self._restart_pending: tuple[int, str, str] | None = None
         self._initial_epoch = 0
+        # An intercepted model.fit (or nbdist.train with fit's arguments): its data plan and the
+        # notebook's callbacks, run here with merged logs (fit_call.py, callbacks.py).
+        self.fit: Any = None
+        self._first_lr: float | None = None
 
     # -- public ---------------------------------------------------------
     @property
@@ -115,6 +119,11 @@ class TrainingJob:
     @property
     def history(self) -> dict[str, list[float]]:
         return self.state.history if self.state else {}
+
+    @property
+    def fit_history(self) -> Any:
+        """The ``keras.callbacks.History`` of an intercepted ``model.fit`` (None for a plain run)."""
+        return self.fit.callbacks.history if self.fit is not None else None
 
     @property
     def error(self) -> TrainingFailed | None:
@@ -131,9 +140,16 @@ class TrainingJob:
             if backend.name != "spark":
                 raise NbdistError("a Spark DataFrame or RDD trains on the Spark backend; use --backend spark "
                                   "(or auto with the SparkContext active), or convert it to numpy first.")
+        elif self.fit is not None:  # every global batch dealt over the workers (fitdata.deal_rows)
+            check_workers(len(self.train_data), world)
+            self._batch_sizes, self._rows = self.fit.plan(world, cfg.batch_size)
+            shards = [(0, len(rows)) for rows in self._rows]
+            self._initial_epoch = self.fit.initial_epoch
         else:
             check_workers(len(self.train_data), world)
             shards = shard_bounds(len(self.train_data), world)
+        if self.fit is None:
+            self._batch_sizes = [cfg.batch_size] * world
         self.world_size = world
         self._val_shards = (shard_bounds(len(self.validation_data), world)
                             if self.validation_data is not None else None)
@@ -141,12 +157,15 @@ class TrainingJob:
         self._keeper = CheckpointKeeper.for_run(cfg, self.model)
         if self._keeper is not None:
             self._spec, self._initial_epoch = self._keeper.start_point(self._spec)
-        self.state = RunState(world, cfg.epochs, backend=backend.name, strategy=cfg.strategy)
+        self.state = RunState(world, cfg.epochs, backend=backend.name, strategy=cfg.strategy,
+                              initial_epoch=self._initial_epoch)
         if self._keeper is not None:
             self._keeper.seed_state(self.state)
         self._shards = None
         if shards is not None:
             self._apply_shards(shards)
+        if self.fit is not None:  # on_train_begin, on_epoch_begin: the first epoch's learning rate
+            self._first_lr = self.fit.callbacks.begin()
         try:
             self._launch(backend)
         except Exception:
@@ -159,7 +178,7 @@ class TrainingJob:
         """Each worker's rows (start, end): its epoch's batches and the averaging rounds all agree on."""
         cfg = self.config
         self._shards = shards
-        batches = [batches_per_epoch(b - a, cfg.batch_size) for a, b in shards]
+        batches = [batches_per_epoch(b - a, size) for (a, b), size in zip(shards, self._batch_sizes)]
         self._rounds = rounds_per_epoch(batches, cfg.averaging_frequency)
         for w, (a, b), n in zip(self.state.workers, shards, batches):
             w.samples, w.batches = b - a, n
@@ -338,6 +357,8 @@ class TrainingJob:
                 bad = non_finite(merged)
                 if bad is not None:  # diverged: stop rather than train on, and keep the user's weights
                     self._fail(rank, non_finite_message(bad, merged[bad], int(msg.body["epoch"])), "")
+                elif self.fit is not None:
+                    self._fit_epoch_end(int(msg.body["epoch"]), merged)
         elif kind == "weights":
             n = int(msg.body["n_weights"])
             self._last_weights = (int(msg.body["epoch"]), msg.arrays[:n], len(msg.arrays) - n)
@@ -387,12 +408,19 @@ class TrainingJob:
         cfg, spec = self.config, self._spec
         a, b = self._shards[rank]
         on_task = isinstance(self.train_data, SparkData)  # the worker's Spark task wrote its shard
-        shard = None if on_task else self.train_data.slice(a, b)
         val = None
         if self._val_shards is not None:
             va, vb = self._val_shards[rank]
             val = self.validation_data.slice(va, vb)
-        arrays = job_arrays(spec, shard, val, with_optimizer=True)
+        if self.fit is not None:
+            shard = self.train_data.take(self._rows[rank])
+            arrays, fit_extra = self.fit.job_part(spec, shard, val, self._batch_sizes, self._first_lr)
+            arrays = job_arrays(spec, None, None, with_optimizer=True) + arrays
+            shard, val = self.train_data, None  # the layout carries the data; has_y below is unused
+        else:
+            shard = None if on_task else self.train_data.slice(a, b)
+            arrays = job_arrays(spec, shard, val, with_optimizer=True)
+            fit_extra = {}
         body = {
             "type": "job", "rank": rank, "world_size": self.world_size,
             "config": {k: getattr(cfg, k) for k in ("epochs", "batch_size", "averaging_frequency",
@@ -417,6 +445,9 @@ class TrainingJob:
             "sync_timeout": cfg.sync_timeout,
             "startup_timeout": cfg.startup_timeout,
         }
+        if fit_extra:
+            body["config"]["batch_sizes"] = fit_extra.pop("batch_sizes")
+            body.update(fit_extra)
         self._coordinator.send(rank, body, arrays)
 
     def _check_health(self) -> None:
@@ -479,9 +510,27 @@ class TrainingJob:
         self.state.finish("failed", message)
         self._notify("end")
 
+    def _fit_epoch_end(self, epoch: int, merged: dict[str, float]) -> None:
+        """The notebook's callbacks see the shared weights and merged logs; their decision goes to every worker."""
+        self._apply_last_weights()
+        try:
+            decision = self.fit.callbacks.epoch_end(epoch, merged)
+        except Exception as exc:  # the notebook's own callback raised: end the run with its message
+            log.exception("a callback failed at epoch %d", epoch + 1)
+            self._fail(None, f"callback failed at the end of epoch {epoch + 1}: {type(exc).__name__}: {exc}", "")
+            return
+        if self.fit.callbacks.needs_decisions:
+            for r in range(self.world_size):
+                try:
+                    self._coordinator.send(r, decision)
+                except (ConnectionError, OSError):
+                    pass  # that worker is gone: the health check names the cause
+
     def _complete(self) -> None:
         self._shutdown()
         self._apply_last_weights()
+        if self.fit is not None:
+            self.fit.callbacks.end()  # e.g. EarlyStopping restores its best weights into the model
         self._drop_temp_checkpoints()
         self.state.finish("done")
         self._notify("end")

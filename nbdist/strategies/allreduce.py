@@ -91,13 +91,15 @@ def shard_samples(collective: Collective, samples: int) -> list[int]:
     return [int(c) for c in counts]
 
 
-def step_totals(samples_per_worker: Sequence[int], batch_size: int) -> list[int]:
+def step_totals(samples_per_worker: Sequence[int], batch_size: int | Sequence[int]) -> list[int]:
     """Samples summed over workers at each step of an epoch; len() is the steps every worker runs.
 
     Worker w's step j holds ``batch_sizes(samples_w, batch_size)[j]`` samples, or none when its
     shard has run out (a pad step), so every step's total is known before the step runs.
+    ``batch_size`` may differ by worker (an intercepted fit's global batch split over the workers).
     """
-    per_worker = [batch_sizes(int(s), batch_size) for s in samples_per_worker]
+    sizes = [batch_size] * len(samples_per_worker) if isinstance(batch_size, int) else list(batch_size)
+    per_worker = [batch_sizes(int(s), int(b)) for s, b in zip(samples_per_worker, sizes)]
     steps = max((len(b) for b in per_worker), default=0)
     return [sum(b[j] for b in per_worker if j < len(b)) for j in range(steps)]
 

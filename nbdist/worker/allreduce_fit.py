@@ -17,7 +17,8 @@ def resolve_engine(requested: str | None) -> tuple[str, str | None]:
     return choose_engine(requested, has_gpu, horovod_error)
 
 
-def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collective: Any) -> None:
+def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collective: Any,
+                  lr_factor: float = 1.0) -> None:
     from ..model_io import averaged_optimizer_variables
     from ..strategies.allreduce import (
         AllreduceCallback,
@@ -29,7 +30,8 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     )
     from ..strategies.averaging import WeightedAverager
     from .callbacks import EventCallback, weight_shipper
-    from .datasets import job_inputs
+    from .datasets import job_inputs, rank_batch_size
+    from .fit_sync import closing_report, sync_callbacks
     from .phases import EpochPhases, phase_callbacks, phase_timer, phase_times_enabled
 
     cfg = job["config"]
@@ -45,10 +47,10 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
 
     # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
     inputs, samples, val_samples = job_inputs(job, rank)
-    batch_size = int(cfg["batch_size"])
+    batch_size = rank_batch_size(cfg, rank)
     # Every step's total samples, known up front: the gradients are scaled by n / total as they
     # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
-    totals = step_totals(shard_samples(collective, samples), batch_size)
+    totals = step_totals(shard_samples(collective, samples), cfg.get("batch_sizes") or batch_size)
     steps = len(totals)
     reducer = GradientAllreduce(collective, model.trainable_variables, engine,
                                 direct_sum_bytes=int(cfg["direct_sum_bytes"]),
@@ -69,10 +71,14 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     if phases is not None:
         first, last = phases.callbacks()
         callbacks = [first, *callbacks, last]
+    # After the padding steps and the statistics round: metric sums pair up in the same order everywhere.
+    extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
+    callbacks += extra
     model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
               initial_epoch=int(job["initial_epoch"]))
     done = {"type": "done", "sync_seconds": reducer.seconds, "rounds": reducer.steps,
-            "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by}
+            "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by,
+            **closing_report(decision)}
     if phases is not None:
         done["phase_times"] = phases.epochs
     link.send(done)

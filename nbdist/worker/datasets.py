@@ -53,19 +53,24 @@ def shuffle_seed(seed: int | None, rank: int) -> int:
     return int(seed) + int(rank)
 
 
+def rank_batch_size(cfg: dict[str, Any], rank: int) -> int:
+    """This worker's batch: its share of the global batch of an intercepted ``fit``, else --batch-size."""
+    sizes = cfg.get("batch_sizes")
+    return int(sizes[rank]) if sizes else int(cfg["batch_size"])
+
+
 def sample_count(x: Any) -> int:
     """Rows in ``x``: an array, or a list/tuple/dict of arrays with the same number of rows."""
-    if isinstance(x, dict):
-        x = next(iter(x.values()))
-    elif isinstance(x, (list, tuple)):
-        x = x[0]
+    while isinstance(x, (dict, list, tuple)):
+        x = next(iter(x.values())) if isinstance(x, dict) else x[0]
     return int(x.shape[0])
 
 
 # -- the pipeline (TensorFlow) -------------------------------------------------
 def repeated_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int = 0,
-                     first_epoch: int = 0) -> Any:
-    """An infinite tf.data.Dataset of ``(x, y)`` batches (``x`` alone when ``y`` is None), epoch after epoch.
+                     first_epoch: int = 0, sample_weight: Any = None) -> Any:
+    """An infinite tf.data.Dataset of ``(x, y)`` batches (``x`` alone when ``y`` is None, ``(x, y, w)``
+    with sample weights), epoch after epoch. ``x``, ``y`` and ``w`` may be nested (dicts, lists).
 
     With ``shuffle``, epoch ``e`` is permuted by a stateless shuffle seeded ``(seed, e)``, counted
     from ``first_epoch``: a run resumed at epoch e sees the order the uninterrupted run would have.
@@ -76,7 +81,8 @@ def repeated_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int =
     full, rest = divmod(n, batch_size)
     # Held in variables, made once; tf.gather reads batches from them. A plain tensor captured
     # by the map function would be copied into the dataset's graph: one more copy of the shard.
-    data = tf.nest.map_structure(resident, x if y is None else (x, y))
+    parts = x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight)
+    data = tf.nest.map_structure(resident, parts)
     base = tf.constant(seed, dtype=tf.int64)
 
     def order(epoch: Any) -> Any:
@@ -99,7 +105,7 @@ def repeated_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int =
     return epochs.map(order).flat_map(batches).map(gather, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
 
 
-def validation_batches(x: Any, y: Any, batch_size: int) -> Any:
+def validation_batches(x: Any, y: Any, batch_size: int, sample_weight: Any = None) -> Any:
     """The validation shard in order, in batches of ``batch_size``, repeated: a pipeline without functions.
 
     Keras makes a new iterator over the validation data at every epoch (``evaluate`` resets it),
@@ -109,7 +115,8 @@ def validation_batches(x: Any, y: Any, batch_size: int) -> Any:
     """
     import tensorflow as tf
 
-    data = tf.nest.map_structure(tf.convert_to_tensor, x if y is None else (x, y))
+    parts = x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight)
+    data = tf.nest.map_structure(tf.convert_to_tensor, parts)
     return tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat()
 
 
@@ -121,17 +128,18 @@ def resident(array: Any) -> Any:
 
 
 def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None, rank: int,
-               first_epoch: int, validation: tuple[Any, Any] | None) -> dict[str, Any]:
+               first_epoch: int, validation: tuple[Any, ...] | None, sample_weight: Any = None) -> dict[str, Any]:
     """Keyword arguments for ``model.fit`` (data, steps_per_epoch and validation), built once per fit."""
     val_samples = sample_count(validation[0]) if validation is not None else 0
     steps, val_steps = fit_steps(sample_count(x), val_samples, batch_size)
     kwargs: dict[str, Any] = {
-        "x": repeated_batches(x, y, batch_size, shuffle, shuffle_seed(seed, rank), first_epoch),
+        "x": repeated_batches(x, y, batch_size, shuffle, shuffle_seed(seed, rank), first_epoch, sample_weight),
         "steps_per_epoch": steps,
         "shuffle": False,  # the pipeline shuffles; Keras would only warn that it ignores the flag
     }
     if val_steps is not None:
-        kwargs["validation_data"] = validation_batches(validation[0], validation[1], batch_size)
+        kwargs["validation_data"] = validation_batches(validation[0], validation[1], batch_size,
+                                                       validation[2] if len(validation) > 2 else None)
         kwargs["validation_steps"] = val_steps
     log.debug("input pipeline: %d steps per epoch, %s validation steps", steps, val_steps)
     return kwargs
@@ -145,12 +153,12 @@ def job_inputs(job: dict[str, Any], rank: int) -> tuple[dict[str, Any], int, int
     """
     cfg = job["config"]
     validation = None
-    if job.get("xv") is not None and len(job["xv"]) > 0:
-        validation = (job["xv"], job["yv"])
+    if job.get("xv") is not None and sample_count(job["xv"]) > 0:
+        validation = (job["xv"], job["yv"], job.get("swv"))
     samples = sample_count(job["x"])
     val_samples = sample_count(validation[0]) if validation is not None else 0
-    inputs = fit_inputs(job["x"], job["y"], int(cfg["batch_size"]), bool(cfg["shuffle"]), cfg.get("seed"), rank,
-                        int(job["initial_epoch"]), validation)
-    for key in ("x", "y", "xv", "yv"):
+    inputs = fit_inputs(job["x"], job["y"], rank_batch_size(cfg, rank), bool(cfg["shuffle"]), cfg.get("seed"), rank,
+                        int(job["initial_epoch"]), validation, job.get("sw"))
+    for key in ("x", "y", "sw", "xv", "yv", "swv"):
         job[key] = None
     return inputs, samples, val_samples

@@ -22,6 +22,16 @@ def unpack_job(msg: Any) -> dict[str, Any]:
     job["weights"] = take(body["n_weights"])
     job["optimizer_weights"] = take(body["n_optimizer"]) if body["n_optimizer"] >= 0 else None
     job["custom_objects"] = take(1)[0].tobytes() if body["has_custom"] else None
+    if body.get("fit_layout"):  # an intercepted fit: nested x / y / sample weights (nbdist/fitdata.py)
+        from ..fitdata import FitData
+
+        rest = iter(arrays)
+        train = FitData.unflatten(body["fit_layout"]["train"], rest)
+        job["x"], job["y"], job["sw"] = train.x, train.y, train.sample_weight
+        if body["fit_layout"].get("validation"):
+            val = FitData.unflatten(body["fit_layout"]["validation"], rest)
+            job["xv"], job["yv"], job["swv"] = val.x, val.y, val.sample_weight
+        return job
     if body.get("data_source") == "task":  # the Spark task wrote this worker's shard next to it
         from ..wire.shardfile import load_task_data
 

@@ -9,18 +9,20 @@ from .runtime import pin_threads
 log = logging.getLogger("nbdist.worker")
 
 
-def scale_learning_rate(model: Any, mode: str, world_size: int) -> None:
+def scale_learning_rate(model: Any, mode: str, world_size: int) -> float:
+    """Scale the rate for the workers; returns the factor applied (1.0: none)."""
     from ..strategies.lr_scaling import lr_scale_factor
 
     opt = model.optimizer
     factor = lr_scale_factor(mode, type(opt).__name__, world_size)
     if factor == 1.0:
-        return
+        return 1.0
     if not hasattr(opt.learning_rate, "assign"):  # a schedule: the user owns its shape
         log.warning("learning rate is a schedule; not scaling it by %g", factor)
-        return
+        return 1.0
     opt.learning_rate.assign(float(opt.learning_rate.numpy()) * factor)
     log.info("learning rate scaled by %g for %d workers (lr_scaling=%s)", factor, world_size, mode)
+    return factor
 
 
 def connect_collective(link: Any, job: dict[str, Any]) -> Any:
@@ -51,7 +53,7 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
     from ..model_io import ModelSpec, build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager, open_averaging_sum
     from .callbacks import AveragingCallback, EventCallback, weight_shipper
-    from .datasets import job_inputs
+    from .datasets import job_inputs, rank_batch_size
 
     if cfg.get("seed") is not None:
         keras.utils.set_random_seed(int(cfg["seed"]) + rank)
@@ -69,7 +71,10 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
     spec = ModelSpec(job["model_config"], job["weights"], job["optimizer_weights"], None, job.get("iterations"))
     model = model_from_spec(spec, custom)
     build_optimizer(model)
-    scale_learning_rate(model, cfg.get("lr_scaling", "none"), int(job["world_size"]))
+    from .fit_sync import closing_report, set_initial_learning_rate, sync_callbacks
+
+    set_initial_learning_rate(model, job)
+    lr_factor = scale_learning_rate(model, cfg.get("lr_scaling", "none"), int(job["world_size"]))
     link.send({"type": "progress", "state": "starting", "epoch": int(job["initial_epoch"])})
 
     from .phases import EpochPhases, PhaseClock, PhaseCollective, phase_callbacks, phase_timer, phase_times_enabled
@@ -80,7 +85,7 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
         from .allreduce_fit import fit_allreduce
 
         try:
-            fit_allreduce(link, rank, job, model, collective)
+            fit_allreduce(link, rank, job, model, collective, lr_factor)
         finally:
             collective.close()
         return
@@ -97,7 +102,7 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
                                              int(cfg["direct_sum_bytes"]))
         # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
         inputs, samples, val_samples = job_inputs(job, rank)
-        batch_size = int(cfg["batch_size"])
+        batch_size = rank_batch_size(cfg, rank)
 
         phases = EpochPhases(averager) if phase_times_enabled() else None
         ship = weight_shipper(link.send, model) if rank == 0 else None
@@ -112,10 +117,13 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
         if phases is not None:
             first, last = phases.callbacks()
             callbacks = [first, *callbacks, last]
+        # After the averaging rounds (metric sums must pair up in the same order on every worker).
+        extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
+        callbacks += extra
         model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
                   initial_epoch=int(job["initial_epoch"]))
         done = {"type": "done", "sync_seconds": averager.seconds, "rounds": averager.rounds,
-                "summed_by": averager.summed_by}
+                "summed_by": averager.summed_by, **closing_report(decision)}
         if phases is not None:
             done["phase_times"] = phases.epochs
         link.send(done)

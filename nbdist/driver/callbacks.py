@@ -1,0 +1,91 @@
+"""The notebook's Keras callbacks, run on the driver with the workers' merged logs.
+
+Each callback sees what it would see in a local ``fit``: ``self.model`` is the notebook's model,
+holding the weights (and optimizer state) every worker shares at the end of the epoch, and
+``logs`` are the merged, exact metrics of all workers. What the callbacks decide goes back to the
+workers before they start the next epoch: ``model.stop_training`` and the optimizer's learning
+rate (read after the next epoch's ``on_epoch_begin``, so LearningRateScheduler works). Files
+(ModelCheckpoint, CSVLogger, TensorBoard) are written once, here. EarlyStopping's restored weights
+are the notebook model's weights when training ends.
+
+Batch-level hooks (``on_train_batch_begin/end``, ``on_test_batch_*``) are NOT called: the batches
+run on the workers, and a round trip to the notebook per step would cost most of the speed-up.
+A callback that overrides one gets a warning naming it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_test_batch_begin", "on_test_batch_end",
+                "on_batch_begin", "on_batch_end")
+
+
+def overrides_batch_hooks(callback: Any) -> list[str]:
+    import keras
+
+    base = keras.callbacks.Callback
+    return [h for h in _BATCH_HOOKS if getattr(type(callback), h, None) is not getattr(base, h, None)]
+
+
+class DriverCallbacks:
+    """A ``keras.callbacks.CallbackList`` (with a History) driven by the run's merged epochs."""
+
+    def __init__(self, model: Any, callbacks: list[Any] | None, epochs: int, initial_epoch: int = 0) -> None:
+        import keras
+
+        self.model = model
+        self.user = list(callbacks or [])
+        self.epochs = epochs
+        self.initial_epoch = initial_epoch
+        for cb in self.user:
+            # Keras' own callbacks only override batch hooks that do nothing unless asked to (e.g.
+            # TensorBoard's update_freq="batch"); a notebook's own callback is told.
+            hooks = overrides_batch_hooks(cb)
+            if hooks and not type(cb).__module__.startswith("keras"):
+                log.warning("%s defines %s; under nbdist only epoch-level hooks run (on the notebook, with "
+                            "merged logs), batch-level hooks are not called.", type(cb).__name__, ", ".join(hooks))
+        self.history = keras.callbacks.History()
+        self.list = keras.callbacks.CallbackList(self.user + [self.history], add_history=False,
+                                                 add_progbar=False, model=model, verbose=0, epochs=epochs)
+        self.ended = False
+
+    @property
+    def needs_decisions(self) -> bool:
+        """Whether workers wait at each epoch end for the notebook (only when a callback can decide)."""
+        return bool(self.user)
+
+    def begin(self) -> float | None:
+        """Before the workers start: on_train_begin, on_epoch_begin(initial); the first epoch's rate."""
+        self.model.stop_training = False
+        self.list.on_train_begin()
+        self.list.on_epoch_begin(self.initial_epoch)
+        return learning_rate(self.model)
+
+    def epoch_end(self, epoch: int, logs: dict[str, float]) -> dict[str, Any]:
+        """Run the epoch's end with merged logs; the decision every worker applies before going on."""
+        logs = dict(logs)
+        self.list.on_epoch_end(epoch, logs)
+        stop = bool(getattr(self.model, "stop_training", False))
+        if not stop and epoch + 1 < self.epochs:
+            self.list.on_epoch_begin(epoch + 1)
+            stop = bool(getattr(self.model, "stop_training", False))
+        return {"type": "decision", "epoch": epoch, "stop": stop, "learning_rate": learning_rate(self.model)}
+
+    def end(self) -> None:
+        """After the final weights are in the model (EarlyStopping may then restore its best)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.list.on_train_end(self.history.history and {k: v[-1] for k, v in self.history.history.items()})
+
+
+def learning_rate(model: Any) -> float | None:
+    import keras
+
+    lr = getattr(getattr(model, "optimizer", None), "learning_rate", None)
+    if lr is None or not hasattr(lr, "assign"):  # a schedule: the workers' copies follow it themselves
+        return None
+    return float(keras.ops.convert_to_numpy(lr))

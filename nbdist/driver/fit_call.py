@@ -1,0 +1,223 @@
+"""A ``model.fit(...)`` call as nbdist runs it: its arguments, its data dealt to workers, its callbacks.
+
+Under ``%%dist_train`` the cell's own ``model.fit(...)`` is intercepted (``intercept_fit``): the
+call runs on the workers with its arguments and returns a ``keras.callbacks.History`` of the
+merged per-epoch metrics. ``nbdist.train`` takes the same arguments.
+
+``batch_size`` in an intercepted ``fit`` is the GLOBAL batch, split over the workers (sizes
+differ by at most one): every step of all workers together sees the rows one local step would,
+so the same cell trains the same way with or without the magic (``--strategy allreduce``, or
+averaging every step with plain SGD, equal the local call). ``--batch-size`` on the magic line
+stays per worker.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import NbdistError
+from ..fitdata import (
+    FitData,
+    class_weight_to_sample_weight,
+    deal_rows,
+    make_fit_data,
+    pipeline_message,
+    rank_batch_sizes,
+    split_validation,
+    to_struct,
+)
+from .callbacks import DriverCallbacks
+
+log = logging.getLogger(__name__)
+
+KERAS_DEFAULT_BATCH = 32  # what Keras' fit uses when batch_size is not given
+
+
+@dataclass
+class FitRun:
+    """What a TrainingJob needs beyond a plain run: the batch plan and the notebook's callbacks."""
+
+    callbacks: DriverCallbacks
+    initial_epoch: int = 0
+    global_batch: int | None = None  # None: --batch-size per worker times the workers
+    rows: int = 0
+
+    def plan(self, world: int, per_worker_batch: int) -> tuple[list[int], list[np.ndarray]]:
+        """Each worker's batch size and row indices (every global batch split over the workers)."""
+        batch = self.global_batch if self.global_batch is not None else per_worker_batch * world
+        return rank_batch_sizes(batch, world), deal_rows(self.rows, batch, world)
+
+    def job_part(self, spec: Any, shard: FitData, validation: FitData | None, batch_sizes: list[int],
+                 first_lr: float | None) -> tuple[list[np.ndarray], dict[str, Any]]:
+        """The data arrays and job fields of one worker's job (worker/runtime.py unpacks them)."""
+        layout, arrays = {}, []
+        layout["train"], train_arrays = shard.flatten()
+        arrays += train_arrays
+        if validation is not None:
+            layout["validation"], val_arrays = validation.flatten()
+            arrays += val_arrays
+        extra = {"fit_layout": layout, "batch_sizes": batch_sizes, "learning_rate": first_lr,
+                 "epoch_decisions": self.callbacks.needs_decisions, "has_val": validation is not None}
+        return arrays, extra
+
+
+# -- fit's arguments -----------------------------------------------------------
+def fit_parameters() -> inspect.Signature:
+    import keras
+
+    return inspect.signature(keras.Model.fit)
+
+
+def bind_fit(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """fit's arguments by name, defaults filled in; ``given`` lists those the call spelled out."""
+    sig = fit_parameters()
+    try:
+        bound = sig.bind(model, *args, **kwargs)
+    except TypeError as exc:
+        raise NbdistError(f"model.fit(...) {exc}; call it as you would without the magic.") from None
+    given = set(bound.arguments) - {"self"}
+    bound.apply_defaults()
+    out = dict(bound.arguments)
+    out.pop("self", None)
+    out["given"] = given
+    return out
+
+
+def check_fit_arguments(fit: dict[str, Any]) -> None:
+    """One sentence for what cannot be distributed soundly, before any worker starts."""
+    if fit.get("steps_per_epoch") is not None:
+        raise NbdistError("steps_per_epoch limits an epoch to part of the data; under %%dist_train every epoch "
+                          "is one pass over the in-memory data: drop steps_per_epoch (pass fewer rows instead).")
+    if fit.get("validation_steps") is not None:
+        raise NbdistError("validation_steps is for streamed validation data; drop it: nbdist validates on all "
+                          "the validation rows, split over the workers.")
+    if fit.get("validation_freq", 1) != 1:
+        raise NbdistError("validation_freq other than 1 is not supported yet; drop it to validate every epoch.")
+    if fit.get("class_weight") is not None and fit.get("sample_weight") is not None:
+        raise NbdistError("class_weight and sample_weight cannot be used together (as in Keras); fold the class "
+                          "weights into sample_weight.")
+    for name in ("epochs", "initial_epoch"):
+        value = fit.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise NbdistError(f"{name} must be a whole number, got {value!r}.")
+    if fit["initial_epoch"] >= fit["epochs"]:
+        raise NbdistError(f"initial_epoch={fit['initial_epoch']} is not below epochs={fit['epochs']}: nothing to "
+                          "train; epochs is the index of the last epoch, as in Keras.")
+    batch = fit.get("batch_size")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1):
+        raise NbdistError(f"batch_size must be a whole number of at least 1, got {batch!r}.")
+    cbs = fit.get("callbacks")
+    if cbs is not None and not isinstance(cbs, (list, tuple)):
+        raise NbdistError("callbacks must be a list of keras.callbacks.Callback objects, e.g. callbacks=[cb].")
+
+
+def fit_data(fit: dict[str, Any]) -> tuple[FitData, FitData | None]:
+    """Training and validation data exactly as Keras' fit would take them from these arguments."""
+    x = fit.get("x")
+    if x is None:
+        raise NbdistError("model.fit(...) was called without x; pass the training data, e.g. model.fit(X, y).")
+    data = make_fit_data(x, fit.get("y"), fit.get("sample_weight"), "training data")
+    validation = None
+    vd = fit.get("validation_data")
+    if vd is not None:
+        if not isinstance(vd, (tuple, list)) or len(vd) not in (2, 3):
+            kind = "a tuple" if isinstance(vd, (tuple, list)) else None
+            try:
+                to_struct(vd, "validation_data")
+            except NbdistError as exc:
+                if kind is None:
+                    raise exc from None
+            raise NbdistError("validation_data must be (x_val, y_val) or (x_val, y_val, val_sample_weight) "
+                              "with in-memory arrays.")
+        validation = make_fit_data(vd[0], vd[1], vd[2] if len(vd) == 3 else None, "validation data")
+    elif fit.get("validation_split"):
+        data, validation = split_validation(data, fit["validation_split"])
+    cw = fit.get("class_weight")
+    if cw is not None:  # Keras weights the training rows only
+        data = FitData(data.x, data.y, class_weight_to_sample_weight(data.y, cw))
+    return data, validation
+
+
+def reconcile(fit: dict[str, Any], magic: dict[str, Any]) -> dict[str, Any]:
+    """TrainConfig options for this fit call: the magic line's and the call's must agree.
+
+    ``magic`` holds only the options typed on the magic line. Returns the options to use,
+    including ``global_batch`` (None: ``batch_size`` per worker times the workers).
+    """
+    given = fit["given"]
+    out: dict[str, Any] = {}
+    if magic.get("data") is not None:
+        raise NbdistError("the cell calls model.fit(...) with its own data and the magic line has --data; "
+                          "drop --data (or the cell's fit call, to train on --data).")
+    if magic.get("validation_data") is not None and ("validation_data" in given or "validation_split" in given):
+        raise NbdistError("--validation-data on the magic line and validation data in model.fit(...) both set "
+                          "the validation data; keep one.")
+    if "epochs" in magic and "epochs" in given and magic["epochs"] != fit["epochs"]:
+        raise NbdistError(f"--epochs {magic['epochs']} on the magic line but model.fit(epochs={fit['epochs']}) in "
+                          "the cell; keep one (they must agree).")
+    out["epochs"] = int(magic["epochs"] if "epochs" in magic and "epochs" not in given else fit["epochs"])
+    if "batch_size" in magic and fit.get("batch_size") is not None:
+        raise NbdistError(f"--batch-size {magic['batch_size']} (per worker) on the magic line and "
+                          f"model.fit(batch_size={fit['batch_size']}) (the global batch, split over the workers) "
+                          "both set the batch; keep one.")
+    if "batch_size" in magic:
+        out["batch_size"], out["global_batch"] = int(magic["batch_size"]), None
+    else:
+        out["global_batch"] = int(fit["batch_size"] or KERAS_DEFAULT_BATCH)
+    out["shuffle"] = bool(fit.get("shuffle", True))
+    return out
+
+
+def prepare_fit_run(model: Any, fit: dict[str, Any], epochs: int, global_batch: int | None,
+                    rows: int) -> FitRun:
+    callbacks = DriverCallbacks(model, list(fit.get("callbacks") or []), epochs, int(fit.get("initial_epoch") or 0))
+    return FitRun(callbacks, int(fit.get("initial_epoch") or 0), global_batch, rows)
+
+
+# -- interception ----------------------------------------------------------------
+class FitAborted(Exception):
+    """Raised out of an intercepted fit so the cell stops; the magic reports ``cause`` in one sentence."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+    def _render_traceback_(self) -> list[str]:  # IPython: no traceback, the magic reports the cause
+        return []
+
+
+@contextlib.contextmanager
+def intercept_fit(run: Callable[[Any, dict[str, Any]], Any]) -> Iterator[list[BaseException]]:
+    """While the cell runs, ``keras.Model.fit`` calls ``run(model, fit_arguments)`` instead.
+
+    Yields a list that receives the cause when a call fails (NbdistError, TrainingFailed,
+    KeyboardInterrupt); the call itself then raises FitAborted, ending the cell.
+    """
+    import keras
+
+    original = keras.Model.fit
+    errors: list[BaseException] = []
+
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(self, bind_fit(self, args, kwargs))
+        except (NbdistError, KeyboardInterrupt) as exc:
+            errors.append(exc)
+            raise FitAborted(exc) from None
+
+    fit.__doc__ = original.__doc__
+    keras.Model.fit = fit
+    try:
+        yield errors
+    finally:
+        keras.Model.fit = original
+
+
+__all__ = ["FitRun", "FitAborted", "bind_fit", "check_fit_arguments", "fit_data", "intercept_fit", "reconcile",
+           "prepare_fit_run", "pipeline_message"]

@@ -1,0 +1,232 @@
+"""What ``model.fit`` is given, as nbdist ships it: nested arrays, sample weights, dealt to workers.
+
+Pure numpy. ``x``, ``y`` and the sample weights may each be an array, a list of arrays or a dict
+of arrays (multi-input / multi-output models), all with the same number of rows. The driver
+splits them exactly as Keras would (``validation_split`` takes the last rows, before any
+shuffling; ``class_weight`` becomes per-row sample weights), deals the rows so that every
+global batch is split over the workers, and sends each worker its rows as flat arrays plus a
+JSON layout that rebuilds the nesting on the worker.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import NbdistError
+
+# An array, a list of Structs or a dict of Structs (or None: not given).
+Struct = Any
+
+_PIPELINES = ("tensorflow.python.data", "tf.data", "keras.src.trainers.data_adapters.py_dataset_adapter")
+
+
+def _not_in_memory(value: Any) -> str | None:
+    """The kind of input pipeline ``value`` is, if it is one rather than in-memory data."""
+    cls = type(value)
+    names = {f"{c.__module__}.{c.__name__}" for c in cls.__mro__}
+    if any(n.startswith("tensorflow.python.data") for n in names):
+        return "a tf.data.Dataset"
+    if any(n.endswith(".PyDataset") for n in names):
+        return "a keras.utils.PyDataset"
+    if any("torch.utils.data" in n for n in names):
+        return "a torch DataLoader"
+    if hasattr(value, "__next__") or (hasattr(value, "__iter__") and not isinstance(value, (list, tuple, dict))
+                                      and not hasattr(value, "shape") and not hasattr(value, "to_numpy")):
+        return "a generator or iterator"
+    return None
+
+
+def pipeline_message(kind: str, what: str) -> str:
+    return (f"{what} is {kind}: nbdist splits in-memory data over the workers and cannot split a stream "
+            f"soundly; pass the arrays it reads from (numpy arrays, pandas, or a dict or list of them) "
+            f"to model.fit instead, e.g. model.fit(X, y, batch_size=32).")
+
+
+def to_struct(value: Any, what: str) -> Struct:
+    """numpy/pandas leaves, lists and dicts of them; one sentence for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if not value:
+            raise NbdistError(f"{what} is an empty dict; give one array per model input or output.")
+        return {str(k): to_struct(v, f"{what}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if value and all(np.isscalar(v) for v in value):  # a plain list of numbers is one column
+            return _leaf(value, what)
+        if not value:
+            raise NbdistError(f"{what} is empty; pass at least one example per worker.")
+        return [to_struct(v, f"{what}[{i}]") for i, v in enumerate(value)]
+    kind = _not_in_memory(value)
+    if kind is not None:
+        raise NbdistError(pipeline_message(kind, what))
+    return _leaf(value, what)
+
+
+def _leaf(value: Any, what: str) -> np.ndarray:
+    if hasattr(value, "to_numpy") and callable(value.to_numpy):  # pandas DataFrame / Series
+        value = value.to_numpy()
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # ragged lists and the like
+        raise NbdistError(f"{what} cannot be turned into an array ({exc}); pass a numpy array.") from None
+    if arr.dtype == object:
+        raise NbdistError(f"{what} holds Python objects of different shapes, not one array; pass a numpy "
+                          "array per input (several inputs as a dict or list of arrays).")
+    if arr.dtype.kind == "b":
+        arr = arr.astype("float32")
+    if arr.dtype.kind not in "iuf":
+        raise NbdistError(f"{what} has dtype {arr.dtype}, not numbers; convert it first, e.g. .astype('float32').")
+    if arr.ndim == 0:
+        raise NbdistError(f"{what} is a single value, not a dataset; pass one row per example.")
+    if arr.dtype == np.float64:  # Keras trains in float32; halve what crosses the wire
+        arr = arr.astype(np.float32)
+    return arr
+
+
+def leaves(struct: Struct) -> list[np.ndarray]:
+    if struct is None:
+        return []
+    if isinstance(struct, dict):
+        return [a for v in struct.values() for a in leaves(v)]
+    if isinstance(struct, list):
+        return [a for v in struct for a in leaves(v)]
+    return [struct]
+
+
+def map_struct(fn: Any, struct: Struct) -> Struct:
+    if struct is None:
+        return None
+    if isinstance(struct, dict):
+        return {k: map_struct(fn, v) for k, v in struct.items()}
+    if isinstance(struct, list):
+        return [map_struct(fn, v) for v in struct]
+    return fn(struct)
+
+
+def flatten(struct: Struct) -> tuple[Any, list[np.ndarray]]:
+    """A JSON layout and the arrays in order; ``unflatten`` reverses it."""
+    if struct is None:
+        return None, []
+    if isinstance(struct, dict):
+        parts = [flatten(v) for v in struct.values()]
+        return {"dict": list(struct), "items": [p[0] for p in parts]}, [a for p in parts for a in p[1]]
+    if isinstance(struct, list):
+        parts = [flatten(v) for v in struct]
+        return {"list": [p[0] for p in parts]}, [a for p in parts for a in p[1]]
+    return "array", [struct]
+
+
+def unflatten(layout: Any, arrays: Iterator[np.ndarray]) -> Struct:
+    if layout is None:
+        return None
+    if layout == "array":
+        return next(arrays)
+    if "dict" in layout:
+        return {k: unflatten(sub, arrays) for k, sub in zip(layout["dict"], layout["items"])}
+    return [unflatten(sub, arrays) for sub in layout["list"]]
+
+
+@dataclass(frozen=True)
+class FitData:
+    """x, y and sample weights of one split (training or validation), with equal row counts."""
+
+    x: Struct
+    y: Struct = None
+    sample_weight: Struct = None
+
+    def __len__(self) -> int:
+        return len(leaves(self.x)[0])
+
+    def take(self, index: np.ndarray | slice) -> FitData:
+        pick = lambda a: a[index]
+        return FitData(map_struct(pick, self.x), map_struct(pick, self.y), map_struct(pick, self.sample_weight))
+
+    def slice(self, start: int, stop: int) -> FitData:
+        return self.take(slice(start, stop))
+
+    def flatten(self) -> tuple[dict[str, Any], list[np.ndarray]]:
+        layout, arrays = {}, []
+        for name in ("x", "y", "sample_weight"):
+            sub, arrs = flatten(getattr(self, name))
+            layout[name] = sub
+            arrays += arrs
+        return layout, arrays
+
+    @classmethod
+    def unflatten(cls, layout: dict[str, Any], arrays: Iterator[np.ndarray]) -> FitData:
+        return cls(*(unflatten(layout[name], arrays) for name in ("x", "y", "sample_weight")))
+
+
+def make_fit_data(x: Any, y: Any = None, sample_weight: Any = None, what: str = "training data") -> FitData:
+    data = FitData(to_struct(x, f"{what} x"), to_struct(y, f"{what} y"),
+                   to_struct(sample_weight, f"{what} sample_weight"))
+    if data.x is None:
+        raise NbdistError(f"{what}: x is missing; pass the features, e.g. model.fit(X, y).")
+    counts = {len(a) for a in leaves(data.x) + leaves(data.y) + leaves(data.sample_weight)}
+    if len(counts) > 1:
+        raise NbdistError(f"{what}: the arrays have different numbers of rows ({', '.join(map(str, sorted(counts)))}); "
+                          "every input, label and weight array needs one row per example.")
+    if len(data) == 0:
+        raise NbdistError(f"{what} is empty; pass at least one example per worker.")
+    for a in leaves(data.x) + leaves(data.y) + leaves(data.sample_weight):
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise NbdistError(f"{what} holds NaN or infinite values; clean or impute them before training.")
+    return data
+
+
+def class_weight_to_sample_weight(y: Struct, class_weight: dict[Any, float]) -> np.ndarray:
+    """Keras's rule: the weight of each row's class (argmax of one-hot rows), 1.0 for unlisted classes."""
+    if not isinstance(class_weight, dict):
+        raise NbdistError(f"class_weight must be a dict mapping class index to weight, got "
+                          f"{type(class_weight).__name__}; e.g. class_weight={{0: 1.0, 1: 5.0}}.")
+    if y is None or isinstance(y, (dict, list)):
+        raise NbdistError("class_weight needs one label array (a single-output model); for several outputs "
+                          "pass sample_weight per output instead.")
+    labels = np.asarray(y)
+    if labels.ndim > 1:
+        labels = labels.argmax(axis=-1) if labels.shape[-1] != 1 else labels.reshape(len(labels))
+    labels = np.round(labels).astype(np.int64)
+    table = {int(k): float(v) for k, v in class_weight.items()}
+    return np.array([table.get(int(c), 1.0) for c in labels], dtype=np.float32)
+
+
+def split_validation(data: FitData, fraction: float) -> tuple[FitData, FitData]:
+    """Keras's ``validation_split``: the last ``fraction`` of the rows, taken before any shuffling."""
+    if not isinstance(fraction, (int, float)) or not 0.0 < float(fraction) < 1.0:
+        raise NbdistError(f"validation_split must be a fraction between 0 and 1, got {fraction!r}; e.g. 0.1.")
+    n = len(data)
+    split_at = int(math.floor(n * (1.0 - float(fraction))))
+    if split_at in (0, n):
+        raise NbdistError(f"validation_split={fraction} of {n} rows leaves no training or no validation rows; "
+                          "use a fraction that leaves both.")
+    return data.slice(0, split_at), data.slice(split_at, n)
+
+
+def rank_batch_sizes(global_batch: int, world: int) -> list[int]:
+    """Each worker's share of a global batch: sizes differing by at most one, larger first."""
+    if global_batch < world:
+        raise NbdistError(f"batch_size {global_batch} cannot be split over {world} workers; use a batch_size of "
+                          f"at least {world} (it is the global batch, split over the workers).")
+    base, extra = divmod(global_batch, world)
+    return [base + (1 if r < extra else 0) for r in range(world)]
+
+
+def deal_rows(n: int, global_batch: int, world: int) -> list[np.ndarray]:
+    """Row indices per worker such that global batch i (rows i*B .. i*B+B-1) is split over the workers
+    in order, the last short batch too: worker r's batch i is its part of global batch i, so a step
+    of all workers together sees the rows of one local ``fit`` step."""
+    sizes = rank_batch_sizes(global_batch, world)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    full, rest = divmod(n, global_batch)
+    out = []
+    for r in range(world):
+        parts = [np.arange(i * global_batch + starts[r], i * global_batch + starts[r + 1]) for i in range(full)]
+        if rest:
+            last = np.array_split(np.arange(full * global_batch, n), world)[r]
+            parts.append(last)
+        out.append(np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
+    return out

@@ -1,0 +1,146 @@
+"""Per-epoch agreement between workers: exact merged metrics, and the driver's callback decisions.
+
+Metrics: Keras computes an epoch's logs from the metric variables (totals and counts, AUC's
+thresholded TP/FP/TN/FN, ...) after the last step. Summing those variables over the workers
+before Keras reads them, then letting Keras compute each result once, gives every worker the
+logs one process would compute over all the data: an average of per-worker AUCs or precisions
+would not. Done after the last training batch (Keras reads ``epoch_logs`` right after it, before
+validation resets the metrics) and after the last validation batch.
+
+Decisions: the notebook's callbacks run on the driver with those merged logs
+(driver/callbacks.py). At every epoch end each worker waits for the driver's word (stop now;
+the learning rate for the next epoch), so all workers act on it at the same epoch.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import keras
+import numpy as np
+
+log = logging.getLogger("nbdist.worker")
+
+
+class MetricStateSum:
+    """Sums a model's metric variables over the workers, in float64 (counts stay exact)."""
+
+    def __init__(self, collective: Any, model: Any) -> None:
+        self.collective = collective
+        self.model = model
+        self.seconds = 0.0
+
+    def variables(self) -> list[Any]:
+        seen, out = set(), []
+        for metric in self.model.metrics:
+            for v in metric.variables:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+        return out
+
+    def sum(self) -> None:
+        if self.collective.world_size == 1:
+            return
+        t0 = time.perf_counter()
+        variables = self.variables()
+        values = [np.asarray(v.numpy()) for v in variables]
+        flat = np.concatenate([a.astype(np.float64).reshape(-1) for a in values]) if values else np.zeros(0)
+        # A size check first: workers whose metrics differ must fail, not mix unrelated numbers.
+        size = np.array([flat.size], dtype=np.float64)
+        self.collective.allreduce_sum(size)
+        if int(size[0]) != flat.size * self.collective.world_size:
+            raise RuntimeError("workers hold different metric variables; every worker must run the same model")
+        if flat.size:
+            self.collective.allreduce_sum(flat)
+        offset = 0
+        for v, a in zip(variables, values):
+            part = flat[offset:offset + a.size].reshape(a.shape)
+            offset += a.size
+            v.assign(np.round(part).astype(a.dtype) if a.dtype.kind in "iu" else part.astype(a.dtype))
+        self.seconds += time.perf_counter() - t0
+
+
+class MetricSumCallback(keras.callbacks.Callback):
+    """Runs ``MetricStateSum`` after this worker's last training batch and last validation batch."""
+
+    def __init__(self, summer: MetricStateSum, train_steps: int, val_steps: int | None) -> None:
+        super().__init__()
+        self.summer = summer
+        self.train_steps = train_steps
+        self.val_steps = val_steps
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if batch == self.train_steps - 1:
+            self.summer.sum()
+
+    def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.val_steps is not None and batch == self.val_steps - 1:
+            self.summer.sum()
+
+
+class DecisionCallback(keras.callbacks.Callback):
+    """Waits at every epoch end for the driver's decision and applies it (stop, learning rate)."""
+
+    def __init__(self, link: Any, timeout: float, lr_factor: float = 1.0) -> None:
+        super().__init__()
+        self.link = link
+        self.timeout = timeout
+        self.lr_factor = lr_factor
+        self.learning_rates: list[float] = []  # the rate each epoch trained with, for the closing report
+        self.last_epoch: int | None = None
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.learning_rates.append(current_learning_rate(self.model))
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.last_epoch = epoch
+        while True:
+            body = self.link.expect("decision", timeout=self.timeout).body
+            if int(body["epoch"]) == epoch:
+                break
+            log.warning("ignoring the driver's decision for epoch %s at epoch %d", body["epoch"], epoch)
+        apply_decision(self.model, body, self.lr_factor)
+
+
+def apply_decision(model: Any, body: dict[str, Any], lr_factor: float = 1.0) -> None:
+    if body.get("stop"):
+        model.stop_training = True
+    lr = body.get("learning_rate")
+    if lr is not None and hasattr(model.optimizer.learning_rate, "assign"):
+        model.optimizer.learning_rate.assign(float(lr) * lr_factor)
+
+
+def current_learning_rate(model: Any) -> float:
+    try:
+        return float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+    except Exception:  # a schedule object: no single rate
+        return float("nan")
+
+
+def sync_callbacks(link: Any, job: dict[str, Any], model: Any, collective: Any, inputs: dict[str, Any],
+                   lr_factor: float) -> tuple[list[Any], DecisionCallback | None]:
+    """The callbacks that go after the strategy's and the event stream's: metric sums, decisions."""
+    out: list[Any] = []
+    if collective.world_size > 1:  # a batch hook costs every step its async dispatch
+        out.append(MetricSumCallback(MetricStateSum(collective, model), int(inputs["steps_per_epoch"]),
+                                     inputs.get("validation_steps")))
+    decision = None
+    if job.get("epoch_decisions"):
+        decision = DecisionCallback(link, float(job["sync_timeout"]), lr_factor)
+        out.append(decision)
+    return out, decision
+
+
+def closing_report(decision: DecisionCallback | None) -> dict[str, Any]:
+    if decision is None:
+        return {}
+    return {"last_epoch": decision.last_epoch, "learning_rates": decision.learning_rates}
+
+
+def set_initial_learning_rate(model: Any, job: dict[str, Any]) -> None:
+    """The rate the driver's callbacks chose for the first epoch (e.g. LearningRateScheduler)."""
+    lr = job.get("learning_rate")
+    if lr is not None and hasattr(model.optimizer.learning_rate, "assign"):
+        model.optimizer.learning_rate.assign(float(lr))
