@@ -68,15 +68,8 @@ class FitRun:
 
 
 # -- fit's arguments -----------------------------------------------------------
-def fit_parameters() -> inspect.Signature:
-    import keras
-
-    return inspect.signature(keras.Model.fit)
-
-
-def bind_fit(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """fit's arguments by name, defaults filled in; ``given`` lists those the call spelled out."""
-    sig = fit_parameters()
+def bind_fit(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sig: inspect.Signature) -> dict[str, Any]:
+    """fit's arguments by name (``sig``: Keras' own fit), defaults filled in; ``given`` lists those spelled out."""
     try:
         bound = sig.bind(model, *args, **kwargs)
     except TypeError as exc:
@@ -202,11 +195,12 @@ def intercept_fit(run: Callable[[Any, dict[str, Any]], Any]) -> Iterator[list[Ba
     import keras
 
     original = keras.Model.fit
+    signature = inspect.signature(original)
     errors: list[BaseException] = []
 
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return run(self, bind_fit(self, args, kwargs))
+            return run(self, bind_fit(self, args, kwargs, signature))
         except (NbdistError, KeyboardInterrupt) as exc:
             errors.append(exc)
             raise FitAborted(exc) from None

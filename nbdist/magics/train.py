@@ -37,19 +37,23 @@ class DistMagics(Magics):
     @argument("--label", default=None, metavar="COL", help="Spark DataFrame label column")
     @argument("--validation-data", metavar="Xv,yv", default=None,
               help="notebook variables for validation, evaluated after every epoch")
-    @argument("--epochs", type=int, default=1, help="passes over the data (default: 1)")
-    @argument("--batch-size", type=int, default=32, help="mini-batch size per worker (default: 32)")
+    @argument("--epochs", type=int, default=None, help="passes over the data (default: 1, or the cell's fit(epochs=...))")
+    @argument("--batch-size", type=int, default=None,
+              help="mini-batch size per worker (default: 32). A model.fit(batch_size=B) in the cell is instead "
+                   "the global batch, split over the workers")
     @apply(worker_arguments)
     @argument("--strategy", default="averaging", help="averaging | allreduce (default: averaging)")
     @argument("--averaging-frequency", type=int, default=5, metavar="K",
               help="average parameters every K mini-batches (default: 5)")
-    @argument("--lr-scaling", default="auto", metavar="auto|none|linear",
+    @argument("--lr-scaling", default=None, metavar="auto|none|linear",
               help="multiply the learning rate by the number of workers: auto (adaptive optimizers "
-                   "only; plain SGD keeps exact big-batch semantics), linear (always) or none")
+                   "only; plain SGD keeps exact big-batch semantics), linear (always) or none. "
+                   "Default: auto, but none for the cell's own model.fit, whose batch is global")
     @argument("--model", default=None, metavar="NAME",
               help="the model variable to train (default: the one Keras model the cell assigns)")
-    @argument("--out", default="history", metavar="NAME",
-              help="variable to receive per-epoch metrics (default: history)")
+    @argument("--out", default=None, metavar="NAME",
+              help="variable to receive per-epoch metrics (default: history; with the cell's own model.fit, "
+                   "only when given: the cell's history = model.fit(...) is a keras History)")
     @argument("--seed", type=int, default=None, help="random seed; worker r uses seed + r")
     @argument("--ui", default="auto", help="auto | widgets | html | text | none (default: auto)")
     @argument("--checkpoint-dir", default=None, metavar="DIR",
@@ -68,16 +72,36 @@ class DistMagics(Magics):
     def dist_train(self, line: str, cell: str) -> Any:
         """Train the Keras model this cell builds on several workers, data-parallel.
 
-        The cell runs in the notebook's namespace and must build and compile one
-        Keras model. When the cell returns, that model holds the trained weights
-        and ``history`` (or ``--out``) holds the per-epoch metrics, averaged over
-        workers weighted by samples.
+        Two forms. Put the magic line above an unchanged Keras cell that builds, compiles and
+        calls ``model.fit(...)``: that call runs on the workers with all its arguments
+        (callbacks, class_weight, sample_weight, validation_split, validation_data, shuffle,
+        initial_epoch, dicts/lists of arrays for several inputs or outputs) and returns a
+        ``keras.callbacks.History`` of the merged per-epoch metrics::
 
-        Example::
+            %%dist_train --workers 2 --strategy allreduce
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+            model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+            history = model.fit(X, y, batch_size=64, epochs=10, validation_split=0.1,
+                                callbacks=[keras.callbacks.EarlyStopping(patience=2)])
+
+        There ``batch_size`` is the GLOBAL batch, split over the workers (64 on 2 workers: 32
+        each), so the cell trains as it would without the magic. Magic options and fit
+        arguments must agree (``--epochs 5`` with ``fit(epochs=10)`` is refused). Metrics are
+        merged exactly from every worker's metric state. Callbacks run here, in the notebook,
+        once per epoch with the merged logs and ``self.model`` holding the synchronised
+        weights; their decisions (stop training, a new learning rate) reach every worker
+        before the next epoch, and files they write land here. Batch-level callback hooks
+        are not called.
+
+        Or name the data on the magic line and let the cell only build and compile the model
+        (``--batch-size`` is then per worker)::
 
             %%dist_train --data X,y --epochs 20 --batch-size 32 --workers 2
             model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
             model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+
+        When the cell returns, that model holds the trained weights and ``history`` (or
+        ``--out``) holds the per-epoch metrics.
 
         Every run's ``TrainingJob`` is stored in the notebook as ``<out>_job``
         (``history_job`` by default): after a failure, ``job.error`` and
@@ -96,11 +120,16 @@ class DistMagics(Magics):
     def _train(self, line: str, cell: str) -> Any:
         args = parse_argstring(self.dist_train, line)
         ns = self.shell.user_ns
+        # Typed on the magic line (vs left to the defaults): the cell's model.fit must agree with these.
+        explicit = {k: getattr(args, k) for k in ("epochs", "batch_size", "data", "validation_data")
+                    if getattr(args, k) is not None}
+        out_given = args.out is not None
+        args.out = args.out or "history"
         options = {
-            "epochs": args.epochs, "batch_size": args.batch_size, "workers": args.workers,
+            "epochs": args.epochs or 1, "batch_size": args.batch_size or 32, "workers": args.workers,
             "strategy": args.strategy, "backend": args.backend,
-            "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling, "seed": args.seed,
-            "ui": args.ui,
+            "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling or "auto",
+            "seed": args.seed, "ui": args.ui,
             "checkpoint_dir": args.checkpoint_dir, "resume": args.resume, "background": args.background,
             "max_restarts": args.max_restarts, "engine": args.engine, "image": args.image,
             "container_cpus": args.cpus, "container_memory": args.memory, "container_gpus": args.gpus,
@@ -108,7 +137,9 @@ class DistMagics(Magics):
         config = TrainConfig(**options)
         if not args.out.isidentifier():
             raise NbdistError(f"--out {args.out!r} is not a valid variable name; use e.g. --out history.")
-        x, y = lookup_pair(args.data, ns, "--data")
+        x = y = None
+        if args.data is not None:
+            x, y = lookup_pair(args.data, ns, "--data")
         validation = None
         if args.validation_data:
             xv, yv = lookup_pair(args.validation_data, ns, "--validation-data")
@@ -116,15 +147,31 @@ class DistMagics(Magics):
         from ..api import prepare, training_data
 
         # Check the data before running the cell, so a typo costs nothing (Spark: schema only).
-        training_data(x, y, args.features, args.label)
+        if args.data is not None:
+            training_data(x, y, args.features, args.label)
         from ..driver.resolve import resolve_backend
 
         resolve_backend(config)  # e.g. --backend spark with no SparkContext: say so before the cell runs
 
         before = {name: id(value) for name, value in ns.items()}
-        result = self.shell.run_cell(cell, store_history=False, silent=False)
+        fit_calls: list[Any] = []
+        runner = self._fit_runner(options, explicit, args, out_given, ns, fit_calls)
+        from ..driver.fit_call import intercept_fit
+
+        with intercept_fit(runner) as fit_errors:
+            result = self.shell.run_cell(cell, store_history=False, silent=False)
+        if fit_errors:  # the cell's model.fit was refused or failed: report the cause, not a traceback
+            cause = fit_errors[0]
+            if isinstance(cause, KeyboardInterrupt):
+                return None  # stop() ended every worker and kept the last synchronised weights
+            raise cause
         if not result.success:
             raise NbdistError("the cell raised an error (shown above) before training started; fix it and rerun.")
+        if fit_calls:  # the cell's own model.fit ran on the workers: nothing more to train
+            return None
+        if args.data is None:
+            raise NbdistError("--data is required unless the cell calls model.fit(...): name the notebook "
+                              "variables to train on, e.g. --data X,y, or call model.fit(X, y) in the cell.")
         model = ns[self._pick_model(args.model, before, ns)]
         job = prepare(model, config, x, y, validation, namespace=ns, features=args.features, label=args.label)
         job.start()  # on this (main) thread: workers end with the thread that started them
@@ -140,6 +187,40 @@ class DistMagics(Magics):
             pass  # stop() ended every worker and kept the last averaged weights; the renderer said so
         finally:
             ns[args.out] = dict(job.history)
+
+    def _fit_runner(self, options: dict[str, Any], explicit: dict[str, Any], args: Any, out_given: bool,
+                    ns: dict[str, Any], calls: list[Any]) -> Any:
+        """What the cell's ``model.fit(...)`` does under the magic: train on the workers, return a History."""
+        from ..api import prepare_fit
+        from ..driver.fit_call import reconcile
+
+        def run(model: Any, fit: dict[str, Any]) -> Any:
+            agreed = reconcile(fit, explicit)
+            changes = {"epochs": agreed["epochs"], "shuffle": agreed["shuffle"]}
+            if agreed["global_batch"] is not None and args.lr_scaling is None:
+                changes["lr_scaling"] = "none"  # the global batch is the local one: no rescaling
+            if "batch_size" in agreed:
+                changes["batch_size"] = agreed["batch_size"]
+            config = TrainConfig(**{**options, **changes})
+            job = prepare_fit(model, config, fit, agreed["global_batch"], namespace=ns)
+            job.start()  # on this (main) thread: workers end with the thread that started them
+            calls.append(job)
+            ns[f"{args.out}_job"] = job
+            if config.background:
+                if out_given:
+                    ns[args.out] = job.history
+                return job.run_in_background().fit_history
+            try:
+                job.wait()
+            except TrainingFailed as exc:
+                self._show_failure(exc)
+                raise
+            finally:
+                if out_given:
+                    ns[args.out] = dict(job.history)
+            return job.fit_history
+
+        return run
 
     @staticmethod
     def _in_background(job: Any, ns: dict[str, Any], out: str) -> Any:
