@@ -37,7 +37,8 @@ class DistMagics(Magics):
     @argument("--label", default=None, metavar="COL", help="Spark DataFrame label column")
     @argument("--validation-data", metavar="Xv,yv", default=None,
               help="notebook variables for validation, evaluated after every epoch")
-    @argument("--epochs", type=int, default=None, help="passes over the data (default: 1, or the cell's fit(epochs=...))")
+    @argument("--epochs", type=int, default=None,
+              help="passes over the data (default: 1, or the cell's fit(epochs=...))")
     @argument("--batch-size", type=int, default=None,
               help="mini-batch size per worker (default: 32). A model.fit(batch_size=B) in the cell is instead "
                    "the global batch, split over the workers")
