@@ -72,3 +72,15 @@ def test_elephas_migration_notebook_executes():
     found = re.search(r"test accuracy: ([0-9.]+) after 15 epochs on local\[2\]", text)
     assert found, text[-2000:]
     assert float(found.group(1)) > 0.9  # Elephas reaches about 0.93 on this split
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_your_keras_cell_notebook_executes():
+    """Three well-known Keras cells, unchanged but for the magic line, train on 2 workers."""
+    text = stream_text(execute("06_your_keras_cell.ipynb", timeout=900))
+    found = re.search(r"convnet: History with 6 epochs; test accuracy: ([0-9.]+)", text)
+    assert found, text[-2000:]
+    assert float(found.group(1)) > 0.85
+    val_auc, eval_auc = map(float, re.search(r"val_auc ([0-9.]+), evaluate auc ([0-9.]+)", text).groups())
+    assert val_auc == eval_auc and val_auc > 0.95  # merged exactly, not averaged
+    assert float(re.search(r"text: test accuracy: ([0-9.]+)", text).group(1)) > 0.8
