@@ -143,7 +143,7 @@ def test_multi_input_multi_output_cell_and_learning_rate_schedule(ip, digits_spl
     loss_weights: digit accuracy within a point of the same cell run locally; LearningRateScheduler
     changes every worker's rate at the same epoch."""
     x_train, x_test, y_train, y_test = digits_split
-    tokens = lambda x: (x[:, ::8] * 16).astype("int32")  # noqa: E731 - a column of each image as "words"
+    tokens = lambda x: (x[:, ::8] * 16).astype("int32")  # a column of each image as "words"
     ip.user_ns.update(Xm=x_train, Tm=tokens(x_train), ym=y_train, EPOCHS=4)
     ip.run_cell_magic("dist_train", "--workers 2 --ui none --strategy allreduce", MULTI_CELL)
     ns = ip.user_ns

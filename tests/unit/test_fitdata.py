@@ -1,0 +1,50 @@
+"""fit's data as nbdist deals it: pure numpy, no processes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nbdist.errors import NbdistError
+from nbdist.fitdata import (
+    FitData,
+    class_weight_to_sample_weight,
+    deal_rows,
+    make_fit_data,
+    rank_batch_sizes,
+    split_validation,
+)
+from nbdist.strategies.averaging import batch_sizes
+
+
+@pytest.mark.parametrize("n, batch, world", [(100, 32, 2), (101, 33, 3), (7, 4, 3), (64, 64, 2), (5, 8, 2)])
+def test_every_step_of_the_workers_together_is_one_global_batch(n, batch, world):
+    rows = deal_rows(n, batch, world)
+    sizes = rank_batch_sizes(batch, world)
+    assert sorted(np.concatenate(rows).tolist()) == list(range(n))
+    per_worker = [np.split(r, np.cumsum(batch_sizes(len(r), b))[:-1]) for r, b in zip(rows, sizes)]
+    steps = max(len(p) for p in per_worker)
+    for step in range(steps):
+        together = np.concatenate([p[step] for p in per_worker if step < len(p)])
+        assert together.tolist() == list(range(step * batch, min(n, (step + 1) * batch)))
+
+
+def test_batch_smaller_than_the_workers_is_one_sentence():
+    with pytest.raises(NbdistError, match="batch_size 1 cannot be split over 2 workers"):
+        rank_batch_sizes(1, 2)
+
+
+def test_class_weight_and_validation_split_follow_keras():
+    y = np.array([0, 1, 2, 1])
+    assert class_weight_to_sample_weight(y, {1: 3.0}).tolist() == [1.0, 3.0, 1.0, 3.0]
+    assert class_weight_to_sample_weight(np.eye(3)[y], {2: 0.5}).tolist() == [1.0, 1.0, 0.5, 1.0]
+    data = make_fit_data({"a": np.arange(10.0)[:, None], "b": np.arange(10)}, np.arange(10))
+    train, val = split_validation(data, 0.25)  # Keras: floor(10 * 0.75) = 7 training rows, the rest validate
+    assert len(train) == 7 and val.y.tolist() == [7, 8, 9] and val.x["b"].tolist() == [7, 8, 9]
+    layout, arrays = val.flatten()
+    again = FitData.unflatten(layout, iter(arrays))
+    assert again.x["a"].tolist() == val.x["a"].tolist() and again.sample_weight is None
+
+
+def test_rows_that_do_not_line_up_are_one_sentence():
+    with pytest.raises(NbdistError, match="different numbers of rows"):
+        make_fit_data([np.zeros((4, 2)), np.zeros((5, 2))], np.zeros(4))
