@@ -443,6 +443,8 @@ class TrainingJob:
             "advertise_host": self._backend.advertise_host,
             "gloo_ifname": getattr(self._backend, "gloo_ifname", None),
             "sync_timeout": cfg.sync_timeout,
+            # Workers without validation rows still join each epoch's sum of validation metric state.
+            "validation_anywhere": self.validation_data is not None,
             "startup_timeout": cfg.startup_timeout,
         }
         if fit_extra:

@@ -127,7 +127,8 @@ class DistMagics(Magics):
         out_given = args.out is not None
         args.out = args.out or "history"
         options = {
-            "epochs": args.epochs or 1, "batch_size": args.batch_size or 32, "workers": args.workers,
+            "epochs": 1 if args.epochs is None else args.epochs,
+            "batch_size": 32 if args.batch_size is None else args.batch_size, "workers": args.workers,
             "strategy": args.strategy, "backend": args.backend,
             "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling or "auto",
             "seed": args.seed, "ui": args.ui,

@@ -40,13 +40,17 @@ class MetricStateSum:
                     out.append(v)
         return out
 
-    def sum(self) -> None:
+    def sum(self, contribute: bool = True) -> None:
+        """``contribute=False``: a worker with no rows to add (no validation shard) joins with zeros
+        and keeps its own metrics."""
         if self.collective.world_size == 1:
             return
         t0 = time.perf_counter()
         variables = self.variables()
         values = [np.asarray(v.numpy()) for v in variables]
         flat = np.concatenate([a.astype(np.float64).reshape(-1) for a in values]) if values else np.zeros(0)
+        if not contribute:
+            flat[:] = 0.0
         # A size check first: workers whose metrics differ must fail, not mix unrelated numbers.
         size = np.array([flat.size], dtype=np.float64)
         self.collective.allreduce_sum(size)
@@ -54,6 +58,9 @@ class MetricStateSum:
             raise RuntimeError("workers hold different metric variables; every worker must run the same model")
         if flat.size:
             self.collective.allreduce_sum(flat)
+        if not contribute:
+            self.seconds += time.perf_counter() - t0
+            return
         offset = 0
         for v, a in zip(variables, values):
             part = flat[offset:offset + a.size].reshape(a.shape)
@@ -65,11 +72,18 @@ class MetricStateSum:
 class MetricSumCallback(keras.callbacks.Callback):
     """Runs ``MetricStateSum`` after this worker's last training batch and last validation batch."""
 
-    def __init__(self, summer: MetricStateSum, train_steps: int, val_steps: int | None) -> None:
+    def __init__(self, summer: MetricStateSum, train_steps: int, val_steps: int | None,
+                 others_validate: bool = False) -> None:
         super().__init__()
         self.summer = summer
         self.train_steps = train_steps
         self.val_steps = val_steps
+        # No validation rows here but other workers validate: join their sum with zeros.
+        self.join_with_zeros = others_validate and val_steps is None
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if self.join_with_zeros:
+            self.summer.sum(contribute=False)
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if batch == self.train_steps - 1:
@@ -125,7 +139,7 @@ def sync_callbacks(link: Any, job: dict[str, Any], model: Any, collective: Any, 
     out: list[Any] = []
     if collective.world_size > 1:  # a batch hook costs every step its async dispatch
         out.append(MetricSumCallback(MetricStateSum(collective, model), int(inputs["steps_per_epoch"]),
-                                     inputs.get("validation_steps")))
+                                     inputs.get("validation_steps"), bool(job.get("validation_anywhere"))))
     decision = None
     if job.get("epoch_decisions"):
         decision = DecisionCallback(link, float(job["sync_timeout"]), lr_factor)
