@@ -464,6 +464,12 @@ class TrainingJob:
                 if self.status in TERMINAL:
                     return
                 how = _describe_exit(code) if code is not None else "closed its connection"
+                if code == protocol.EXIT_UNREACHABLE:  # it never connected: where it tried, and what to change
+                    host, port = self._coordinator.address
+                    hint = getattr(self._backend, "unreachable_hint", "")
+                    self._fail(h.rank, f"{h.describe()} cannot reach the notebook's coordinator at {host}:{port}"
+                                       + (f"; {hint}." if hint else "."), h.log_tail(30))
+                    return
                 tb = last_traceback(h.log_tail(400))
                 self._fail(h.rank, f"{h.describe()} {how} during training{_raised(tb)}", tb)
                 return

@@ -33,6 +33,7 @@ from typing import Any
 from ..backends.warm import wanted_count
 from ..errors import NbdistError
 from ..wire import protocol
+from . import cluster
 from .data import barrier_safe
 from .task import RESULT_SCHEMA, TaskSpec, arrow_task, run_task
 
@@ -117,12 +118,14 @@ def route_to(host: str, resolve: Callable[[str], str] = socket.gethostbyname) ->
         probe.close()
 
 
-def session_hosts(session: Any, environ: Mapping[str, str] = os.environ) -> tuple[str, str]:
+def session_hosts(session: Any, environ: Mapping[str, str] = os.environ,
+                  executors: cluster.Executors | None = None) -> tuple[str, str]:
     """(bind, advertise) for the coordinator and status listener of a run on ``session``.
 
     ``$NBDIST_ADVERTISE_HOST`` names the notebook's address as executors see it (a NAT, a VPN):
-    the listeners then bind every interface. Otherwise a classic session uses the driver's own
-    address and a Connect client the address of its route to the Connect server.
+    the listeners then bind every interface. Otherwise a classic session uses the driver's address on
+    its route to the ``executors`` (cluster.coordinator_host) and a Connect client the address of its
+    route to the Connect server.
     """
     named = environ.get(ADVERTISE_ENV, "").strip()
     if named:
@@ -130,8 +133,7 @@ def session_hosts(session: Any, environ: Mapping[str, str] = os.environ) -> tupl
     if is_connect_session(session):
         host = route_to(session.client.host)
     else:
-        sc = session.sparkContext
-        host = coordinator_host(sc.master, sc.getConf().get("spark.driver.host", None))
+        host = cluster.coordinator_host(session.sparkContext, executors)
     return host, host
 
 
@@ -173,8 +175,7 @@ def summarize_spark_error(exc: BaseException) -> str:
         line = line.strip()
         if line:
             if "No module named 'nbdist'" in text:
-                return ("the executors cannot import nbdist; install it where the executors run "
-                        "(or ship it with sc.addPyFile).")
+                return cluster.PYTHON_HINT
             return line[:500]
     return type(exc).__name__
 
@@ -213,7 +214,10 @@ class SparkBackend:
     def __init__(self, session: Any) -> None:
         self.session = session
         self.connect = is_connect_session(session)
-        self.bind_host, self.advertise_host = session_hosts(session)
+        # Classic sessions, before any Spark job: executors registered, and the address they reach us at.
+        self.executors = None if self.connect else cluster.wait_for_executors(session.sparkContext, 1)
+        self.bind_host, self.advertise_host = session_hosts(session, executors=self.executors)
+        self.unreachable_hint = cluster.UNREACHABLE_HINT
         self.gloo_ifname = "lo" if self.advertise_host == "127.0.0.1" else None
         self.group = f"nbdist-{uuid.uuid4().hex[:12]}"  # the job group (classic) or operation tag (Connect)
         self.workers: list[SparkTaskWorker] = []
@@ -226,6 +230,8 @@ class SparkBackend:
     def default_workers(self) -> int:
         if self.connect:
             return connect_slots(lambda key: self.session.conf.get(key, None))
+        if self.executors is not None:  # a cluster: the slots of the executors registered now
+            return max(1, cluster.registered(self.session.sparkContext).slots)
         return task_slots(self.session.sparkContext)
 
     def partition_rows(self) -> list[int] | None:
@@ -238,6 +244,8 @@ class SparkBackend:
         if self.connect and data is not None and data.dataframe is None:
             raise NbdistError("RDDs do not exist over Spark Connect; pass a DataFrame instead, e.g. "
                               "spark.createDataFrame(pandas_df), naming its columns with --features and --label.")
+        if self.executors is not None:  # one sentence within seconds, rather than Spark's wait for slots
+            cluster.wait_for_executors(self.session.sparkContext, world_size)
         slots = self.default_workers()
         if world_size > slots and not self.connect:  # Connect: the server's conf is only a guess
             raise NbdistError(f"{world_size} workers need {world_size} Spark task slots at once (barrier mode) "

@@ -58,6 +58,63 @@ def open_store_listener(bind_host: str) -> tuple[int, int]:
     return sock.detach(), port  # the store owns the descriptor from now on
 
 
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds the IPv4 ``address``, if any."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def address_toward(peer: str) -> str | None:
+    """This machine's address on its route to ``peer`` (a UDP connect picks the route and sends nothing)."""
+    try:
+        infos = socket.getaddrinfo(peer, 9, socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(infos[0][4])
+            return str(s.getsockname()[0])
+        except OSError:
+            return None
+
+
+_auto_choice: str | None = None  # what this module set, so a later call does not take it for the user's
+
+
+def choose_gloo_interface(store_host: str, ifname: str | None = None) -> str | None:
+    """Point Gloo at the interface that reaches rank 0's store; returns the interface used.
+
+    Left to itself Gloo binds whatever this machine's hostname resolves to: loopback where the name
+    is on 127.0.1.1 (Debian's default), or a management network the peers cannot reach. The route
+    to the store's address is the one the peers share. GLOO_SOCKET_IFNAME set by the user (e.g.
+    spark.executorEnv.GLOO_SOCKET_IFNAME) wins, then the backend's choice (loopback for local workers).
+    """
+    global _auto_choice
+    user = os.environ.get("GLOO_SOCKET_IFNAME")
+    chosen = (user if user and user != _auto_choice else None) or ifname
+    if not chosen:
+        source = address_toward(store_host)
+        chosen = interface_of(source) if source else None
+        if chosen is None:
+            log.warning("no interface found toward %s; Gloo uses the one this host's name resolves to", store_host)
+            return None
+        _auto_choice = chosen
+    os.environ["GLOO_SOCKET_IFNAME"] = chosen
+    log.info("Gloo uses interface %s (toward the rendezvous at %s)", chosen, store_host)
+    return chosen
+
+
 class GlooCollective:
     """torch.distributed with the Gloo backend (CPU tensors, numpy zero-copy)."""
 
@@ -66,8 +123,7 @@ class GlooCollective:
         import torch
         import torch.distributed as dist
 
-        if ifname:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        choose_gloo_interface(host, ifname)
         torch.set_num_threads(1)
         td = datetime.timedelta(seconds=timeout)
         kwargs = {"use_libuv": False}

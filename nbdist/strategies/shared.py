@@ -174,14 +174,17 @@ def open_shared_sum(collective: Any, length: int) -> SharedMemorySum | None:
             if buf is None:
                 path = ""
         store.set(f"{n}/path", path)  # always: the others wait for it ("" means no segment)
-    info = {"pid": me.pid if me else 0, "start": me.start if me else 0, "cores": cores}
+    info = {"pid": me.pid if me else 0, "start": me.start if me else 0, "cores": cores, "boot": boot_id()}
     store.set(f"{n}/rank{rank}", json.dumps(info))
     if rank != 0:
         path = store.get(f"{n}/path").decode()
         buf = _attach(path, size) if path and supported_here() else None
     infos = [json.loads(store.get(f"{n}/rank{r}")) for r in range(world)]
     peers = [ProcessId(i["pid"], i["start"]) if i["pid"] else None for i in infos]
-    visible = all(p is not None and p.alive() for p in peers)
+    # One machine: one kernel (boot id), the same /dev/shm (the segment attached) and the peers' processes
+    # visible. Never the hostname: containers or namespaces on two machines may share one.
+    one_kernel = bool(infos[0].get("boot")) and all(i.get("boot") == infos[0]["boot"] for i in infos)
+    visible = one_kernel and all(p is not None and p.alive() for p in peers)
     ok = np.array([1.0 if buf is not None and visible else 0.0], dtype=np.float32)
     collective.allreduce_sum(ok)  # every worker mapped the segment, or none uses it
     if rank == 0 and path:
@@ -193,6 +196,15 @@ def open_shared_sum(collective: Any, length: int) -> SharedMemorySum | None:
         return None
     spin = should_spin([frozenset(i["cores"]) for i in infos])
     return SharedMemorySum(rank, world, length, buf, peers, collective.timeout, spin)
+
+
+def boot_id() -> str:
+    """This kernel's random boot id: the same in every container and namespace of one machine, else different."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _create(path: str, size: int) -> mmap.mmap | None:

@@ -34,6 +34,8 @@ MAX_PAYLOAD = 64 * 1024 * 1024  # larger arrays travel as several frames
 CHUNK = 16 * 1024 * 1024
 MAX_JSON = 16 * 1024 * 1024
 HANDSHAKE_TIMEOUT = 15.0
+# A worker's exit code when it cannot connect to the coordinator (it logs the address and the reason first).
+EXIT_UNREACHABLE = 6
 
 KIND_JSON = 1
 KIND_BLOB = 2

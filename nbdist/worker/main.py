@@ -98,6 +98,10 @@ class DriverLink:
                 return
 
 
+# A worker that cannot connect to the coordinator logs this and exits with protocol.EXIT_UNREACHABLE;
+# the driver then names the address and the setting to change.
+UNREACHABLE = "cannot reach the notebook's coordinator at"
+
 _GENERIC = ("Graph execution error", "Detected at node", "File ", "Exception encountered")
 
 
@@ -259,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _work(address: str, rank: int, secret: bytes) -> int:
     host, _, port = address.rpartition(":")
-    channel = protocol.connect((host, int(port)), secret)
+    try:
+        channel = protocol.connect((host, int(port)), secret)
+    except OSError as exc:  # refused, no route, timed out: say where from and to, not a traceback
+        why = exc.strerror or type(exc).__name__
+        log.error("%s %s:%s from %s: %s", UNREACHABLE, host, port, socket.gethostname(), why)
+        return protocol.EXIT_UNREACHABLE
     link = DriverLink(channel)
     link.send({"type": "hello", "rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     try:

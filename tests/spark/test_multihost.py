@@ -1,0 +1,184 @@
+"""Across machines for real: a Spark standalone cluster on two simulated hosts (network namespaces).
+
+Each host has its own loopback, hostname, /etc/hosts (its name on 127.0.1.1) and /dev/shm, and
+a second interface that leads nowhere (netns_cluster.py). One cluster serves the whole module;
+the variants that need another SparkSession come last.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ..spark_helpers import accuracy, digits, digits_frame, need_spark, small_model, spark_session
+from .netns_cluster import BRIDGE_IP, HOSTS, UNREACHABLE_IP, NetnsCluster, why_not_possible
+
+need_spark()
+_why = why_not_possible()
+if _why:
+    pytest.skip(_why, allow_module_level=True)
+
+import nbdist  # noqa: E402
+from nbdist.errors import NbdistError, TrainingFailed  # noqa: E402
+
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(600)]  # a cold cluster takes ~1 min to start
+
+EPOCHS = 8
+WORKER = "nbdist.worker"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    saved = os.environ.get("NBDIST_WARM_WORKERS")
+    os.environ["NBDIST_WARM_WORKERS"] = "0"  # no warm workers left on the hosts: "nothing left" means nothing
+    c = NetnsCluster(tmp_path_factory.mktemp("netns")).start()
+    try:
+        yield c
+    finally:
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            active.stop()
+        c.close()
+        if saved is None:
+            os.environ.pop("NBDIST_WARM_WORKERS", None)
+        else:
+            os.environ["NBDIST_WARM_WORKERS"] = saved
+
+
+def _session(cluster: NetnsCluster, driver: str = BRIDGE_IP, **conf: str):
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+    return spark_session(cluster.master_url, **{"spark.driver.host": driver, "spark.driver.bindAddress": driver,
+                                                "spark.executor.memory": "1g", **conf})
+
+
+@pytest.fixture(scope="module")
+def spark(cluster):
+    return _session(cluster)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return digits()
+
+
+@pytest.fixture(scope="module")
+def local_accuracy(data):
+    """The same runs on local worker processes: the reference each strategy must match."""
+    X_tr, X_te, y_tr, y_te = data
+    found = {}
+    for strategy in ("averaging", "allreduce"):
+        model = small_model()
+        nbdist.train(model, X_tr, y_tr, epochs=EPOCHS, batch_size=32, workers=2, strategy=strategy,
+                     backend="local", seed=0, ui="none")
+        found[strategy] = accuracy(model, X_te, y_te)
+    return found
+
+
+def _train(data, strategy: str, **kw):
+    X_tr, X_te, y_tr, y_te = data
+    model = small_model()
+    job = nbdist.train(model, X_tr, y_tr, epochs=EPOCHS, batch_size=32, workers=2, strategy=strategy,
+                       backend="spark", seed=0, ui="none", **kw)
+    return job, accuracy(model, X_te, y_te)
+
+
+def _left_on_hosts(cluster: NetnsCluster) -> dict[str, list[int]]:
+    return {h.name: cluster.pids_on(h, WORKER) for h in HOSTS if cluster.pids_on(h, WORKER)}
+
+
+@pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
+def test_trains_across_two_hosts(cluster, spark, data, local_accuracy, strategy):
+    job, acc = _train(data, strategy)
+    assert sorted(w.host for w in job.state.workers) == ["hostA", "hostB"]  # one task on each machine
+    assert abs(acc - local_accuracy[strategy]) <= 0.01, (acc, local_accuracy[strategy])
+    if strategy == "allreduce":  # two machines never sum through shared memory
+        summed = [r["summed_by"] for r in job.reports.values()]
+        assert len(summed) == 2 and "shared" not in summed, summed
+    assert not _left_on_hosts(cluster)
+
+
+def test_names_resolving_to_a_second_interface(cluster, spark, data, local_accuracy):
+    """Each host's name resolves to eth1, a network the other host is not on: Gloo must not bind it."""
+    try:
+        for h in HOSTS:
+            cluster.set_name_address(h, h.ip2)
+        job, acc = _train(data, "allreduce")
+    finally:
+        for h in HOSTS:
+            cluster.set_name_address(h, "127.0.1.1")
+    assert sorted(w.host for w in job.state.workers) == ["hostA", "hostB"]
+    assert abs(acc - local_accuracy["allreduce"]) <= 0.01
+
+
+def test_killed_worker_on_one_host(cluster, spark, data):
+    X_tr, _, y_tr, _ = data
+    job = nbdist.train(small_model(), X_tr, y_tr, epochs=400, batch_size=32, workers=2, strategy="allreduce",
+                       backend="spark", seed=0, ui="none", background=True)
+    host = HOSTS[1]
+    deadline = time.monotonic() + 180
+    while not (job.history.get("loss") and cluster.pids_on(host, WORKER)):  # training, across both hosts
+        assert job.status not in ("failed", "done"), job.error
+        assert time.monotonic() < deadline, "training did not start within 180 s"
+        time.sleep(0.2)
+    victim = cluster.pids_on(host, WORKER)[0]
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(TrainingFailed) as err:
+        job.wait(timeout=60)
+    took = time.monotonic() - killed
+    assert took < 10, f"failed {took:.1f} s after the kill"
+    assert host.name in str(err.value) and str(victim) in str(err.value), str(err.value)
+    deadline = time.monotonic() + 20
+    while _left_on_hosts(cluster):
+        assert time.monotonic() < deadline, f"left behind: {_left_on_hosts(cluster)}"
+        time.sleep(0.5)
+
+
+def test_coordinator_unreachable_from_the_hosts(cluster, spark, data, monkeypatch):
+    """A coordinator address the executors cannot reach: one sentence naming the worker, the address and the setting."""
+    from nbdist.spark import cluster as spark_cluster
+
+    monkeypatch.setattr(spark_cluster, "coordinator_host", lambda sc, executors: "127.0.0.1")
+    start = time.monotonic()
+    with pytest.raises(TrainingFailed) as err:
+        _train(data, "averaging")
+    took = time.monotonic() - start
+    message = str(err.value).splitlines()[0]
+    assert took < 30, took
+    assert message.startswith("worker ") and "cannot reach the notebook at 127.0.0.1:" in message, message
+    assert "NBDIST_ADVERTISE_HOST" in message, message
+    assert not _left_on_hosts(cluster)
+
+
+def test_no_executors(cluster, data):
+    """Executors wider than any worker: none starts; one sentence before counting rows, not a hang."""
+    spark = _session(cluster, **{"spark.executor.cores": "2"})  # each host offers one core
+    df = digits_frame(spark, data[0], data[2])
+    start = time.monotonic()
+    with pytest.raises(NbdistError) as err:
+        nbdist.train(small_model(), df, features=["pixels"], label="digit", epochs=1, batch_size=32, workers=2,
+                     backend="spark", ui="none")
+    assert time.monotonic() - start < 30
+    message = str(err.value)
+    assert message.startswith("no Spark executor registered") and "spark.executor.cores" in message, message
+
+
+def test_driver_address_unreachable(cluster, data):
+    """spark.driver.host on an address the hosts have no route to: executors never register."""
+    spark = _session(cluster, driver=UNREACHABLE_IP)
+    df = digits_frame(spark, data[0], data[2])
+    start = time.monotonic()
+    with pytest.raises(NbdistError) as err:
+        nbdist.train(small_model(), df, features=["pixels"], label="digit", epochs=1, batch_size=32, workers=2,
+                     backend="spark", ui="none")
+    assert time.monotonic() - start < 30
+    message = str(err.value)
+    assert f"spark.driver.host='{UNREACHABLE_IP}'" in message and f"to {BRIDGE_IP}" in message, message
