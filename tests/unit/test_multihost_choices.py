@@ -148,3 +148,11 @@ def test_users_gloo_interface_wins(monkeypatch):
     monkeypatch.setattr(collective, "_auto_choice", None)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
     assert collective.choose_gloo_interface("127.0.0.1", "lo") == "eth7"
+
+
+def test_missing_nbdist_on_the_executors_says_how_to_give_them_a_python():
+    from nbdist.spark.backend import summarize_spark_error
+
+    message = summarize_spark_error(RuntimeError("Python worker failed\nModuleNotFoundError: No module named 'nbdist'"))
+    assert message.startswith("the executors cannot import nbdist") and "os.environ['PYSPARK_PYTHON']" in message
+    assert "spark.pyspark.python is ignored" in message

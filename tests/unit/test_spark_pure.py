@@ -75,7 +75,7 @@ def test_coordinator_host():
 
 def test_spark_errors_are_summarised():
     assert summarize_spark_error(RuntimeError("first line\n\tat org.apache...")) == "first line"
-    assert "install it where the executors run" in summarize_spark_error(
+    assert "the executors cannot import nbdist" in summarize_spark_error(
         RuntimeError("ModuleNotFoundError: No module named 'nbdist'"))
 
 

@@ -141,6 +141,8 @@ def _rank_main(rank: int, world: int, port: int, mode: str) -> None:
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
     if mode == "no-map" and rank == world - 1:
         shared._attach = lambda path, size: None  # as if this worker ran in another container
+    if mode == "other-kernel" and rank == world - 1:
+        shared.boot_id = lambda: "another-machine"  # its own /dev/shm and pids may still look alike
     if mode == "no-segment" and rank == 0:
         shared.supported_here = lambda: False  # as on a machine without x86-64 ordering
     summer = shared.open_shared_sum(gloo, LENGTH)
@@ -192,6 +194,12 @@ def test_when_one_worker_cannot_map_the_segment_all_use_messages(mode):
     reports = run_ranks("tests.workers.test_shared:_rank_main", 3, mode, timeout=60)
     assert [r["shared"] for r in reports] == [False, False, False]
     assert _segments() == before
+
+
+def test_workers_on_two_kernels_never_share_memory():
+    """Namespaces or containers of two machines may see alike /dev/shm and pids: the boot id tells them apart."""
+    reports = run_ranks("tests.workers.test_shared:_rank_main", 2, "other-kernel", timeout=60)
+    assert [r["shared"] for r in reports] == [False, False]
 
 
 def test_a_peer_that_dies_fails_the_wait_naming_it():
