@@ -8,6 +8,7 @@ import numpy as np
 
 from ..checks import input_shape
 from ..errors import NbdistError
+from .cluster import wait_for_dataframe_executors
 from .data import SparkData
 
 SPARK_BACKENDS = ("auto", "spark")
@@ -35,6 +36,7 @@ def feature_width(data: SparkData) -> int | None:
     sized = [c for c in cols if not isinstance(fields[c], T.NumericType)]
     width = len(cols) - len(sized)
     if sized:
+        wait_for_dataframe_executors(df)  # without executors the row below would wait forever
         rows = df.select(*sized).head(1)  # one row, to learn the array/vector lengths
         if not rows:
             raise NbdistError("the DataFrame has no rows; pass data with at least one row per worker.")
@@ -62,6 +64,7 @@ def check_label_classes(data: SparkData, classes: int) -> None:
 
     label = data.layout.label
     col = F.col(label)
+    wait_for_dataframe_executors(data.dataframe)
     low, high, fractional, nulls = data.dataframe.agg(
         F.min(col), F.max(col), F.sum((col != F.floor(col)).cast("long")),
         F.sum(col.isNull().cast("long"))).first()

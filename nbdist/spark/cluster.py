@@ -100,6 +100,13 @@ def wait_for_executors(sc: Any, slots: int, timeout: float | None = None,
                       "or cores.")
 
 
+def wait_for_dataframe_executors(df: Any) -> None:
+    """Before a small job on ``df`` (one row, an aggregate): an executor to run it (classic sessions)."""
+    session = df.sparkSession
+    if not type(session).__module__.startswith("pyspark.sql.connect"):  # Connect: the server's business
+        wait_for_executors(session.sparkContext, 1)
+
+
 def no_executors_message(master: str, driver_host: str | None, waited: float,
                          resolve: Callable[[str], str] = socket.gethostbyname) -> str:
     """One sentence for an application without executors: why, and which setting to change."""
