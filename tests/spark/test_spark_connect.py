@@ -54,6 +54,7 @@ def spark(tmp_path_factory):
 
     home = os.path.dirname(pyspark.__file__)
     port = _free_port()
+    environ_before = set(os.environ)
     log_path = tmp_path_factory.mktemp("connect") / "server.log"
     env = {**os.environ, "SPARK_HOME": home, "PYSPARK_PYTHON": PYTHON, "SPARK_LOCAL_IP": "127.0.0.1"}
     conf = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.connect.grpc.binding.port": str(port),
@@ -80,6 +81,11 @@ def spark(tmp_path_factory):
         yield session
         session.stop()
     finally:
+        # remote() leaves SPARK_CONNECT_MODE_ENABLED (and friends) in os.environ, which turns every later
+        # SparkSession.builder...getOrCreate() in this process into a Connect client: the next test
+        # modules' local[2] sessions would fail.
+        for key in set(os.environ) - environ_before:
+            del os.environ[key]
         os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(60)

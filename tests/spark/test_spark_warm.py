@@ -19,6 +19,7 @@ import pytest
 from nbdist.backends.command import worker_env
 from nbdist.procs import ProcessId
 from nbdist.spark import warm as spark_warm
+from nbdist.wire import protocol
 from nbdist.wire.handover import job_line
 
 from ..spark_helpers import wait_warm_ready, warm_socket_workers
@@ -74,8 +75,9 @@ def test_a_claim_hands_over_the_job_and_returns_the_workers_own_exit_code(tmp_pa
         worker = spark_warm.claim(directory, ENV, job_line(("127.0.0.1", port), 0, {"NBDIST_X": "1"}), b"\x01" * 16)
         assert worker is not None and worker.pid == proc.pid
         assert spark_warm.claim(directory, ENV, b"{}\n", b"k") is None  # taken: nobody else gets it
-        assert worker.wait(timeout=60) == 1  # its own code, sent on the socket, not a guess
-        assert "ConnectionRefusedError" in worker.log_path.read_text(errors="replace")
+        # Its own code, sent on the socket, not a guess: a worker that cannot reach its driver says so.
+        assert worker.wait(timeout=60) == protocol.EXIT_UNREACHABLE
+        assert "cannot reach the notebook's coordinator at 127.0.0.1:" in worker.log_path.read_text(errors="replace")
         assert not list(directory.glob("*.sock"))
     finally:
         proc.kill()
