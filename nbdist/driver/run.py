@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Self
 
 from ..backends import Backend, WorkerHandle
 from ..config import TrainConfig
@@ -173,7 +173,7 @@ class Run:
     def error(self) -> TrainingFailed | None:
         return self._failure
 
-    def start(self) -> Run:
+    def start(self) -> Self:
         """Validate, serialise the model and launch the workers (from the main thread)."""
         cfg = self.config
         self._spec = self._make_spec()
@@ -312,7 +312,7 @@ class Run:
         self.state.finish("stopped", reason)
         self._notify("end")
 
-    def run_in_background(self) -> Run:
+    def run_in_background(self) -> Self:
         """Pump events on a daemon thread; ``start()`` must have run on the calling thread, because
         workers die with the thread that spawned them (PR_SET_PDEATHSIG)."""
         if self.state is None:
