@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..config import TrainConfig, default_local_workers
 from ..errors import NbdistError
@@ -225,7 +226,9 @@ class ContainerBackend:
     name = "containers"
     bind_host = "127.0.0.1"  # host network: containers share the host's loopback
     advertise_host = "127.0.0.1"
-    gloo_ifname = "lo"
+    gloo_ifname: str | None = "lo"
+    store_on_link = False
+    unreachable_hint = ""  # the coordinator listens on this machine's loopback
 
     def __init__(self, config: TrainConfig, engine: Engine | None = None) -> None:
         self.config = config
@@ -242,7 +245,8 @@ class ContainerBackend:
         return [f"nbdist-{self.run_id}-w{r}" for r in range(world_size)]
 
     def launch(self, world_size: int, address: tuple[str, int], secret: bytes,
-               threads_per_worker: int) -> list[ContainerWorker]:
+               threads_per_worker: int, data: Any = None) -> list[ContainerWorker]:
+        """``data`` is for the Spark backend; here the data travels in the job messages."""
         t0 = time.monotonic()
         if self.config.image:
             image, python, mounts = self.config.image, "python", []
@@ -270,6 +274,9 @@ class ContainerBackend:
         proc = self.engine.run(["ps", "-a", "--filter", f"label={LABEL}={self.run_id}",
                                 "--format", "{{.Names}}"], check=False)
         return [n for n in proc.stdout.decode().split() if n]
+
+    def partition_rows(self) -> list[int] | None:
+        return None  # the data travels in the job messages: nothing for tasks to count
 
     def stop(self, grace: float = 3.0) -> None:
         alive = [w.name for w in self.workers if w.proc.poll() is None]

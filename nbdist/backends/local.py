@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import placement
 from ..config import default_local_workers
@@ -57,7 +58,9 @@ class LocalBackend:
     name = "local"
     bind_host = "127.0.0.1"
     advertise_host = "127.0.0.1"
-    gloo_ifname = "lo"
+    gloo_ifname: str | None = "lo"
+    store_on_link = False
+    unreachable_hint = ""  # the coordinator listens on this machine's loopback
 
     def __init__(self) -> None:
         self.workers: list[LocalWorker] = []
@@ -68,7 +71,8 @@ class LocalBackend:
         return default_local_workers()
 
     def launch(self, world_size: int, address: tuple[str, int], secret: bytes,
-               threads_per_worker: int) -> list[LocalWorker]:
+               threads_per_worker: int, data: Any = None) -> list[LocalWorker]:
+        """``data`` is for the Spark backend; here the data travels in the job messages."""
         self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-run-"))
         env = worker_env(threads_per_worker)
         cores = usable_cores()
@@ -97,6 +101,9 @@ class LocalBackend:
         log.info("started %d local workers (%d of them warm)%s, logs in %s", world_size, len(warm),
                  f" pinned to cores {[sorted(c) for c in slices]}" if slices else "", self.run_dir)
         return list(self.workers)
+
+    def partition_rows(self) -> list[int] | None:
+        return None  # the data travels in the job messages: nothing for tasks to count
 
     def stop(self, grace: float = 3.0) -> None:
         alive = [w for w in self.workers if w.exit_status() is None]

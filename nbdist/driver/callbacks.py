@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..wire.messages import MessageType
+
 log = logging.getLogger(__name__)
 
 _BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_test_batch_begin", "on_test_batch_end",
@@ -72,7 +74,7 @@ class DriverCallbacks:
         if not stop and epoch + 1 < self.epochs:
             self.list.on_epoch_begin(epoch + 1)
             stop = bool(getattr(self.model, "stop_training", False))
-        return {"type": "decision", "epoch": epoch, "stop": stop, "learning_rate": learning_rate(self.model)}
+        return {"type": MessageType.DECISION, "epoch": epoch, "stop": stop, "learning_rate": learning_rate(self.model)}
 
     def end(self) -> None:
         """After the final weights are in the model (EarlyStopping may then restore its best)."""

@@ -1,7 +1,7 @@
 """Driver side of the wire: accepts workers, authenticates them, relays their messages.
 
 Each connection gets a reader thread that turns frames into ``Event``s on one
-queue; the run (job.py) consumes that queue on whichever thread waits for it.
+queue; the run (run.py) consumes that queue on whichever thread waits for it.
 A connection that fails authentication is dropped before anything it sent is
 interpreted.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..wire import protocol
+from ..wire.messages import MessageType
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Coordinator:
             hello = channel.recv()
             sock.settimeout(None)
             rank = hello.body.get("rank")
-            if hello.type != "hello" or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            if hello.type != MessageType.HELLO or not isinstance(rank, int) or not 0 <= rank < self.world_size:
                 raise protocol.ProtocolError(f"bad hello {hello.body!r}")
             with self._lock:
                 if rank in self._channels:
@@ -95,7 +96,7 @@ class Coordinator:
             while True:
                 msg = channel.recv()
                 self._last_seen[rank] = time.monotonic()
-                if msg.type != "heartbeat":
+                if msg.type != MessageType.HEARTBEAT:
                     self.events.put(Event("message", rank, msg))
         except protocol.ConnectionClosed:
             pass
@@ -108,7 +109,7 @@ class Coordinator:
 
     def _beat(self) -> None:
         while not self._closed.wait(self.heartbeat_interval):
-            self.broadcast({"type": "heartbeat"})
+            self.broadcast({"type": MessageType.HEARTBEAT})
 
     # -- sending --------------------------------------------------------
     def send(self, rank: int, body: dict[str, Any], arrays: Any = ()) -> None:

@@ -53,19 +53,6 @@ class FitRun:
         batch = self.global_batch if self.global_batch is not None else per_worker_batch * world
         return rank_batch_sizes(batch, world), deal_rows(self.rows, batch, world)
 
-    def job_part(self, spec: Any, shard: FitData, validation: FitData | None, batch_sizes: list[int],
-                 first_lr: float | None) -> tuple[list[np.ndarray], dict[str, Any]]:
-        """The data arrays and job fields of one worker's job (worker/runtime.py unpacks them)."""
-        layout, arrays = {}, []
-        layout["train"], train_arrays = shard.flatten()
-        arrays += train_arrays
-        if validation is not None:
-            layout["validation"], val_arrays = validation.flatten()
-            arrays += val_arrays
-        extra = {"fit_layout": layout, "batch_sizes": batch_sizes, "learning_rate": first_lr,
-                 "epoch_decisions": self.callbacks.needs_decisions, "has_val": validation is not None}
-        return arrays, extra
-
 
 # -- fit's arguments -----------------------------------------------------------
 def bind_fit(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sig: inspect.Signature) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Distributed evaluation and prediction on the driver: ``evaluate()``, ``predict()`` and their jobs.
 
-The jobs reuse TrainingJob's machinery (coordinator, backend, health checks,
-shutdown); only the job message and the answers differ. Each worker runs the
+The jobs are Runs (driver/run.py: coordinator, backend, health checks, shutdown);
+only the job message and the answers are theirs. Each worker runs the
 model on its shard and answers with additive state (evaluate) or its rows of
 predictions (predict); the driver sums the state and computes every metric once.
 """
@@ -30,12 +30,12 @@ from ..metrics import (
     sum_states,
 )
 from ..model_io import ModelSpec, is_keras_model, travelling_model
-from ..placement import threads_per_worker
 from ..spark.backend import is_connect_session
 from ..spark.checks import SPARK_BACKENDS, check_label_classes, check_width
 from ..spark.data import SparkData, is_spark_data, is_spark_rdd, spark_dataset, sql_types
 from ..wire import protocol
-from .training import TrainingJob, job_arrays
+from ..wire.messages import JobMessage, MessageType
+from .run import Listener, Run
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +87,15 @@ def _config(options: dict[str, Any]) -> TrainConfig:
 
 
 # -- jobs ----------------------------------------------------------------------
-class InferenceJob(TrainingJob):
-    """A run whose workers evaluate or predict once instead of training."""
+class InferenceJob(Run):
+    """A run whose workers evaluate or predict once: one job each, one answer each."""
 
     kind = "inference"
     answer = ""  # the message type that carries a worker's result
 
-    def __init__(self, model: Any, config: TrainConfig, data: Dataset, namespace: dict[str, Any] | None = None,
-                 listeners: list[Any] | None = None) -> None:
-        super().__init__(model, config, data, None, namespace, listeners)
+    def __init__(self, model: Any, config: TrainConfig, data: Dataset | SparkData,
+                 namespace: dict[str, Any] | None = None, listeners: list[Listener] | None = None) -> None:
+        super().__init__(model, config, data, namespace, listeners)
         self.answers: dict[int, protocol.Message] = {}
         self._custom: dict[str, Any] = {}
 
@@ -103,36 +103,17 @@ class InferenceJob(TrainingJob):
         spec, self._custom = inference_spec(self.model, self._namespace)
         return spec
 
-    def _extra_body(self) -> dict[str, Any]:
-        return {}
+    def _job_message(self, rank: int) -> JobMessage:
+        return self._common_job(rank, self.kind)
 
-    def _shard(self, rank: int) -> Dataset:
-        """This rank's data. The numpy path slices the driver's arrays; a Spark source would not."""
-        a, b = self._shards[rank]
-        return self.train_data.slice(a, b)
-
-    def _send_job(self, rank: int) -> None:
-        cfg, spec = self.config, self._spec
-        on_task = isinstance(self.train_data, SparkData)  # the worker's Spark task wrote its partition
-        shard = None if on_task else self._shard(rank)
-        arrays = job_arrays(spec, shard)
-        body = {
-            "type": "job", "kind": self.kind, "rank": rank, "world_size": self.world_size,
-            "config": {"batch_size": cfg.batch_size, "heartbeat_timeout": cfg.heartbeat_timeout},
-            "model_config": spec.config, "n_weights": len(spec.weights), "n_optimizer": -1,
-            "has_custom": bool(spec.custom_objects), "has_y": on_task or shard.y is not None, "has_val": False,
-            "data_source": "task" if on_task else "wire",
-            "threads": threads_per_worker(self.world_size), **self._extra_body(),
-        }
-        self._coordinator.send(rank, body, arrays)
-
-    def _handle_message(self, rank: int, msg: protocol.Message) -> None:
+    def _on_message(self, rank: int, msg: protocol.Message) -> bool:
         if msg.type == self.answer:
             self.answers[rank] = msg
-        elif msg.type == "done" and rank not in self.answers:
+            return True
+        if msg.type == MessageType.DONE and rank not in self.answers:
             self._fail(rank, f"{self._name(rank)} finished without sending its {self.answer}", "")
-        else:
-            super()._handle_message(rank, msg)
+            return True
+        return False
 
     def run(self) -> Any:
         self.start()
@@ -145,14 +126,14 @@ class InferenceJob(TrainingJob):
 
 class EvaluationJob(InferenceJob):
     kind = "evaluate"
-    answer = "evaluation"
+    answer = MessageType.EVALUATION
 
     def __init__(self, *args: Any, classifier: ClassifierSpec | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.classifier = classifier
 
-    def _extra_body(self) -> dict[str, Any]:
-        return {"classifier": self.classifier.to_json() if self.classifier else None}
+    def _job_message(self, rank: int) -> JobMessage:
+        return self._common_job(rank, self.kind, classifier=self.classifier.to_json() if self.classifier else None)
 
     def result(self) -> dict[str, Any]:
         """Merged metrics: the compiled metrics by name, then the classifier report if there is one."""
@@ -186,7 +167,7 @@ class EvaluationJob(InferenceJob):
 
 class PredictionJob(InferenceJob):
     kind = "predict"
-    answer = "predictions"
+    answer = MessageType.PREDICTIONS
 
     def result(self) -> np.ndarray:
         """Every worker's rows, in input order (shards are contiguous and in rank order)."""

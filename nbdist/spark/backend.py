@@ -33,8 +33,9 @@ from typing import Any
 from ..backends.warm import wanted_count
 from ..errors import NbdistError
 from ..wire import protocol
+from ..wire.messages import MessageType
 from . import cluster
-from .data import barrier_safe
+from .data import SparkData, barrier_safe
 from .task import RESULT_SCHEMA, TaskSpec, arrow_task, run_task
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ class SparkBackend:
         self.executors = None if self.connect else cluster.wait_for_executors(session.sparkContext, 1)
         self.bind_host, self.advertise_host = session_hosts(session, executors=self.executors)
         self.unreachable_hint = cluster.UNREACHABLE_HINT
-        self.gloo_ifname = "lo" if self.advertise_host == "127.0.0.1" else None
+        self.gloo_ifname: str | None = "lo" if self.advertise_host == "127.0.0.1" else None
         self.group = f"nbdist-{uuid.uuid4().hex[:12]}"  # the job group (classic) or operation tag (Connect)
         self.workers: list[SparkTaskWorker] = []
         self.job_error: str | None = None
@@ -240,7 +241,9 @@ class SparkBackend:
         return None if not rows or any(r is None for r in rows) else [int(r) for r in rows]
 
     def launch(self, world_size: int, address: tuple[str, int], secret: bytes, threads_per_worker: int,
-               data: Any = None) -> list[SparkTaskWorker]:
+               data: SparkData | None = None) -> list[SparkTaskWorker]:
+        """``data``: a DataFrame or RDD read where it lives, one partition per task; None: the
+        data travels over the wire and the tasks only host the workers."""
         if self.connect and data is not None and data.dataframe is None:
             raise NbdistError("RDDs do not exist over Spark Connect; pass a DataFrame instead, e.g. "
                               "spark.createDataFrame(pandas_df), naming its columns with --features and --label.")
@@ -337,14 +340,14 @@ class SparkBackend:
                 if not isinstance(rank, int) or not 0 <= rank < len(self.workers):
                     continue
                 w = self.workers[rank]
-                if body.get("type") == "started":
+                if body.get("type") == MessageType.TASK_STARTED:
                     w.pid, w.host = int(body["pid"]), str(body.get("host", ""))
                     w.warm = bool(body.get("warm"))
                     if w.warm:
                         log.info("worker %d: a warm worker on %s (pid %d)", rank, w.host, w.pid)
-                elif body.get("type") == "rows":
+                elif body.get("type") == MessageType.TASK_ROWS:
                     w.rows = int(body["rows"])
-                elif body.get("type") == "exit":
+                elif body.get("type") == MessageType.TASK_EXIT:
                     w.log = str(body.get("log", ""))
                     w.code = int(body["code"])
         except Exception:
@@ -353,6 +356,9 @@ class SparkBackend:
             channel.close()
 
     # -- ending -------------------------------------------------------------
+    def cleanup(self) -> None:
+        """Nothing to remove on the driver: each task removes its own files on its executor."""
+
     def cancel(self) -> None:
         """Cancel this run's Spark job: its operation tag over Connect, its job group on a classic session."""
         try:

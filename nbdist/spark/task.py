@@ -24,6 +24,7 @@ import numpy as np
 
 from ..backends.command import job_command, worker_env
 from ..procs import ProcessId, read_log_tail, signal_group
+from ..wire.messages import MessageType
 from ..wire.shardfile import DATA_ENV, X_FILE, Y_FILE, NpyStreamWriter
 
 log = logging.getLogger(__name__)
@@ -318,7 +319,7 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
             rows = write(workdir)
             # The driver sizes every worker's epoch from these counts: no separate count pass, whose
             # partitions could differ from the ones read here (an uncached, recomputed DataFrame).
-            reporter.send({"type": "rows", "rank": rank, "rows": rows})
+            reporter.send({"type": MessageType.TASK_ROWS, "rank": rank, "rows": rows})
             job_env[DATA_ENV] = workdir
         if pool is not None:
             proc = spark_warm.claim(pool, env, job_line(spec.address, rank, job_env), secret)
@@ -331,7 +332,7 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
                     env={**env, **job_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True)
                 hand_over(proc, secret)  # on stdin, not in the worker's command line or environment
-        reporter.send({"type": "started", "rank": rank, "pid": proc.pid, "host": socket.gethostname(),
+        reporter.send({"type": MessageType.TASK_STARTED, "rank": rank, "pid": proc.pid, "host": socket.gethostname(),
                        "warm": isinstance(proc, spark_warm.ClaimedWorker)})
         code = proc.wait()
         tail = read_log_tail(log_path, 40)
@@ -342,7 +343,7 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
         if proc is not None and proc.poll() is None:
             signal_group(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-        reporter.send({"type": "exit", "rank": rank, "code": code, "log": tail, "at": time.time()})
+        reporter.send({"type": MessageType.TASK_EXIT, "rank": rank, "code": code, "log": tail, "at": time.time()})
         reporter.close()
         shutil.rmtree(workdir, ignore_errors=True)
         if pool is not None:  # the next job's worker imports TensorFlow while the notebook idles

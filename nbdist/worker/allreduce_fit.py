@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..wire.messages import JobMessage, MessageType
+
 log = logging.getLogger("nbdist.worker")
 
 
@@ -17,7 +19,7 @@ def resolve_engine(requested: str | None) -> tuple[str, str | None]:
     return choose_engine(requested, has_gpu, horovod_error)
 
 
-def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collective: Any,
+def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
                   lr_factor: float = 1.0) -> None:
     from ..model_io import averaged_optimizer_variables
     from ..strategies.allreduce import (
@@ -34,11 +36,11 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     from .fit_sync import closing_report, sync_callbacks
     from .phases import EpochPhases, phase_callbacks, phase_timer, phase_times_enabled
 
-    cfg = job["config"]
-    engine, warning = resolve_engine(cfg.get("engine"))
+    rank, train = job.rank, job.train
+    engine, warning = resolve_engine(train.engine)
     if warning:
         log.warning("%s", warning)
-        link.send({"type": "warning", "message": warning})
+        link.send({"type": MessageType.WARNING, "message": warning})
     log.info("worker %d: allreduce on engine %s", rank, engine)
 
     floats = lambda vs: [v for v in vs if "float" in str(v.dtype)]
@@ -46,15 +48,15 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     broadcast_state(collective, floats(model.weights) + averaged_optimizer_variables(model))
 
     # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
-    inputs, samples, val_samples = job_inputs(job, rank)
-    batch_size = rank_batch_size(cfg, rank)
+    inputs, samples, val_samples = job_inputs(job)
+    batch_size = rank_batch_size(job)
     # Every step's total samples, known up front: the gradients are scaled by n / total as they
     # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
-    totals = step_totals(shard_samples(collective, samples), cfg.get("batch_sizes") or batch_size)
+    totals = step_totals(shard_samples(collective, samples), train.batch_sizes or batch_size)
     steps = len(totals)
     reducer = GradientAllreduce(collective, model.trainable_variables, engine,
-                                direct_sum_bytes=int(cfg["direct_sum_bytes"]),
-                                shared_memory=bool(cfg["shared_memory"]))
+                                direct_sum_bytes=int(train.direct_sum_bytes),
+                                shared_memory=bool(train.shared_memory))
     original_apply = wrap_optimizer(model.optimizer, reducer)
     non_trainable = floats(model.non_trainable_weights)
     stats = WeightedAverager(collective, non_trainable) if non_trainable else None
@@ -74,9 +76,9 @@ def fit_allreduce(link: Any, rank: int, job: dict[str, Any], model: Any, collect
     # After the padding steps and the statistics round: metric sums pair up in the same order everywhere.
     extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
     callbacks += extra
-    model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
-              initial_epoch=int(job["initial_epoch"]))
-    done = {"type": "done", "sync_seconds": reducer.seconds, "rounds": reducer.steps,
+    model.fit(**inputs, epochs=int(train.epochs), verbose=0, callbacks=callbacks,
+              initial_epoch=int(train.initial_epoch))
+    done = {"type": MessageType.DONE, "sync_seconds": reducer.seconds, "rounds": reducer.steps,
             "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by,
             **closing_report(decision)}
     if phases is not None:

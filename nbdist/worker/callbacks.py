@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from ..strategies.averaging import WeightedAverager, batch_sizes, sync_after
+from ..wire.messages import MessageType
 
 
 class AveragingCallback(keras.callbacks.Callback):
@@ -88,7 +89,7 @@ class EventCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch = epoch
         self._epoch_start = time.perf_counter()
-        self.send({"type": "progress", "state": "training", "epoch": epoch, "batch": 0,
+        self.send({"type": MessageType.PROGRESS, "state": "training", "epoch": epoch, "batch": 0,
                    "batches": len(self.sizes), "samples_done": self._samples_done, **self._timing()})
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
@@ -96,13 +97,13 @@ class EventCallback(keras.callbacks.Callback):
         now = time.perf_counter()
         if now - self._last_sent >= self.interval:
             self._last_sent = now
-            self.send({"type": "progress", "state": "training", "epoch": self._epoch, "batch": batch + 1,
+            self.send({"type": MessageType.PROGRESS, "state": "training", "epoch": self._epoch, "batch": batch + 1,
                        "batches": len(self.sizes), "samples_done": self._samples_done, **self._timing()})
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if self.ship_weights is not None:
             self.ship_weights(epoch)
-        self.send({"type": "epoch", "epoch": epoch, "logs": _floats(logs), "samples": self.samples,
+        self.send({"type": MessageType.EPOCH, "epoch": epoch, "logs": _floats(logs), "samples": self.samples,
                    "val_samples": self.val_samples, "batch": len(self.sizes), "batches": len(self.sizes),
                    "samples_done": self._samples_done, "state": "training",
                    "seconds": time.perf_counter() - self._epoch_start, **self._timing()})
@@ -120,7 +121,7 @@ def weight_shipper(send: Callable[..., None], model: Any) -> Callable[[int], Non
     """Rank 0's end-of-epoch message: synchronised weights, optimizer state and step count."""
 
     def ship(epoch: int) -> None:
-        send({"type": "weights", "epoch": epoch, "n_weights": len(model.get_weights()),
+        send({"type": MessageType.WEIGHTS, "epoch": epoch, "n_weights": len(model.get_weights()),
               "iterations": int(model.optimizer.iterations.numpy())}, weights_and_optimizer(model))
 
     return ship

@@ -23,6 +23,7 @@ import secrets
 from typing import Any
 
 from ..data import batches_per_epoch
+from ..wire.messages import JobMessage
 
 log = logging.getLogger("nbdist.worker")
 
@@ -53,10 +54,10 @@ def shuffle_seed(seed: int | None, rank: int) -> int:
     return int(seed) + int(rank)
 
 
-def rank_batch_size(cfg: dict[str, Any], rank: int) -> int:
+def rank_batch_size(job: JobMessage) -> int:
     """This worker's batch: its share of the global batch of an intercepted ``fit``, else --batch-size."""
-    sizes = cfg.get("batch_sizes")
-    return int(sizes[rank]) if sizes else int(cfg["batch_size"])
+    sizes = job.train.batch_sizes
+    return int(sizes[job.rank]) if sizes else int(job.batch_size)
 
 
 def sample_count(x: Any) -> int:
@@ -145,20 +146,19 @@ def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None,
     return kwargs
 
 
-def job_inputs(job: dict[str, Any], rank: int) -> tuple[dict[str, Any], int, int]:
+def job_inputs(job: JobMessage) -> tuple[dict[str, Any], int, int]:
     """``fit_inputs`` for a worker's job, with its training and validation sample counts.
 
     The job's numpy shard is dropped once the pipeline holds its own copy: keeping both would
     double the worker's memory for the data.
     """
-    cfg = job["config"]
+    train = job.train
     validation = None
-    if job.get("xv") is not None and sample_count(job["xv"]) > 0:
-        validation = (job["xv"], job["yv"], job.get("swv"))
-    samples = sample_count(job["x"])
+    if job.x_val is not None and sample_count(job.x_val) > 0:
+        validation = (job.x_val, job.y_val, job.sample_weight_val)
+    samples = sample_count(job.x)
     val_samples = sample_count(validation[0]) if validation is not None else 0
-    inputs = fit_inputs(job["x"], job["y"], rank_batch_size(cfg, rank), bool(cfg["shuffle"]), cfg.get("seed"), rank,
-                        int(job["initial_epoch"]), validation, job.get("sw"))
-    for key in ("x", "y", "sw", "xv", "yv", "swv"):
-        job[key] = None
+    inputs = fit_inputs(job.x, job.y, rank_batch_size(job), bool(train.shuffle), train.seed, job.rank,
+                        int(train.initial_epoch), validation, job.sample_weight)
+    job.x = job.y = job.sample_weight = job.x_val = job.y_val = job.sample_weight_val = None
     return inputs, samples, val_samples

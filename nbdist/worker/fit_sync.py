@@ -20,6 +20,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from ..wire.messages import JobMessage, MessageType
+
 log = logging.getLogger("nbdist.worker")
 
 
@@ -111,7 +113,7 @@ class DecisionCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self.last_epoch = epoch
         while True:
-            body = self.link.expect("decision", timeout=self.timeout).body
+            body = self.link.expect(MessageType.DECISION, timeout=self.timeout).body
             if int(body["epoch"]) == epoch:
                 break
             log.warning("ignoring the driver's decision for epoch %s at epoch %d", body["epoch"], epoch)
@@ -133,16 +135,16 @@ def current_learning_rate(model: Any) -> float:
         return float("nan")
 
 
-def sync_callbacks(link: Any, job: dict[str, Any], model: Any, collective: Any, inputs: dict[str, Any],
+def sync_callbacks(link: Any, job: JobMessage, model: Any, collective: Any, inputs: dict[str, Any],
                    lr_factor: float) -> tuple[list[Any], DecisionCallback | None]:
     """The callbacks that go after the strategy's and the event stream's: metric sums, decisions."""
     out: list[Any] = []
     if collective.world_size > 1:  # a batch hook costs every step its async dispatch
         out.append(MetricSumCallback(MetricStateSum(collective, model), int(inputs["steps_per_epoch"]),
-                                     inputs.get("validation_steps"), bool(job.get("validation_anywhere"))))
+                                     inputs.get("validation_steps"), job.train.validation_anywhere))
     decision = None
-    if job.get("epoch_decisions"):
-        decision = DecisionCallback(link, float(job["sync_timeout"]), lr_factor)
+    if job.train.epoch_decisions:
+        decision = DecisionCallback(link, float(job.train.sync_timeout), lr_factor)
         out.append(decision)
     return out, decision
 
@@ -153,8 +155,8 @@ def closing_report(decision: DecisionCallback | None) -> dict[str, Any]:
     return {"last_epoch": decision.last_epoch, "learning_rates": decision.learning_rates}
 
 
-def set_initial_learning_rate(model: Any, job: dict[str, Any]) -> None:
+def set_initial_learning_rate(model: Any, job: JobMessage) -> None:
     """The rate the driver's callbacks chose for the first epoch (e.g. LearningRateScheduler)."""
-    lr = job.get("learning_rate")
+    lr = job.train.learning_rate
     if lr is not None and hasattr(model.optimizer.learning_rate, "assign"):
         model.optimizer.learning_rate.assign(float(lr))

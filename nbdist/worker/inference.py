@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from ..wire.messages import JobMessage, MessageType
+
 log = logging.getLogger("nbdist.worker")
 
 
@@ -47,41 +49,36 @@ def _fit_input(model: Any, x: np.ndarray) -> np.ndarray:
     return x
 
 
-def run_inference(link: Any, job: dict[str, Any]) -> None:
+def run_inference(link: Any, job: JobMessage) -> None:
     from ..model_io import ModelSpec, model_from_spec
-    from .runtime import pin_threads
+    from .runtime import custom_objects, pin_threads
 
-    cfg = job["config"]
-    link.heartbeat_timeout = float(cfg["heartbeat_timeout"])
-    pin_threads(int(job["threads"]))
-    custom = None
-    if job["custom_objects"]:
-        import cloudpickle  # only ever reached on an authenticated channel
-
-        custom = cloudpickle.loads(job["custom_objects"])
-    model = model_from_spec(ModelSpec(job["model_config"], job["weights"], None, None), custom)
-    x, y, batch_size = job["x"], job["y"], int(cfg["batch_size"])
-    link.send({"type": "progress", "state": job["kind"] + "ing", "epoch": 0, "batch": 0,
+    link.heartbeat_timeout = float(job.heartbeat_timeout)
+    pin_threads(job.threads)
+    model = model_from_spec(ModelSpec(job.model.config, job.model.weights), custom_objects(job))
+    x, y, batch_size = job.x, job.y, job.batch_size
+    link.send({"type": MessageType.PROGRESS, "state": job.kind + "ing", "epoch": 0, "batch": 0,
                "batches": -(-len(x) // batch_size)})
     started = time.perf_counter()
     x = _fit_input(model, x)
-    if job["kind"] == "evaluate" and len(x) == 0:  # an empty Spark partition: nothing to add
-        link.send({"type": "evaluation", "rows": 0, "names": [], "has_stats": False, "has_histogram": False})
-    elif job["kind"] == "predict":
+    if job.kind == "evaluate" and len(x) == 0:  # an empty Spark partition: nothing to add
+        link.send({"type": MessageType.EVALUATION, "rows": 0, "names": [], "has_stats": False,
+                   "has_histogram": False})
+    elif job.kind == "predict":
         outputs = predict_shard(model, x, batch_size)
-        link.send({"type": "predictions", "rows": len(x)}, outputs)
-    elif job["kind"] == "evaluate":
-        names, state, extra = evaluate_shard(model, x, y, batch_size, job.get("classifier"))
+        link.send({"type": MessageType.PREDICTIONS, "rows": len(x)}, outputs)
+    elif job.kind == "evaluate":
+        names, state, extra = evaluate_shard(model, x, y, batch_size, job.classifier)
         stats = extra.get("stats")
         arrays = state + [extra["y_row"], extra["y_pred_row"]]
         if stats is not None:
             arrays.append(stats["confusion"])
             if "histogram" in stats:
                 arrays.append(stats["histogram"])
-        link.send({"type": "evaluation", "rows": len(x), "names": names,
+        link.send({"type": MessageType.EVALUATION, "rows": len(x), "names": names,
                    "has_stats": stats is not None, "has_histogram": bool(stats and "histogram" in stats)},
                   arrays)
     else:
-        raise ValueError(f"unknown job kind {job['kind']!r}")
-    link.send({"type": "done", "seconds": time.perf_counter() - started})
-    log.info("worker %d %s %d rows in %.2f s", job["rank"], job["kind"], len(x), time.perf_counter() - started)
+        raise ValueError(f"unknown job kind {job.kind!r}")
+    link.send({"type": MessageType.DONE, "seconds": time.perf_counter() - started})
+    log.info("worker %d %s %d rows in %.2f s", job.rank, job.kind, len(x), time.perf_counter() - started)

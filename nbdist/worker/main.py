@@ -21,6 +21,7 @@ import traceback
 from typing import Any
 
 from ..wire import protocol
+from ..wire.messages import MessageType
 
 log = logging.getLogger("nbdist.worker")
 
@@ -61,7 +62,7 @@ class DriverLink:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"no {kind!r} message from the driver within {timeout:.0f} s")
+                raise TimeoutError(f"no '{kind}' message from the driver within {timeout:.0f} s")
             try:
                 msg = self.inbox.get(timeout=remaining)
             except queue.Empty:
@@ -75,9 +76,9 @@ class DriverLink:
             while True:
                 msg = self.channel.recv()
                 self._last_heard = time.monotonic()
-                if msg.type == "heartbeat":
+                if msg.type == MessageType.HEARTBEAT:
                     continue
-                if msg.type == "stop":
+                if msg.type == MessageType.STOP:
                     log.info("driver asked this worker to stop")
                     os._exit(0)
                 self.inbox.put(msg)
@@ -93,7 +94,7 @@ class DriverLink:
                 log.error("driver silent for %.0f s; exiting", self.heartbeat_timeout)
                 os._exit(4)
             try:
-                self.send({"type": "heartbeat"})
+                self.send({"type": MessageType.HEARTBEAT})
             except Exception:
                 return
 
@@ -270,15 +271,15 @@ def _work(address: str, rank: int, secret: bytes) -> int:
         log.error("%s %s:%s from %s: %s", UNREACHABLE, host, port, socket.gethostname(), why)
         return protocol.EXIT_UNREACHABLE
     link = DriverLink(channel)
-    link.send({"type": "hello", "rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
+    link.send({"type": MessageType.HELLO, "rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     try:
         from .runtime import unpack_job
 
-        job = unpack_job(link.expect("job", timeout=300))
-        if job.get("kind", "train") == "train":
+        job = unpack_job(link.expect(MessageType.JOB, timeout=300))
+        if job.kind == "train":
             from .training import run_training
 
-            run_training(link, rank, job)
+            run_training(link, job)
         else:  # evaluate / predict
             from .inference import run_inference
 
@@ -287,7 +288,7 @@ def _work(address: str, rank: int, secret: bytes) -> int:
         tb = traceback.format_exc()
         log.error("training failed:\n%s", tb)
         try:
-            link.send({"type": "error", "message": summarise(exc), "traceback": tb})
+            link.send({"type": MessageType.ERROR, "message": summarise(exc), "traceback": tb})
         except Exception:
             pass
         channel.closed = True

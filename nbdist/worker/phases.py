@@ -2,7 +2,7 @@
 
 Marking a phase per batch is cheap (two clock reads), but a message per batch would cost
 throughput, so the phase is *sampled*: a thread looks at it every ``tick`` seconds and sends
-``{"type": "state", ...}`` when the phase changed (at most once per tick) or, unchanged,
+``{"type": MessageType.STATE, ...}`` when the phase changed (at most once per tick) or, unchanged,
 once every ``interval`` seconds. A sync is only reported as "synchronising" once it has
 lasted ``min_sync`` seconds: a worker blocked on a slow peer shows up, the few-millisecond
 rounds of a healthy run do not make the dashboard flicker. Synchronisation time includes
@@ -17,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from ..wire.messages import MessageType
 
 log = logging.getLogger("nbdist.worker")
 
@@ -114,7 +116,7 @@ class PhaseReporter:
         state, now = self.phase(), self.clock.clock()
         if not force and state == self._last_state and now - self._last_sent < self.interval:
             return False
-        self.send({"type": "state", "state": state, **self.clock.timing()})
+        self.send({"type": MessageType.STATE, "state": state, **self.clock.timing()})
         self._last_state, self._last_sent = state, now
         self.sent += 1
         return True

@@ -4,7 +4,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .runtime import pin_threads
+from ..wire.messages import JobMessage, MessageType
+from .runtime import custom_objects, pin_threads
 
 log = logging.getLogger("nbdist.worker")
 
@@ -25,67 +26,62 @@ def scale_learning_rate(model: Any, mode: str, world_size: int) -> float:
     return factor
 
 
-def connect_collective(link: Any, job: dict[str, Any]) -> Any:
+def connect_collective(link: Any, job: JobMessage) -> Any:
     from ..strategies.collective import GlooCollective, SoloCollective, open_store_listener
 
-    rank, world = job["rank"], job["world_size"]
+    rank, world, train, place = job.rank, job.world_size, job.train, job.placement
     if world == 1:
         return SoloCollective()
-    timeout = float(job["sync_timeout"])
     listen_fd = None
     if rank == 0:
-        bind, advertise = job["bind_host"], job["advertise_host"]
-        if job.get("store_on_link"):  # on a Spark executor: this host's address toward the driver
+        bind, advertise = place.bind_host, place.advertise_host
+        if place.store_on_link:  # on a Spark executor: this host's address toward the driver
             bind = advertise = link.channel.sock.getsockname()[0]
         listen_fd, port = open_store_listener(bind)
-        link.send({"type": "store", "host": advertise, "port": port})
-    rdv = link.expect("rendezvous", timeout=float(job["startup_timeout"])).body
-    return GlooCollective(rank, world, rdv["host"], int(rdv["port"]), timeout,
-                          listen_fd=listen_fd, ifname=job.get("gloo_ifname"))
+        link.send({"type": MessageType.STORE, "host": advertise, "port": port})
+    rdv = link.expect(MessageType.RENDEZVOUS, timeout=float(train.startup_timeout)).body
+    return GlooCollective(rank, world, rdv["host"], int(rdv["port"]), float(train.sync_timeout),
+                          listen_fd=listen_fd, ifname=place.gloo_ifname)
 
 
-def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
-    cfg = job["config"]
-    link.heartbeat_timeout = float(cfg["heartbeat_timeout"])
-    pin_threads(int(job["threads"]))
+def run_training(link: Any, job: JobMessage) -> None:
+    rank, train = job.rank, job.train
+    link.heartbeat_timeout = float(job.heartbeat_timeout)
+    pin_threads(job.threads)
     import keras
 
-    from ..model_io import ModelSpec, build_optimizer, model_from_spec
+    from ..model_io import build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager, open_averaging_sum
     from .callbacks import AveragingCallback, EventCallback, weight_shipper
     from .datasets import job_inputs, rank_batch_size
 
-    if cfg.get("seed") is not None:
-        keras.utils.set_random_seed(int(cfg["seed"]) + rank)
-    custom = None
-    if job["custom_objects"]:
-        import cloudpickle  # only ever reached on an authenticated channel
-
-        custom = cloudpickle.loads(job["custom_objects"])
-    compile_config = job["model_config"].get("compile_config") or {}
+    if train.seed is not None:
+        keras.utils.set_random_seed(int(train.seed) + rank)
+    custom = custom_objects(job)
+    compile_config = job.model.config.get("compile_config") or {}
     # Averaging rounds count batches from on_train_batch_end, which fires once per execution.
     compile_config["steps_per_execution"] = 1
-    if cfg.get("strategy") == "allreduce":  # the gradient allreduce is a Python op: XLA cannot compile it
+    if train.strategy == "allreduce":  # the gradient allreduce is a Python op: XLA cannot compile it
         compile_config["jit_compile"] = False
-    # The step count comes with the state: Adam's bias correction and LR schedules continue.
-    spec = ModelSpec(job["model_config"], job["weights"], job["optimizer_weights"], None, job.get("iterations"))
-    model = model_from_spec(spec, custom)
+    # The step count comes with the state (job.model.iterations): Adam's bias correction and LR
+    # schedules continue.
+    model = model_from_spec(job.model, custom)
     build_optimizer(model)
     from .fit_sync import closing_report, set_initial_learning_rate, sync_callbacks
 
     set_initial_learning_rate(model, job)
-    lr_factor = scale_learning_rate(model, cfg.get("lr_scaling", "none"), int(job["world_size"]))
-    link.send({"type": "progress", "state": "starting", "epoch": int(job["initial_epoch"])})
+    lr_factor = scale_learning_rate(model, train.lr_scaling, job.world_size)
+    link.send({"type": MessageType.PROGRESS, "state": "starting", "epoch": train.initial_epoch})
 
     from .phases import EpochPhases, PhaseClock, PhaseCollective, phase_callbacks, phase_timer, phase_times_enabled
 
     # Watched, so the worker can report time in synchronisation vs compute (see phases.py).
     collective = PhaseCollective(connect_collective(link, job), PhaseClock())
-    if cfg.get("strategy") == "allreduce":
+    if train.strategy == "allreduce":
         from .allreduce_fit import fit_allreduce
 
         try:
-            fit_allreduce(link, rank, job, model, collective, lr_factor)
+            fit_allreduce(link, job, model, collective, lr_factor)
         finally:
             collective.close()
         return
@@ -94,15 +90,15 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
         from ..model_io import averaged_optimizer_variables
 
         variables = [w for w in model.weights if "float" in str(w.dtype)]
-        if cfg["average_optimizer"]:
+        if train.average_optimizer:
             variables += averaged_optimizer_variables(model)
         averager = WeightedAverager(collective, variables, clock=collective.clock)
         # One exchange per round: through shared memory when every worker runs on this machine.
-        averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(cfg["shared_memory"]),
-                                             int(cfg["direct_sum_bytes"]))
+        averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
+                                             int(train.direct_sum_bytes))
         # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
-        inputs, samples, val_samples = job_inputs(job, rank)
-        batch_size = rank_batch_size(cfg, rank)
+        inputs, samples, val_samples = job_inputs(job)
+        batch_size = rank_batch_size(job)
 
         phases = EpochPhases(averager) if phase_times_enabled() else None
         ship = weight_shipper(link.send, model) if rank == 0 else None
@@ -112,17 +108,17 @@ def run_training(link: Any, rank: int, job: dict[str, Any]) -> None:
         callbacks = [EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, averager),
                                    ship)] + phase_callbacks(link.send, collective)
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
-            callbacks.insert(0, AveragingCallback(averager, int(cfg["averaging_frequency"]), samples,
-                                                  batch_size, int(job["rounds_per_epoch"])))
+            callbacks.insert(0, AveragingCallback(averager, int(train.averaging_frequency), samples,
+                                                  batch_size, int(train.rounds_per_epoch)))
         if phases is not None:
             first, last = phases.callbacks()
             callbacks = [first, *callbacks, last]
         # After the averaging rounds (metric sums must pair up in the same order on every worker).
         extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
         callbacks += extra
-        model.fit(**inputs, epochs=int(cfg["epochs"]), verbose=0, callbacks=callbacks,
-                  initial_epoch=int(job["initial_epoch"]))
-        done = {"type": "done", "sync_seconds": averager.seconds, "rounds": averager.rounds,
+        model.fit(**inputs, epochs=int(train.epochs), verbose=0, callbacks=callbacks,
+                  initial_epoch=int(train.initial_epoch))
+        done = {"type": MessageType.DONE, "sync_seconds": averager.seconds, "rounds": averager.rounds,
                 "summed_by": averager.summed_by, **closing_report(decision)}
         if phases is not None:
             done["phase_times"] = phases.epochs

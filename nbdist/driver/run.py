@@ -1,0 +1,537 @@
+"""A run as the driver sees it: start workers, send each its job, follow them, finish.
+
+``Run`` owns the coordinator and the backend and does what every kind of run does: launch,
+pump events, check the workers' health, stop, shut down, notify listeners, pump on a
+background thread, hold interrupts while stopping. Its subclasses (driver/training.py
+``TrainingJob``, driver/inference.py ``EvaluationJob`` / ``PredictionJob``) say only what
+differs: the job message, the messages they expect back, and what an ending keeps.
+
+Events are consumed by whichever thread calls ``wait()`` (the notebook's main thread in
+blocking mode), so a kernel interrupt lands here and stops every worker.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Self
+
+from ..backends import Backend, WorkerHandle
+from ..config import TrainConfig
+from ..data import Dataset, batches_per_epoch, check_workers, shard_bounds
+from ..errors import NbdistError, TrainingFailed
+from ..fitdata import FitData
+from ..model_io import ModelSpec
+from ..placement import threads_per_worker
+from ..spark.data import SparkData
+from ..wire import protocol
+from ..wire.messages import JobMessage, MessageType
+from .coordinator import Coordinator, Event
+from .resolve import resolve_backend
+from .state import RunState
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("done", "failed", "stopped")
+# How long after a worker's connection drops we wait for its process to report an exit code.
+EXIT_GRACE = 2.0
+
+Listener = Callable[[str, RunState, Any], None]
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _raised(worker_traceback: str) -> str:
+    """': <the exception>' from a worker's traceback (its last line), so the message says why."""
+    if not worker_traceback.startswith("Traceback"):
+        return ""
+    lines = [line.strip() for line in worker_traceback.strip().splitlines() if line.strip()]
+    return f": {_first_line(lines[-1])}" if len(lines) > 1 else ""
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    """The head of an exception message: the whole of it is in the worker's traceback."""
+    line = text.strip().splitlines()[0] if text.strip() else "error"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def last_traceback(log_text: str, fallback_lines: int = 30) -> str:
+    """The last whole Python traceback in a worker's log, else the log's last lines.
+
+    A worker logs its traceback before it exits; TensorFlow's can run to hundreds of lines,
+    so a fixed-size tail would cut off its head ("Traceback (most recent call last)").
+    """
+    start = log_text.rfind("Traceback (most recent call last)")
+    if start >= 0:
+        return log_text[start:]
+    return "\n".join(log_text.splitlines()[-fallback_lines:])
+
+
+class Run:
+    """Workers started for one job: ``.status``, ``.wait()``, ``.stop()``, ``.state``, ``.reports``."""
+
+    # The sentence for Spark data given to another backend; subclasses say what they do with it.
+    spark_data_needs_spark = ("a Spark DataFrame or RDD runs on the Spark backend; use --backend spark "
+                              "(or auto with the SparkContext active), or convert it to numpy first.")
+
+    def __init__(self, model: Any, config: TrainConfig, data: Dataset | SparkData,
+                 namespace: dict[str, Any] | None = None, listeners: list[Listener] | None = None) -> None:
+        self.model = model
+        self.config = config
+        self.data = data
+        self.listeners = list(listeners or [])
+        self.state: RunState | None = None
+        self.world_size = 0
+        # Each worker's closing report (its "done" message): rounds, engine, how gradients were summed.
+        self.reports: dict[int, dict[str, Any]] = {}
+        self._namespace = namespace
+        self._spec: ModelSpec | None = None
+        # [start, end) of each rank's rows; None until a Spark run's tasks have counted their partitions
+        self._shards: list[tuple[int, int]] | None = None
+        self._held: set[int] = set()  # connected workers whose job waits for those counts
+        self._backend: Backend | None = None
+        self._coordinator: Coordinator | None = None
+        self._handles: list[WorkerHandle] = []
+        self._done: set[int] = set()
+        self._closing: dict[int, float] = {}  # rank -> when its connection closed
+        self._failure: TrainingFailed | None = None
+        self._warned: set[str] = set()
+        self._launched_at = 0.0
+        self._pump_thread: threading.Thread | None = None
+        self._stop_request: str | None = None
+
+    # -- what a kind of run says (subclasses) ---------------------------
+    def _make_spec(self) -> ModelSpec:
+        """The model as it travels to the workers."""
+        raise NotImplementedError
+
+    def _job_message(self, rank: int) -> JobMessage:
+        """Worker ``rank``'s job."""
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """Checks and plans once the world size is known, before the run state exists."""
+
+    def _shards_known(self, batches: list[int]) -> None:
+        """Each worker's batches per epoch, once its rows are known (at start, or counted by Spark tasks)."""
+
+    def _new_state(self, backend: Backend) -> RunState:
+        return RunState(self.world_size, self.config.epochs, backend=backend.name, strategy=self.config.strategy)
+
+    def _seed_state(self, state: RunState) -> None:
+        """Fill a new run state (e.g. a resumed run's history)."""
+
+    def _batch_sizes(self) -> list[int]:
+        """Each rank's batch size."""
+        return [self.config.batch_size] * self.world_size
+
+    def _on_message(self, rank: int, msg: protocol.Message) -> bool:
+        """Handle a message only this kind of run expects; True when handled."""
+        return False
+
+    def _holding(self) -> bool:
+        """True while the run handles no more events this pump (e.g. a restart is pending)."""
+        return False
+
+    def _after_pump(self) -> None:
+        """Work a pump leaves for after its events (e.g. a restart)."""
+
+    def _intercept_failure(self, rank: int | None, message: str, worker_traceback: str) -> bool:
+        """True when the run deals with a failure itself (e.g. restarts from a checkpoint)."""
+        return False
+
+    def _keep_results(self) -> None:
+        """On done or stop: what the workers produced goes back to the notebook (e.g. weights)."""
+
+    def _on_done(self) -> None:
+        """After ``_keep_results`` when every worker finished (e.g. the notebook's callbacks' end)."""
+
+    def _release(self) -> None:
+        """On every ending, and when a launch fails: remove what the run made (e.g. temp checkpoints)."""
+
+    # -- public ---------------------------------------------------------
+    @property
+    def status(self) -> str:
+        return self.state.status if self.state else "created"
+
+    @property
+    def history(self) -> dict[str, list[float]]:
+        return self.state.history if self.state else {}
+
+    @property
+    def error(self) -> TrainingFailed | None:
+        return self._failure
+
+    def start(self) -> Self:
+        """Validate, serialise the model and launch the workers (from the main thread)."""
+        cfg = self.config
+        self._spec = self._make_spec()
+        backend = resolve_backend(cfg)
+        world = cfg.workers or backend.default_workers()
+        shards = self._plan_shards(backend, world)
+        self.world_size = world
+        self._prepare()
+        self.state = self._new_state(backend)
+        self._seed_state(self.state)
+        self._shards = None
+        if shards is not None:
+            self._apply_shards(shards)
+        try:
+            self._launch(backend)
+        except Exception:
+            self._release()
+            raise
+        self._notify("start")
+        return self
+
+    def _plan_shards(self, backend: Backend, world: int) -> list[tuple[int, int]] | None:
+        """Each rank's rows; None for Spark data, whose tasks count their partitions (``_take_counts``)."""
+        if isinstance(self.data, SparkData):  # stays on the executors; its tasks count the rows
+            if backend.name != "spark":
+                raise NbdistError(self.spark_data_needs_spark)
+            return None
+        check_workers(len(self.data), world)
+        return shard_bounds(len(self.data), world)
+
+    def _apply_shards(self, shards: list[tuple[int, int]]) -> None:
+        """Each worker's rows (start, end): its epoch's batches, in the run state and for the subclass."""
+        self._shards = shards
+        batches = [batches_per_epoch(b - a, size) for (a, b), size in zip(shards, self._batch_sizes())]
+        for w, (a, b), n in zip(self.state.workers, shards, batches):
+            w.samples, w.batches = b - a, n
+        self._shards_known(batches)
+
+    def _take_counts(self) -> None:
+        """Spark data: once every task has counted the partition it read, size the shards and send
+        the jobs held back meanwhile (counted by the tasks, so they match what the workers load)."""
+        if self._shards is not None or self.status in TERMINAL:
+            return
+        rows = self._backend.partition_rows()
+        if rows is None:
+            return
+        try:
+            check_workers(sum(rows), self.world_size)
+        except NbdistError as exc:
+            self._fail(None, str(exc), "")
+            return
+        self._apply_shards([(sum(rows[:r]), sum(rows[:r + 1])) for r in range(len(rows))])
+        for rank in sorted(self._held):
+            self._send_job(rank)
+        self._held.clear()
+        self._notify("worker")
+
+    def _launch(self, backend: Backend) -> None:
+        """A fresh coordinator (new secret) and ``world_size`` workers from ``backend``."""
+        world = self.world_size
+        secret = protocol.new_secret()
+        self._coordinator = Coordinator(secret, world, backend.bind_host, backend.advertise_host,
+                                        self.config.heartbeat_interval)
+        self._backend = backend
+        self._held = set()
+        if self.data_on_tasks:
+            self._shards = None  # a relaunch reads the partitions afresh
+        self._launched_at = time.monotonic()
+        data = self.data if self.data_on_tasks else None
+        try:
+            self._handles = backend.launch(world, self._coordinator.address, secret, threads_per_worker(world),
+                                           data=data)
+        except Exception:
+            self._shutdown()
+            raise
+
+    @property
+    def data_on_tasks(self) -> bool:
+        """The data lives on Spark executors: each worker's task writes its shard, none travels."""
+        return isinstance(self.data, SparkData)
+
+    def _shard(self, rank: int) -> Dataset | FitData | None:
+        """Rank ``rank``'s rows from the driver's data; None when its Spark task reads them."""
+        if self.data_on_tasks:
+            return None
+        a, b = self._shards[rank]
+        return self.data.slice(a, b)
+
+    def _common_job(self, rank: int, kind: str, **fields: Any) -> JobMessage:
+        """The job fields every kind of run fills the same way, plus ``fields``."""
+        shard = self._shard(rank)
+        x, y, weights = data_parts(shard)
+        return JobMessage(
+            kind=kind, rank=rank, world_size=self.world_size, batch_size=self.config.batch_size,
+            heartbeat_timeout=self.config.heartbeat_timeout, threads=threads_per_worker(self.world_size),
+            model=self._spec, x=x, y=y, sample_weight=weights,
+            data_source="task" if shard is None else "wire", has_y=shard is None or y is not None, **fields)
+
+    def wait(self, timeout: float | None = None) -> dict[str, list[float]]:
+        """Follow the run until it ends. Raises TrainingFailed; on interrupt stops every worker."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while self.status not in TERMINAL:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"training still running after {timeout} s")
+                if self._in_background():
+                    self._pump_thread.join(0.2)  # the pump thread handles the events
+                else:
+                    self.pump(0.2)
+        except KeyboardInterrupt:
+            self.stop("interrupted")
+            raise
+        if self._failure is not None:
+            raise self._failure
+        return self.history
+
+    def stop(self, reason: str = "stopped") -> None:
+        """End every worker now; the model keeps the last synchronised weights.
+
+        An interrupt pressed again meanwhile is held back until the stop is complete: a stop
+        cut short would leave workers running and the model half-written."""
+        with _interrupts_held():
+            self._stop_once(reason)
+
+    def _stop_once(self, reason: str) -> None:
+        if self.status in TERMINAL:
+            return
+        if self._in_background():
+            # Only the pump thread touches the coordinator: ask it, then wait for it to finish.
+            self._stop_request = reason
+            self._pump_thread.join(self.config.startup_timeout)
+            return
+        self._shutdown()
+        self._keep_results()
+        self._release()
+        self.state.finish("stopped", reason)
+        self._notify("end")
+
+    def run_in_background(self) -> Self:
+        """Pump events on a daemon thread; ``start()`` must have run on the calling thread, because
+        workers die with the thread that spawned them (PR_SET_PDEATHSIG)."""
+        if self.state is None:
+            raise NbdistError("start() the job before run_in_background().")
+        self._pump_thread = threading.Thread(target=self._pump_until_end, name="nbdist-pump", daemon=True)
+        self._pump_thread.start()
+        return self
+
+    def _in_background(self) -> bool:
+        t = self._pump_thread
+        return t is not None and t.is_alive() and threading.current_thread() is not t
+
+    def _pump_until_end(self) -> None:
+        try:
+            while self.status not in TERMINAL:
+                if self._stop_request is not None:
+                    self.stop(self._stop_request)
+                    break
+                self.pump(0.2)
+        except Exception as exc:  # never leave workers running behind a dead thread
+            log.exception("the background event loop failed")
+            if self.status not in TERMINAL:
+                self.stop(f"internal error: {exc}")
+
+    def worker_log(self, rank: int, lines: int = 20) -> str:
+        """The last lines worker ``rank`` wrote to stdout/stderr."""
+        return self._handles[rank].log_tail(lines) if rank < len(self._handles) else ""
+
+    # -- event loop -----------------------------------------------------
+    def pump(self, timeout: float) -> None:
+        """Handle the events that arrive within ``timeout`` seconds, then check worker health."""
+        assert self._coordinator is not None
+        end = time.monotonic() + timeout
+        while self.status not in TERMINAL and not self._holding():
+            try:
+                event = self._coordinator.events.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                break
+            self._handle(event)
+        if self.status not in TERMINAL and not self._holding():
+            self._take_counts()
+        if self.status not in TERMINAL and not self._holding():
+            self._check_health()
+        self._after_pump()
+
+    def _handle(self, event: Event) -> None:
+        if event.kind == "connected":
+            body = event.message.body
+            self.state.worker_connected(event.rank, str(body.get("host", "")), body.get("pid"))
+            if self._shards is None:
+                self._held.add(event.rank)
+                self._take_counts()
+            else:
+                self._send_job(event.rank)
+            self._notify("worker")
+        elif event.kind == "closed":
+            if event.rank not in self._done:
+                self._closing[event.rank] = time.monotonic()
+        else:
+            self._handle_message(event.rank, event.message)
+
+    def _send_job(self, rank: int) -> None:
+        body, arrays = self._job_message(rank).encode()
+        self._coordinator.send(rank, body, arrays)
+
+    def _handle_message(self, rank: int, msg: protocol.Message) -> None:
+        if self._on_message(rank, msg):
+            return
+        kind = msg.type
+        if kind in (MessageType.PROGRESS, MessageType.STATE):  # STATE: a sampled phase (training / synchronising)
+            self.state.worker_progress(rank, msg.body)
+            self._notify("progress", rank)
+        elif kind == MessageType.DONE:
+            self._done.add(rank)
+            self.reports[rank] = {k: v for k, v in msg.body.items() if k != "type"}
+            self.state.worker_finished(rank, "done")
+            self._notify("worker", rank)
+            if len(self._done) == self.world_size:
+                self._complete()
+        elif kind == MessageType.WARNING:  # e.g. --engine horovod unavailable on a worker: said once, not fatal
+            text = str(msg.body.get("message", ""))
+            if text not in self._warned:
+                self._warned.add(text)
+                log.warning("%s: %s", self._name(rank), text)
+        elif kind == MessageType.ERROR:
+            text = _first_line(str(msg.body.get("message", "error")))
+            dead = self._dead_peer(rank)
+            if dead is not None:  # a peer's death broke the collective: name the cause, not the symptom
+                self._fail(dead.rank, f"{dead.describe()} {_describe_exit(dead.exit_status())} during training "
+                                      f"(then {self._name(rank)} failed: {text})",
+                           last_traceback(dead.log_tail(400)))
+                return
+            self._fail(rank, f"{self._name(rank)} failed: {text}", str(msg.body.get("traceback", "")))
+
+    def _dead_peer(self, rank: int, wait: float = 1.0) -> WorkerHandle | None:
+        """Another worker that died (its exit may be reported a moment after the error it caused)."""
+        deadline = time.monotonic() + wait
+        while True:
+            for h in self._handles:
+                code = h.exit_status()
+                # Exit code 1: that worker raised and reported its own error; it is not the cause.
+                if h.rank != rank and h.rank not in self._done and code is not None and code not in (0, 1):
+                    return h
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _check_health(self) -> None:
+        now = time.monotonic()
+        for h in self._handles:
+            if h.rank in self._done:
+                continue
+            code = h.exit_status()
+            closing = self._closing.get(h.rank)
+            if code is not None and code != 0 or (code is None and closing and now - closing > EXIT_GRACE):
+                self._drain_errors()
+                if self.status in TERMINAL:
+                    return
+                how = _describe_exit(code) if code is not None else "closed its connection"
+                if code == protocol.EXIT_UNREACHABLE:  # it never connected: where it tried, and what to change
+                    host, port = self._coordinator.address
+                    hint = self._backend.unreachable_hint
+                    self._fail(h.rank, f"{h.describe()} cannot reach the notebook's coordinator at {host}:{port}"
+                                       + (f"; {hint}." if hint else "."), h.log_tail(30))
+                    return
+                tb = last_traceback(h.log_tail(400))
+                self._fail(h.rank, f"{h.describe()} {how} during training{_raised(tb)}", tb)
+                return
+            if code == 0 and h.rank not in self._done:
+                self._drain_errors()
+                if self.status in TERMINAL:
+                    return
+                self._fail(h.rank, f"{h.describe()} exited before finishing", last_traceback(h.log_tail(400)))
+                return
+        connected = self._coordinator.connected() | self._done | set(self._closing)
+        if len(connected) < self.world_size and now - self._launched_at > self.config.startup_timeout:
+            missing = sorted(set(range(self.world_size)) - connected)
+            h = self._handles[missing[0]]
+            self._fail(missing[0], f"{h.describe()} did not connect within {self.config.startup_timeout:.0f} s",
+                       h.log_tail(30))
+            return
+        for rank in self._coordinator.connected():
+            if self._coordinator.silent_for(rank) > self.config.heartbeat_timeout:
+                self._fail(rank, f"{self._name(rank)} sent nothing for {self.config.heartbeat_timeout:.0f} s "
+                                 "and is presumed hung", self._handles[rank].log_tail(30))
+                return
+
+    def _drain_errors(self) -> None:
+        """A worker that raised sends its traceback before exiting: prefer that to the exit code."""
+        while True:
+            try:
+                event = self._coordinator.events.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(event)
+            if self.status in TERMINAL or self._holding():
+                return
+
+    # -- endings --------------------------------------------------------
+    def _fail(self, rank: int | None, message: str, worker_traceback: str) -> None:
+        if self._intercept_failure(rank, message, worker_traceback):
+            return
+        self._failure = TrainingFailed(message, worker_traceback, rank)
+        if rank is not None:
+            self.state.worker_finished(rank, "failed", worker_traceback)
+        self._shutdown()
+        self._release()
+        self.state.finish("failed", message)
+        self._notify("end")
+
+    def _complete(self) -> None:
+        self._shutdown()
+        self._keep_results()
+        self._on_done()
+        self._release()
+        self.state.finish("done")
+        self._notify("end")
+
+    def _shutdown(self) -> None:
+        if self._coordinator is not None:
+            self._coordinator.close()
+        if self._backend is not None:
+            self._backend.stop()
+            self._backend.cleanup()
+
+    def _name(self, rank: int) -> str:
+        return self._handles[rank].describe() if rank < len(self._handles) else f"worker {rank}"
+
+    def _notify(self, kind: str, payload: Any = None) -> None:
+        for listener in self.listeners:
+            try:
+                listener(kind, self.state, payload)
+            except Exception:  # a broken renderer must not break training
+                log.exception("progress listener failed")
+
+
+def data_parts(data: Dataset | FitData | None) -> tuple[Any, Any, Any]:
+    """(x, y, sample weights) of a shard: a Dataset has no sample weights, a FitData may."""
+    if data is None:
+        return None, None, None
+    return data.x, data.y, data.sample_weight if isinstance(data, FitData) else None
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """On the main thread, turn SIGINT into a log line for the duration (Python raises
+    KeyboardInterrupt only there, and only its handler can be swapped)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    pressed: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if not pressed:
+            log.warning("still stopping the workers; they will be gone in a few seconds")
+        pressed.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

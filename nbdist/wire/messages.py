@@ -1,0 +1,263 @@
+"""The contract between the driver and its workers: every message type, and the job message.
+
+protocol.py moves authenticated JSON bodies and arrays; this module says what they mean.
+``MessageType`` names every message either side sends (``body["type"]``). The job message, the
+one big message (driver -> worker, once per worker and run), is a typed, versioned structure:
+``JobMessage.encode()`` gives the JSON body and the arrays in the order ``decode`` reads them
+back, so the driver and the worker cannot disagree about an array's place.
+
+``JOB_VERSION`` changes whenever a field is added, removed or changes meaning; a worker refuses
+a job of another version in one sentence rather than misreading it. The model travels as every
+field of ``ModelSpec``, each encoded by its value (JSON, an array, a list of arrays, bytes), so a
+field added to ModelSpec crosses the wire with no change here. The cloudpickled custom objects
+stay opaque bytes (a uint8 array); only the worker opens them, after authentication.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..fitdata import Struct, flatten, unflatten
+from ..model_io import ModelSpec
+
+# Bump on any change to the job message's fields or their meaning.
+JOB_VERSION = 1
+
+JOB_KINDS = ("train", "evaluate", "predict")
+DATA_SOURCES = ("wire", "task")  # the shard came in the job's arrays / the Spark task wrote it to a file
+# A job's data fields, in the order their arrays follow the model's. Each is an array, a nested
+# dict/list of arrays (a multi-input or multi-output model's), or None.
+DATA_FIELDS = ("x", "y", "sample_weight", "x_val", "y_val", "sample_weight_val")
+
+
+class MessageType(enum.StrEnum):
+    """Every ``body["type"]`` on the wire. A StrEnum: it is the string in JSON and compares equal to it."""
+
+    # worker -> driver
+    HELLO = "hello"  # first message: rank, pid, host
+    STORE = "store"  # rank 0's Gloo store listens here (host, port)
+    PROGRESS = "progress"  # batch / epoch position and timing
+    STATE = "state"  # a sampled phase: training or synchronising (worker/phases.py)
+    EPOCH = "epoch"  # an epoch's metrics on this worker's shard
+    WEIGHTS = "weights"  # rank 0's synchronised weights and optimizer state after an epoch
+    DONE = "done"  # finished; the body is the worker's closing report
+    ERROR = "error"  # failed: one line and the traceback
+    WARNING = "warning"  # something worth saying once, not fatal
+    EVALUATION = "evaluation"  # a shard's additive metric state
+    PREDICTIONS = "predictions"  # a shard's predictions, rows in order
+    # driver -> worker
+    JOB = "job"  # the JobMessage
+    DECISION = "decision"  # the notebook's callbacks at an epoch's end: stop? the next learning rate
+    RENDEZVOUS = "rendezvous"  # where rank 0's store listens, relayed to every worker
+    STOP = "stop"  # end now
+    # both ways
+    HEARTBEAT = "heartbeat"
+    # a Spark barrier task -> the Spark backend's status server (spark/task.py, spark/backend.py)
+    TASK_STARTED = "started"
+    TASK_ROWS = "rows"  # the rows of the partition the task wrote for its worker
+    TASK_EXIT = "exit"
+
+
+class MessageError(ValueError):
+    """A job message this side cannot read: another version, or malformed."""
+
+
+@dataclass
+class TrainSettings:
+    """What only a training job needs, besides the model and the data."""
+
+    epochs: int
+    averaging_frequency: int
+    average_optimizer: bool
+    seed: int | None
+    shuffle: bool
+    lr_scaling: str
+    strategy: str
+    engine: str | None
+    direct_sum_bytes: int
+    shared_memory: bool
+    sync_timeout: float
+    startup_timeout: float
+    rounds_per_epoch: int  # averaging rounds every worker runs per epoch (uneven shards pad to the longest)
+    initial_epoch: int = 0  # > 0 when resumed or restarted from a checkpoint
+    # Workers without validation rows still join each epoch's sum of validation metric state.
+    validation_anywhere: bool = False
+    # An intercepted model.fit (driver/fit_call.py): each rank's share of the global batch (None:
+    # batch_size on every rank), the first epoch's learning rate chosen by the notebook's
+    # callbacks, and whether every epoch ends waiting for their DECISION.
+    batch_sizes: list[int] | None = None
+    learning_rate: float | None = None
+    epoch_decisions: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any, **run: Any) -> TrainSettings:
+        """The settings TrainConfig holds, by name, plus the run's own (``run``)."""
+        held = {f.name for f in dataclasses.fields(config)}
+        names = {f.name for f in dataclasses.fields(cls) if f.name in held} - set(run)
+        return cls(**{name: getattr(config, name) for name in names}, **run)
+
+
+@dataclass
+class Placement:
+    """Where a training job's collective listens and how peers reach it."""
+
+    bind_host: str
+    advertise_host: str
+    gloo_ifname: str | None = None
+    # Rank 0 binds the store on its own connection's address (a Spark executor), not advertise_host.
+    store_on_link: bool = False
+
+
+@dataclass
+class JobMessage:
+    """One worker's job: what to run (``kind``), on which model and data, with which settings."""
+
+    kind: str  # "train" | "evaluate" | "predict"
+    rank: int
+    world_size: int
+    batch_size: int
+    heartbeat_timeout: float
+    threads: int  # TensorFlow's intra-op threads on this worker
+    model: ModelSpec
+    x: Struct = None  # None when data_source is "task" (until the worker loads its file)
+    y: Struct = None
+    sample_weight: Struct = None
+    x_val: Struct = None
+    y_val: Struct = None
+    sample_weight_val: Struct = None
+    data_source: str = "wire"
+    train: TrainSettings | None = None  # kind "train" only
+    placement: Placement | None = None  # kind "train" only
+    classifier: dict[str, Any] | None = None  # kind "evaluate": ClassifierSpec.to_json()
+    version: int = JOB_VERSION
+    # True when the data carries labels; for data_source "task" the body says so, as no arrays come.
+    has_y: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in JOB_KINDS:
+            raise MessageError(f"unknown job kind {self.kind!r}; expected one of {', '.join(JOB_KINDS)}")
+        if self.data_source not in DATA_SOURCES:
+            raise MessageError(f"unknown data source {self.data_source!r}; expected one of {', '.join(DATA_SOURCES)}")
+        if self.kind == "train" and (self.train is None or self.placement is None):
+            raise MessageError("a training job needs its train settings and placement")
+        self.has_y = self.has_y or self.y is not None
+
+    # -- driver side ----------------------------------------------------
+    def encode(self) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """The JSON body and the arrays: the model's arrays in field order, then the data's (DATA_FIELDS)."""
+        arrays: list[np.ndarray] = []
+        model = {f.name: _encode_value(getattr(self.model, f.name), arrays) for f in dataclasses.fields(ModelSpec)}
+        layout = {}
+        for name in DATA_FIELDS:
+            layout[name], leaves = flatten(getattr(self, name))
+            arrays += leaves
+        body = {
+            "type": MessageType.JOB.value, "version": self.version, "kind": self.kind, "rank": self.rank,
+            "world_size": self.world_size, "batch_size": self.batch_size,
+            "heartbeat_timeout": self.heartbeat_timeout, "threads": self.threads, "model": model,
+            "data": {"source": self.data_source, "layout": layout, "has_y": self.has_y},
+            "train": None if self.train is None else dataclasses.asdict(self.train),
+            "placement": None if self.placement is None else dataclasses.asdict(self.placement),
+            "classifier": self.classifier,
+        }
+        return body, arrays
+
+    # -- worker side ----------------------------------------------------
+    @classmethod
+    def decode(cls, body: dict[str, Any], arrays: list[np.ndarray]) -> JobMessage:
+        """The job from an authenticated message; MessageError in one sentence if it cannot be read."""
+        if not isinstance(body, dict) or body.get("type") != MessageType.JOB:
+            raise MessageError("expected a job message from the driver")
+        version = body.get("version")
+        if version != JOB_VERSION:
+            raise MessageError(f"this worker speaks job message version {JOB_VERSION} but the driver sent "
+                               f"{version}; run the same nbdist version on the notebook and the workers.")
+        try:
+            return cls._decode(body, list(arrays))
+        except MessageError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise MessageError(f"malformed job message ({type(exc).__name__}: {exc}); run the same nbdist "
+                               "version on the notebook and the workers.") from None
+
+    @classmethod
+    def _decode(cls, body: dict[str, Any], arrays: list[np.ndarray]) -> JobMessage:
+        pending = list(arrays)
+        model_body = body["model"]
+        known = {f.name for f in dataclasses.fields(ModelSpec)}
+        unknown = set(model_body) - known
+        if unknown:
+            raise MessageError(f"the job's model has field(s) {', '.join(sorted(unknown))} this worker does not "
+                               "know; run the same nbdist version on the notebook and the workers.")
+        model = ModelSpec(**{name: _decode_value(value, pending) for name, value in model_body.items()})
+        data = body["data"]
+        layout = data["layout"]
+        if set(layout) != set(DATA_FIELDS):
+            raise MessageError(f"the job's data has fields {sorted(layout)}, not {', '.join(DATA_FIELDS)}")
+        rest = iter(pending)
+        try:
+            values = {name: unflatten(layout[name], rest) for name in DATA_FIELDS}
+        except StopIteration:
+            raise MessageError(f"the job message has {len(arrays)} arrays, fewer than its body describes") from None
+        left = sum(1 for _ in rest)
+        if left:
+            raise MessageError(f"the job message has {left} more arrays than its body describes")
+        train = body.get("train")
+        placement = body.get("placement")
+        return cls(
+            kind=str(body["kind"]), rank=int(body["rank"]), world_size=int(body["world_size"]),
+            batch_size=int(body["batch_size"]), heartbeat_timeout=float(body["heartbeat_timeout"]),
+            threads=int(body["threads"]), model=model, **values,
+            data_source=str(data["source"]), has_y=bool(data["has_y"]),
+            train=None if train is None else TrainSettings(**train),
+            placement=None if placement is None else Placement(**placement),
+            classifier=body.get("classifier"), version=int(body["version"]),
+        )
+
+
+def _encode_value(value: Any, arrays: list[np.ndarray]) -> dict[str, Any] | None:
+    """A ModelSpec field as a small JSON tag; its arrays (if any) appended to ``arrays``."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        arrays.append(np.frombuffer(bytes(value), dtype=np.uint8))
+        return {"bytes": True}
+    if isinstance(value, np.ndarray):
+        arrays.append(value)
+        return {"array": True}
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, np.ndarray) for v in value):
+        arrays.extend(value)
+        return {"arrays": len(value)}
+    if isinstance(value, (list, tuple)) and not value:
+        return {"arrays": 0}
+    return {"json": value}
+
+
+def _decode_value(tag: Any, pending: list[np.ndarray]) -> Any:
+    if tag is None:
+        return None
+    if not isinstance(tag, dict) or len(tag) != 1:
+        raise MessageError(f"the job's model has a malformed field {tag!r}")
+    (how, value), = tag.items()
+    if how == "json":
+        return value
+    if how == "bytes":
+        return _take(pending, 1)[0].tobytes()
+    if how == "array":
+        return _take(pending, 1)[0]
+    if how == "arrays":
+        return _take(pending, int(value))
+    raise MessageError(f"the job's model has a field of unknown encoding {how!r}")
+
+
+def _take(pending: list[np.ndarray], n: int) -> list[np.ndarray]:
+    if n < 0 or n > len(pending):
+        raise MessageError(f"the job message has fewer arrays than its body describes ({n} more wanted, "
+                           f"{len(pending)} left)")
+    taken = pending[:n]
+    del pending[:n]
+    return taken
