@@ -23,14 +23,19 @@ class Dataset:
         return Dataset(self.x[start:stop], None if self.y is None else self.y[start:stop])
 
 
-def to_array(value: Any, what: str) -> np.ndarray:
-    """Accept numpy arrays, pandas objects and nested lists; reject what cannot train."""
+def as_array(value: Any, what: str) -> np.ndarray:
+    """numpy arrays, pandas objects and nested lists as one array, or one sentence."""
     if hasattr(value, "to_numpy") and callable(value.to_numpy):  # pandas DataFrame / Series
         value = value.to_numpy()
     try:
-        arr = np.asarray(value)
+        return np.asarray(value)
     except Exception as exc:  # ragged lists and the like
         raise NbdistError(f"{what} cannot be turned into an array ({exc}); pass a numpy array.") from None
+
+
+def to_array(value: Any, what: str) -> np.ndarray:
+    """Accept numpy arrays, pandas objects and nested lists; reject what cannot train."""
+    arr = as_array(value, what)
     if arr.dtype.kind not in "biuf":
         if arr.dtype.kind == "b":
             arr = arr.astype("float32")

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .data import as_array
 from .errors import NbdistError
 
 # An array, a list of Structs or a dict of Structs (or None: not given).
@@ -67,12 +68,7 @@ def to_struct(value: Any, what: str) -> Struct:
 
 
 def _leaf(value: Any, what: str) -> np.ndarray:
-    if hasattr(value, "to_numpy") and callable(value.to_numpy):  # pandas DataFrame / Series
-        value = value.to_numpy()
-    try:
-        arr = np.asarray(value)
-    except Exception as exc:  # ragged lists and the like
-        raise NbdistError(f"{what} cannot be turned into an array ({exc}); pass a numpy array.") from None
+    arr = as_array(value, what)
     if arr.dtype == object:
         raise NbdistError(f"{what} holds Python objects of different shapes, not one array; pass a numpy "
                           "array per input (several inputs as a dict or list of arrays).")

@@ -33,7 +33,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     from ..strategies.averaging import WeightedAverager
     from .callbacks import EventCallback, weight_shipper
     from .datasets import job_inputs, rank_batch_size
-    from .fit_sync import closing_report, sync_callbacks
+    from .fit_sync import fit_and_report
     from .phases import EpochPhases, phase_callbacks, phase_timer, phase_times_enabled
 
     rank, train = job.rank, job.train
@@ -70,19 +70,9 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
                              steps, stats, totals)
     callbacks = [sync, EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer),
                                      ship)] + phase_callbacks(link.send, collective)
-    if phases is not None:
-        first, last = phases.callbacks()
-        callbacks = [first, *callbacks, last]
-    # After the padding steps and the statistics round: metric sums pair up in the same order everywhere.
-    extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
-    callbacks += extra
-    model.fit(**inputs, epochs=int(train.epochs), verbose=0, callbacks=callbacks,
-              initial_epoch=int(train.initial_epoch))
+    report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases)
     done = {"type": MessageType.DONE, "sync_seconds": reducer.seconds, "rounds": reducer.steps,
-            "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by,
-            **closing_report(decision)}
-    if phases is not None:
-        done["phase_times"] = phases.epochs
+            "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by, **report}
     link.send(done)
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",
              rank, reducer.steps, sync.padded_steps, reducer.seconds)

@@ -155,6 +155,23 @@ def closing_report(decision: DecisionCallback | None) -> dict[str, Any]:
     return {"last_epoch": decision.last_epoch, "learning_rates": decision.learning_rates}
 
 
+def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inputs: dict[str, Any],
+                   lr_factor: float, callbacks: list[Any], phases: Any) -> dict[str, Any]:
+    """Keras' fit with the strategy's ``callbacks``, the phase timers around them and the metric sums and
+    decisions after them; returns what both strategies add to their closing report."""
+    if phases is not None:
+        first, last = phases.callbacks()
+        callbacks = [first, *callbacks, last]
+    # After the strategy's rounds or padding steps: metric sums pair up in the same order on every worker.
+    extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
+    model.fit(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=callbacks + extra,
+              initial_epoch=int(job.train.initial_epoch))
+    report = closing_report(decision)
+    if phases is not None:
+        report["phase_times"] = phases.epochs
+    return report
+
+
 def set_initial_learning_rate(model: Any, job: JobMessage) -> None:
     """The rate the driver's callbacks chose for the first epoch (e.g. LearningRateScheduler)."""
     lr = job.train.learning_rate

@@ -67,7 +67,7 @@ def run_training(link: Any, job: JobMessage) -> None:
     # schedules continue.
     model = model_from_spec(job.model, custom)
     build_optimizer(model)
-    from .fit_sync import closing_report, set_initial_learning_rate, sync_callbacks
+    from .fit_sync import fit_and_report, set_initial_learning_rate
 
     set_initial_learning_rate(model, job)
     lr_factor = scale_learning_rate(model, train.lr_scaling, job.world_size)
@@ -110,18 +110,9 @@ def run_training(link: Any, job: JobMessage) -> None:
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
             callbacks.insert(0, AveragingCallback(averager, int(train.averaging_frequency), samples,
                                                   batch_size, int(train.rounds_per_epoch)))
-        if phases is not None:
-            first, last = phases.callbacks()
-            callbacks = [first, *callbacks, last]
-        # After the averaging rounds (metric sums must pair up in the same order on every worker).
-        extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
-        callbacks += extra
-        model.fit(**inputs, epochs=int(train.epochs), verbose=0, callbacks=callbacks,
-                  initial_epoch=int(train.initial_epoch))
+        report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases)
         done = {"type": MessageType.DONE, "sync_seconds": averager.seconds, "rounds": averager.rounds,
-                "summed_by": averager.summed_by, **closing_report(decision)}
-        if phases is not None:
-            done["phase_times"] = phases.epochs
+                "summed_by": averager.summed_by, **report}
         link.send(done)
     finally:
         if averager is not None:
