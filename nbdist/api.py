@@ -86,6 +86,10 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
         check_model_fits_data(model, train_set.x, train_set.y)
         if val_set is not None:
             check_model_fits_data(model, val_set.x, val_set.y, "validation data")
+    elif getattr(model, "compiled", False):
+        # The rows are on the executors, but a model built with build(shape) must have every weight
+        # here too: the workers' weights come back into it.
+        ensure_built(model, None, None)
     renderer = make_renderer(config.ui)
     all_listeners = list(listeners or []) + ([renderer] if renderer else [])
     job = TrainingJob(model, config, train_set, val_set, namespace, all_listeners)

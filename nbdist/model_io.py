@@ -73,11 +73,33 @@ def ensure_built(model: Any, x: Any, y: Any) -> None:
     ``model.build(shape)`` has no weights in its inner layers until it is called."""
     if all(layer.built for layer in model._flatten_layers()):
         return
+    if x is None:  # the rows are elsewhere (a Spark DataFrame): build from the shape given to build()
+        row = _row_from_build_shape(model)
+        if row is None:
+            return  # no complete shape recorded: each worker builds the model on its own rows
+        try:
+            model(row)  # no label here: the layers' weights are what must exist before launch
+        except Exception as exc:
+            raise NbdistError(f"the model could not be built on a zero row of the shape given to build() "
+                              f"({_one_line(exc)}); call it once on real rows before training.") from None
+        return
     try:
         model._symbolic_build(data_batch=(x[:1], None if y is None else y[:1]))
     except Exception as exc:
         raise NbdistError(f"the model could not be built on one row of the training data ({_one_line(exc)}); "
                           "check that the data fits the model's call().") from None
+
+
+def _row_from_build_shape(model: Any) -> np.ndarray | None:
+    """One zero row of the input shape passed to ``model.build(shape)``, if it was one complete shape."""
+    shapes = getattr(model, "_build_shapes_dict", None) or {}
+    if len(shapes) != 1:
+        return None
+    shape = next(iter(shapes.values()))
+    if not isinstance(shape, (tuple, list)) or len(shape) < 2 or any(
+            not isinstance(d, int) for d in shape[1:]):
+        return None
+    return np.zeros((1, *shape[1:]), dtype="float32")
 
 
 def averaged_optimizer_variables(model: Any) -> list[Any]:
