@@ -13,6 +13,8 @@ import numpy as np
 
 from .conftest import relative_error
 
+LOSS_OFFSET = 10.0
+
 
 def notebook_subclassed_model(seed: int) -> Any:
     """A subclassed model with its own train_step, built with ``build()`` (its layers have no weights
@@ -21,9 +23,9 @@ def notebook_subclassed_model(seed: int) -> Any:
     import keras
     import tensorflow as tf
 
-    def doubled_loss(y_true, y_pred):
-        # Twice the usual loss: the history shows whether this function, not a stand-in, was used.
-        return 2.0 * keras.losses.sparse_categorical_crossentropy(y_true, y_pred)
+    def offset_loss(y_true, y_pred):
+        # The usual loss plus a constant (same gradients): the history shows this function was used.
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred) + LOSS_OFFSET
 
     class PenaltyModel(keras.Model):
         def __init__(self, **kwargs):
@@ -53,7 +55,7 @@ def notebook_subclassed_model(seed: int) -> Any:
     keras.utils.set_random_seed(seed)
     model = PenaltyModel()
     model.build((None, 64))
-    model.compile(keras.optimizers.Adam(0.01), doubled_loss)
+    model.compile(keras.optimizers.Adam(0.01), offset_loss)
     return model
 
 
@@ -61,11 +63,14 @@ def accuracy(model: Any, x: np.ndarray, y: np.ndarray) -> float:
     return float((model.predict(x, verbose=0).argmax(1) == y).mean())
 
 
-def check_subclassed_run(job: Any, model: Any, local_acc: float, x_test: np.ndarray, y_test: np.ndarray,
+def check_subclassed_run(job: Any, model: Any, local: Any, x_test: np.ndarray, y_test: np.ndarray,
                          epochs: int) -> None:
-    """The remote run used the notebook's train_step and loss and left the workers' weights in the model."""
-    got = accuracy(model, x_test, y_test)
+    """The remote run used the notebook's train_step and loss and left the workers' weights in the model:
+    test accuracy within 1 point of the same model trained locally with the same global batch."""
+    got, local_acc = accuracy(model, x_test, y_test), accuracy(local, x_test, y_test)
     assert got >= local_acc - 0.01, (got, local_acc)
+    # The notebook's loss, not a stand-in: every epoch's loss carries its offset.
+    assert all(LOSS_OFFSET < loss < LOSS_OFFSET + 2.5 for loss in job.history["loss"]), job.history["loss"]
     assert set(job.history) == {"loss", "penalty"}  # the model's own train_step ran remotely
     assert len(job.history["loss"]) == epochs
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), job._last_weights[1]))
@@ -131,8 +136,8 @@ def check_intercepted_fit(ip: Any, magic_line: str, tmp_path: Path) -> None:
 
     local = run_fit_cell(ip, None, tmp_path / "local.csv", CLASS_WEIGHT)
     assert len(local["history"]["val_loss"]) == epochs  # the same stop epoch as local fit
-    np.testing.assert_allclose(val_loss, local["history"]["val_loss"], rtol=1e-4)
+    np.testing.assert_allclose(val_loss, local["history"]["val_loss"], rtol=1e-5)
     err = relative_error(remote["weights"], local["weights"])
-    assert err < 1e-4, err
+    assert err < 1e-5, err  # measured 4e-7 on Spark and in containers
     unweighted = run_fit_cell(ip, None, tmp_path / "plain.csv", None)
     assert relative_error(unweighted["weights"], local["weights"]) > 1e-2  # class_weight matters here

@@ -1,0 +1,46 @@
+"""Issues 16 and 17 in Podman containers: a notebook-defined loss with a subclassed model, and an unchanged
+cell's own model.fit with callbacks and class_weight. Skipped without a usable container engine."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest
+
+import nbdist
+from nbdist.backends.containers import Engine, find_engine
+from nbdist.errors import NbdistError
+
+from ..models_and_fit import (
+    check_intercepted_fit,
+    check_subclassed_run,
+    notebook_subclassed_model,
+)
+
+EPOCHS = 12
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    try:
+        return find_engine()
+    except NbdistError as exc:
+        pytest.skip(str(exc))
+
+
+def test_notebook_loss_and_subclassed_model_train_in_containers(engine, digits_split):
+    """Containers get the notebook's loss function and model class (built with build()) by value."""
+    x_train, x_test, y_train, y_test = digits_split
+    local = notebook_subclassed_model(5)
+    # The global batch of 2 workers x 32, averaged every step.
+    local.fit(x_train, y_train, batch_size=64, epochs=EPOCHS, verbose=0)
+    model = notebook_subclassed_model(5)
+    job = nbdist.train(model, x_train, y_train, epochs=EPOCHS, batch_size=32, workers=2, seed=5,
+                       averaging_frequency=1, backend="containers", ui="none")
+    assert job.status == "done" and job.state.backend == "containers"
+    check_subclassed_run(job, model, local, x_test, y_test, EPOCHS)
+
+
+def test_intercepted_fit_with_callbacks_and_class_weight(engine, ip, tmp_path):
+    check_intercepted_fit(ip, "--workers 2 --backend containers --strategy allreduce --ui none", tmp_path)
