@@ -28,7 +28,7 @@ lint: install
 	$(BIN)/lint-imports
 
 test: lint system-deps
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --durations=30
 
 bench: install
 	PYTHONPATH=. $(BIN)/python benchmarks/run.py
