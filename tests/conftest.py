@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
+from collections.abc import Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # No warm workers unless a test asks for them (test_warm.py): the others count worker processes,
@@ -12,6 +14,24 @@ os.environ["NBDIST_WARM_WORKERS"] = "0"
 import numpy as np
 import psutil
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_spark_session_left() -> Iterator[None]:
+    """Fails the module that leaves a SparkSession active, and stops it.
+
+    Runs with ``--backend auto`` attach to an active session, so one left behind would send every
+    later test's workers to Spark and fail them with a sentence about Spark task slots.
+    """
+    yield
+    if "pyspark" not in sys.modules:
+        return
+    from nbdist.spark.backend import active_spark_session
+
+    session = active_spark_session()
+    if session is not None:
+        session.stop()
+        pytest.fail(f"this module left a SparkSession active ({session!r}); stop it in the fixture that made it")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,9 @@
 Unit tests run in seconds with no worker process, no kernel and no Spark. Every way Python
 starts a program ends in one of the functions wrapped here (subprocess and multiprocessing
 through ``_posixsubprocess.fork_exec`` or ``os.posix_spawn``; ``os.fork`` directly), and
-pyspark's JVM is reached only through ``SparkContext._gateway``.
+pyspark's JVM is reached only through ``SparkContext._gateway``. After an earlier tier in the
+same pytest process has started that gateway, a new SparkContext needs no process: the guard
+then refuses ``SparkContext._ensure_initialized`` itself.
 """
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ def no_processes_no_jvm(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
         if hasattr(os, name):
             monkeypatch.setattr(os, name, _refusing(f"os.{name}", started))
+    context = _spark_context_class()
+    if context is not None:  # an earlier tier's JVM gateway is reused without a process: refuse the context itself
+        refuse_context = _refusing("SparkContext", started)
+        monkeypatch.setattr(context, "_ensure_initialized", classmethod(lambda cls, *a, **k: refuse_context()))
     gateway_before = _spark_gateway()
     yield started
     # A refusal inside a thread (or one a test swallowed) still fails the test here.
@@ -57,6 +63,10 @@ def no_processes_no_jvm(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         pytest.fail(f"a Spark JVM gateway was started: {MOVE}")
 
 
+def _spark_context_class() -> Any:
+    module = sys.modules.get("pyspark.core.context")  # only looked at once something imported pyspark
+    return getattr(module, "SparkContext", None)
+
+
 def _spark_gateway() -> Any:
-    context = sys.modules.get("pyspark.core.context")  # only looked at when the test imported pyspark
-    return getattr(getattr(context, "SparkContext", None), "_gateway", None)
+    return getattr(_spark_context_class(), "_gateway", None)
