@@ -1,11 +1,15 @@
 """P3: nbdist averaging on Spark local[N] against Elephas 7.3 on the same Spark settings, model,
 data and epochs, with plain Keras's accuracy beside them.
 
+``--connect`` runs nbdist's side over Spark Connect (``SparkSession.builder.remote("local[N]")``,
+the notebook 02b session) on a DataFrame, as a Connect notebook must: Connect has no SparkContext
+and no RDDs, so Elephas cannot run there at all and its figure stays the classic session's.
+
 Elephas needs TensorFlow < 2.20 and numpy < 2, so it lives in its own virtual environment
 (``ELEPHAS_VENV``), created here from PyPI on first use; its side runs as a subprocess of that
 venv's Python (benchmarks/elephas_digits.py). Nothing of Elephas is vendored.
 
-    PYTHONPATH=. python benchmarks/elephas_compare.py [--install] [--repeats 3]
+    PYTHONPATH=. python benchmarks/elephas_compare.py [--install] [--repeats 3] [--connect]
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ ELEPHAS_PINS = ["elephas==7.3.0", "tensorflow==2.19.1", "keras==3.15.1", "numpy=
 INSTALL_TIMEOUT = 1800.0
 EPOCHS = 15
 BATCH = 32
+PAUSE = 10.0  # seconds between a session's first run and its second, as between two notebook cells
 
 
 def elephas_python() -> Path:
@@ -90,9 +95,12 @@ def mlp(seed: int = 0):
     return model
 
 
-def run_elephas(data: Path, epochs: int = EPOCHS, workers: int = 2, seed: int = 0, timeout: float = 900.0) -> dict:
+def run_elephas(data: Path, epochs: int = EPOCHS, workers: int = 2, seed: int = 0, pause: float = PAUSE,
+                timeout: float = 900.0) -> dict:
+    """One Elephas session in its own venv's process: a cold fit, then a warm one ``pause`` s later."""
     out = subprocess.run([str(elephas_python()), str(HERE / "elephas_digits.py"), str(data), "--epochs",
-                          str(epochs), "--workers", str(workers), "--batch-size", str(BATCH), "--seed", str(seed)],
+                          str(epochs), "--workers", str(workers), "--batch-size", str(BATCH), "--seed", str(seed),
+                          "--pause", str(pause)],
                          capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ""})
     if out.returncode != 0:
@@ -100,28 +108,65 @@ def run_elephas(data: Path, epochs: int = EPOCHS, workers: int = 2, seed: int = 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def start_spark(workers: int):
+def run_nbdist_session(data: Path, epochs: int = EPOCHS, workers: int = 2, seed: int = 0, pause: float = PAUSE,
+                       connect: bool = False, timeout: float = 900.0) -> dict:
+    """One nbdist session in a process of its own, as Elephas's: the first run after the SparkSession
+    starts (cold: its tasks' workers import TensorFlow), then a second one ``pause`` s later (warm:
+    the executors' warm workers). A new process per repeat, so no repeat finds an earlier one's
+    warm workers."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--session", str(data), "--epochs", str(epochs),
+           "--workers", str(workers), "--seed", str(seed), "--pause", str(pause)] + (["--connect"] if connect else [])
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("NBDIST_WARM_WORKERS", None)  # the default: executors keep warm workers, as for a user
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"nbdist run failed: {out.stderr.strip()[-800:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def session(data: Path, epochs: int, workers: int, seed: int, pause: float, connect: bool) -> dict:
+    spark = start_spark(workers, connect)
+    try:
+        cold = run_nbdist(spark, data, epochs, workers, seed, connect)
+        time.sleep(pause)
+        warm = run_nbdist(spark, data, epochs, workers, seed, connect)
+    finally:
+        spark.stop()
+    return {"seconds": cold["seconds"], "warm_seconds": warm["seconds"], "accuracy": cold["accuracy"]}
+
+
+def start_spark(workers: int, connect: bool = False):
+    """A classic local[N] session, or a Spark Connect client to a local[N] Connect server."""
     os.environ["PYSPARK_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master(f"local[{workers}]").appName("nbdist-vs-elephas")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+    builder = SparkSession.builder.appName("nbdist-vs-elephas")
+    builder = builder.remote(f"local[{workers}]") if connect else builder.master(f"local[{workers}]")
+    spark = (builder.config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.pyspark.python", sys.executable).config("spark.driver.host", "127.0.0.1")
              .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    if not connect:
+        spark.sparkContext.setLogLevel("ERROR")
     return spark
 
 
-def run_nbdist(spark, data: Path, epochs: int = EPOCHS, workers: int = 2, seed: int = 0) -> dict:
-    """nbdist averaging on the RDD of (x, y) pairs Elephas gets; the train call timed like Elephas's fit."""
+def run_nbdist(spark, data: Path, epochs: int = EPOCHS, workers: int = 2, seed: int = 0,
+               connect: bool = False) -> dict:
+    """nbdist averaging on the RDD of (x, y) pairs Elephas gets (over Connect: a DataFrame of the
+    same rows, built before the clock starts); the train call timed like Elephas's fit."""
     import nbdist
 
     d = np.load(data)
-    rdd = spark.sparkContext.parallelize(list(zip(d["x_train"].tolist(), d["y_train"].tolist())), workers)
+    rows = list(zip(d["x_train"].tolist(), d["y_train"].tolist()))
+    if connect:
+        data_arg = spark.createDataFrame(rows, ["features", "label"]).repartition(workers)
+        columns = {"features": "features", "label": "label"}
+    else:
+        data_arg, columns = spark.sparkContext.parallelize(rows, workers), {}
     model = mlp(seed)
     t0 = time.perf_counter()
-    nbdist.train(model, rdd, epochs=epochs, batch_size=BATCH, workers=workers, backend="spark",
-                 strategy="averaging", seed=seed)
+    nbdist.train(model, data_arg, epochs=epochs, batch_size=BATCH, workers=workers, backend="spark",
+                 strategy="averaging", seed=seed, **columns)
     seconds = time.perf_counter() - t0
     _, accuracy = model.evaluate(d["x_test"], d["y_test"], verbose=0)
     return {"seconds": seconds, "accuracy": float(accuracy)}
@@ -138,27 +183,25 @@ def run_keras(data: Path, epochs: int = EPOCHS, seed: int = 0) -> dict:
 
 
 def measure(workdir: Path, repeats: int = 3, epochs: int = EPOCHS, workers: int = 2,
-            elephas_repeats: int | None = None, install: bool = False) -> dict:
+            elephas_repeats: int | None = None, install: bool = False, connect: bool = False) -> dict:
     """Per-repeat wall times and accuracies of nbdist, Elephas (when its venv is ready) and Keras.
 
     Repeat i seeds all three with i (initial weights and shuffling), so the accuracies compared
-    are medians over seeds: one seed's 450 test images move by a point on 5 images.
+    are medians over seeds: one seed's 450 test images move by a point on 5 images. Each repeat is
+    a new session in a new process for nbdist and Elephas alike, timing its first run (cold) and a
+    second run ``PAUSE`` s later (warm). ``connect``: nbdist runs over Spark Connect.
     """
     data = write_digits(workdir / "digits_split.npz")
     reason = elephas_ready()
     if reason and install:
         reason = install_elephas()
     out: dict = {"nbdist": [], "elephas": [], "keras": [], "elephas_skipped": reason, "epochs": epochs,
-                 "workers": workers}
+                 "workers": workers, "connect": connect}
     for seed in range(elephas_repeats if elephas_repeats is not None else repeats):
         if reason is None:
             out["elephas"].append(run_elephas(data, epochs, workers, seed))
-    spark = start_spark(workers)
-    try:
-        for seed in range(repeats):
-            out["nbdist"].append(run_nbdist(spark, data, epochs, workers, seed))
-    finally:
-        spark.stop()
+    for seed in range(repeats):
+        out["nbdist"].append(run_nbdist_session(data, epochs, workers, seed, connect=connect))
     for seed in range(repeats):
         out["keras"].append(run_keras(data, epochs, seed))
     return out
@@ -169,17 +212,28 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--epochs", type=int, default=EPOCHS)
     p.add_argument("--install", action="store_true", help="create Elephas's venv from PyPI when missing")
+    p.add_argument("--connect", action="store_true", help="nbdist over Spark Connect (Elephas stays classic)")
+    p.add_argument("--session", type=Path, default=None, help=argparse.SUPPRESS)  # one nbdist session (a child)
+    p.add_argument("--workers", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--pause", type=float, default=PAUSE, help=argparse.SUPPRESS)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.session:
+        print(json.dumps(session(args.session, args.epochs, args.workers, args.seed, args.pause, args.connect)))
+        return 0
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        m = measure(Path(tmp), args.repeats, args.epochs, install=args.install)
+        m = measure(Path(tmp), args.repeats, args.epochs, install=args.install, connect=args.connect)
     for name in ("nbdist", "elephas", "keras"):
         runs = m[name]
         if runs:
-            print(f"{name:<8} {statistics.median(r['seconds'] for r in runs):7.2f} s  "
-                  f"accuracy {statistics.median(r['accuracy'] for r in runs):.3f}  ({len(runs)} runs)")
+            warm = [r["warm_seconds"] for r in runs if r.get("warm_seconds") is not None]
+            cold = statistics.median(r["seconds"] for r in runs)
+            accuracy = statistics.median(r["accuracy"] for r in runs)
+            print(f"{name:<8} {cold:7.2f} s" + (f" cold, {statistics.median(warm):.2f} s warm" if warm else "")
+                  + f"  accuracy {accuracy:.3f}  ({len(runs)} runs)")
     if m["elephas_skipped"]:
         print(f"Elephas skipped: {m['elephas_skipped']}")
     return 0
