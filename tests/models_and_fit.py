@@ -16,16 +16,12 @@ from .conftest import relative_error
 LOSS_OFFSET = 10.0
 
 
-def notebook_subclassed_model(seed: int) -> Any:
-    """A subclassed model with its own train_step, built with ``build()`` (its layers have no weights
-    until it is called), compiled with a plain-function loss: all defined here, so none of it can be
-    imported by name on an executor or in a container and it has to travel by value."""
+def penalty_model_class() -> Any:
+    """keras.io's "Customizing what happens in fit()": a subclassed model with its own train_step and
+    metric. Defined inside a function, like a notebook's class it cannot be imported by name on a
+    worker, an executor or in a container: it has to travel by value."""
     import keras
     import tensorflow as tf
-
-    def offset_loss(y_true, y_pred):
-        # The usual loss plus a constant (same gradients): the history shows this function was used.
-        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred) + LOSS_OFFSET
 
     class PenaltyModel(keras.Model):
         def __init__(self, **kwargs):
@@ -52,8 +48,20 @@ def notebook_subclassed_model(seed: int) -> Any:
         def metrics(self):
             return [self.loss_tracker, self.penalty]
 
+    return PenaltyModel
+
+
+def notebook_subclassed_model(seed: int) -> Any:
+    """The subclassed model built with ``build()`` (its layers have no weights until it is called),
+    compiled with a plain-function loss defined here: all of it travels by value."""
+    import keras
+
+    def offset_loss(y_true, y_pred):
+        # The usual loss plus a constant (same gradients): the history shows this function was used.
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred) + LOSS_OFFSET
+
     keras.utils.set_random_seed(seed)
-    model = PenaltyModel()
+    model = penalty_model_class()()
     model.build((None, 64))
     model.compile(keras.optimizers.Adam(0.01), offset_loss)
     return model

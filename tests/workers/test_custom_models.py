@@ -8,11 +8,11 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import nbdist
 
 from ..conftest import relative_error
+from ..models_and_fit import penalty_model_class
 from .test_allreduce import global_batches
 from .test_training import interleave_batches
 
@@ -21,8 +21,8 @@ pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 def notebook_objects():
     """What a notebook cell would define: plain-function loss and metric, a layer without get_config
-    (its argument is an array), a step counter with an integer weight, a subclassed model with its own
-    train_step and a custom metric."""
+    (its argument is an array) and a step counter with an integer weight. The subclassed model with its
+    own train_step is ``penalty_model_class``."""
     def my_loss(y_true, y_pred):
         return keras.losses.sparse_categorical_crossentropy(y_true, y_pred)
 
@@ -46,40 +46,13 @@ def notebook_objects():
                 self.count.assign_add(1)
             return x
 
-    class PenaltyModel(keras.Model):
-        """keras.io's "Customizing what happens in fit()": its own train_step and metric."""
-
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.hidden = keras.layers.Dense(32, activation="relu")
-            self.head = keras.layers.Dense(10, activation="softmax")
-            self.loss_tracker = keras.metrics.Mean(name="loss")
-            self.penalty = keras.metrics.Mean(name="penalty")
-
-        def call(self, x):
-            return self.head(self.hidden(x))
-
-        def train_step(self, data):
-            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-            with tf.GradientTape() as tape:
-                y_pred = self(x, training=True)
-                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
-            self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
-            self.loss_tracker.update_state(loss)
-            self.penalty.update_state(tf.reduce_mean(tf.square(self.head.kernel)))
-            return {"loss": self.loss_tracker.result(), "penalty": self.penalty.result()}
-
-        @property
-        def metrics(self):
-            return [self.loss_tracker, self.penalty]
-
-    return my_loss, top2, Scale, StepCounter, PenaltyModel
+    return my_loss, top2, Scale, StepCounter
 
 
 def combined_model(seed: int, optimizer="adam"):
     """Notebook loss and metric functions, a layer without get_config, a Lambda with a closure, a shared
     layer, a nested model and an integer weight, in one functional model."""
-    my_loss, top2, Scale, StepCounter, _ = notebook_objects()
+    my_loss, top2, Scale, StepCounter = notebook_objects()
     keras.utils.set_random_seed(seed)
     half = 0.5
     inp = keras.Input((64,))
@@ -93,9 +66,8 @@ def combined_model(seed: int, optimizer="adam"):
 
 
 def subclassed(seed: int, optimizer="adam", build=True):
-    *_, PenaltyModel = notebook_objects()
     keras.utils.set_random_seed(seed)
-    model = PenaltyModel()
+    model = penalty_model_class()()
     if build:
         model.build((None, 64))  # no weights in its layers until it is called
     model.compile(optimizer, "sparse_categorical_crossentropy")
