@@ -55,16 +55,22 @@ def env_key(env: dict[str, str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def pool_dir(executor: tuple[int, int], root: str | None = None) -> Path | None:
+def pool_dir(executor: tuple[int, int], root: str | None = None, fallback_root: str = "/tmp") -> Path | None:
     """This user's warm-worker directory for one executor (pid, start time); None if unsafe.
 
+    Under the executor's temporary directory, or under ``fallback_root`` when that one is too deep
+    for a Unix socket's path (YARN's container directories are). Every task of the executor
+    makes the same choice, so the one that starts a worker and the one that claims it agree.
     Both levels are created 0700 and must be owned by this user with no access for others:
     whoever can enter the directory can hand a worker a job.
     """
-    base = Path(root or tempfile.gettempdir()) / f"nbdist-warm-{os.getuid()}"
-    path = base / f"{executor[0]}-{executor[1]}"
-    if len(str(path)) + NAME_LENGTH > SUN_PATH_MAX:
-        log.debug("no warm workers: socket paths under %s would be too long", path)
+    for top in (root or tempfile.gettempdir(), fallback_root):
+        base = Path(top) / f"nbdist-warm-{os.getuid()}"
+        path = base / f"{executor[0]}-{executor[1]}"
+        if len(str(path)) + NAME_LENGTH <= SUN_PATH_MAX:
+            break
+    else:
+        log.warning("not using warm workers: socket paths under %s would be too long for a Unix socket", path)
         return None
     for d in (base, path):
         try:

@@ -59,7 +59,10 @@ def test_the_directory_is_private_or_refused(tmp_path):
     assert d.stat().st_mode & 0o777 == 0o700 and d.parent.stat().st_mode & 0o777 == 0o700
     d.chmod(0o755)  # others could list it and see which workers wait
     assert spark_warm.pool_dir((1, 2), root=str(tmp_path)) is None
-    assert spark_warm.pool_dir((1, 2), root=str(tmp_path / ("x" * 60))) is None  # sockets would not fit
+    deep = str(tmp_path / ("x" * 60))  # sockets would not fit: the short fallback serves instead
+    assert spark_warm.pool_dir((3, 4), root=deep, fallback_root=str(tmp_path)) == (
+        tmp_path / f"nbdist-warm-{os.getuid()}" / "3-4")
+    assert spark_warm.pool_dir((3, 4), root=deep, fallback_root=deep) is None
 
 
 def test_a_claim_hands_over_the_job_and_returns_the_workers_own_exit_code(tmp_path):
