@@ -136,7 +136,8 @@ def py_dataset_fit_data(fit: dict[str, Any]) -> tuple[PyDatasetData, FitData | P
     for name, why in (("y", "the PyDataset's batches hold the labels"),
                       ("sample_weight", "return (x, y, sample_weight) from its __getitem__ instead"),
                       ("validation_split", "pass validation_data (arrays or another PyDataset) instead")):
-        if fit.get(name) is not None and fit.get(name) is not False and fit.get(name) != 0.0:
+        value = fit.get(name)
+        if value is not None and not (isinstance(value, (int, float)) and value == 0):  # 0.0: the default split
             raise NbdistError(f"model.fit(...) was given a PyDataset and {name}; drop {name} ({why}), "
                               "as Keras requires.")
     data = make_py_dataset_data(fit["x"], "training data", fit.get("class_weight"))

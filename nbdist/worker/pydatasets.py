@@ -172,17 +172,19 @@ class ValidationShare:
         self.count = len(self.indices)
         self.last_pass_rows = 0
         self._passes = 0
-        first = [_tuples(standardize_batch(dataset[int(i)])) for i in self.indices[:PEEK]]
-        self.signature = signature(first) if first else None
+        self.dataset.on_epoch_begin()
+        self._peeked = [_tuples(standardize_batch(dataset[int(i)])) for i in self.indices[:PEEK]]
+        self.signature = signature(self._peeked) if self._peeked else None
 
     def passes(self) -> Iterator[Any]:
         if self._passes:
             self.dataset.on_epoch_end()
+            self.dataset.on_epoch_begin()
         self._passes += 1
-        self.dataset.on_epoch_begin()
+        peeked, self._peeked = self._peeked, []  # the first pass reuses the batches read for the signature
         rows = 0
-        for index in self.indices:
-            batch = _tuples(standardize_batch(self.dataset[int(index)]))
+        for j, index in enumerate(self.indices):
+            batch = peeked[j] if j < len(peeked) else _tuples(standardize_batch(self.dataset[int(index)]))
             rows += batch_rows(batch)
             self.last_pass_rows = rows
             yield batch
