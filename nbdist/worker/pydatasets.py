@@ -40,20 +40,12 @@ from ..fitdata import (
 )
 from ..strategies.allreduce import AllreduceCallback
 from ..wire.messages import JobMessage
+from .datasets import tf_structure
 
 log = logging.getLogger("nbdist.worker")
 
 PEEK = 3  # batches read up front to fix the pipeline's signature (as Keras peeks at a PyDataset)
 AHEAD = 4  # batches read ahead of training at most
-
-
-def _tuples(struct: Any) -> Any:
-    """Lists as tuples: tf.data takes a list for one tensor, a tuple for several."""
-    if isinstance(struct, dict):
-        return {k: _tuples(v) for k, v in struct.items()}
-    if isinstance(struct, (list, tuple)):
-        return tuple(_tuples(v) for v in struct)
-    return struct
 
 
 def signature(batches: Sequence[Any]) -> Any:
@@ -96,7 +88,7 @@ class ShareReader:
         return share_indices(epoch_order(self.data.batches, self.shuffle, self.seed, epoch), self.rank, self.world)
 
     def _read(self, epoch: int, j: int, index: int) -> Any:
-        batch = _tuples(standardize_batch(self.dataset[int(index)], self.data.class_weight))
+        batch = tf_structure(standardize_batch(self.dataset[int(index)], self.data.class_weight))
         with self._cond:
             self._rows[(epoch, j)] = batch_rows(batch)
             self._cond.notify_all()
@@ -173,7 +165,7 @@ class ValidationShare:
         self.last_pass_rows = 0
         self._passes = 0
         self.dataset.on_epoch_begin()
-        self._peeked = [_tuples(standardize_batch(dataset[int(i)])) for i in self.indices[:PEEK]]
+        self._peeked = [tf_structure(standardize_batch(dataset[int(i)])) for i in self.indices[:PEEK]]
         self.signature = signature(self._peeked) if self._peeked else None
 
     def passes(self) -> Iterator[Any]:
@@ -184,7 +176,7 @@ class ValidationShare:
         peeked, self._peeked = self._peeked, []  # the first pass reuses the batches read for the signature
         rows = 0
         for j, index in enumerate(self.indices):
-            batch = peeked[j] if j < len(peeked) else _tuples(standardize_batch(self.dataset[int(index)]))
+            batch = peeked[j] if j < len(peeked) else tf_structure(standardize_batch(self.dataset[int(index)]))
             rows += batch_rows(batch)
             self.last_pass_rows = rows
             yield batch

@@ -159,6 +159,36 @@ def test_multi_input_multi_output_cell_and_learning_rate_schedule(ip, digits_spl
     assert abs(remote[acc] - local[acc]) <= 0.01 + 1e-9, (remote, local)
 
 
+LIST_CELL = """
+import keras
+keras.utils.set_random_seed(4)
+pixels = keras.Input((64,))
+tokens = keras.Input((8,), dtype="int32")
+t = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(17, 8)(tokens))
+h = keras.layers.Dense(32, activation="relu")(keras.layers.Concatenate()([pixels, t]))
+model = keras.Model([pixels, tokens], keras.layers.Dense(10, activation="softmax")(h))
+model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+hist = model.fit([Xm, Tm], ym, batch_size=64, epochs=EPOCHS, verbose=0, shuffle=False,
+                 validation_data=([Xm[:100], Tm[:100]], ym[:100]))
+"""
+
+
+def test_list_inputs_cell_matches_local(ip, digits_split):
+    """model.fit([x_a, x_b], y), the second input an integer sequence into an Embedding: the list
+    travels in its order (swapped, the int tokens would meet the Dense and the floats the Embedding),
+    and test accuracy is within a point of the same cell run locally."""
+    x_train, x_test, y_train, y_test = digits_split
+    tokens = lambda x: (x[:, ::8] * 16).astype("int32")
+    ip.user_ns.update(Xm=x_train, Tm=tokens(x_train), ym=y_train, EPOCHS=4)
+    ip.run_cell_magic("dist_train", "--workers 2 --ui none --strategy allreduce", LIST_CELL)
+    ns = ip.user_ns
+    assert len(ns["hist"].history["val_accuracy"]) == 4
+    remote = ns["model"].evaluate([x_test, tokens(x_test)], y_test, verbose=0, return_dict=True)["accuracy"]
+    ip.run_cell(LIST_CELL)  # the same cell, locally
+    local = ns["model"].evaluate([x_test, tokens(x_test)], y_test, verbose=0, return_dict=True)["accuracy"]
+    assert remote > 0.8 and abs(remote - local) <= 0.01 + 1e-9, (remote, local)
+
+
 # -- refusals: one sentence, before any worker starts --------------------------------
 def _bound(**kwargs):
     model = mlp()
