@@ -88,7 +88,7 @@ history = model.fit(X, y, batch_size=64, epochs=25, validation_data=(Xv, yv), ve
     keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True),
     keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=1, factor=0.5),
     keras.callbacks.ModelCheckpoint(CKPT, monitor="val_loss", save_best_only=True),
-    keras.callbacks.CSVLogger(CSV), seen])
+    keras.callbacks.CSVLogger(CSV), keras.callbacks.TensorBoard(TB), seen])
 """
 
 
@@ -97,7 +97,7 @@ def test_callbacks_run_in_the_notebook_and_decide_for_every_worker(ip, tmp_path)
     CSVLogger and a custom callback: every worker stops at the epoch the merged history dictates and
     changes its learning rate at the same epoch; the model holds the best epoch's weights; one loadable
     .keras file and one CSV row per epoch on this machine."""
-    ip.user_ns.update(CKPT=str(tmp_path / "best.keras"), CSV=str(tmp_path / "log.csv"))
+    ip.user_ns.update(CKPT=str(tmp_path / "best.keras"), CSV=str(tmp_path / "log.csv"), TB=str(tmp_path / "tb"))
     ip.run_cell_magic("dist_train", "--workers 2 --ui none", CALLBACK_CELL)
     ns = ip.user_ns
     history, job = ns["history"], ns["history_job"]
@@ -118,6 +118,24 @@ def test_callbacks_run_in_the_notebook_and_decide_for_every_worker(ip, tmp_path)
     with open(tmp_path / "log.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in rows] == list(range(epochs))
+    # TensorBoard: one run directory here, with the merged per-epoch scalars
+    for run, prefix in (("train", ""), ("validation", "val_")):
+        events = list((tmp_path / "tb" / run).glob("events.out.tfevents.*"))
+        assert len(events) == 1, (run, events)
+        for name in ("loss", "accuracy"):
+            assert tensorboard_scalars(tmp_path / "tb" / run, f"epoch_{name}") == pytest.approx(
+                history.history[prefix + name], rel=1e-6), (run, name)
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["train", "validation"]
+
+
+def tensorboard_scalars(run_dir, tag: str) -> list[float]:
+    """The values of one scalar tag, by step, from a run directory's event file."""
+    import tensorflow as tf
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [float(tf.make_ndarray(e.tensor_proto)) for e in sorted(acc.Tensors(tag), key=lambda e: e.step)]
 
 
 MULTI_CELL = """
