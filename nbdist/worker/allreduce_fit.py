@@ -21,6 +21,7 @@ def resolve_engine(requested: str | None) -> tuple[str, str | None]:
 
 def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
                   lr_factor: float = 1.0) -> None:
+    from ..fitdata import share_count
     from ..model_io import averaged_optimizer_variables
     from ..strategies.allreduce import (
         AllreduceCallback,
@@ -32,11 +33,10 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     )
     from ..strategies.averaging import WeightedAverager
     from .callbacks import EventCallback, weight_shipper
-    from ..fitdata import share_count
     from .datasets import job_inputs, rank_batch_size
-    from .pydatasets import ShareAllreduceCallback, job_feed
     from .fit_sync import fit_and_report
     from .phases import EpochPhases, phase_callbacks, phase_timer, phase_times_enabled
+    from .pydatasets import ShareAllreduceCallback, job_feed
 
     rank, train = job.rank, job.train
     engine, warning = resolve_engine(train.engine)
