@@ -9,6 +9,7 @@ from .data import make_dataset
 from .driver.inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
 from .driver.training import TrainingJob
 from .errors import NbdistError
+from .fitdata import is_py_dataset
 from .model_io import check_trainable, ensure_built
 from .spark.data import SparkData, is_spark_data, spark_dataset
 from .ui import make_renderer
@@ -40,7 +41,7 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
     options.setdefault("ui", "none")
     fit_style = (callbacks is not None or class_weight is not None or sample_weight is not None
                  or bool(validation_split) or bool(initial_epoch) or isinstance(x, (dict, list, tuple))
-                 or isinstance(y, (dict, list, tuple))
+                 or isinstance(y, (dict, list, tuple)) or is_py_dataset(x) or is_py_dataset(validation_data)
                  or (isinstance(validation_data, (tuple, list)) and len(validation_data) == 3))
     config = TrainConfig(**options)
     if fit_style:

@@ -31,8 +31,6 @@ def _not_in_memory(value: Any) -> str | None:
     names = {f"{c.__module__}.{c.__name__}" for c in cls.__mro__}
     if any(n.startswith("tensorflow.python.data") for n in names):
         return "a tf.data.Dataset"
-    if any(n.endswith(".PyDataset") for n in names):
-        return "a keras.utils.PyDataset"
     if any("torch.utils.data" in n for n in names):
         return "a torch DataLoader"
     if hasattr(value, "__next__") or (hasattr(value, "__iter__") and not isinstance(value, (list, tuple, dict))
@@ -41,10 +39,16 @@ def _not_in_memory(value: Any) -> str | None:
     return None
 
 
+def is_py_dataset(value: Any) -> bool:
+    """A ``keras.utils.PyDataset`` (told by its class, so this module needs no Keras)."""
+    return any(c.__name__ == "PyDataset" and c.__module__.startswith("keras") for c in type(value).__mro__)
+
+
 def pipeline_message(kind: str, what: str) -> str:
     return (f"{what} is {kind}: nbdist splits in-memory data over the workers and cannot split a stream "
             f"soundly; pass the arrays it reads from (numpy arrays, pandas, or a dict or list of them) "
-            f"to model.fit instead, e.g. model.fit(X, y, batch_size=32).")
+            f"to model.fit instead, e.g. model.fit(X, y, batch_size=32), or wrap them in a "
+            f"keras.utils.PyDataset, whose batches nbdist deals to the workers.")
 
 
 def to_struct(value: Any, what: str) -> Struct:
@@ -226,3 +230,94 @@ def deal_rows(n: int, global_batch: int, world: int) -> list[np.ndarray]:
             parts.append(last)
         out.append(np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
     return out
+
+
+# -- a keras.utils.PyDataset: its batches dealt to the workers ----------------------------
+@dataclass(frozen=True)
+class PyDatasetData:
+    """A notebook's PyDataset as it travels: cloudpickled by value, with what the driver learnt from
+    its first batch. Each worker reads only its share of the batch indices (``share_indices``)."""
+
+    payload: bytes  # cloudpickle of the dataset
+    batches: int  # len(dataset): batches per epoch
+    first_rows: int  # rows of batch 0: the driver's estimate of every batch's rows (progress only)
+    class_weight: dict[int, float] | None = None
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+def share_count(batches: int, rank: int, world: int) -> int:
+    """Batches of an epoch worker ``rank`` reads: indices rank, rank + world, ... (strided)."""
+    return len(range(rank, batches, world))
+
+
+def epoch_order(batches: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """The batch indices of one epoch, the same on every worker: shuffled by (seed, epoch) as Keras
+    shuffles a PyDataset's batch order when ``shuffle=True``, else in order."""
+    order = np.arange(batches, dtype=np.int64)
+    if shuffle:
+        np.random.default_rng([int(seed), int(epoch)]).shuffle(order)
+    return order
+
+
+def share_indices(order: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """Worker ``rank``'s batches of an epoch, strided: step j of all workers reads
+    ``order[j*world : (j+1)*world]``, so one step consumes ``world`` consecutive batches of the epoch."""
+    return order[rank::world]
+
+
+def standardize_batch(batch: Any, class_weight: dict[int, float] | None = None) -> tuple[Any, ...]:
+    """A PyDataset item as Keras reads it: ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)`` as a tuple
+    (a lone array or dict is ``x``); ``class_weight`` adds per-row weights from ``y``. Leaves as numpy."""
+    if isinstance(batch, dict) or hasattr(batch, "shape"):
+        batch = (batch,)
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    if not isinstance(batch, tuple) or len(batch) not in (1, 2, 3):
+        raise NbdistError(f"the PyDataset's __getitem__ returned {type(batch).__name__}; return (x, y), "
+                          "(x, y, sample_weight) or x, as Keras expects.")
+    parts = tuple(map_struct(np.asarray, to_struct(part, "a PyDataset batch")) for part in batch)
+    if class_weight is not None:
+        if len(parts) != 2:
+            raise NbdistError("class_weight with a PyDataset needs batches of (x, y), without sample weights "
+                              "(as in Keras).")
+        parts = parts + (class_weight_to_sample_weight(parts[1], class_weight),)
+    return parts
+
+
+def batch_rows(batch: tuple[Any, ...]) -> int:
+    return len(leaves(batch[0])[0])
+
+
+def make_py_dataset_data(dataset: Any, what: str, class_weight: dict[Any, float] | None = None) -> PyDatasetData:
+    """Check a PyDataset here (its length, its first batch, that it can travel): one sentence otherwise."""
+    try:
+        batches = dataset.num_batches
+    except Exception as exc:
+        raise NbdistError(f"{what} is a PyDataset without a length ({type(exc).__name__}); define __len__ "
+                          "(or num_batches) so its batches can be split over the workers.") from None
+    if batches is None:
+        raise NbdistError(f"{what} is an infinite PyDataset (num_batches is None); nbdist splits an epoch's "
+                          "batches over the workers: give it a length.")
+    if int(batches) < 1:
+        raise NbdistError(f"{what} is a PyDataset of length 0; it needs at least one batch.")
+    try:
+        first = dataset[0]
+    except Exception as exc:
+        raise NbdistError(f"{what}: reading batch 0 of the PyDataset failed ({type(exc).__name__}: {exc}); "
+                          "fix its __getitem__ so that it runs locally first.") from None
+    table = None
+    if class_weight is not None:
+        if not isinstance(class_weight, dict):
+            class_weight_to_sample_weight(None, class_weight)  # its sentence
+        table = {int(k): float(v) for k, v in class_weight.items()}
+    rows = batch_rows(standardize_batch(first, table))
+    import cloudpickle
+
+    try:
+        payload = cloudpickle.dumps(dataset)
+    except Exception as exc:
+        raise NbdistError(f"{what}: the PyDataset cannot be sent to the workers ({type(exc).__name__}: {exc}); "
+                          "keep arrays, file paths and plain values in it, not open files or connections.") from None
+    return PyDatasetData(payload, int(batches), rows, table)

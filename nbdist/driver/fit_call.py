@@ -24,9 +24,12 @@ import numpy as np
 from ..errors import NbdistError
 from ..fitdata import (
     FitData,
+    PyDatasetData,
     class_weight_to_sample_weight,
     deal_rows,
+    is_py_dataset,
     make_fit_data,
+    make_py_dataset_data,
     pipeline_message,
     rank_batch_sizes,
     split_validation,
@@ -97,15 +100,19 @@ def check_fit_arguments(fit: dict[str, Any]) -> None:
         raise NbdistError("callbacks must be a list of keras.callbacks.Callback objects, e.g. callbacks=[cb].")
 
 
-def fit_data(fit: dict[str, Any]) -> tuple[FitData, FitData | None]:
+def fit_data(fit: dict[str, Any]) -> tuple[FitData | PyDatasetData, FitData | PyDatasetData | None]:
     """Training and validation data exactly as Keras' fit would take them from these arguments."""
     x = fit.get("x")
     if x is None:
         raise NbdistError("model.fit(...) was called without x; pass the training data, e.g. model.fit(X, y).")
+    if is_py_dataset(x):
+        return py_dataset_fit_data(fit)
     data = make_fit_data(x, fit.get("y"), fit.get("sample_weight"), "training data")
     validation = None
     vd = fit.get("validation_data")
-    if vd is not None:
+    if is_py_dataset(vd):
+        validation = make_py_dataset_data(vd, "validation_data")
+    elif vd is not None:
         if not isinstance(vd, (tuple, list)) or len(vd) not in (2, 3):
             kind = "a tuple" if isinstance(vd, (tuple, list)) else None
             try:
@@ -121,6 +128,28 @@ def fit_data(fit: dict[str, Any]) -> tuple[FitData, FitData | None]:
     cw = fit.get("class_weight")
     if cw is not None:  # Keras weights the training rows only
         data = FitData(data.x, data.y, class_weight_to_sample_weight(data.y, cw))
+    return data, validation
+
+
+def py_dataset_fit_data(fit: dict[str, Any]) -> tuple[PyDatasetData, FitData | PyDatasetData | None]:
+    """A PyDataset's fit: Keras' own rules (no y, sample_weight or validation_split beside it)."""
+    for name, why in (("y", "the PyDataset's batches hold the labels"),
+                      ("sample_weight", "return (x, y, sample_weight) from its __getitem__ instead"),
+                      ("validation_split", "pass validation_data (arrays or another PyDataset) instead")):
+        value = fit.get(name)
+        if value is not None and not (isinstance(value, (int, float)) and value == 0):  # 0.0: the default split
+            raise NbdistError(f"model.fit(...) was given a PyDataset and {name}; drop {name} ({why}), "
+                              "as Keras requires.")
+    data = make_py_dataset_data(fit["x"], "training data", fit.get("class_weight"))
+    vd = fit.get("validation_data")
+    validation: FitData | PyDatasetData | None = None
+    if is_py_dataset(vd):
+        validation = make_py_dataset_data(vd, "validation_data")
+    elif vd is not None:
+        if not isinstance(vd, (tuple, list)) or len(vd) not in (2, 3):
+            raise NbdistError("validation_data must be (x_val, y_val), (x_val, y_val, val_sample_weight) or a "
+                              "keras.utils.PyDataset.")
+        validation = make_fit_data(vd[0], vd[1], vd[2] if len(vd) == 3 else None, "validation data")
     return data, validation
 
 
@@ -142,6 +171,14 @@ def reconcile(fit: dict[str, Any], magic: dict[str, Any]) -> dict[str, Any]:
         raise NbdistError(f"--epochs {magic['epochs']} on the magic line but model.fit(epochs={fit['epochs']}) in "
                           "the cell; keep one (they must agree).")
     out["epochs"] = int(magic["epochs"] if "epochs" in magic and "epochs" not in given else fit["epochs"])
+    if is_py_dataset(fit.get("x")):  # its own batches; one step of all workers reads `workers` of them
+        if fit.get("batch_size") is not None or "batch_size" in magic:
+            raise NbdistError("a PyDataset makes its own batches: drop batch_size from model.fit(...) and "
+                              "--batch-size from the magic line (each worker reads whole batches of it).")
+        out["global_batch"] = None
+        out["py_dataset"] = True
+        out["shuffle"] = bool(fit.get("shuffle", True))
+        return out
     if "batch_size" in magic and fit.get("batch_size") is not None:
         raise NbdistError(f"--batch-size {magic['batch_size']} (per worker) on the magic line and "
                           f"model.fit(batch_size={fit['batch_size']}) (the global batch, split over the workers) "

@@ -24,7 +24,7 @@ from ..backends import Backend, WorkerHandle
 from ..config import TrainConfig
 from ..data import Dataset, batches_per_epoch, check_workers, shard_bounds
 from ..errors import NbdistError, TrainingFailed
-from ..fitdata import FitData
+from ..fitdata import FitData, PyDatasetData
 from ..model_io import ModelSpec
 from ..placement import threads_per_worker
 from ..spark.data import SparkData
@@ -511,7 +511,7 @@ class Run:
 
 def data_parts(data: Dataset | FitData | None) -> tuple[Any, Any, Any]:
     """(x, y, sample weights) of a shard: a Dataset has no sample weights, a FitData may."""
-    if data is None:
+    if data is None or isinstance(data, PyDatasetData):  # a PyDataset travels whole (TrainingJob)
         return None, None, None
     return data.x, data.y, data.sample_weight if isinstance(data, FitData) else None
 

@@ -19,7 +19,7 @@ from ..checks import non_finite, non_finite_message
 from ..config import TrainConfig
 from ..data import Dataset, check_workers, shard_bounds
 from ..errors import NbdistError, TrainingFailed
-from ..fitdata import FitData
+from ..fitdata import FitData, PyDatasetData, share_count
 from ..model_io import ModelSpec, build_optimizer, set_optimizer_weights, spec_from_model
 from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
@@ -60,6 +60,7 @@ class TrainingJob(Run):
         self._first_lr: float | None = None  # the first epoch's rate, as the notebook's callbacks chose it
         self._rank_batches: list[int] = []  # each rank's batch size (its share of fit's global batch)
         self._rows: list[np.ndarray] = []  # an intercepted fit: the rows dealt to each rank
+        self._py_datasets: bytes | None = None  # a fit on PyDatasets: what every worker gets (_prepare)
 
     def __repr__(self) -> str:
         if self.state is None:
@@ -86,16 +87,32 @@ class TrainingJob(Run):
         self._rank_batches = [self.config.batch_size] * world
         if self.fit is None or isinstance(self.data, SparkData):
             return super()._plan_shards(backend, world)
+        if isinstance(self.data, PyDatasetData):
+            return self._plan_py_dataset(world)
         # Every global batch dealt over the workers (fitdata.deal_rows).
         check_workers(len(self.data), world)
         self._rank_batches, self._rows = self.fit.plan(world, self.config.batch_size)
         self._initial_epoch = self.fit.initial_epoch
         return [(0, len(rows)) for rows in self._rows]
 
+    def _plan_py_dataset(self, world: int) -> list[tuple[int, int]]:
+        """Every worker reads whole batches of the PyDataset, strided (fitdata.share_indices). Its rows per
+        batch are only known as they are read: batch 0's count stands in for progress until then."""
+        data: PyDatasetData = self.data
+        if data.batches < world:
+            raise NbdistError(f"the PyDataset has {data.batches} batch(es) per epoch but there are {world} workers, "
+                              f"and every worker needs at least one batch; use --workers {data.batches} or fewer, "
+                              "or make its batches smaller (more of them).")
+        self._initial_epoch = self.fit.initial_epoch
+        self._rank_batches = [data.first_rows] * world
+        return [(0, share_count(data.batches, r, world) * data.first_rows) for r in range(world)]
+
     def _batch_sizes(self) -> list[int]:
         return self._rank_batches
 
-    def _shard(self, rank: int) -> Dataset | FitData | None:
+    def _shard(self, rank: int) -> Dataset | FitData | PyDatasetData | None:
+        if isinstance(self.data, PyDatasetData):
+            return self.data  # the worker reads its own share of it
         if self.fit is not None:
             return self.data.take(self._rows[rank])
         return super()._shard(rank)
@@ -107,11 +124,24 @@ class TrainingJob(Run):
     def _prepare(self) -> None:
         cfg, world = self.config, self.world_size
         self._val_shards = (shard_bounds(len(self.validation_data), world)
-                            if self.validation_data is not None else None)
+                            if isinstance(self.validation_data, (Dataset, FitData)) else None)
+        if isinstance(self.data, PyDatasetData) or isinstance(self.validation_data, PyDatasetData):
+            self._py_datasets = self._pack_py_datasets()
         # Last of the checks (a temporary checkpoint directory is made here and removed by every ending).
         self._keeper = CheckpointKeeper.for_run(cfg, self.model)
         if self._keeper is not None:
             self._spec, self._initial_epoch = self._keeper.start_point(self._spec)
+
+    def _pack_py_datasets(self) -> bytes:
+        import secrets
+
+        import cloudpickle
+
+        # Every worker shuffles the batch order with the same seed: their shares must stay disjoint.
+        seed = self.config.seed if self.config.seed is not None else secrets.randbits(31)
+        pick = lambda d: d if isinstance(d, PyDatasetData) else None
+        return cloudpickle.dumps({"train": pick(self.data), "validation": pick(self.validation_data),
+                                  "order_seed": int(seed)})
 
     def _shards_known(self, batches: list[int]) -> None:
         self._rounds = rounds_per_epoch(batches, self.config.averaging_frequency)
@@ -137,7 +167,7 @@ class TrainingJob(Run):
         placement = Placement(backend.bind_host, backend.advertise_host, backend.gloo_ifname, backend.store_on_link)
         x_val, y_val, w_val = data_parts(val)
         return self._common_job(rank, "train", train=settings, placement=placement,
-                                x_val=x_val, y_val=y_val, sample_weight_val=w_val)
+                                x_val=x_val, y_val=y_val, sample_weight_val=w_val, py_datasets=self._py_datasets)
 
     def _send_job(self, rank: int) -> None:
         super()._send_job(rank)

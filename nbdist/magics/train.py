@@ -94,6 +94,11 @@ class DistMagics(Magics):
         before the next epoch, and files they write land here. Batch-level callback hooks
         are not called.
 
+        A ``keras.utils.PyDataset`` defined in the notebook may be fit's ``x`` or
+        ``validation_data``: each worker reads its own share of the batch indices (worker r of
+        N: r, r+N, ...), so a batch is the PyDataset's own batch and with 2 workers one step
+        consumes 2 of them; ``--lr-scaling`` (auto by default) then scales the learning rate.
+
         Or name the data on the magic line and let the cell only build and compile the model
         (``--batch-size`` is then per worker)::
 

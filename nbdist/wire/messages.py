@@ -25,7 +25,7 @@ from ..fitdata import Struct, flatten, unflatten
 from ..model_io import ModelSpec
 
 # Bump on any change to the job message's fields or their meaning.
-JOB_VERSION = 1
+JOB_VERSION = 2
 
 JOB_KINDS = ("train", "evaluate", "predict")
 DATA_SOURCES = ("wire", "task")  # the shard came in the job's arrays / the Spark task wrote it to a file
@@ -136,6 +136,9 @@ class JobMessage:
     version: int = JOB_VERSION
     # True when the data carries labels; for data_source "task" the body says so, as no arrays come.
     has_y: bool = field(default=False)
+    # A fit on keras.utils.PyDataset(s): cloudpickled {"train", "validation": fitdata.PyDatasetData or None,
+    # "order_seed": int}; each worker reads its share of the batches (worker/pydatasets.py).
+    py_datasets: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in JOB_KINDS:
@@ -164,6 +167,7 @@ class JobMessage:
             "placement": None if self.placement is None else dataclasses.asdict(self.placement),
             "classifier": self.classifier,
         }
+        body["py_datasets"] = _encode_value(self.py_datasets, arrays)  # after the data's arrays
         return body, arrays
 
     # -- worker side ----------------------------------------------------
@@ -203,7 +207,9 @@ class JobMessage:
             values = {name: unflatten(layout[name], rest) for name in DATA_FIELDS}
         except StopIteration:
             raise MessageError(f"the job message has {len(arrays)} arrays, fewer than its body describes") from None
-        left = sum(1 for _ in rest)
+        pending = list(rest)
+        py_datasets = _decode_value(body.get("py_datasets"), pending)
+        left = len(pending)
         if left:
             raise MessageError(f"the job message has {left} more arrays than its body describes")
         train = body.get("train")
@@ -215,7 +221,7 @@ class JobMessage:
             data_source=str(data["source"]), has_y=bool(data["has_y"]),
             train=None if train is None else TrainSettings(**train),
             placement=None if placement is None else Placement(**placement),
-            classifier=body.get("classifier"), version=int(body["version"]),
+            classifier=body.get("classifier"), version=int(body["version"]), py_datasets=py_datasets,
         )
 
 

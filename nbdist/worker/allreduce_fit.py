@@ -21,6 +21,7 @@ def resolve_engine(requested: str | None) -> tuple[str, str | None]:
 
 def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
                   lr_factor: float = 1.0) -> None:
+    from ..fitdata import share_count
     from ..model_io import averaged_optimizer_variables
     from ..strategies.allreduce import (
         AllreduceCallback,
@@ -35,6 +36,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     from .datasets import job_inputs, rank_batch_size
     from .fit_sync import fit_and_report
     from .phases import EpochPhases, phase_callbacks, phase_timer, phase_times_enabled
+    from .pydatasets import ShareAllreduceCallback, job_feed
 
     rank, train = job.rank, job.train
     engine, warning = resolve_engine(train.engine)
@@ -47,13 +49,19 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     # Rank 0's weights and optimizer state are everyone's starting point.
     broadcast_state(collective, floats(model.weights) + averaged_optimizer_variables(model))
 
-    # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
-    inputs, samples, val_samples = job_inputs(job)
     batch_size = rank_batch_size(job)
-    # Every step's total samples, known up front: the gradients are scaled by n / total as they
-    # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
-    totals = step_totals(shard_samples(collective, samples), train.batch_sizes or batch_size)
-    steps = len(totals)
+    # A PyDataset: this worker's share of its batches (pydatasets.py); arrays: one repeated
+    # pipeline for the whole fit, so Keras keeps one iterator (see datasets.py).
+    feed = job_feed(job, batch_size)
+    inputs, samples, val_samples = (feed.inputs, feed.samples, feed.val_samples) if feed else job_inputs(job)
+    reader = feed.train if feed else None
+    if reader is not None:  # rows known as read: each step's total is summed just before it
+        totals, steps = None, share_count(reader.data.batches, 0, collective.world_size)
+    else:
+        # Every step's total samples, known up front: the gradients are scaled by n / total as they
+        # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
+        totals = step_totals(shard_samples(collective, samples), train.batch_sizes or batch_size)
+        steps = len(totals)
     reducer = GradientAllreduce(collective, model.trainable_variables, engine,
                                 direct_sum_bytes=int(train.direct_sum_bytes),
                                 shared_memory=bool(train.shared_memory))
@@ -66,11 +74,22 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     if phases is not None:
         ship = phases.wrap_shipper(ship)
 
-    sync = AllreduceCallback(reducer, original_apply, model.trainable_variables, samples, batch_size,
-                             steps, stats, totals)
-    callbacks = [sync, EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer),
-                                     ship)] + phase_callbacks(link.send, collective)
-    report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases)
+    if reader is not None:
+        sync = ShareAllreduceCallback(reducer, original_apply, model.trainable_variables, reader, steps, stats,
+                                      collective)
+    else:
+        sync = AllreduceCallback(reducer, original_apply, model.trainable_variables, samples, batch_size,
+                                 steps, stats, totals)
+    event = EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer), ship,
+                          sizes=feed.sizes if feed else None)
+    callbacks = [sync, event] + phase_callbacks(link.send, collective)
+    if feed is not None:
+        callbacks = feed.callbacks(event) + callbacks
+    try:
+        report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases)
+    finally:
+        if feed is not None:
+            feed.close()
     done = {"type": MessageType.DONE, "sync_seconds": reducer.seconds, "rounds": reducer.steps,
             "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by, **report}
     link.send(done)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -16,11 +16,12 @@ class AveragingCallback(keras.callbacks.Callback):
     """Averages weights every K batches and pads each epoch to the common number of rounds."""
 
     def __init__(self, averager: WeightedAverager, k: int, samples: int, batch_size: int,
-                 rounds_per_epoch: int) -> None:
+                 rounds_per_epoch: int, sizes: Sequence[int] | None = None) -> None:
         super().__init__()
         self.averager = averager
         self.k = k
-        self.sizes = batch_sizes(samples, batch_size)
+        # Rows of each batch: known from the shard, or (a PyDataset's share) as its batches are read.
+        self.sizes = sizes if sizes is not None else batch_sizes(samples, batch_size)
         self.rounds_per_epoch = rounds_per_epoch
         self._pending = 0
         self._rounds = 0
@@ -63,12 +64,12 @@ class EventCallback(keras.callbacks.Callback):
 
     def __init__(self, send: Callable[..., None], samples: int, val_samples: int, batch_size: int,
                  averager: WeightedAverager | None, ship_weights: Callable[[int], None] | None,
-                 interval: float = 0.25) -> None:
+                 interval: float = 0.25, sizes: Sequence[int] | None = None) -> None:
         super().__init__()
         self.send = send
         self.samples = samples
         self.val_samples = val_samples
-        self.sizes = batch_sizes(samples, batch_size)
+        self.sizes = sizes if sizes is not None else batch_sizes(samples, batch_size)
         self.averager = averager
         self.ship_weights = ship_weights
         self.interval = interval

@@ -67,6 +67,16 @@ def sample_count(x: Any) -> int:
     return int(x.shape[0])
 
 
+def tf_structure(struct: Any) -> Any:
+    """Lists as tuples: tf.data takes a list for ONE tensor (stacking it) and a tuple for several, so
+    a list of inputs (``model.fit([x_a, x_b], y)``) must cross tf.data as a tuple."""
+    if isinstance(struct, dict):
+        return {k: tf_structure(v) for k, v in struct.items()}
+    if isinstance(struct, (list, tuple)):
+        return tuple(tf_structure(v) for v in struct)
+    return struct
+
+
 # -- the pipeline (TensorFlow) -------------------------------------------------
 def repeated_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int = 0,
                      first_epoch: int = 0, sample_weight: Any = None) -> Any:
@@ -82,7 +92,7 @@ def repeated_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int =
     full, rest = divmod(n, batch_size)
     # Held in variables, made once; tf.gather reads batches from them. A plain tensor captured
     # by the map function would be copied into the dataset's graph: one more copy of the shard.
-    parts = x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight)
+    parts = tf_structure(x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight))
     data = tf.nest.map_structure(resident, parts)
     base = tf.constant(seed, dtype=tf.int64)
 
@@ -116,7 +126,7 @@ def validation_batches(x: Any, y: Any, batch_size: int, sample_weight: Any = Non
     """
     import tensorflow as tf
 
-    parts = x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight)
+    parts = tf_structure(x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight))
     data = tf.nest.map_structure(tf.convert_to_tensor, parts)
     return tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat()
 

@@ -54,6 +54,7 @@ def run_training(link: Any, job: JobMessage) -> None:
     from ..strategies.averaging import WeightedAverager, open_averaging_sum
     from .callbacks import AveragingCallback, EventCallback, weight_shipper
     from .datasets import job_inputs, rank_batch_size
+    from .pydatasets import job_feed
 
     if train.seed is not None:
         keras.utils.set_random_seed(int(train.seed) + rank)
@@ -96,21 +97,31 @@ def run_training(link: Any, job: JobMessage) -> None:
         # One exchange per round: through shared memory when every worker runs on this machine.
         averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
                                              int(train.direct_sum_bytes))
-        # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
-        inputs, samples, val_samples = job_inputs(job)
         batch_size = rank_batch_size(job)
+        # A PyDataset: this worker's share of its batches (pydatasets.py); arrays: one repeated
+        # pipeline for the whole fit, so Keras keeps one iterator (see datasets.py).
+        feed = job_feed(job, batch_size)
+        inputs, samples, val_samples = (feed.inputs, feed.samples, feed.val_samples) if feed else job_inputs(job)
+        sizes = feed.sizes if feed else None
 
         phases = EpochPhases(averager) if phase_times_enabled() else None
         ship = weight_shipper(link.send, model) if rank == 0 else None
         if phases is not None:
             ship = phases.wrap_shipper(ship)
 
-        callbacks = [EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, averager),
-                                   ship)] + phase_callbacks(link.send, collective)
+        event = EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, averager),
+                              ship, sizes=sizes)
+        callbacks = [event] + phase_callbacks(link.send, collective)
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
             callbacks.insert(0, AveragingCallback(averager, int(train.averaging_frequency), samples,
-                                                  batch_size, int(train.rounds_per_epoch)))
-        report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases)
+                                                  batch_size, int(train.rounds_per_epoch), sizes=sizes))
+        if feed is not None:
+            callbacks = feed.callbacks(event) + callbacks
+        try:
+            report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases)
+        finally:
+            if feed is not None:
+                feed.close()
         done = {"type": MessageType.DONE, "sync_seconds": averager.seconds, "rounds": averager.rounds,
                 "summed_by": averager.summed_by, **report}
         link.send(done)

@@ -48,3 +48,18 @@ def test_class_weight_and_validation_split_follow_keras():
 def test_rows_that_do_not_line_up_are_one_sentence():
     with pytest.raises(NbdistError, match="different numbers of rows"):
         make_fit_data([np.zeros((4, 2)), np.zeros((5, 2))], np.zeros(4))
+
+
+def test_py_dataset_shares_are_strided_disjoint_and_cover_every_batch():
+    """Worker r of N reads order[r::N]: step j of all workers reads N consecutive batches of the epoch;
+    every worker computes the same order from the job seed, shuffled anew each epoch."""
+    from nbdist.fitdata import epoch_order, share_count, share_indices
+
+    assert list(share_indices(epoch_order(7, False, 0, 0), 1, 2)) == [1, 3, 5]
+    assert [share_count(7, r, 3) for r in range(3)] == [3, 2, 2]
+    for epoch in range(3):
+        order = epoch_order(11, True, 42, epoch)
+        shares = [list(share_indices(order, r, 3)) for r in range(3)]
+        assert sorted(sum(shares, [])) == list(range(11))
+        assert list(order) == list(epoch_order(11, True, 42, epoch))  # the same on every worker
+    assert list(epoch_order(11, True, 42, 0)) != list(epoch_order(11, True, 42, 1))

@@ -88,7 +88,7 @@ history = model.fit(X, y, batch_size=64, epochs=25, validation_data=(Xv, yv), ve
     keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True),
     keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=1, factor=0.5),
     keras.callbacks.ModelCheckpoint(CKPT, monitor="val_loss", save_best_only=True),
-    keras.callbacks.CSVLogger(CSV), seen])
+    keras.callbacks.CSVLogger(CSV), keras.callbacks.TensorBoard(TB), seen])
 """
 
 
@@ -97,7 +97,7 @@ def test_callbacks_run_in_the_notebook_and_decide_for_every_worker(ip, tmp_path)
     CSVLogger and a custom callback: every worker stops at the epoch the merged history dictates and
     changes its learning rate at the same epoch; the model holds the best epoch's weights; one loadable
     .keras file and one CSV row per epoch on this machine."""
-    ip.user_ns.update(CKPT=str(tmp_path / "best.keras"), CSV=str(tmp_path / "log.csv"))
+    ip.user_ns.update(CKPT=str(tmp_path / "best.keras"), CSV=str(tmp_path / "log.csv"), TB=str(tmp_path / "tb"))
     ip.run_cell_magic("dist_train", "--workers 2 --ui none", CALLBACK_CELL)
     ns = ip.user_ns
     history, job = ns["history"], ns["history_job"]
@@ -118,6 +118,24 @@ def test_callbacks_run_in_the_notebook_and_decide_for_every_worker(ip, tmp_path)
     with open(tmp_path / "log.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in rows] == list(range(epochs))
+    # TensorBoard: one run directory here, with the merged per-epoch scalars
+    for run, prefix in (("train", ""), ("validation", "val_")):
+        events = list((tmp_path / "tb" / run).glob("events.out.tfevents.*"))
+        assert len(events) == 1, (run, events)
+        for name in ("loss", "accuracy"):
+            assert tensorboard_scalars(tmp_path / "tb" / run, f"epoch_{name}") == pytest.approx(
+                history.history[prefix + name], rel=1e-6), (run, name)
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["train", "validation"]
+
+
+def tensorboard_scalars(run_dir, tag: str) -> list[float]:
+    """The values of one scalar tag, by step, from a run directory's event file."""
+    import tensorflow as tf
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [float(tf.make_ndarray(e.tensor_proto)) for e in sorted(acc.Tensors(tag), key=lambda e: e.step)]
 
 
 MULTI_CELL = """
@@ -157,6 +175,36 @@ def test_multi_input_multi_output_cell_and_learning_rate_schedule(ip, digits_spl
     local = ns["model"].evaluate(test_inputs, test_targets, verbose=0, return_dict=True)
     acc = next(k for k in remote if k.endswith("accuracy"))
     assert abs(remote[acc] - local[acc]) <= 0.01 + 1e-9, (remote, local)
+
+
+LIST_CELL = """
+import keras
+keras.utils.set_random_seed(4)
+pixels = keras.Input((64,))
+tokens = keras.Input((8,), dtype="int32")
+t = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(17, 8)(tokens))
+h = keras.layers.Dense(32, activation="relu")(keras.layers.Concatenate()([pixels, t]))
+model = keras.Model([pixels, tokens], keras.layers.Dense(10, activation="softmax")(h))
+model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+hist = model.fit([Xm, Tm], ym, batch_size=64, epochs=EPOCHS, verbose=0, shuffle=False,
+                 validation_data=([Xm[:100], Tm[:100]], ym[:100]))
+"""
+
+
+def test_list_inputs_cell_matches_local(ip, digits_split):
+    """model.fit([x_a, x_b], y), the second input an integer sequence into an Embedding: the list
+    travels in its order (swapped, the int tokens would meet the Dense and the floats the Embedding),
+    and test accuracy is within a point of the same cell run locally."""
+    x_train, x_test, y_train, y_test = digits_split
+    tokens = lambda x: (x[:, ::8] * 16).astype("int32")
+    ip.user_ns.update(Xm=x_train, Tm=tokens(x_train), ym=y_train, EPOCHS=4)
+    ip.run_cell_magic("dist_train", "--workers 2 --ui none --strategy allreduce", LIST_CELL)
+    ns = ip.user_ns
+    assert len(ns["hist"].history["val_accuracy"]) == 4
+    remote = ns["model"].evaluate([x_test, tokens(x_test)], y_test, verbose=0, return_dict=True)["accuracy"]
+    ip.run_cell(LIST_CELL)  # the same cell, locally
+    local = ns["model"].evaluate([x_test, tokens(x_test)], y_test, verbose=0, return_dict=True)["accuracy"]
+    assert remote > 0.8 and abs(remote - local) <= 0.01 + 1e-9, (remote, local)
 
 
 # -- refusals: one sentence, before any worker starts --------------------------------

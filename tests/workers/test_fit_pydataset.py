@@ -1,0 +1,157 @@
+"""A keras.utils.PyDataset defined in the notebook, passed to the cell's own model.fit (issue 17).
+
+Each worker reads its own strided share of the batch indices; one step of all workers consumes
+`workers` of its batches. Real TF, real worker processes, digits.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import keras
+import numpy as np
+import pytest
+
+import nbdist
+from nbdist.errors import NbdistError
+
+from ..conftest import relative_error
+
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+# Defined in a cell: the class lives in the notebook (__main__) and travels by value.
+BATCHES_CELL = """
+import os
+import keras, numpy as np
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch, w=None, dict_inputs=False, log=None, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.w, self.dict_inputs, self.log = x, y, w, dict_inputs, log
+        # batch: rows per batch, or the list of the batches' edges (batches of different sizes)
+        self.edges = list(range(0, len(x), batch)) + [len(x)] if isinstance(batch, int) else list(batch)
+        self.epoch = 0
+    def __len__(self):
+        return len(self.edges) - 1
+    def __getitem__(self, i):
+        if self.log:  # which process read which batch in which epoch
+            with open(self.log, "a") as f:
+                f.write(f"{os.getpid()} {self.epoch} {i}\\n")
+        s = slice(self.edges[i], self.edges[i + 1])
+        x = {"pixels": self.x[s]} if self.dict_inputs else self.x[s]
+        return (x, self.y[s]) if self.w is None else (x, self.y[s], self.w[s])
+    def on_epoch_end(self):
+        self.epoch += 1
+"""
+
+EXACT_CELL = """
+keras.utils.set_random_seed(2)
+pixels = keras.Input((64,), name="pixels")
+model = keras.Model({"pixels": pixels}, keras.layers.Dense(10, activation="softmax")(
+    keras.layers.Dense(32, activation="relu")(pixels)))
+model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+start = [w.copy() for w in model.get_weights()]
+hist = model.fit(Batches(Xp, yp, EDGES, w=wp, dict_inputs=True), epochs=2, shuffle=False, verbose=0)
+"""
+
+
+def test_uneven_py_dataset_under_allreduce_equals_the_local_fit_of_joined_batches(ip, digits):
+    """15 batches (13 of 40 rows, then 30 and 20), dict inputs and sample weights, allreduce, SGD:
+    worker 0 reads batches 0, 2, ..., 14, worker 1 batches 1, 3, ..., 13 and pads the last step. The
+    weights equal a local fit of the PyDataset whose batch j joins batches 2j and 2j+1 to 1e-5: every
+    step weighted each worker's gradient by the rows it really read (40 against 30 in step 6), and
+    the shorter share took part in the last step without rows."""
+    x, y = digits[0][:570], digits[1][:570]
+    w = np.random.default_rng(0).uniform(0.2, 3.0, len(x)).astype("float32")
+    edges = [*range(0, 521, 40), 550, 570]
+    ip.run_cell(BATCHES_CELL)
+    ip.user_ns.update(Xp=x, yp=y, wp=w, EDGES=edges)
+    ip.run_cell_magic("dist_train", "--workers 2 --strategy allreduce --ui none", EXACT_CELL)
+    ns = ip.user_ns
+    remote = ns["model"]
+    local = keras.models.clone_model(remote)
+    local.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    local.set_weights(ns["start"])
+    joined = ns["Batches"](x, y, [*edges[::2], edges[-1]], w=w, dict_inputs=True)
+    expected = local.fit(joined, epochs=2, shuffle=False, verbose=0)
+    err = relative_error(remote.get_weights(), local.get_weights())
+    assert err < 1e-5, err
+    np.testing.assert_allclose(ns["hist"].history["loss"], expected.history["loss"], rtol=1e-5)
+    padded = {rank: r["padded_steps"] for rank, r in ns["history_job"].reports.items()}
+    assert padded == {0: 0, 1: 2}, padded  # one padded step per epoch on the shorter share
+
+
+ACCURACY_CELL = """
+keras.utils.set_random_seed(5)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(0.004), "sparse_categorical_crossentropy", metrics=["accuracy"])
+hist = model.fit(Batches(Xd, yd, 32, log=TRAIN_LOG), validation_data=Batches(Xt, yt, 64, log=VAL_LOG),
+                 epochs=EPOCHS, verbose=0)
+"""
+
+
+def _shares(path: str, epochs: int) -> dict[int, dict[int, list[int]]]:
+    """epoch -> worker pid -> the batch indices it read (the driver's own check of batch 0 left out)."""
+    out: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    with open(path) as f:
+        for line in f:
+            pid, epoch, index = map(int, line.split())
+            if pid != os.getpid() and epoch < epochs:  # the read-ahead may have begun the next epoch
+                out[epoch][pid].append(index)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
+def test_py_dataset_trains_like_local_and_each_worker_reads_its_share(ip, digits_split, tmp_path, strategy):
+    """A shuffled PyDataset over digits (43 batches of 32) with a PyDataset as validation_data, on 2
+    workers: test accuracy within 1 point of the same cell run locally; in every epoch each worker
+    read a disjoint share of the batch indices and together they read each index exactly once, in
+    training and in validation; the shares change from epoch to epoch (the batch order is shuffled)."""
+    x_train, x_test, y_train, y_test = digits_split
+    epochs = 10
+    ip.run_cell(BATCHES_CELL)
+    train_log, val_log = str(tmp_path / "train.log"), str(tmp_path / "val.log")
+    ip.user_ns.update(Xd=x_train, yd=y_train, Xt=x_test, yt=y_test, EPOCHS=epochs, TRAIN_LOG=train_log,
+                      VAL_LOG=val_log)
+    ip.run_cell_magic("dist_train", f"--workers 2 --strategy {strategy} --ui none", ACCURACY_CELL)
+    ns = ip.user_ns
+    remote = ns["model"].evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
+    history = ns["hist"].history
+    assert len(history["val_accuracy"]) == epochs
+    assert abs(history["val_accuracy"][-1] - remote) < 1e-6  # merged validation over both shares
+
+    batches, val_batches = -(-len(x_train) // 32), -(-len(x_test) // 64)
+    for log, n in ((train_log, batches), (val_log, val_batches)):
+        shares = _shares(log, epochs)
+        assert sorted(shares) == list(range(epochs)), log
+        for epoch, by_worker in shares.items():
+            assert len(by_worker) == 2, (log, epoch)
+            a, b = (set(v) for v in by_worker.values())
+            assert not a & b, (log, epoch)
+            assert sorted(sum(by_worker.values(), [])) == list(range(n)), (log, epoch)
+    train = _shares(train_log, epochs)
+    assert len({frozenset(next(iter(train[e].values()))) for e in range(epochs)}) > 1  # shuffled per epoch
+
+    ns.update(TRAIN_LOG=None, VAL_LOG=None)
+    ip.run_cell(ACCURACY_CELL)  # the same cell, locally
+    local = ns["model"].evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
+    assert abs(remote - local) <= 0.01 + 1e-9, (strategy, remote, local)
+
+
+def test_py_dataset_refusals_are_one_sentence(ip, digits):
+    """Fewer batches than workers, a batch_size or y beside a PyDataset: one sentence, no worker started."""
+    x, y = digits[0][:40], digits[1][:40]
+    ip.run_cell(BATCHES_CELL)
+    batches = ip.user_ns["Batches"]
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    with pytest.raises(NbdistError, match="the PyDataset has 1 batch\\(es\\) per epoch but there are 2 workers"):
+        nbdist.train(model, batches(x, y, 64), workers=2)
+    ip.user_ns.update(Xs=x, ys=y)
+    ip.user_ns["small"] = model
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="a PyDataset makes its own batches: drop batch_size"):
+        ip.run_cell_magic("dist_train", "--workers 2 --ui none", "small.fit(Batches(Xs, ys, 8), batch_size=8)")
+    with pytest.raises(UsageError, match="was given a PyDataset and y; drop y"):
+        ip.run_cell_magic("dist_train", "--workers 2 --ui none", "small.fit(Batches(Xs, ys, 8), ys)")
