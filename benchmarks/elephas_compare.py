@@ -183,7 +183,8 @@ def run_keras(data: Path, epochs: int = EPOCHS, seed: int = 0) -> dict:
 
 
 def measure(workdir: Path, repeats: int = 3, epochs: int = EPOCHS, workers: int = 2,
-            elephas_repeats: int | None = None, install: bool = False, connect: bool = False) -> dict:
+            elephas_repeats: int | None = None, install: bool = False, connect: bool = False,
+            pause: float = PAUSE) -> dict:
     """Per-repeat wall times and accuracies of nbdist, Elephas (when its venv is ready) and Keras.
 
     Repeat i seeds all three with i (initial weights and shuffling), so the accuracies compared
@@ -196,12 +197,12 @@ def measure(workdir: Path, repeats: int = 3, epochs: int = EPOCHS, workers: int 
     if reason and install:
         reason = install_elephas()
     out: dict = {"nbdist": [], "elephas": [], "keras": [], "elephas_skipped": reason, "epochs": epochs,
-                 "workers": workers, "connect": connect}
+                 "workers": workers, "connect": connect, "pause": pause}
     for seed in range(elephas_repeats if elephas_repeats is not None else repeats):
         if reason is None:
-            out["elephas"].append(run_elephas(data, epochs, workers, seed))
+            out["elephas"].append(run_elephas(data, epochs, workers, seed, pause))
     for seed in range(repeats):
-        out["nbdist"].append(run_nbdist_session(data, epochs, workers, seed, connect=connect))
+        out["nbdist"].append(run_nbdist_session(data, epochs, workers, seed, pause, connect))
     for seed in range(repeats):
         out["keras"].append(run_keras(data, epochs, seed))
     return out
