@@ -25,7 +25,7 @@ from ..fitdata import Struct, flatten, unflatten
 from ..model_io import ModelSpec
 
 # Bump on any change to the job message's fields or their meaning.
-JOB_VERSION = 1
+JOB_VERSION = 2
 
 JOB_KINDS = ("train", "evaluate", "predict")
 DATA_SOURCES = ("wire", "task")  # the shard came in the job's arrays / the Spark task wrote it to a file
@@ -80,6 +80,7 @@ class TrainSettings:
     engine: str | None
     direct_sum_bytes: int
     shared_memory: bool
+    shared_chunk_bytes: int
     sync_timeout: float
     startup_timeout: float
     rounds_per_epoch: int  # averaging rounds every worker runs per epoch (uneven shards pad to the longest)

@@ -56,7 +56,8 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     steps = len(totals)
     reducer = GradientAllreduce(collective, model.trainable_variables, engine,
                                 direct_sum_bytes=int(train.direct_sum_bytes),
-                                shared_memory=bool(train.shared_memory))
+                                shared_memory=bool(train.shared_memory),
+                                shared_chunk_bytes=int(train.shared_chunk_bytes))
     original_apply = wrap_optimizer(model.optimizer, reducer)
     non_trainable = floats(model.non_trainable_weights)
     stats = WeightedAverager(collective, non_trainable) if non_trainable else None

@@ -95,7 +95,7 @@ def run_training(link: Any, job: JobMessage) -> None:
         averager = WeightedAverager(collective, variables, clock=collective.clock)
         # One exchange per round: through shared memory when every worker runs on this machine.
         averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
-                                             int(train.direct_sum_bytes))
+                                             int(train.direct_sum_bytes), int(train.shared_chunk_bytes))
         # One repeated pipeline for the whole fit: Keras then keeps one iterator (see datasets.py).
         inputs, samples, val_samples = job_inputs(job)
         batch_size = rank_batch_size(job)
