@@ -52,7 +52,7 @@ def run_training(link: Any, job: JobMessage) -> None:
 
     from ..model_io import build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager, open_averaging_sum
-    from .callbacks import AveragingCallback, EventCallback, weight_shipper
+    from .callbacks import AveragingCallback, EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
 
     if train.seed is not None:
@@ -101,7 +101,9 @@ def run_training(link: Any, job: JobMessage) -> None:
         batch_size = rank_batch_size(job)
 
         phases = EpochPhases(averager) if phase_times_enabled() else None
-        ship = weight_shipper(link.send, model) if rank == 0 else None
+        shipper = WeightShipper(link.send, model, bool(job.train.weights_every_epoch)) if rank == 0 else None
+        link.on_stop = shipper.on_stop if shipper is not None else None
+        ship = shipper
         if phases is not None:
             ship = phases.wrap_shipper(ship)
 
@@ -111,6 +113,9 @@ def run_training(link: Any, job: JobMessage) -> None:
             callbacks.insert(0, AveragingCallback(averager, int(train.averaging_frequency), samples,
                                                   batch_size, int(train.rounds_per_epoch)))
         report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases)
+        if shipper is not None:  # the last epoch's weights, if they have not gone yet
+            shipper.finish()
+            report["weights_sent"] = shipper.sent
         done = {"type": MessageType.DONE, "sync_seconds": averager.seconds, "rounds": averager.rounds,
                 "summed_by": averager.summed_by, **report}
         link.send(done)
