@@ -6,7 +6,9 @@ of the bucket over loopback TCP (P4's anchor). nbdist: ``SharedChunkedSum`` (str
 reading the arrays where they are and writing the summed bucket, as the allreduce strategy calls it
 with TensorFlow's gradients. Prints per-call medians (the slower rank's) and their ratio.
 
-    PYTHONPATH=. python benchmarks/shared_sum.py [--mib 100] [--repeats 10] [--chunk 262144]
+    PYTHONPATH=. python benchmarks/shared_sum.py [--mib 100] [--repeats 10] [--chunk FLOATS]
+
+NBDIST_BENCH_VERBOSE=1 also prints every call's time and how long each rank waited for the other.
 """
 from __future__ import annotations
 
@@ -76,8 +78,11 @@ def _rank(rank: int, port: int, mib: int, repeats: int, chunk: int) -> None:
     print(json.dumps({"gloo": gloo_times, "shm": shm_times, "same_as_gloo": same}), flush=True)
 
 
-def measure(mib: int = 100, repeats: int = 10, chunk: int = 2**18) -> dict[str, float]:
+def measure(mib: int = 100, repeats: int = 10, chunk: int | None = None) -> dict[str, float]:
     """Median seconds per sum (the slower rank's) for Gloo and for shared memory, and their ratio."""
+    from nbdist.strategies.shared import CHUNK_ELEMENTS
+
+    chunk = chunk or CHUNK_ELEMENTS
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -97,13 +102,16 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--mib", type=int, default=100)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--chunk", type=int, default=2**18, help="floats per row of the segment")
+    p.add_argument("--chunk", type=int, default=None, help="floats per row of the segment (default: nbdist's)")
     args = p.parse_args()
     if args.rank is not None:
         _rank(args.rank, args.port, args.mib, args.repeats, args.chunk)
         return
-    r = measure(args.mib, args.repeats, args.chunk)
-    print(f"{args.mib} MiB, 2 processes, chunk {args.chunk * 4 // 1024} KiB; load average {os.getloadavg()[0]:.1f}: "
+    from nbdist.strategies.shared import CHUNK_ELEMENTS
+
+    chunk = args.chunk or CHUNK_ELEMENTS
+    r = measure(args.mib, args.repeats, chunk)
+    print(f"{args.mib} MiB, 2 processes, chunk {chunk * 4 // 1024} KiB; load average {os.getloadavg()[0]:.1f}: "
           f"Gloo {r['gloo'] * 1e3:.1f} ms, shared memory {r['shm'] * 1e3:.1f} ms, ratio {r['ratio']:.2f}, "
           f"bits equal to Gloo's: {r['same_as_gloo']}")
 
