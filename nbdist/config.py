@@ -45,8 +45,11 @@ class TrainConfig:
     # by the ring (strategies/ring.py). 0: always the ring.
     direct_sum_bytes: int = 4 * 2**20
     # Those small buckets, when every worker runs on this machine, are summed through shared
-    # memory instead of messages (strategies/shared.py). False: always messages.
+    # memory instead of messages (strategies/shared.py), and so are larger ones (gradients, or the
+    # averaged weights) of more than one chunk: chunk by chunk through a segment of rows of
+    # shared_chunk_bytes. False: always messages (the ring, Gloo).
     shared_memory: bool = True
+    shared_chunk_bytes: int = 2 * 2**20
     image: str | None = None
     # --backend containers: per-worker limits and GPU passthrough ("all" or "0,1"); None: no limit/none.
     container_cpus: float | None = None
@@ -79,6 +82,9 @@ class TrainConfig:
         if not isinstance(self.direct_sum_bytes, int) or self.direct_sum_bytes < 0:
             raise NbdistError("direct_sum_bytes must be a non-negative number of bytes, "
                               f"got {self.direct_sum_bytes!r}.")
+        if not isinstance(self.shared_chunk_bytes, int) or self.shared_chunk_bytes < 64:
+            raise NbdistError("shared_chunk_bytes must be a number of bytes of at least 64, "
+                              f"got {self.shared_chunk_bytes!r}.")
         if not isinstance(self.shared_memory, bool):
             raise NbdistError(f"shared_memory must be True or False, got {self.shared_memory!r}.")
         _validate_checkpointing(self)

@@ -55,6 +55,13 @@ class DriverCallbacks:
         self.ended = False
 
     @property
+    def needs_model(self) -> bool:
+        """Whether a callback may read (or save) ``self.model`` at an epoch's end: then the workers
+        send the weights every epoch. Only Keras' own callbacks known to read nothing but the logs
+        and the learning rate are spared; a subclass or a notebook's callback may do anything."""
+        return any(not reads_logs_only(cb) for cb in self.user)
+
+    @property
     def needs_decisions(self) -> bool:
         """Whether workers wait at each epoch end for the notebook (only when a callback can decide)."""
         return bool(self.user)
@@ -82,6 +89,19 @@ class DriverCallbacks:
             return
         self.ended = True
         self.list.on_train_end(self.history.history and {k: v[-1] for k, v in self.history.history.items()})
+
+
+def reads_logs_only(callback: Any) -> bool:
+    """A Keras callback (its exact class) that never reads the model's weights at an epoch's end."""
+    import keras
+
+    cbs = keras.callbacks
+    plain = (cbs.History, cbs.CSVLogger, cbs.LearningRateScheduler, cbs.ReduceLROnPlateau, cbs.TerminateOnNaN,
+             cbs.ProgbarLogger, cbs.RemoteMonitor)
+    if type(callback) in plain:
+        return True
+    # EarlyStopping keeps copies of the best weights only when asked to restore them.
+    return type(callback) is cbs.EarlyStopping and not callback.restore_best_weights
 
 
 def learning_rate(model: Any) -> float | None:

@@ -151,6 +151,9 @@ class Run:
         """True when the run deals with a failure itself (e.g. restarts from a checkpoint)."""
         return False
 
+    def _before_stop(self) -> None:
+        """A stop's first step, while the workers still run (training fetches the last weights)."""
+
     def _keep_results(self) -> None:
         """On done or stop: what the workers produced goes back to the notebook (e.g. weights)."""
 
@@ -306,6 +309,7 @@ class Run:
             self._stop_request = reason
             self._pump_thread.join(self.config.startup_timeout)
             return
+        self._before_stop()
         self._shutdown()
         self._keep_results()
         self._release()

@@ -10,6 +10,8 @@ callbacks run here on merged logs.
 from __future__ import annotations
 
 import logging
+import queue
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,9 @@ from .run import TERMINAL, Run, data_parts, last_traceback
 from .state import RunState
 
 log = logging.getLogger(__name__)
+
+# How long a stop waits for rank 0's last weights when they are not sent every epoch.
+STOP_WEIGHTS_WAIT = 10.0
 
 
 class TrainingJob(Run):
@@ -61,6 +66,7 @@ class TrainingJob(Run):
         self._rank_batches: list[int] = []  # each rank's batch size (its share of fit's global batch)
         self._rows: list[np.ndarray] = []  # an intercepted fit: the rows dealt to each rank
         self._py_datasets: bytes | None = None  # a fit on PyDatasets: what every worker gets (_prepare)
+        self._weights_every_epoch = True  # decided per launch (_wants_weights_every_epoch)
 
     def __repr__(self) -> str:
         if self.state is None:
@@ -159,15 +165,46 @@ class TrainingJob(Run):
             va, vb = self._val_shards[rank]
             val = self.validation_data.slice(va, vb)
         fit = self.fit
+        self._weights_every_epoch = self._wants_weights_every_epoch()
         settings = TrainSettings.from_config(
             cfg, rounds_per_epoch=self._rounds, initial_epoch=self._initial_epoch,
             validation_anywhere=self.validation_data is not None,
             batch_sizes=list(self._rank_batches) if fit is not None else None, learning_rate=self._first_lr,
-            epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions))
+            epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions),
+            weights_every_epoch=self._weights_every_epoch)
         placement = Placement(backend.bind_host, backend.advertise_host, backend.gloo_ifname, backend.store_on_link)
         x_val, y_val, w_val = data_parts(val)
         return self._common_job(rank, "train", train=settings, placement=placement,
                                 x_val=x_val, y_val=y_val, sample_weight_val=w_val, py_datasets=self._py_datasets)
+
+    def _wants_weights_every_epoch(self) -> bool:
+        """Who reads the weights at an epoch's end: a checkpoint (--checkpoint-dir, restarts) or a notebook
+        callback that may read or save the model. Otherwise they travel once, at the end or on a stop
+        (15-30 ms of rank 0's epoch saved on a loaded machine for the digits MLP)."""
+        return self._keeper is not None or (self.fit is not None and self.fit.callbacks.needs_model)
+
+    def _before_stop(self) -> None:
+        """Weights not sent every epoch: ask rank 0 for its last epoch's before every worker goes."""
+        if self._weights_every_epoch or self._coordinator is None:
+            return
+        try:
+            self._coordinator.send(0, {"type": MessageType.STOP, "weights": True})
+        except (ConnectionError, OSError):
+            return  # rank 0 is not (or no more) connected: the model keeps what it has
+        deadline = time.monotonic() + STOP_WEIGHTS_WAIT
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                event = self._coordinator.events.get(timeout=left)
+            except queue.Empty:
+                log.warning("rank 0 sent no weights within %.0f s of the stop", STOP_WEIGHTS_WAIT)
+                break
+            if event.rank != 0:
+                continue  # stopping: the other workers' news no longer matters
+            if event.kind == "closed":
+                break  # rank 0 had no finished epoch to send
+            if event.kind == "message" and event.message.type == MessageType.WEIGHTS:
+                self._on_message(0, event.message)
+                break
 
     def _send_job(self, rank: int) -> None:
         super()._send_job(rank)

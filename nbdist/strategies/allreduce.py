@@ -23,10 +23,16 @@ last worker to arrive waits 0.3-0.6 ms per step). Others send it to every peer i
 of messages (``direct.py``: 0.6 ms median, against 2.5-3.5 ms in Gloo's allreduce, but with
 waits of 4-8 ms one step in five, when a halted virtual CPU has to wake for a message).
 
+A large bucket between workers that all run on this machine is summed through shared memory
+too, chunk by chunk (``shared.py`` ``SharedChunkedSum``: each worker adds its slice of each chunk,
+then all copy the summed chunk out), reading the gradients where TensorFlow left them as the ring
+does, at memory speed instead of through loopback TCP twice: 100 MiB between 2 workers here took
+0.24-0.7 of a raw Gloo allreduce (``benchmarks/shared_sum.py``). Otherwise the ring.
+
 The fallback (a custom ``train_step`` that never calls ``scale_loss``, or a
 single worker): the gradients are scaled by n / total while they are copied into the
-bucket, then summed as a small bucket is, or, if large, in chunks of a few MiB whose
-asynchronous Gloo allreduces start as soon as each is filled.
+bucket, then summed as a small bucket is, or, if large, through shared memory as above, or in chunks of
+a few MiB whose asynchronous Gloo allreduces start as soon as each is filled.
 
 Either way every gradient starts on a 64-byte boundary of a 64-byte aligned
 bucket: TensorFlow adopts such numpy outputs of ``tf.numpy_function`` without
@@ -61,7 +67,8 @@ from .averaging import FlatBuffer, WeightedAverager, batch_sizes
 from .collective import Collective, GlooCollective
 from .direct import DirectSum
 from .ring import ALIGN, RingSum, aligned_offsets, pieces
-from .shared import SharedMemorySum, open_shared_sum
+from .shared import CHUNK_ELEMENTS as SHARED_CHUNK_ELEMENTS
+from .shared import ChunkPlan, SharedChunkedSum, SharedMemorySum, open_chunked_sum, open_shared_sum
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +77,21 @@ CHUNK_ELEMENTS = 6 * 2**20 // 4  # ~6 MiB per allreduce: best of 2-50 chunks per
 # 4.1, ring 6.4. With 4 workers on 2 cores, 1 MiB (3 MiB sent) direct 5.0, ring 7.9, but 4 MiB
 # (12 MiB sent) direct 20, ring 15.
 DIRECT_SUM_BYTES = 4 * 2**20
+SHARED_CHUNK_BYTES = 4 * SHARED_CHUNK_ELEMENTS
 
 
 def direct_sum_fits(bucket_bytes: int, world: int, limit: int = DIRECT_SUM_BYTES) -> bool:
     """Whether a bucket is summed in one round: its copies to all peers come to at most ``limit`` bytes."""
     return world > 1 and bucket_bytes * (world - 1) <= limit
+
+
+def chunked_sum_fits(bucket_bytes: int, chunk_bytes: int = SHARED_CHUNK_BYTES) -> bool:
+    """Whether a large bucket goes through the chunked shared-memory sum: it spans more than one chunk.
+
+    A bucket of one chunk would be the one-row shared sum, which ``direct_sum_bytes`` turned off
+    for it; it then takes the message path (``direct_sum_bytes=0`` asks for the ring that way).
+    """
+    return chunk_bytes > 0 and bucket_bytes > chunk_bytes
 
 
 def chunk_bounds(length: int, chunk: int = CHUNK_ELEMENTS, align: int = ALIGN) -> list[tuple[int, int]]:
@@ -119,7 +136,7 @@ class GradientAllreduce:
 
     def __init__(self, collective: Collective, variables: Sequence[Any], engine: str = "gloo",
                  chunk_elements: int = CHUNK_ELEMENTS, direct_sum_bytes: int = DIRECT_SUM_BYTES,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, shared_chunk_bytes: int = SHARED_CHUNK_BYTES) -> None:
         self.collective = collective
         self.engine = engine
         self.shapes = [tuple(v.shape) for v in variables]
@@ -134,6 +151,8 @@ class GradientAllreduce:
         self._sum = _ChunkSum(collective)
         self._ring: RingSum | None = None
         self._direct: DirectSum | SharedMemorySum | None = None
+        self._chunked: SharedChunkedSum | None = None  # a large bucket through shared memory
+        self._chunked_plan: ChunkPlan | None = None
         self.loss_scale: Any = None  # n / total, multiplied into the loss by the wrapped scale_loss
         self._loss_scaled = False  # set while a train step that called scale_loss is traced
         self.prescaled: bool | None = None  # which exchange the train step uses, fixed when first traced
@@ -148,8 +167,13 @@ class GradientAllreduce:
                 if self._direct is None:
                     self._direct = DirectSum(inner.rank, inner.world_size, len(self.buffer), inner.timeout)
             else:
-                self._ring = RingSum(inner.rank, inner.world_size, [int(o) for o in self.offsets[:-1]] + [count_at],
-                                     self.sizes + [1], count_at + 1, inner.timeout)
+                layout = ([int(o) for o in self.offsets[:-1]] + [count_at], self.sizes + [1], count_at + 1)
+                if shared_memory and chunked_sum_fits(4 * len(self.buffer), shared_chunk_bytes):
+                    self._chunked = open_chunked_sum(inner, len(self.buffer), shared_chunk_bytes // 4)
+                if self._chunked is not None:  # all workers on this machine: summed at memory speed
+                    self._chunked_plan = self._chunked.plan(*layout)
+                else:
+                    self._ring = RingSum(inner.rank, inner.world_size, *layout, inner.timeout)
             self.loss_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="nbdist_loss_scale")
         self.weight = 0.0  # samples in this worker's current batch; set before each step
         self.total: float | None = None  # samples of all workers in the current step
@@ -188,6 +212,8 @@ class GradientAllreduce:
         """
         if self.prescaled is None or self.engine != "gloo":
             return None
+        if self._chunked is not None:
+            return "shared-chunked"
         if self.prescaled and self._ring is not None:
             return "ring"
         if isinstance(self._direct, SharedMemorySum):
@@ -213,6 +239,7 @@ class GradientAllreduce:
         bucket = self._free_bucket()
         buf = self.buffer = bucket.data
         last = len(self.chunks) - 1
+        whole = self._direct or self._chunked  # sums the filled bucket in one call
         self._sum.begin()
         try:
             for k, ((a, b), parts) in enumerate(zip(self.chunks, self._pieces)):
@@ -227,10 +254,10 @@ class GradientAllreduce:
                             np.multiply(src, factor, out=out, casting="same_kind")
                 if k == last:
                     buf[-1] = n
-                if self._direct is None:
+                if whole is None:
                     self._sum.start(buf[a:b])  # summed while the next chunk is copied
-            if self._direct is not None:
-                self._direct(buf)
+            if whole is not None:
+                whole(buf)
         finally:
             self._sum.finish()
         return self._hand_back(bucket, total, t0)
@@ -238,18 +265,22 @@ class GradientAllreduce:
     def exchange_sum(self, *grads: np.ndarray) -> list[np.ndarray]:
         """Sum gradients already scaled by n / total (through the loss) across workers.
 
-        The ring reads them where TensorFlow left them and writes only the bucket: no pass over
-        the gradients besides the sum itself.
+        The ring (or the chunked shared-memory sum) reads them where TensorFlow left them and
+        writes only the bucket: no pass over the gradients besides the sum itself.
         """
         t0 = time.perf_counter()
         total = self._check_total()
         bucket = self._free_bucket()
         self.buffer = bucket.data
         arrays = [np.reshape(g, -1) for g in grads] + [np.array([self.weight], dtype=np.float32)]
-        assert self._ring is not None
         self._sum.begin()
         try:
-            self._ring(arrays, bucket.data)
+            if self._chunked is not None:
+                assert self._chunked_plan is not None
+                self._chunked.sum_into(arrays, bucket.data, self._chunked_plan)
+            else:
+                assert self._ring is not None
+                self._ring(arrays, bucket.data)
         finally:
             self._sum.finish()
         return self._hand_back(bucket, total, t0)
@@ -314,7 +345,8 @@ class GradientAllreduce:
         dense = [tf.zeros(s, tf.float32) if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
                  for g, s in zip(grads, self.shapes)]
         if self.engine == "gloo":
-            exchange = (self.exchange if not prescaled else self.exchange_sum if self._ring is not None
+            uncopied = self._ring is not None or self._chunked is not None
+            exchange = (self.exchange if not prescaled else self.exchange_sum if uncopied
                         else self.exchange_copy)
             out = tf.numpy_function(exchange, dense, Tout=[tf.float32] * len(dense), stateful=True,
                                     name="nbdist_gradient_allreduce")

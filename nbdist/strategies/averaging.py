@@ -116,7 +116,8 @@ class WeightedAverager:
         """How a round is summed: "shared" (memory), "direct" (one round of messages) or "allreduce"."""
         if self.summer is None:
             return "allreduce"
-        return {"SharedMemorySum": "shared", "DirectSum": "direct"}.get(type(self.summer).__name__, "custom")
+        return {"SharedMemorySum": "shared", "SharedChunkedSum": "shared-chunked",
+                "DirectSum": "direct"}.get(type(self.summer).__name__, "custom")
 
     def close(self) -> None:
         close = getattr(self.summer, "close", None)
@@ -125,21 +126,29 @@ class WeightedAverager:
 
 
 def open_averaging_sum(collective: Any, length: int, shared_memory: bool = True,
-                       direct_sum_bytes: int = 4 * 2**20) -> Callable[[np.ndarray], None] | None:
+                       direct_sum_bytes: int = 4 * 2**20,
+                       shared_chunk_bytes: int = 2 * 2**20) -> Callable[[np.ndarray], None] | None:
     """How a round's buffer of ``length`` float32 is summed; None: the collective's allreduce.
 
     Collective: every worker calls it at the same point. A small buffer (its copies to all peers
     at most ``direct_sum_bytes``, the allreduce strategy's rule) is summed through shared memory
-    when every worker runs on this machine, else in one round of messages to every peer; a
-    large one by Gloo's allreduce, where the bytes rather than the rounds are the time.
+    when every worker runs on this machine, else in one round of messages to every peer. A
+    large one (more than one chunk of ``shared_chunk_bytes``) through shared memory chunk by chunk
+    when every worker runs on this machine, else by Gloo's allreduce, where the bytes rather than
+    the rounds are the time.
     """
     from .collective import GlooCollective
     from .direct import DirectSum
-    from .shared import open_shared_sum
+    from .shared import open_chunked_sum, open_shared_sum
 
     inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
     world = inner.world_size
-    if not isinstance(inner, GlooCollective) or world < 2 or 4 * length * (world - 1) > direct_sum_bytes:
+    if not isinstance(inner, GlooCollective) or world < 2:
+        return None
+    if 4 * length * (world - 1) > direct_sum_bytes:
+        # Large: a chunked shared-memory sum of more than one chunk (the allreduce strategy's rule).
+        if shared_memory and shared_chunk_bytes > 0 and 4 * length > shared_chunk_bytes:
+            return open_chunked_sum(inner, length, shared_chunk_bytes // 4)
         return None
     if shared_memory:
         summer = open_shared_sum(inner, length)

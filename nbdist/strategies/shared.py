@@ -1,25 +1,53 @@
-"""Sum a small bucket across workers of one machine through shared memory: no messages at all.
+"""Sum buckets across workers of one machine through shared memory: no messages at all.
 
 The one-round sum of ``direct.py`` still sends messages over loopback TCP, and a worker waiting
 for one blocks in the kernel: its virtual CPU halts, and on this machine's VMs (idle vCPUs halt
 at once, ``haltpoll.guest_halt_poll_ns=0``) waking it costs from 0.5 to 8 ms. When every worker
-runs on the same machine they can instead share one memory segment: each writes its bucket into
-its own row and publishes the call's number in its own counter; the others watch the counter
-and add the rows in rank order, so every worker computes the same sum bit for bit. A worker
-with a core of its own spins while it waits (briefly, then sleeps), so it never halts.
+runs on the same machine they can instead share one memory segment. A worker with a core of its
+own spins while it waits (briefly, then sleeps), so it never halts.
 
-Layout of the segment: one int64 counter per worker, each on its own 64-byte line, then two
-slots of ``world`` rows. Call k writes slot k % 2. A worker starts call k + 1 only after every
-peer has published call k, hence after every peer has finished reading call k - 1, the slot
-k + 1 overwrites: two slots and one counter per worker are all the synchronisation needed.
+Two sums share the segment's machinery:
 
-Ordering: the bucket is written before the counter, and a reader loads the counter before the
-rows. x86-64 keeps stores in order and loads in order (TSO), so that is enough there; other
+``SharedMemorySum``, for a small bucket (at most ``direct_sum_bytes``): each worker writes its
+bucket into its own row and publishes the call's number in its own counter; the others watch the
+counter and add all rows in rank order, so every worker computes the same sum bit for bit. One
+wait per call. Layout: one int64 counter per worker, each on its own 64-byte line, then two slots
+of ``world`` rows. Call k writes slot k % 2. A worker starts call k + 1 only after every peer has
+published call k, hence after every peer has finished reading call k - 1, the slot k + 1
+overwrites: two slots and one counter per worker are all the synchronisation needed.
+
+``SharedChunkedSum``, for a large bucket (a 100 MiB model's gradients, or its weights when
+averaging): the segment has a fixed size, two slots of ``world`` input rows and one output row of
+``chunk`` floats, and the bucket passes through it chunk by chunk. Each chunk is summed by
+reduce-scatter then all-gather: every worker adds only its 1/world slice of the chunk (the rows
+in rank order, as above) into the output row, then everyone copies the whole summed chunk out.
+Each value is computed once, by one worker, and copied by all: the same bits everywhere, and the
+same bits as ``SharedMemorySum`` (the same additions in the same order). A worker touches each
+byte a small, fixed number of times, in chunks that stay in the caches, instead of pushing the
+bucket through loopback TCP twice.
+The protocol runs in phases numbered on from the counter's last value. In phase P a worker
+  1. waits until every peer has published P - 1,
+  2. copies the output row of slot P % 2 (chunk P - 2, summed) into its result,
+  3. writes its chunk P into its input row of slot P % 2,
+  4. adds its slice of chunk P - 1 from the input rows of slot (P - 1) % 2 into that slot's output row,
+  5. publishes P.
+(A call of L chunks takes L + 2 phases; chunks "before the first" and "after the last" are empty.)
+Why it is safe with one counter per worker and two slots: every read and write of phase P happens
+after every peer published P - 1 and before this worker publishes P, so a peer is at most one phase
+ahead. Step 2 reads slices written by peers in phase P - 1 (published); they are next overwritten
+in phase P + 1 (chunk P's slices), which no peer enters before this worker publishes P. Step 3
+overwrites chunk P - 2's inputs, which peers read in phase P - 1 (published); its readers wait for
+P. Step 4 reads inputs written in phase P - 1 (published), overwritten only in phase P + 1; it
+overwrites chunk P - 3's sum, which peers copied out in phase P - 1 (published); its readers wait
+for P + 1. Hence no slot is read and written by two workers at once, for any world size.
+
+Ordering: data is written before the counter, and a reader loads the counter before the rows.
+x86-64 keeps stores in order and loads in order (TSO), so that is enough there; other
 architectures would need memory barriers Python cannot issue, so they keep the message path.
 
 The segment lives in /dev/shm only until every worker has mapped it (mode 0600, a random name);
 then it is unlinked, so a killed job leaves nothing behind. Nothing in it is ever unpickled:
-it holds raw float32 and int64.
+it holds raw float32 and int64. A dead peer is noticed while waiting for it (``PeerGone``).
 """
 from __future__ import annotations
 
@@ -31,6 +59,7 @@ import platform
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +67,7 @@ import numpy as np
 from ..placement import usable_cores
 from ..procs import ProcessId, remove_quietly
 from .direct import add_in_rank_order
+from .ring import ALIGN, block_bounds, pieces, segment_bounds
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +78,11 @@ SHM_DIR = "/dev/shm"
 # checkpoint) is not worth a busy core.
 SPIN_SECONDS = 0.02
 CHECK_EVERY = 4096  # spin iterations between looks at the clock (about 0.3 ms of Python)
+# Spin iterations (about 20 us) before a spinning wait starts yielding its core at each look: when another
+# program shares the core, it then runs while we wait, instead of after, when the peer is there.
+YIELD_AFTER = 256
+# Floats per row of the chunked sum's segment; tuned below by benchmarks/shared_sum.py.
+CHUNK_ELEMENTS = 2**19  # 2 MiB rows: 0.24-0.38 of raw Gloo for 100 MiB here (benchmarks/shared_sum.py)
 
 
 class PeerGone(RuntimeError):
@@ -88,43 +123,32 @@ def should_spin(affinities: Sequence[frozenset[int]]) -> bool:
     return True
 
 
-class SharedMemorySum:
-    """``bucket[:] = sum over workers of bucket`` for workers that map the same segment.
+class _Segment:
+    """A mapped segment of int64 counters (one per worker, one per 64-byte line) and waits on them."""
 
-    Every worker must call it with a bucket of ``length`` float32 the same number of times.
-    Build it with ``open_shared_sum``, which falls back to None when the workers cannot share.
-    """
-
-    def __init__(self, rank: int, world: int, length: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
+    def __init__(self, rank: int, world: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
                  timeout: float, spin: bool) -> None:
-        self.rank, self.world, self.length = rank, world, length
+        self.rank, self.world = rank, world
         self.timeout, self.spin = timeout, spin
+        self.yield_after = YIELD_AFTER
         self._map = buf
         self._peers = list(peers)
         self._seq = np.ndarray((world,), dtype=np.int64, buffer=buf, offset=0, strides=(LINE,))
-        stride = row_stride(length)
-        self._slots = [np.ndarray((world, length), dtype=np.float32, buffer=buf,
-                                  offset=LINE * world + s * world * stride, strides=(stride, 4))
-                       for s in (0, 1)]
-        self._calls = int(self._seq[rank])
 
-    def __call__(self, bucket: np.ndarray) -> None:
-        k = self._calls + 1
-        rows = self._slots[k % 2]
-        rows[self.rank] = bucket
-        self._seq[self.rank] = k  # after the row: peers that see k see the row too (TSO)
+    def _wait_all(self, k: int) -> None:
+        """Return once every peer's counter has reached ``k``."""
         for p in range(self.world):
             if p != self.rank and self._seq[p] < k:
                 self._wait(p, k)
-        add_in_rank_order(rows, bucket)
-        self._calls = k
 
     def _wait(self, peer: int, k: int) -> None:
         seq, start = self._seq, time.monotonic()
         if self.spin:
-            spins = 0
+            spins, polite = 0, self.yield_after
             while seq[peer] < k:
                 spins += 1
+                if spins > polite:
+                    os.sched_yield()  # a no-op on a core of our own; else the other program runs meanwhile
                 if spins % CHECK_EVERY == 0 and time.monotonic() - start > SPIN_SECONDS:
                     break
             else:
@@ -146,26 +170,143 @@ class SharedMemorySum:
             raise TimeoutError(f"worker {peer} sent no gradients for {waited:.0f} s "
                                f"(the collective timeout); it may be stuck")
 
+    def _drop_views(self) -> None:
+        self._seq = None  # type: ignore[assignment]
+
     def close(self) -> None:
-        self._seq = self._slots = None  # type: ignore[assignment]  # views must go before the map
+        self._drop_views()  # views must go before the map
         try:
             self._map.close()
         except BufferError:  # a view still alive (e.g. held by a traceback): the OS frees it at exit
             log.debug("shared bucket still referenced at close")
 
 
-def open_shared_sum(collective: Any, length: int) -> SharedMemorySum | None:
-    """Map one segment on every worker of ``collective`` (a GlooCollective), or None if any cannot.
+class SharedMemorySum(_Segment):
+    """``bucket[:] = sum over workers of bucket`` for workers that map the same segment.
+
+    Every worker must call it with a bucket of ``length`` float32 the same number of times.
+    Build it with ``open_shared_sum``, which falls back to None when the workers cannot share.
+    """
+
+    def __init__(self, rank: int, world: int, length: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
+                 timeout: float, spin: bool) -> None:
+        super().__init__(rank, world, buf, peers, timeout, spin)
+        self.length = length
+        stride = row_stride(length)
+        self._slots = [np.ndarray((world, length), dtype=np.float32, buffer=buf,
+                                  offset=LINE * world + s * world * stride, strides=(stride, 4))
+                       for s in (0, 1)]
+        self._calls = int(self._seq[rank])
+
+    def __call__(self, bucket: np.ndarray) -> None:
+        k = self._calls + 1
+        rows = self._slots[k % 2]
+        rows[self.rank] = bucket
+        self._seq[self.rank] = k  # after the row: peers that see k see the row too (TSO)
+        self._wait_all(k)
+        add_in_rank_order(rows, bucket)
+        self._calls = k
+
+    def _drop_views(self) -> None:
+        super()._drop_views()
+        self._slots = None  # type: ignore[assignment]
+
+
+@dataclass
+class ChunkPlan:
+    """Where a bucket's chunks come from: for each chunk its bounds, the arrays' parts in it and this worker's slice."""
+
+    length: int
+    chunks: list[tuple[int, int, list[tuple[int, int, int, int]], int, int]]  # (a, b, pieces, slice lo, slice hi)
+
+
+def chunk_plan(offsets: Sequence[int], sizes: Sequence[int], length: int, chunk: int, rank: int,
+               world: int) -> ChunkPlan:
+    """Cut ``range(length)`` into chunks of ``chunk`` floats, each into ``world`` aligned slices."""
+    out = []
+    for a, b in segment_bounds(0, length, chunk):
+        lo, hi = block_bounds(b - a, world)[rank]
+        out.append((a, b, pieces(offsets, sizes, a, b), lo, hi))
+    return ChunkPlan(length, out)
+
+
+def chunked_segment_bytes(world: int, chunk: int) -> int:
+    """The counters, then two slots of ``world`` input rows and one output row of ``chunk`` float32."""
+    return LINE * world + 2 * (world + 1) * row_stride(chunk)
+
+
+class SharedChunkedSum(_Segment):
+    """``out = sum over workers of arrays`` through a fixed-size segment, chunk by chunk (module docstring).
+
+    ``sum_into(arrays, out, plan)`` reads the arrays where they are (e.g. TensorFlow's gradients)
+    and writes only ``out``; ``summer(bucket)`` sums a bucket in place. Every worker must make the
+    same calls with the same layouts. Build it with ``open_chunked_sum``.
+    """
+
+    def __init__(self, rank: int, world: int, chunk: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
+                 timeout: float, spin: bool) -> None:
+        super().__init__(rank, world, buf, peers, timeout, spin)
+        self.chunk = chunk
+        stride, rows = row_stride(chunk), world + 1
+        self._slots = [np.ndarray((rows, chunk), dtype=np.float32, buffer=buf,
+                                  offset=LINE * world + s * rows * stride, strides=(stride, 4))
+                       for s in (0, 1)]
+        self._phase = int(self._seq[rank])
+        self._plans: dict[int, ChunkPlan] = {}
+
+    def plan(self, offsets: Sequence[int], sizes: Sequence[int], length: int) -> ChunkPlan:
+        return chunk_plan(offsets, sizes, length, self.chunk, self.rank, self.world)
+
+    def __call__(self, bucket: np.ndarray) -> None:
+        n = len(bucket)
+        if n not in self._plans:
+            self._plans[n] = self.plan([0], [n], n)
+        self.sum_into([bucket], bucket, self._plans[n])
+
+    def sum_into(self, arrays: Sequence[np.ndarray], out: np.ndarray, plan: ChunkPlan) -> None:
+        """``out[layout] = sum over workers of arrays``: flat float32 arrays, laid out as ``plan`` says.
+
+        ``out`` may be the one array itself (in place): each chunk of it is read before it is written.
+        """
+        rank, world, chunks = self.rank, self.world, plan.chunks
+        g = self._phase
+        with np.errstate(all="ignore"):  # alignment gaps hold stale floats: their sums mean nothing
+            for i in range(len(chunks) + 2):
+                phase = g + 1 + i
+                self._wait_all(phase - 1)
+                slot, last = self._slots[phase % 2], self._slots[(phase - 1) % 2]
+                if i >= 2:  # chunk i - 2, summed by everyone in the last phase
+                    a, b = chunks[i - 2][0], chunks[i - 2][1]
+                    np.copyto(out[a:b], slot[world, :b - a])
+                if i < len(chunks):
+                    a, _, parts, _, _ = chunks[i]
+                    row = slot[rank]
+                    for k, lo, hi, pos in parts:
+                        np.copyto(row[pos - a:pos - a + hi - lo], arrays[k][lo:hi])
+                if 1 <= i <= len(chunks):  # this worker's slice of chunk i - 1
+                    _, _, _, lo, hi = chunks[i - 1]
+                    if lo < hi:
+                        add_in_rank_order(last[:world, lo:hi], last[world, lo:hi])
+                self._seq[rank] = phase  # after the rows: peers that see it see them too (TSO)
+        self._phase = g + len(chunks) + 2
+
+    def _drop_views(self) -> None:
+        super()._drop_views()
+        self._slots = None  # type: ignore[assignment]
+
+
+def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId | None], bool] | None:
+    """Map one segment of ``size`` bytes on every worker of ``collective`` (a GlooCollective), or None if any cannot.
 
     Collective: every worker calls it at the same point. It fails over to None when the workers
     are on different machines or containers (the segment or a peer's process is not visible), or
-    the machine is not x86-64; the caller then uses the message path.
+    the machine is not x86-64; the caller then uses the message path. Returns the map, the
+    workers' processes by rank and whether waits may spin.
     """
     rank, world, store = collective.rank, collective.world_size, collective.store
     n = collective.next_key("shm")
     me = ProcessId.of(os.getpid())
     cores = sorted(usable_cores() or ())
-    size = segment_bytes(world, length)
     path, buf = "", None
     if rank == 0:
         if supported_here() and me is not None:
@@ -192,10 +333,32 @@ def open_shared_sum(collective: Any, length: int) -> SharedMemorySum | None:
     if ok[0] != world:
         if buf is not None:
             buf.close()
-        log.debug("gradient exchange by messages: the workers cannot share memory")
+        log.debug("sums by messages: the workers cannot share memory")
         return None
-    spin = should_spin([frozenset(i["cores"]) for i in infos])
-    return SharedMemorySum(rank, world, length, buf, peers, collective.timeout, spin)
+    assert buf is not None
+    return buf, peers, should_spin([frozenset(i["cores"]) for i in infos])
+
+
+def open_shared_sum(collective: Any, length: int) -> SharedMemorySum | None:
+    """A ``SharedMemorySum`` of ``length`` float32 on every worker, or None (see ``_open_segment``)."""
+    opened = _open_segment(collective, segment_bytes(collective.world_size, length))
+    if opened is None:
+        return None
+    buf, peers, spin = opened
+    return SharedMemorySum(collective.rank, collective.world_size, length, buf, peers, collective.timeout, spin)
+
+
+def open_chunked_sum(collective: Any, length: int, chunk: int = CHUNK_ELEMENTS) -> SharedChunkedSum | None:
+    """A ``SharedChunkedSum`` for buckets of up to ``length`` float32, or None (see ``_open_segment``).
+
+    The segment holds ``2 * (world + 1)`` rows of ``chunk`` floats, whatever the bucket's size.
+    """
+    chunk = min(max(ALIGN, chunk // ALIGN * ALIGN), -(-length // ALIGN) * ALIGN)
+    opened = _open_segment(collective, chunked_segment_bytes(collective.world_size, chunk))
+    if opened is None:
+        return None
+    buf, peers, spin = opened
+    return SharedChunkedSum(collective.rank, collective.world_size, chunk, buf, peers, collective.timeout, spin)
 
 
 def boot_id() -> str:

@@ -80,6 +80,7 @@ class TrainSettings:
     engine: str | None
     direct_sum_bytes: int
     shared_memory: bool
+    shared_chunk_bytes: int
     sync_timeout: float
     startup_timeout: float
     rounds_per_epoch: int  # averaging rounds every worker runs per epoch (uneven shards pad to the longest)
@@ -92,6 +93,9 @@ class TrainSettings:
     batch_sizes: list[int] | None = None
     learning_rate: float | None = None
     epoch_decisions: bool = False
+    # Rank 0 sends the weights at every epoch end (checkpoints, callbacks that read the model);
+    # False: once, at the end or when the driver stops the run (driver/training.py decides).
+    weights_every_epoch: bool = True
 
     @classmethod
     def from_config(cls, config: Any, **run: Any) -> TrainSettings:

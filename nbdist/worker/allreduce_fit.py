@@ -32,7 +32,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         wrap_optimizer,
     )
     from ..strategies.averaging import WeightedAverager
-    from .callbacks import EventCallback, weight_shipper
+    from .callbacks import EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
     from .fit_sync import fit_and_report
     from .phases import EpochPhases, phase_callbacks, phase_timer, phase_times_enabled
@@ -64,13 +64,16 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         steps = len(totals)
     reducer = GradientAllreduce(collective, model.trainable_variables, engine,
                                 direct_sum_bytes=int(train.direct_sum_bytes),
-                                shared_memory=bool(train.shared_memory))
+                                shared_memory=bool(train.shared_memory),
+                                shared_chunk_bytes=int(train.shared_chunk_bytes))
     original_apply = wrap_optimizer(model.optimizer, reducer)
     non_trainable = floats(model.non_trainable_weights)
     stats = WeightedAverager(collective, non_trainable) if non_trainable else None
 
     phases = EpochPhases(reducer) if phase_times_enabled() else None
-    ship = weight_shipper(link.send, model) if rank == 0 else None
+    shipper = WeightShipper(link.send, model, bool(job.train.weights_every_epoch)) if rank == 0 else None
+    link.on_stop = shipper.on_stop if shipper is not None else None
+    ship = shipper
     if phases is not None:
         ship = phases.wrap_shipper(ship)
 
@@ -90,6 +93,9 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     finally:
         if feed is not None:
             feed.close()
+    if shipper is not None:  # the last epoch's weights, if they have not gone yet
+        shipper.finish()
+        report["weights_sent"] = shipper.sent
     done = {"type": MessageType.DONE, "sync_seconds": reducer.seconds, "rounds": reducer.steps,
             "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by, **report}
     link.send(done)

@@ -118,11 +118,39 @@ def weights_and_optimizer(model: Any) -> list[np.ndarray]:
     ]
 
 
-def weight_shipper(send: Callable[..., None], model: Any) -> Callable[[int], None]:
-    """Rank 0's end-of-epoch message: synchronised weights, optimizer state and step count."""
+class WeightShipper:
+    """Rank 0's synchronised weights, optimizer state and step count, for the driver.
 
-    def ship(epoch: int) -> None:
-        send({"type": MessageType.WEIGHTS, "epoch": epoch, "n_weights": len(model.get_weights()),
-              "iterations": int(model.optimizer.iterations.numpy())}, weights_and_optimizer(model))
+    Called at every epoch end. ``every_epoch`` (the driver's choice, ``TrainSettings``): sent at
+    once, for checkpoints or callbacks that read the model. Otherwise only a copy is kept, and it
+    is sent once: when training ends (``finish``), or when the driver stops the run and asks for
+    it (``on_stop``, on the link's reader thread) so the model keeps the last epoch's weights.
+    """
 
-    return ship
+    def __init__(self, send: Callable[..., None], model: Any, every_epoch: bool = True) -> None:
+        self.send, self.model, self.every_epoch = send, model, every_epoch
+        self.sent = 0  # weight messages sent (the closing report says how many)
+        self._last: tuple[dict[str, Any], list[np.ndarray]] | None = None  # the latest epoch's, not yet sent
+
+    def __call__(self, epoch: int) -> None:
+        model = self.model
+        weights = weights_and_optimizer(model)
+        body = {"type": MessageType.WEIGHTS, "epoch": epoch, "n_weights": len(model.weights),  # get_weights()'s
+                "iterations": int(model.optimizer.iterations.numpy())}
+        if self.every_epoch:
+            self._send(body, weights)
+        else:
+            self._last = (body, weights)  # one assignment: the reader thread sees the old copy or this one
+
+    def finish(self) -> None:
+        """Training ended: send the last epoch's weights if they have not gone yet."""
+        self.on_stop()
+
+    def on_stop(self) -> None:
+        last, self._last = self._last, None
+        if last is not None:
+            self._send(*last)
+
+    def _send(self, body: dict[str, Any], weights: list[np.ndarray]) -> None:
+        self.send(body, weights)
+        self.sent += 1

@@ -51,6 +51,9 @@ class DriverLink:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self._last_heard = time.monotonic()
+        # Called (on the reader thread) when the driver stops the run asking for the weights
+        # (rank 0 when weights travel only at the end: callbacks.WeightShipper.on_stop).
+        self.on_stop: Any = None
         threading.Thread(target=self._read, name="nbdist-driver-reader", daemon=True).start()
         threading.Thread(target=self._beat, name="nbdist-heartbeat", daemon=True).start()
 
@@ -80,6 +83,11 @@ class DriverLink:
                     continue
                 if msg.type == MessageType.STOP:
                     log.info("driver asked this worker to stop")
+                    if msg.body.get("weights") and self.on_stop is not None:
+                        try:
+                            self.on_stop()
+                        except Exception:  # the driver then keeps what it has; the worker ends all the same
+                            log.exception("could not send the weights at the stop")
                     os._exit(0)
                 self.inbox.put(msg)
         except Exception as exc:  # closed or forged: either way the driver is gone for us

@@ -52,7 +52,7 @@ def run_training(link: Any, job: JobMessage) -> None:
 
     from ..model_io import build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager, open_averaging_sum
-    from .callbacks import AveragingCallback, EventCallback, weight_shipper
+    from .callbacks import AveragingCallback, EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
     from .pydatasets import job_feed
 
@@ -96,7 +96,7 @@ def run_training(link: Any, job: JobMessage) -> None:
         averager = WeightedAverager(collective, variables, clock=collective.clock)
         # One exchange per round: through shared memory when every worker runs on this machine.
         averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
-                                             int(train.direct_sum_bytes))
+                                             int(train.direct_sum_bytes), int(train.shared_chunk_bytes))
         batch_size = rank_batch_size(job)
         # A PyDataset: this worker's share of its batches (pydatasets.py); arrays: one repeated
         # pipeline for the whole fit, so Keras keeps one iterator (see datasets.py).
@@ -105,7 +105,9 @@ def run_training(link: Any, job: JobMessage) -> None:
         sizes = feed.sizes if feed else None
 
         phases = EpochPhases(averager) if phase_times_enabled() else None
-        ship = weight_shipper(link.send, model) if rank == 0 else None
+        shipper = WeightShipper(link.send, model, bool(job.train.weights_every_epoch)) if rank == 0 else None
+        link.on_stop = shipper.on_stop if shipper is not None else None
+        ship = shipper
         if phases is not None:
             ship = phases.wrap_shipper(ship)
 
@@ -122,6 +124,9 @@ def run_training(link: Any, job: JobMessage) -> None:
         finally:
             if feed is not None:
                 feed.close()
+        if shipper is not None:  # the last epoch's weights, if they have not gone yet
+            shipper.finish()
+            report["weights_sent"] = shipper.sent
         done = {"type": MessageType.DONE, "sync_seconds": averager.seconds, "rounds": averager.rounds,
                 "summed_by": averager.summed_by, **report}
         link.send(done)

@@ -16,7 +16,7 @@ import pytest
 from ..conftest import wait_no_workers
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = ["P1", "P2", "P3", "P3w", "P3C", "P3Cw", "P4", "P5", "P6", "P7", "P8"]
+ROWS = ["P1", "P2", "P3", "P3w", "P3C", "P3Cw", "P4", "P4M", "P5", "P6", "P7", "P8"]
 
 
 @pytest.fixture(scope="module")

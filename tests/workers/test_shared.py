@@ -220,3 +220,107 @@ def test_a_peer_that_dies_fails_the_wait_naming_it():
     assert report["errors"] and len(report["errors"]) == 2  # steps 0 and 1 summed before the death
     assert report["error"] == f"worker 1 (pid {procs[1].pid}) exited during the gradient exchange"
     assert report["after"] < 5
+
+
+# -- the chunked sum of large buckets (SharedChunkedSum) ------------------------------------------
+CHUNK = 1024  # floats per row: buckets of a few chunks, none a multiple of it
+# A layout like the allreduce's: three gradients at 64-byte aligned offsets (gaps between them), the count last.
+SIZES = [2500, 7, 1301]
+
+
+def _arrays(rank, step):
+    rng = np.random.default_rng(1000 * rank + step)
+    return [rng.standard_normal(n).astype(np.float32) for n in SIZES] + [np.array([rank + 1.0], np.float32)]
+
+
+def _chunked_rank_main(rank: int, world: int, port: int, mode: str) -> None:
+    from nbdist.strategies.collective import GlooCollective
+    from nbdist.strategies.ring import aligned_offsets
+
+    gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
+    offsets = aligned_offsets(SIZES + [1])
+    length = int(offsets[-1])
+    summer = shared.open_chunked_sum(gloo, length, CHUNK)
+    report = {"shared": summer is not None}
+    gloo.allreduce_sum(np.zeros(1, np.float32))  # rank 0 has unlinked the segment by now
+    report["left_in_shm"] = _segments()
+    plan = summer.plan([int(o) for o in offsets[:-1]], SIZES + [1], length)
+    errors, digests = [], []
+    out = np.full(length, np.nan, np.float32)
+    for step in range(5):
+        if mode == "peer-dies" and rank == 1 and step == 2:
+            os._exit(3)
+        if rank == 0 and step == 3:
+            time.sleep(0.1)  # the others wait past their spin and sleep
+        t0 = time.monotonic()
+        arrays = _arrays(rank, step)
+        try:
+            if step % 2:  # in place, as the averaging strategy sums its buffer
+                bucket = np.concatenate(arrays)
+                summer(bucket)
+                got = np.split(bucket, np.cumsum(SIZES + [1])[:-1])
+            else:  # from the arrays where they are into the bucket, as the gradients are summed
+                summer.sum_into(arrays, out, plan)
+                got = [out[o:o + n] for o, n in zip(offsets[:-1], SIZES + [1])]
+        except shared.PeerGone as exc:
+            report["error"], report["after"] = str(exc), time.monotonic() - t0
+            break
+        # The same additions in the same order as the one-row sum: compare bits, not just values.
+        want = [np.zeros(n, np.float32) for n in SIZES + [1]]
+        rows = [_arrays(r, step) for r in range(world)]
+        for i in range(len(want)):
+            shared.add_in_rank_order(np.stack([row[i] for row in rows]), want[i])
+        errors.append(sum(int(np.count_nonzero(g != w)) for g, w in zip(got, want)))
+        digests.append(hashlib.sha256(b"".join(g.tobytes() for g in got)).hexdigest())
+    report.update(errors=errors, digests=digests, chunks=len(plan.chunks))
+    summer.close()
+    print(json.dumps(report), flush=True)
+    if mode != "peer-dies":
+        gloo.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_chunked_sum_between_real_processes_is_the_rank_order_sum_with_the_same_bits_everywhere(world):
+    before = _segments()
+    reports = run_ranks("tests.workers.test_shared:_chunked_rank_main", world, "run")
+    for report in reports:
+        assert report["shared"] and report["chunks"] == 4  # 3853 floats: 3 whole chunks and a part
+        assert report["errors"] == [0] * 5  # bit for bit the sum added in rank order, both call forms
+    assert all(r["digests"] == reports[0]["digests"] for r in reports)
+    assert all(set(r["left_in_shm"]) <= set(before) for r in reports)
+    assert _segments() == before
+
+
+def test_a_peer_that_dies_during_a_chunked_sum_fails_the_survivor_naming_it():
+    before = _segments()
+    s = socket_port()
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    code = ("import sys; from tests.workers.test_shared import _chunked_rank_main; "
+            "_chunked_rank_main(int(sys.argv[1]), 2, int(sys.argv[2]), 'peer-dies')")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(s)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert procs[1].returncode == 3
+    report = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert report["errors"] == [0, 0]  # steps 0 and 1 summed before the death
+    assert report["error"] == f"worker 1 (pid {procs[1].pid}) exited during the gradient exchange"
+    assert report["after"] < 5
+    assert _segments() == before
+
+
+def test_chunked_segment_keeps_two_slots_of_world_plus_one_rows():
+    assert shared.chunked_segment_bytes(2, 16) == 2 * 64 + 2 * 3 * 64
+    plan = shared.chunk_plan([0, 2512], [2500, 7], 2519, 1024, rank=1, world=2)
+    assert [(a, b, lo, hi) for a, b, _, lo, hi in plan.chunks] == [(0, 1024, 512, 1024), (1024, 2048, 512, 1024),
+                                                                  (2048, 2519, 240, 471)]
+    assert plan.chunks[2][2] == [(0, 2048, 2500, 2048), (1, 0, 7, 2512)]
+
+
+def socket_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
