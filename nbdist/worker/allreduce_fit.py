@@ -88,14 +88,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     callbacks = [sync, event] + phase_callbacks(link.send, collective)
     if feed is not None:
         callbacks = feed.callbacks(event) + callbacks
-    try:
-        report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases)
-    finally:
-        if feed is not None:
-            feed.close()
-    if shipper is not None:  # the last epoch's weights, if they have not gone yet
-        shipper.finish()
-        report["weights_sent"] = shipper.sent
+    report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
     done = {"type": MessageType.DONE, "sync_seconds": reducer.seconds, "rounds": reducer.steps,
             "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by, **report}
     link.send(done)

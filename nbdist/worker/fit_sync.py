@@ -156,19 +156,30 @@ def closing_report(decision: DecisionCallback | None) -> dict[str, Any]:
 
 
 def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inputs: dict[str, Any],
-                   lr_factor: float, callbacks: list[Any], phases: Any) -> dict[str, Any]:
+                   lr_factor: float, callbacks: list[Any], phases: Any, feed: Any = None,
+                   shipper: Any = None) -> dict[str, Any]:
     """Keras' fit with the strategy's ``callbacks``, the phase timers around them and the metric sums and
-    decisions after them; returns what both strategies add to their closing report."""
+    decisions after them; returns what both strategies add to their closing report.
+
+    ``feed``: a PyDataset's reader, closed when fit ends. ``shipper``: rank 0's weight shipper, which
+    sends the last epoch's weights if they have not gone yet."""
     if phases is not None:
         first, last = phases.callbacks()
         callbacks = [first, *callbacks, last]
     # After the strategy's rounds or padding steps: metric sums pair up in the same order on every worker.
     extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
-    model.fit(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=callbacks + extra,
-              initial_epoch=int(job.train.initial_epoch))
+    try:
+        model.fit(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=callbacks + extra,
+                  initial_epoch=int(job.train.initial_epoch))
+    finally:
+        if feed is not None:
+            feed.close()
     report = closing_report(decision)
     if phases is not None:
         report["phase_times"] = phases.epochs
+    if shipper is not None:
+        shipper.finish()
+        report["weights_sent"] = shipper.sent
     return report
 
 

@@ -119,14 +119,7 @@ def run_training(link: Any, job: JobMessage) -> None:
                                                   batch_size, int(train.rounds_per_epoch), sizes=sizes))
         if feed is not None:
             callbacks = feed.callbacks(event) + callbacks
-        try:
-            report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases)
-        finally:
-            if feed is not None:
-                feed.close()
-        if shipper is not None:  # the last epoch's weights, if they have not gone yet
-            shipper.finish()
-            report["weights_sent"] = shipper.sent
+        report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
         done = {"type": MessageType.DONE, "sync_seconds": averager.seconds, "rounds": averager.rounds,
                 "summed_by": averager.summed_by, **report}
         link.send(done)
