@@ -87,7 +87,8 @@ def check_subclassed_run(job: Any, model: Any, local: Any, x_test: np.ndarray, y
 # The cell as a user writes it for local training; under %%dist_train its fit runs on the workers.
 # Adam with allreduce: each step applies the mean gradient of the global batch, as local fit does,
 # so the two runs (and EarlyStopping's decision) agree to float rounding.
-FIT_CELL = """
+# The start of a cell with callbacks: a notebook callback recording each epoch's weights, and the model.
+SEEN_AND_MODEL = """
 import keras
 class Seen(keras.callbacks.Callback):
     def __init__(self):
@@ -100,6 +101,8 @@ keras.utils.set_random_seed(1)
 model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
                           keras.layers.Dense(10, activation="softmax")])
 model.compile(keras.optimizers.Adam(0.02), "sparse_categorical_crossentropy", metrics=["accuracy"])
+"""
+FIT_CELL = SEEN_AND_MODEL + """
 history = model.fit(X, y, batch_size=64, epochs=25, validation_data=(Xv, yv), verbose=0, shuffle=False,
                     class_weight=CLASS_WEIGHT, callbacks=[
                         keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True),

@@ -16,6 +16,7 @@ from nbdist.driver.fit_call import bind_fit, fit_data, reconcile
 from nbdist.errors import NbdistError
 
 from ..conftest import mlp, relative_error
+from ..models_and_fit import SEEN_AND_MODEL
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
@@ -71,19 +72,7 @@ def test_per_epoch_metrics_are_merged_exactly(digits):
     assert expected["auc"] > 0.8  # learned: an average over the sorted shards would be near 0.5
 
 
-CALLBACK_CELL = """
-import keras, numpy as np
-class Seen(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.weights = {}
-    def on_epoch_end(self, epoch, logs=None):
-        self.weights[epoch] = [w.copy() for w in self.model.get_weights()]
-seen = Seen()
-keras.utils.set_random_seed(1)
-model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                          keras.layers.Dense(10, activation="softmax")])
-model.compile(keras.optimizers.Adam(0.02), "sparse_categorical_crossentropy", metrics=["accuracy"])
+CALLBACK_CELL = SEEN_AND_MODEL + """
 history = model.fit(X, y, batch_size=64, epochs=25, validation_data=(Xv, yv), verbose=0, callbacks=[
     keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True),
     keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=1, factor=0.5),

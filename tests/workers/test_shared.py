@@ -203,18 +203,7 @@ def test_workers_on_two_kernels_never_share_memory():
 
 
 def test_a_peer_that_dies_fails_the_wait_naming_it():
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TF_CPP_MIN_LOG_LEVEL": "3"}
-    code = ("import sys; from tests.workers.test_shared import _rank_main; "
-            "_rank_main(int(sys.argv[1]), 2, int(sys.argv[2]), 'peer-dies')")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
-    outs = [p.communicate(timeout=60) for p in procs]
+    procs, outs = _two_ranks("_rank_main", "peer-dies")
     assert procs[1].returncode == 3
     report = json.loads(outs[0][0].strip().splitlines()[-1])
     assert report["errors"] and len(report["errors"]) == 2  # steps 0 and 1 summed before the death
@@ -293,13 +282,7 @@ def test_chunked_sum_between_real_processes_is_the_rank_order_sum_with_the_same_
 
 def test_a_peer_that_dies_during_a_chunked_sum_fails_the_survivor_naming_it():
     before = _segments()
-    s = socket_port()
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TF_CPP_MIN_LOG_LEVEL": "3"}
-    code = ("import sys; from tests.workers.test_shared import _chunked_rank_main; "
-            "_chunked_rank_main(int(sys.argv[1]), 2, int(sys.argv[2]), 'peer-dies')")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(s)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
-    outs = [p.communicate(timeout=60) for p in procs]
+    procs, outs = _two_ranks("_chunked_rank_main", "peer-dies")
     assert procs[1].returncode == 3
     report = json.loads(outs[0][0].strip().splitlines()[-1])
     assert report["errors"] == [0, 0]  # steps 0 and 1 summed before the death
@@ -314,6 +297,18 @@ def test_chunked_segment_keeps_two_slots_of_world_plus_one_rows():
     assert [(a, b, lo, hi) for a, b, _, lo, hi in plan.chunks] == [(0, 1024, 512, 1024), (1024, 2048, 512, 1024),
                                                                   (2048, 2519, 240, 471)]
     assert plan.chunks[2][2] == [(0, 2048, 2500, 2048), (1, 0, 7, 2512)]
+
+
+def _two_ranks(entry: str, mode: str) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
+    """Ranks 0 and 1 of this module's ``entry`` (``_rank_main``, ``_chunked_rank_main``) in ``mode``, as
+    processes of their own; their exit and output."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    code = (f"import sys; from tests.workers.test_shared import {entry}; "
+            f"{entry}(int(sys.argv[1]), 2, int(sys.argv[2]), {mode!r})")
+    port = socket_port()
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    return procs, [p.communicate(timeout=60) for p in procs]
 
 
 def socket_port() -> int:
