@@ -177,6 +177,10 @@ class GradientAllreduce:
             self.loss_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="nbdist_loss_scale")
         self.weight = 0.0  # samples in this worker's current batch; set before each step
         self.total: float | None = None  # samples of all workers in the current step
+        # A schedule (``schedule``): every step's (weight, total), found by an in-graph step counter.
+        self._table: list[tuple[float, float]] | None = None
+        self.step: Any = None
+        self._scales: Any = None
         self.seconds = 0.0  # wall time spent synchronising (read by the progress callback)
         self.steps = 0
         self._present: list[bool] | None = None
@@ -199,6 +203,53 @@ class GradientAllreduce:
             self._weight_var.assign(self.weight)
         if self.loss_scale is not None and self.total:
             self.loss_scale.assign(self.weight / self.total)
+
+    def schedule(self, sizes: Sequence[int], totals: Sequence[int]) -> None:
+        """Every step of an epoch: this worker's samples (``sizes``, then none in pad steps) and all workers'.
+
+        Known up front (``step_totals``), they let each step find its own share in the graph from a
+        step counter, instead of being told before each step from Python: several steps can then run
+        in one call into TensorFlow (worker/blocks.py). Call before the train step is first traced,
+        ``start_epoch`` at every epoch's start and ``advance`` after every train step (once per step,
+        however many times the step applies gradients).
+        """
+        import tensorflow as tf
+
+        self._table = [(float(sizes[j]) if j < len(sizes) else 0.0, float(t)) for j, t in enumerate(totals)]
+        self._scales = tf.constant([w / t for w, t in self._table], dtype=tf.float32)
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="nbdist_step")
+
+    @property
+    def scheduled(self) -> bool:
+        return self._table is not None
+
+    def start_epoch(self) -> None:
+        if self.step is not None:
+            self.step.assign(0)
+
+    def advance(self) -> Any:
+        """After each train step (in the graph, by the block function) and pad step: the next step's share."""
+        return self.step.assign_add(1)
+
+    def step_loss_scale(self) -> Any:
+        """n / total of the step being traced or run: from the schedule, else as last set."""
+        import tensorflow as tf
+
+        if self._table is not None:
+            return tf.gather(self._scales, self.step)
+        return self.loss_scale
+
+    def _at_step(self, exchange: Callable[..., list[np.ndarray]]) -> Callable[..., list[np.ndarray]]:
+        """``exchange`` taking the step counter first: the step's weight and total come from the schedule."""
+        def run(step: np.ndarray, *grads: np.ndarray) -> list[np.ndarray]:
+            assert self._table is not None
+            j = int(step)
+            if not 0 <= j < len(self._table):
+                raise RuntimeError(f"step {j} of an epoch of {len(self._table)} allreduce steps")
+            self.weight, self.total = self._table[j]
+            return exchange(*grads)
+
+        return run
 
     def note_loss_scaled(self) -> None:
         """Called by the wrapped ``optimizer.scale_loss``: this step's gradients arrive scaled."""
@@ -348,8 +399,13 @@ class GradientAllreduce:
             uncopied = self._ring is not None or self._chunked is not None
             exchange = (self.exchange if not prescaled else self.exchange_sum if uncopied
                         else self.exchange_copy)
-            out = tf.numpy_function(exchange, dense, Tout=[tf.float32] * len(dense), stateful=True,
-                                    name="nbdist_gradient_allreduce")
+            if self._table is None:
+                out = tf.numpy_function(exchange, dense, Tout=[tf.float32] * len(dense), stateful=True,
+                                        name="nbdist_gradient_allreduce")
+            else:  # the step's share from the schedule (the counter moves on after the step: ``advance``)
+                out = tf.numpy_function(self._at_step(exchange), [self.step.read_value(), *dense],
+                                        Tout=[tf.float32] * len(dense), stateful=True,
+                                        name="nbdist_gradient_allreduce")
             out = [tf.reshape(o, s) for o, s in zip(out, self.shapes)]
         else:
             out = self._engine_impl.reduce(self, dense)
@@ -363,6 +419,8 @@ class GradientAllreduce:
         present = self._present or [True] * len(self.shapes)
         zeros = [tf.zeros(s, tf.float32) if p else None for s, p in zip(self.shapes, present)]
         apply(self.reduce(zeros, prescaled=bool(self.prescaled)))
+        if self.scheduled:
+            self.advance()
 
 
 def wrap_optimizer(optimizer: Any, reducer: GradientAllreduce) -> Callable[..., Any]:
@@ -383,7 +441,7 @@ def wrap_optimizer(optimizer: Any, reducer: GradientAllreduce) -> Callable[..., 
             import tensorflow as tf
 
             reducer.note_loss_scaled()
-            return original_scale(loss) * tf.cast(reducer.loss_scale, loss.dtype)
+            return original_scale(loss) * tf.cast(reducer.step_loss_scale(), loss.dtype)
 
         optimizer.scale_loss = scale_loss
     return original
@@ -392,7 +450,9 @@ def wrap_optimizer(optimizer: Any, reducer: GradientAllreduce) -> Callable[..., 
 class AllreduceCallback(keras.callbacks.Callback):
     """Tells the reducer each batch's size, pads short shards, and syncs non-trainable state.
 
-    ``on_train_batch_begin`` runs before each step (steps_per_execution is 1).
+    Each step's size and total: set by ``on_train_batch_begin`` before each step, or, when the
+    reducer has the epoch's schedule (``GradientAllreduce.schedule``), found by the step itself, so
+    a call may run several steps (worker/blocks.py); the span of batches it covered is then counted.
     At the end of the epoch, non-trainable float weights (e.g. BatchNorm moving
     statistics, updated locally from each worker's own batches) are averaged,
     weighted by samples, so every worker validates with the same model.
@@ -414,12 +474,20 @@ class AllreduceCallback(keras.callbacks.Callback):
             raise ValueError(f"{len(self.totals)} step totals for {steps_per_epoch} steps per epoch")
         self.non_trainable = non_trainable
         self.padded_steps = 0
+        self._last_seen = -1  # the last batch a call ran, in this epoch
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._last_seen = -1
+        self.reducer.start_epoch()
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        self.reducer.set_weight(self.sizes[batch], self.totals[batch])
+        if not self.reducer.scheduled:
+            self.reducer.set_weight(self.sizes[batch], self.totals[batch])
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        if batch != len(self.sizes) - 1:
+        last = len(self.sizes) - 1  # a call of several steps reports its last, possibly past the shard's end
+        reached, self._last_seen = self._last_seen < last <= batch, batch
+        if not reached:
             return
         for step in range(len(self.sizes), self.steps_per_epoch):
             self.reducer.pad_step(lambda grads: self._apply(grads, self._trainable), self.totals[step])

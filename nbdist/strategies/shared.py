@@ -94,13 +94,13 @@ def supported_here() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
 
 
-def segment_bytes(world: int, length: int) -> int:
-    """Size of the segment: the counters, then two slots of ``world`` rows of ``length`` float32."""
-    return LINE * world + 2 * world * row_stride(length)
+def segment_bytes(world: int, length: int, itemsize: int = 4) -> int:
+    """Size of the segment: the counters, then two slots of ``world`` rows of ``length`` floats."""
+    return LINE * world + 2 * world * row_stride(length, itemsize)
 
 
-def row_stride(length: int) -> int:
-    return -(-4 * length // LINE) * LINE
+def row_stride(length: int, itemsize: int = 4) -> int:
+    return -(-itemsize * length // LINE) * LINE
 
 
 def should_spin(affinities: Sequence[frozenset[int]]) -> bool:
@@ -184,17 +184,19 @@ class _Segment:
 class SharedMemorySum(_Segment):
     """``bucket[:] = sum over workers of bucket`` for workers that map the same segment.
 
-    Every worker must call it with a bucket of ``length`` float32 the same number of times.
-    Build it with ``open_shared_sum``, which falls back to None when the workers cannot share.
+    Every worker must call it with a bucket of ``length`` floats of ``dtype`` (float32, or float64
+    for sums that must stay exact, such as metric counts) the same number of times. Build it with
+    ``open_shared_sum``, which falls back to None when the workers cannot share.
     """
 
     def __init__(self, rank: int, world: int, length: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
-                 timeout: float, spin: bool) -> None:
+                 timeout: float, spin: bool, dtype: Any = np.float32) -> None:
         super().__init__(rank, world, buf, peers, timeout, spin)
         self.length = length
-        stride = row_stride(length)
-        self._slots = [np.ndarray((world, length), dtype=np.float32, buffer=buf,
-                                  offset=LINE * world + s * world * stride, strides=(stride, 4))
+        item = np.dtype(dtype).itemsize
+        stride = row_stride(length, item)
+        self._slots = [np.ndarray((world, length), dtype=dtype, buffer=buf,
+                                  offset=LINE * world + s * world * stride, strides=(stride, item))
                        for s in (0, 1)]
         self._calls = int(self._seq[rank])
 
@@ -339,13 +341,14 @@ def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId
     return buf, peers, should_spin([frozenset(i["cores"]) for i in infos])
 
 
-def open_shared_sum(collective: Any, length: int) -> SharedMemorySum | None:
-    """A ``SharedMemorySum`` of ``length`` float32 on every worker, or None (see ``_open_segment``)."""
-    opened = _open_segment(collective, segment_bytes(collective.world_size, length))
+def open_shared_sum(collective: Any, length: int, dtype: Any = np.float32) -> SharedMemorySum | None:
+    """A ``SharedMemorySum`` of ``length`` floats of ``dtype`` on every worker, or None (see ``_open_segment``)."""
+    opened = _open_segment(collective, segment_bytes(collective.world_size, length, np.dtype(dtype).itemsize))
     if opened is None:
         return None
     buf, peers, spin = opened
-    return SharedMemorySum(collective.rank, collective.world_size, length, buf, peers, collective.timeout, spin)
+    return SharedMemorySum(collective.rank, collective.world_size, length, buf, peers, collective.timeout, spin,
+                           dtype)
 
 
 def open_chunked_sum(collective: Any, length: int, chunk: int = CHUNK_ELEMENTS) -> SharedChunkedSum | None:

@@ -31,7 +31,8 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         step_totals,
         wrap_optimizer,
     )
-    from ..strategies.averaging import WeightedAverager
+    from ..strategies.averaging import WeightedAverager, batch_sizes
+    from .blocks import StepBlocks, block_size
     from .callbacks import EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
     from .fit_sync import fit_and_report
@@ -66,9 +67,12 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
                                 direct_sum_bytes=int(train.direct_sum_bytes),
                                 shared_memory=bool(train.shared_memory),
                                 shared_chunk_bytes=int(train.shared_chunk_bytes))
+    if totals is not None and engine == "gloo" and not model.run_eagerly:
+        # Each step finds its share in the graph, so a call may run several (blocks.py).
+        reducer.schedule(batch_sizes(samples, batch_size), totals)
     original_apply = wrap_optimizer(model.optimizer, reducer)
     non_trainable = floats(model.non_trainable_weights)
-    stats = WeightedAverager(collective, non_trainable) if non_trainable else None
+    stats = WeightedAverager(collective, non_trainable, compiled=True) if non_trainable else None
 
     phases = EpochPhases(reducer) if phase_times_enabled() else None
     shipper = WeightShipper(link.send, model, bool(job.train.weights_every_epoch)) if rank == 0 else None
@@ -86,6 +90,11 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     event = EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer), ship,
                           sizes=feed.sizes if feed else None)
     callbacks = [sync, event] + phase_callbacks(link.send, collective)
+    if reducer.scheduled:  # several steps per call into TensorFlow (blocks.py)
+        train_steps = int(inputs["steps_per_epoch"])
+        blocks = StepBlocks(block_size(train_steps, train_steps), train_steps, inputs.get("validation_steps"),
+                            after_train_step=reducer.advance)
+        callbacks.insert(0, blocks.install(model))
     if feed is not None:
         callbacks = feed.callbacks(event) + callbacks
     report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..strategies.averaging import WeightedAverager, batch_sizes, sync_after
 from ..wire.messages import MessageType
+from .blocks import BatchSpan
 
 
 class AveragingCallback(keras.callbacks.Callback):
@@ -23,19 +24,22 @@ class AveragingCallback(keras.callbacks.Callback):
         # Rows of each batch: known from the shard, or (a PyDataset's share) as its batches are read.
         self.sizes = sizes if sizes is not None else batch_sizes(samples, batch_size)
         self.rounds_per_epoch = rounds_per_epoch
+        self.span = BatchSpan(self.sizes)  # a call may run several batches (blocks.py)
         self._pending = 0
         self._rounds = 0
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.span.reset()
         self._pending = 0
         self._rounds = 0
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         batches = len(self.sizes)
-        self._pending += self.sizes[batch]
-        if sync_after(batch, batches, self.k):
-            self._round()
-        if batch == batches - 1:
+        for b in self.span.advance(batch):
+            self._pending += self.sizes[b]
+            if sync_after(b, batches, self.k):
+                self._round()
+        if self.span.next == batches:
             while self._rounds < self.rounds_per_epoch:
                 self._round()
 
@@ -73,6 +77,7 @@ class EventCallback(keras.callbacks.Callback):
         self.averager = averager
         self.ship_weights = ship_weights
         self.interval = interval
+        self.span = BatchSpan(self.sizes)  # a call may run several batches (blocks.py)
         self._samples_done = 0
         self._train_start = time.perf_counter()
         self._epoch_start = 0.0
@@ -90,15 +95,17 @@ class EventCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch = epoch
         self._epoch_start = time.perf_counter()
+        self.span.reset()
         self.send({"type": MessageType.PROGRESS, "state": "training", "epoch": epoch, "batch": 0,
                    "batches": len(self.sizes), "samples_done": self._samples_done, **self._timing()})
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self._samples_done += self.sizes[batch]
+        self._samples_done += sum(self.sizes[b] for b in self.span.advance(batch))
         now = time.perf_counter()
         if now - self._last_sent >= self.interval:
             self._last_sent = now
-            self.send({"type": MessageType.PROGRESS, "state": "training", "epoch": self._epoch, "batch": batch + 1,
+            self.send({"type": MessageType.PROGRESS, "state": "training", "epoch": self._epoch,
+                       "batch": self.span.next,
                        "batches": len(self.sizes), "samples_done": self._samples_done, **self._timing()})
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:

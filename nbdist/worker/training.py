@@ -52,6 +52,7 @@ def run_training(link: Any, job: JobMessage) -> None:
 
     from ..model_io import build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager, open_averaging_sum
+    from .blocks import StepBlocks, block_size
     from .callbacks import AveragingCallback, EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
     from .pydatasets import job_feed
@@ -60,7 +61,8 @@ def run_training(link: Any, job: JobMessage) -> None:
         keras.utils.set_random_seed(int(train.seed) + rank)
     custom = custom_objects(job)
     compile_config = job.model.config.get("compile_config") or {}
-    # Averaging rounds count batches from on_train_batch_end, which fires once per execution.
+    # One step per Keras call unless the averaging path installs its own calls of several (blocks.py):
+    # Keras' own would run past an epoch's end on the repeated pipelines.
     compile_config["steps_per_execution"] = 1
     if train.strategy == "allreduce":  # the gradient allreduce is a Python op: XLA cannot compile it
         compile_config["jit_compile"] = False
@@ -93,7 +95,7 @@ def run_training(link: Any, job: JobMessage) -> None:
         variables = [w for w in model.weights if "float" in str(w.dtype)]
         if train.average_optimizer:
             variables += averaged_optimizer_variables(model)
-        averager = WeightedAverager(collective, variables, clock=collective.clock)
+        averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=True)
         # One exchange per round: through shared memory when every worker runs on this machine.
         averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
                                              int(train.direct_sum_bytes), int(train.shared_chunk_bytes))
@@ -114,6 +116,11 @@ def run_training(link: Any, job: JobMessage) -> None:
         event = EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, averager),
                               ship, sizes=sizes)
         callbacks = [event] + phase_callbacks(link.send, collective)
+        if feed is None and not model.run_eagerly:  # several steps per call into TensorFlow (blocks.py)
+            steps = int(inputs["steps_per_epoch"])
+            block = block_size(int(train.averaging_frequency), steps)
+            if block > 1:
+                callbacks.insert(0, StepBlocks(block, steps, inputs.get("validation_steps")).install(model))
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
             callbacks.insert(0, AveragingCallback(averager, int(train.averaging_frequency), samples,
                                                   batch_size, int(train.rounds_per_epoch), sizes=sizes))

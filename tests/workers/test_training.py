@@ -50,6 +50,43 @@ def test_averaging_every_step_with_sgd_equals_local_fit_with_the_combined_batch(
     assert err < 1e-5, err
 
 
+def rounds_of_local_sgd(model, x, y, workers: int, batch: int, k: int) -> None:
+    """Parameter averaging by hand: each shard trains ``k`` batches from the average, then the row-weighted average.
+
+    A shard whose batches ran out contributes no rows to the later rounds (nbdist's empty rounds).
+    """
+    shards = [(x[a:b], y[a:b]) for a, b in shard_bounds(len(x), workers)]
+    start = model.get_weights()
+    rounds = max(-(-len(sx) // (k * batch)) for sx, _ in shards)
+    for r in range(rounds):
+        total, acc = 0, [np.zeros_like(w, dtype=np.float64) for w in start]
+        for sx, sy in shards:
+            part = slice(r * k * batch, (r + 1) * k * batch)
+            rows = len(sx[part])
+            if not rows:
+                continue
+            model.set_weights(start)
+            model.fit(sx[part], sy[part], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+            acc = [a + rows * w.astype(np.float64) for a, w in zip(acc, model.get_weights())]
+            total += rows
+        start = [(a / total).astype(np.float32) for a in acc]
+    model.set_weights(start)
+
+
+def test_averaging_every_k_steps_equals_k_local_steps_then_the_average(digits):
+    """C2 for K > 1, where a worker runs its K steps in one call into TensorFlow (worker/blocks.py): 2 workers,
+    SGD, K=4, equal to rounds of 4 local batches per shard then the row-weighted average, to 1e-5."""
+    x, y = digits
+    local = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
+    remote = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
+    remote.set_weights(local.get_weights())
+    rounds_of_local_sgd(local, x, y, workers=2, batch=16, k=4)
+    job = nbdist.train(remote, x, y, epochs=1, batch_size=16, workers=2, averaging_frequency=4, shuffle=False)
+    assert job.reports[0]["rounds"] == 15  # 57 batches per worker: after batch 4, 8, ..., 56 and the 57th
+    err = relative_error(remote.get_weights(), local.get_weights())
+    assert err < 1e-5, err
+
+
 def test_averaging_is_not_once_at_the_end(digits):
     """A control for C2: with K=1000 (one round per epoch) the result must differ from big-batch SGD."""
     x, y = digits
