@@ -128,7 +128,9 @@ def validation_batches(x: Any, y: Any, batch_size: int, sample_weight: Any = Non
 
     parts = tf_structure(x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight))
     data = tf.nest.map_structure(tf.convert_to_tensor, parts)
-    return tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat()
+    dataset = tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat()
+    dataset.nbdist_one_pass_per_validation = True  # read whole passes: one iterator serves them all
+    return dataset
 
 
 def resident(array: Any) -> Any:

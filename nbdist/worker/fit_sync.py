@@ -21,6 +21,7 @@ import keras
 import numpy as np
 
 from ..wire.messages import JobMessage, MessageType
+from .validation import KeepValidationIterator, reads_whole_passes
 
 log = logging.getLogger("nbdist.worker")
 
@@ -212,6 +213,8 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
         callbacks = [first, *callbacks, last]
     # After the strategy's rounds or padding steps: metric sums pair up in the same order on every worker.
     extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
+    if reads_whole_passes(inputs.get("validation_data")):
+        extra.append(KeepValidationIterator())
     try:
         model.fit(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=callbacks + extra,
                   initial_epoch=int(job.train.initial_epoch))
