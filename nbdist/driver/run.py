@@ -105,6 +105,7 @@ class Run:
         self._handles: list[WorkerHandle] = []
         self._done: set[int] = set()
         self._closing: dict[int, float] = {}  # rank -> when its connection closed
+        self._exited: dict[int, float] = {}  # rank -> when its process was first seen to exit with 0
         self._failure: TrainingFailed | None = None
         self._warned: set[str] = set()
         self._launched_at = 0.0
@@ -447,8 +448,13 @@ class Run:
                 return
             if code == 0 and h.rank not in self._done:
                 self._drain_errors()
-                if self.status in TERMINAL:
+                if self.status in TERMINAL or h.rank in self._done:
                     return
+                # A worker sends "done" and exits: its last messages may still be on their way through the
+                # coordinator's reader, which reports the closed connection only after them.
+                exited = self._exited.setdefault(h.rank, now)
+                if h.rank not in self._closing and now - exited < EXIT_GRACE:
+                    continue
                 self._fail(h.rank, f"{h.describe()} exited before finishing", last_traceback(h.log_tail(400)))
                 return
         connected = self._coordinator.connected() | self._done | set(self._closing)

@@ -102,3 +102,26 @@ def test_interrupt_stops_every_worker_and_keeps_last_averaged_weights(digits):
     # The next run works.
     again = nbdist.train(model, x[:400], y[:400], epochs=1, workers=2)
     assert again.status == "done"
+
+
+def test_a_worker_that_exits_right_after_done_is_not_taken_for_dead(digits, monkeypatch):
+    """A worker sends "done" and exits at once; its message may reach the driver after its exit is seen.
+
+    Each "done" is held back here for a second in the driver's reader, so both processes have exited
+    before their last message arrives: the run must still end "done" (it failed "exited before finishing").
+    """
+    from nbdist.wire import protocol
+    from nbdist.wire.messages import MessageType
+
+    recv = protocol.Channel.recv
+
+    def late_done(self):
+        msg = recv(self)
+        if msg.type == MessageType.DONE:
+            time.sleep(1.0)
+        return msg
+
+    monkeypatch.setattr(protocol.Channel, "recv", late_done)
+    x, y = digits
+    job = nbdist.train(mlp(), x[:400], y[:400], epochs=1, batch_size=32, workers=2)
+    assert job.status == "done"
