@@ -75,10 +75,13 @@ class MetricStateSum:
         self.seconds += time.perf_counter() - t0
 
     def _sum(self, flat: np.ndarray) -> None:
-        if not self._opened:
+        if not self._opened:  # the first sum, at the same point on every worker
             self._opened = True
+            self._check_size(flat.size)  # a model's metric variables do not change during its fit
             self._summer = self._open(flat.size)
-        if self._summer is not None:  # its length is every worker's: a segment of another size does not attach
+        elif self._summer is None:
+            self._check_size(flat.size)
+        if self._summer is not None:
             clock = getattr(self.collective, "clock", None)
             if clock is not None:
                 clock.enter()
@@ -88,13 +91,15 @@ class MetricStateSum:
                 if clock is not None:
                     clock.leave()
             return
-        # A size check first: workers whose metrics differ must fail, not mix unrelated numbers.
-        size = np.array([flat.size], dtype=np.float64)
-        self.collective.allreduce_sum(size)
-        if int(size[0]) != flat.size * self.collective.world_size:
-            raise RuntimeError("workers hold different metric variables; every worker must run the same model")
         if flat.size:
             self.collective.allreduce_sum(flat)
+
+    def _check_size(self, length: int) -> None:
+        """Workers whose metrics differ must fail, not mix unrelated numbers."""
+        size = np.array([length], dtype=np.float64)
+        self.collective.allreduce_sum(size)
+        if int(size[0]) != length * self.collective.world_size:
+            raise RuntimeError("workers hold different metric variables; every worker must run the same model")
 
     def _open(self, length: int) -> Any:
         from ..strategies.collective import GlooCollective
