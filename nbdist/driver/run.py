@@ -365,6 +365,7 @@ class Run:
 
     def _handle(self, event: Event) -> None:
         if event.kind == "connected":
+            self._closing.pop(event.rank, None)  # an earlier connection for this rank hung up: this one replaces it
             body = event.message.body
             self.state.worker_connected(event.rank, str(body.get("host", "")), body.get("pid"))
             if self._shards is None:
@@ -381,7 +382,12 @@ class Run:
 
     def _send_job(self, rank: int) -> None:
         body, arrays = self._job_message(rank).encode()
-        self._coordinator.send(rank, body, arrays)
+        try:
+            self._coordinator.send(rank, body, arrays)
+        except (ConnectionError, OSError) as exc:
+            # It hung up right after its hello: the "closed" event behind it goes to the health check,
+            # which names the cause; the event loop itself must not die of it.
+            log.warning("could not send the job to worker %d: %s", rank, exc)
 
     def _handle_message(self, rank: int, msg: protocol.Message) -> None:
         if self._on_message(rank, msg):

@@ -209,7 +209,10 @@ class TrainingJob(Run):
     def _send_job(self, rank: int) -> None:
         super()._send_job(rank)
         if self._rendezvous is not None:  # rank 0 published the store before this worker came
-            self._coordinator.send(rank, self._rendezvous)
+            try:
+                self._coordinator.send(rank, self._rendezvous)
+            except (ConnectionError, OSError):
+                pass  # gone already: its "closed" event goes to the health check
 
     def _on_message(self, rank: int, msg: protocol.Message) -> bool:
         kind = msg.type

@@ -125,3 +125,34 @@ def test_a_worker_that_exits_right_after_done_is_not_taken_for_dead(digits, monk
     x, y = digits
     job = nbdist.train(mlp(), x[:400], y[:400], epochs=1, batch_size=32, workers=2)
     assert job.status == "done"
+
+
+def test_a_connection_that_hangs_up_after_its_hello_fails_the_run_in_one_sentence(digits):
+    """A peer says hello as rank 1 (it knows the secret) and hangs up before the driver sends it the job.
+
+    The event loop died of that ("ConnectionError: worker 1 is not connected", a traceback out of the
+    wait, and in a background run an "internal error"); the run must fail the way a cut connection
+    does, naming the worker, and stop every process.
+    """
+    import socket
+
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    from .test_fuzz_wire import _frame, _handshake, _hello
+
+    x, y = digits
+    job = prepare(mlp(), TrainConfig(epochs=2, workers=2, batch_size=32, ui="none"), x[:400], y[:400], None)
+    job.start()
+    coordinator = job._coordinator
+    with socket.create_connection(coordinator.address, timeout=5) as sock:  # the workers still import TF
+        key = _handshake(sock, coordinator.secret)
+        sock.sendall(_frame(key, _hello(1)))
+    deadline = time.monotonic() + 10
+    while coordinator.accepted < 1 or 1 in coordinator.connected():  # its reader has seen it go
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(TrainingFailed, match=r"worker 1 .*closed its connection"):
+        job.wait(timeout=300)
+    assert job.status == "failed"
+    assert not wait_no_workers(10)

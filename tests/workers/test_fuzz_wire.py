@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nbdist.api import prepare
+from nbdist.api import prepare_fit
 from nbdist.config import TrainConfig
 from nbdist.wire import protocol
 
@@ -28,7 +28,8 @@ from ..conftest import mlp, wait_no_workers
 
 FRAMES = int(os.environ.get("NBDIST_FUZZ_FRAMES", "10000"))
 BUDGET = 60.0  # seconds for the whole attack
-EPOCHS = 200  # the run must outlast the attack: 60 epochs ended first on an idle machine
+EPOCHS = 200
+HOLD_FROM = EPOCHS - 10  # from this epoch on, the run waits for the attack to end (see _holder)
 SENDERS = 4
 
 
@@ -168,21 +169,48 @@ def _accuracy(model, x, y) -> float:
     return float((model.predict(x, verbose=0).argmax(1) == y).mean())
 
 
+def _holder(attack_over: threading.Event):
+    """A notebook callback (the driver's side) that holds the last epochs until the attack is over.
+
+    The workers wait for its decision at every epoch's end, so the run cannot end before the attack,
+    however fast they train; it holds nothing before HOLD_FROM, so most of the attack meets live training.
+    """
+    import keras
+
+    class HoldLastEpochs(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch + 1 >= HOLD_FROM:
+                attack_over.wait(BUDGET + 60)
+
+    return HoldLastEpochs()
+
+
 def _run(x, y, during=None):
     model = mlp(seed=3)
-    underway = threading.Event()
+    underway, attack_over = threading.Event(), threading.Event()
+    if during is None:
+        attack_over.set()
 
     def listener(kind, state, payload):
-        if kind == "progress" and any(w.state == "training" for w in state.workers):
+        # Every worker holds its rank: a "taken-rank" hello must meet a rank in use, not take a free one.
+        if kind == "progress" and all(w.state in ("training", "synchronising") for w in state.workers):
             underway.set()
 
-    job = prepare(model, _config(), x, y, None, listeners=[listener])
+    config = _config()
+    fit = {"x": x, "y": y, "batch_size": None, "epochs": EPOCHS, "callbacks": [_holder(attack_over)],
+           "validation_split": 0.0, "validation_data": None, "shuffle": True, "class_weight": None,
+           "sample_weight": None, "initial_epoch": 0, "steps_per_epoch": None, "validation_steps": None,
+           "validation_freq": 1}
+    job = prepare_fit(model, config, fit, None, listeners=[listener])
     job.start()
     job.run_in_background()  # the pump runs on a thread; this one attacks
     result = None
     if during is not None:
         assert underway.wait(300), "training never started"
-        result = during(job)
+        try:
+            result = during(job)
+        finally:
+            attack_over.set()
     job.wait(timeout=600)
     return job, model, result
 
@@ -228,10 +256,12 @@ def test_hostile_frames_against_a_live_run(digits_split):
         deadline = time.monotonic() + 30  # each rejection lands on its connection's thread
         while coordinator.rejected < attacker.sent and time.monotonic() < deadline:
             time.sleep(0.05)
-        return attacker.sent, coordinator.rejected, coordinator.accepted, took
+        epochs = len(job.history.get("loss", []))
+        return attacker.sent, coordinator.rejected, coordinator.accepted, took, epochs
 
-    job, model, (sent, rejected, accepted, took) = _run(x, y, attack)
-    print(f"fuzz: {sent} hostile connections in {took:.1f} s; rejected {rejected}, accepted {accepted}")
+    job, model, (sent, rejected, accepted, took, epochs) = _run(x, y, attack)
+    print(f"fuzz: {sent} hostile connections in {took:.1f} s (epoch {epochs} of {EPOCHS} by then); "
+          f"rejected {rejected}, accepted {accepted}")
     assert sent >= FRAMES, f"only {sent} connections within {BUDGET} s while the run was in progress"
     assert rejected == sent and accepted == 2
     assert job.status == "done" and len(job.history["loss"]) == EPOCHS
