@@ -7,12 +7,7 @@ from __future__ import annotations
 
 from .config import TrainConfig
 from .errors import NbdistError, TrainingFailed
-from .model_io import capture_constructor_args
 from .version import __version__
-
-# Before the notebook builds layers: one without get_config() is then made again on a worker from its
-# constructor arguments (see model_io).
-capture_constructor_args()
 
 
 def train(*args, **kwargs):

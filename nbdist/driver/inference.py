@@ -8,7 +8,6 @@ predictions (predict); the driver sums the state and computes every metric once.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import uuid
 import warnings
@@ -29,7 +28,7 @@ from ..metrics import (
     merge_classifier_stats,
     sum_states,
 )
-from ..model_io import ModelSpec, is_keras_model, travelling_model
+from ..model_io import ModelSpec, is_keras_model, model_from_spec, travelling_model
 from ..spark.backend import is_connect_session
 from ..spark.checks import SPARK_BACKENDS, check_label_classes, check_width
 from ..spark.data import SparkData, is_spark_data, is_spark_rdd, spark_dataset, sql_types
@@ -146,7 +145,7 @@ class EvaluationJob(InferenceJob):
         if any(a.body["names"] != names for a in answers):
             raise NbdistError("workers reported different metrics; rerun the evaluation.")
         merged = sum_states([a.arrays[:n_state] for a in answers])
-        out: dict[str, Any] = keras_results(self._spec.config, self._custom, names, merged,
+        out: dict[str, Any] = keras_results(self._spec, names, merged,
                                             answers[0].arrays[n_state], answers[0].arrays[n_state + 1])
         out["samples"] = int(sum(a.body["rows"] for a in answers))
         if self.classifier is not None:
@@ -176,12 +175,10 @@ class PredictionJob(InferenceJob):
         return outputs[0] if len(outputs) == 1 else outputs
 
 
-def keras_results(config: dict[str, Any], custom: dict[str, Any], names: list[str], state: list[np.ndarray],
+def keras_results(spec: ModelSpec, names: list[str], state: list[np.ndarray],
                   y_row: np.ndarray, y_pred_row: np.ndarray) -> dict[str, Any]:
     """The compiled metrics' values from merged state, computed by Keras's own ``result()``."""
-    from keras.saving import deserialize_keras_object
-
-    template = deserialize_keras_object(config, custom_objects=custom)
+    template = model_from_spec(spec, weights=False)  # a copy: the notebook's model keeps its metric state
     template.compute_metrics(None, y_row, y_pred_row)  # builds the metric variables for these shapes
     template.reset_metrics()
     variables = template.metrics_variables
@@ -295,7 +292,7 @@ def predict_spark(model: Any, df: Any, features: str | Sequence[str] | None, nam
 
     One output value per row gives a double column, several an array<double> column.
     """
-    from ..spark.predict import PredictSpec, pack_weights, predict_batches
+    from ..spark.predict import PredictSpec, predict_batches
 
     options = dict(options)
     if options.get("workers") is not None:
@@ -320,11 +317,12 @@ def predict_spark(model: Any, df: Any, features: str | Sequence[str] | None, nam
     if any(d is None for d in out_shape):
         raise NbdistError("the model's output size depends on its input; nbdist predicts fixed-size outputs only.")
     scalar = int(np.prod(out_shape)) == 1
-    spec, custom = inference_spec(model, namespace)
+    spec, _ = inference_spec(model, namespace)
     spark_types = sql_types()
     session = df.sparkSession
-    # JSON text and an npz of numbers: nothing the executors would have to unpickle from us.
-    payload = {"config": json.dumps(spec.config), "weights": pack_weights(spec.weights)}
+    # The model (its objects and weights) goes inside Spark's own broadcast or task closure, as any UDF's
+    # code does: nbdist opens no channel of its own to the executors here.
+    payload = {"spec": spec}
     if not is_connect_session(session):
         payload = session.sparkContext.broadcast(payload)  # once per executor, not per task
     # Over Connect there is no broadcast: the model travels inside the function's closure.
@@ -332,7 +330,6 @@ def predict_spark(model: Any, df: Any, features: str | Sequence[str] | None, nam
                        batch_size=config.batch_size,
                        input_shape=in_shape if in_shape is not None and len(in_shape) > 1 else None,
                        scalar=scalar, threads=max(1, int(session.conf.get("spark.task.cpus", "1") or 1)),
-                       custom_objects=custom,
                        udt_columns=tuple((f.name, f.dataType) for f in df.schema.fields
                                          if isinstance(f.dataType, spark_types.UserDefinedType)))
     kind = spark_types.DoubleType() if scalar else spark_types.ArrayType(spark_types.DoubleType(), containsNull=False)

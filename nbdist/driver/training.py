@@ -22,7 +22,7 @@ from ..config import TrainConfig
 from ..data import Dataset, check_workers, shard_bounds
 from ..errors import NbdistError, TrainingFailed
 from ..fitdata import FitData, PyDatasetData, share_count
-from ..model_io import ModelSpec, build_optimizer, set_optimizer_weights, spec_from_model
+from ..model_io import ModelSpec, apply_state, spec_from_model
 from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
 from ..wire import protocol
@@ -59,6 +59,7 @@ class TrainingJob(Run):
         self._last_weights: tuple[int, list[np.ndarray], int] | None = None
         self._opt_weights: list[np.ndarray] = []
         self._iterations: int | None = None
+        self._layout: list[list[int]] = []  # each optimizer's variables among the weights (model_io)
         # An intercepted model.fit (or nbdist.train with fit's arguments): its data plan and the
         # notebook's callbacks, run here with merged logs (fit_call.py, callbacks.py).
         self.fit: Any = None
@@ -233,6 +234,7 @@ class TrainingJob(Run):
             self._last_weights = (int(msg.body["epoch"]), msg.arrays[:n], len(msg.arrays) - n)
             self._opt_weights = msg.arrays[n:]
             self._iterations = msg.body.get("iterations")
+            self._layout = msg.body.get("layout") or []
         elif kind == MessageType.STORE:
             # Kept for workers that connect later (a warm rank 0 can be seconds ahead of a cold
             # rank 1); one that connected but has no job yet drops this copy and gets it with its job.
@@ -332,12 +334,14 @@ class TrainingJob(Run):
         if self._last_weights is None:
             return
         _, weights, n_opt = self._last_weights
-        self.model.set_weights(weights)
-        if n_opt and self.config.average_optimizer:
-            build_optimizer(self.model)
-            set_optimizer_weights(self.model, self._opt_weights)
-        if self._iterations is not None:  # Adam's bias correction and LR schedules continue, not restart
-            self.model.optimizer.iterations.assign(int(self._iterations))
+        # All of the state or none of it (model_io.apply_state); the step count continues (Adam's bias
+        # correction, LR schedules).
+        apply_state(self.model, weights, self._opt_weights if n_opt and self._optimizer_shared() else None,
+                    self._layout, self._iterations)
+
+    def _optimizer_shared(self) -> bool:
+        """Rank 0's optimizer state is every worker's: allreduce, or averaging that averages it."""
+        return self.config.strategy == "allreduce" or bool(self.config.average_optimizer)
 
 
 __all__ = ["TrainingJob", "NbdistError", "TrainingFailed", "last_traceback"]

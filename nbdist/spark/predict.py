@@ -9,11 +9,9 @@ per task), inside the function's closure over Spark Connect (which has no broadc
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,18 +26,6 @@ _MODELS: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
-def pack_weights(weights: Sequence[np.ndarray]) -> bytes:
-    """Weights as one ``.npz`` blob: numbers only, nothing that needs unpickling."""
-    buf = io.BytesIO()
-    np.savez(buf, *[np.asarray(w) for w in weights])
-    return buf.getvalue()
-
-
-def unpack_weights(blob: bytes) -> list[np.ndarray]:
-    with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
-        return [npz[f"arr_{i}"] for i in range(len(npz.files))]
-
-
 @dataclass(frozen=True)
 class PredictSpec:
     """What each task needs besides the broadcast model."""
@@ -52,9 +38,6 @@ class PredictSpec:
     input_shape: tuple[int, ...] | None  # reshape flat feature rows to this when the model wants images
     scalar: bool  # one output value per row: a double column, else an array<double> column
     threads: int = 1
-    # Custom layers/losses the model config names. They reach the executor inside Spark's own task
-    # closure (as any UDF's code does), never as bytes nbdist unpickles.
-    custom_objects: dict[str, Any] = field(default_factory=dict)
     # Columns of a user-defined type (ML Vectors): Arrow hands them over as their struct, and
     # Spark needs the objects back, so each is rebuilt with its own type's deserialize().
     udt_columns: tuple[tuple[str, Any], ...] = ()
@@ -81,11 +64,10 @@ def _model(spec: PredictSpec) -> Any:
             # Use the task's cores only; TensorFlow refuses once this Python worker already ran it.
             with contextlib.suppress(RuntimeError):
                 pin_threads(spec.threads)
-            from ..model_io import ModelSpec, model_from_spec
+            from ..model_io import model_from_spec
 
             payload = spec.model.value if hasattr(spec.model, "value") else spec.model  # a broadcast, or the dict
-            model = model_from_spec(ModelSpec(json.loads(payload["config"]), unpack_weights(payload["weights"]),
-                                              None, None), spec.custom_objects or None)
+            model = model_from_spec(payload["spec"])
             _MODELS.clear()  # one call's model at a time: earlier calls' are garbage
             _MODELS[spec.key] = model
         return model

@@ -25,7 +25,7 @@ from ..fitdata import Struct, flatten, unflatten
 from ..model_io import ModelSpec
 
 # Bump on any change to the job message's fields or their meaning.
-JOB_VERSION = 2
+JOB_VERSION = 3
 
 JOB_KINDS = ("train", "evaluate", "predict")
 DATA_SOURCES = ("wire", "task")  # the shard came in the job's arrays / the Spark task wrote it to a file

@@ -117,12 +117,12 @@ class EventCallback(keras.callbacks.Callback):
                    "seconds": time.perf_counter() - self._epoch_start, **self._timing()})
 
 
-def weights_and_optimizer(model: Any) -> list[np.ndarray]:
-    from ..model_io import averaged_optimizer_variables
+def weights_and_optimizer(model: Any) -> tuple[list[np.ndarray], list[list[int]]]:
+    """The whole trained state (weights, then every optimizer's), and where each optimizer's variables are."""
+    from ..model_io import state_values
 
-    return [np.asarray(w) for w in model.get_weights()] + [
-        np.asarray(v.numpy()) for v in averaged_optimizer_variables(model)
-    ]
+    weights, optimizer, layout = state_values(model)
+    return weights + optimizer, layout
 
 
 class WeightShipper:
@@ -141,9 +141,9 @@ class WeightShipper:
 
     def __call__(self, epoch: int) -> None:
         model = self.model
-        weights = weights_and_optimizer(model)
+        weights, layout = weights_and_optimizer(model)
         body = {"type": MessageType.WEIGHTS, "epoch": epoch, "n_weights": len(model.weights),  # get_weights()'s
-                "iterations": int(model.optimizer.iterations.numpy())}
+                "iterations": int(model.optimizer.iterations.numpy()), "layout": layout}
         if self.every_epoch:
             self._send(body, weights)
         else:

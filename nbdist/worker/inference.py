@@ -50,12 +50,12 @@ def _fit_input(model: Any, x: np.ndarray) -> np.ndarray:
 
 
 def run_inference(link: Any, job: JobMessage) -> None:
-    from ..model_io import ModelSpec, model_from_spec
-    from .runtime import custom_objects, pin_threads
+    from ..model_io import model_from_spec
+    from .runtime import pin_threads
 
     link.heartbeat_timeout = float(job.heartbeat_timeout)
     pin_threads(job.threads)
-    model = model_from_spec(ModelSpec(job.model.config, job.model.weights), custom_objects(job))
+    model = model_from_spec(job.model)
     x, y, batch_size = job.x, job.y, job.batch_size
     link.send({"type": MessageType.PROGRESS, "state": job.kind + "ing", "epoch": 0, "batch": 0,
                "batches": -(-len(x) // batch_size)})

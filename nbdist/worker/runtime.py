@@ -23,12 +23,3 @@ def unpack_job(msg: Any) -> JobMessage:
 
         job.x, job.y = load_task_data()
     return job
-
-
-def custom_objects(job: JobMessage) -> dict[str, Any] | None:
-    """The notebook's own classes and functions the model needs, unpickled."""
-    if not job.model.custom_objects:
-        return None
-    import cloudpickle  # only ever reached on an authenticated channel
-
-    return cloudpickle.loads(job.model.custom_objects)

@@ -5,7 +5,7 @@ import logging
 from typing import Any
 
 from ..wire.messages import JobMessage, MessageType
-from .runtime import custom_objects, pin_threads
+from .runtime import pin_threads
 
 log = logging.getLogger("nbdist.worker")
 
@@ -59,16 +59,14 @@ def run_training(link: Any, job: JobMessage) -> None:
 
     if train.seed is not None:
         keras.utils.set_random_seed(int(train.seed) + rank)
-    custom = custom_objects(job)
-    compile_config = job.model.config.get("compile_config") or {}
+    # The notebook's model as it is, with its whole state; the step count comes with it (Adam's bias
+    # correction and LR schedules continue).
+    model = model_from_spec(job.model)
     # One step per Keras call unless the averaging path installs its own calls of several (blocks.py):
     # Keras' own would run past an epoch's end on the repeated pipelines.
-    compile_config["steps_per_execution"] = 1
+    model.steps_per_execution = 1
     if train.strategy == "allreduce":  # the gradient allreduce is a Python op: XLA cannot compile it
-        compile_config["jit_compile"] = False
-    # The step count comes with the state (job.model.iterations): Adam's bias correction and LR
-    # schedules continue.
-    model = model_from_spec(job.model, custom)
+        model.jit_compile = False
     build_optimizer(model)
     from .fit_sync import fit_and_report, set_initial_learning_rate
 

@@ -24,11 +24,11 @@ from nbdist.wire.messages import (
 rng = np.random.default_rng(0)
 
 
-def _spec(optimizer: bool = True, custom: bytes | None = b"\x80\x05opaque pickled bytes") -> ModelSpec:
-    return ModelSpec(config={"class_name": "Sequential", "config": {"layers": []}, "compile_config": {"loss": "mse"}},
+def _spec(optimizer: bool = True, graph: bytes = b"\x80\x05opaque pickled bytes") -> ModelSpec:
+    return ModelSpec(graph=graph,
                      weights=[rng.normal(size=(4, 3)).astype("float32"), rng.normal(size=(3,)).astype("float32")],
                      optimizer_weights=[rng.normal(size=(4, 3)).astype("float32")] if optimizer else None,
-                     custom_objects=custom)
+                     layout=[[0, 1]], settings={"dtype_policy": "float32"})
 
 
 def _training_job() -> JobMessage:
@@ -68,7 +68,7 @@ def _evaluation_job() -> JobMessage:
 
 def _prediction_job() -> JobMessage:
     return JobMessage(kind="predict", rank=1, world_size=2, batch_size=256, heartbeat_timeout=30.0, threads=2,
-                      model=_spec(optimizer=False, custom=None), x=rng.normal(size=(6, 4)).astype("float32"))
+                      model=_spec(optimizer=False), x=rng.normal(size=(6, 4)).astype("float32"))
 
 
 def _over_the_wire(body: dict, arrays: list[np.ndarray]) -> protocol.Message:
@@ -130,12 +130,12 @@ def test_each_job_kind_round_trips_through_an_authenticated_channel(make) -> Non
     _assert_same(JobMessage.decode(msg.body, msg.arrays), sent)
 
 
-def test_the_custom_objects_blob_stays_opaque_bytes() -> None:
+def test_the_model_graph_stays_opaque_bytes() -> None:
     body, arrays = _training_job().encode()
-    assert body["model"]["custom_objects"] == {"bytes": True}
-    # Weights (2) and optimizer state (1) come first, then the blob as raw uint8: nothing is unpickled here.
-    assert arrays[3].dtype == np.uint8 and arrays[3].tobytes() == b"\x80\x05opaque pickled bytes"
-    assert JobMessage.decode(body, arrays).model.custom_objects == b"\x80\x05opaque pickled bytes"
+    assert body["model"]["graph"] == {"bytes": True}
+    # The pickled model comes first as raw uint8, then weights (2) and optimizer state (1): nothing is unpickled here.
+    assert arrays[0].dtype == np.uint8 and arrays[0].tobytes() == b"\x80\x05opaque pickled bytes"
+    assert JobMessage.decode(body, arrays).model.graph == b"\x80\x05opaque pickled bytes"
 
 
 def test_every_model_spec_field_travels_without_a_list_here(monkeypatch) -> None:

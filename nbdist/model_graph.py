@@ -1,0 +1,329 @@
+"""A Keras model as the objects it is: pickled by its attributes, not rebuilt from its config.
+
+Why not Keras's own format: a rebuild from configs (Keras's ``.keras`` zip as much as any
+other) loses whatever no config records: a model's own ``compile(d_optimizer, g_optimizer)``
+arguments, an AdamW's ``exclude_from_weight_decay`` list, attributes set after construction.
+So the model object is pickled (cloudpickle: notebook classes and functions by value) with
+each Keras object's ``__dict__`` as its state, and only what is bound to this process is
+handled apart:
+
+- a backend variable travels as its metadata, and its value unless the caller ships that
+  value apart (``values_apart``: weights and optimizer state, sent as raw arrays so that
+  checkpoints and restarts can replace them); it is made anew on arrival;
+- an optimizer's tables keyed by its variables' process-local ids (``_var_key``) are keyed
+  again by the new variables;
+- a layer tracker's id sets are rebuilt from the objects it holds;
+- compiled step functions are dropped (Keras makes them again on the first step);
+- a TensorFlow resource (a lookup table) cannot cross processes: the layer that holds it
+  restores it from its assets (Keras's ``save_assets``/``load_assets``, see ``save_assets``).
+
+A layer holding such a resource without an assets protocol of its own is refused by
+``check_resources`` before any worker starts.
+"""
+from __future__ import annotations
+
+import collections.abc as cabc
+import copyreg
+import io
+import os
+import sys
+import tempfile
+import weakref
+import zipfile
+from typing import Any
+
+import numpy as np
+
+# Compiled step functions: bound to this process's graphs; Keras makes them again when None.
+_DROPPED = frozenset({"train_function", "test_function", "predict_function"})
+
+
+def _keras_classes() -> tuple[type, type, Any, type]:
+    import keras
+    from keras.src.backend.common.variables import Variable
+    from keras.src.saving.keras_saveable import KerasSaveable
+    from keras.src.utils import tracking
+
+    return Variable, KerasSaveable, tracking, keras.optimizers.Optimizer
+
+
+# -- what the model holds ----------------------------------------------------------
+def optimizers_of(model: Any) -> list[Any]:
+    """Every optimizer the model holds, in a fixed order: the compiled one first, then those
+    reachable through its objects' attributes (a GAN's two), each once."""
+    _, saveable, _, optimizer = _keras_classes()
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if depth > 8 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, optimizer):
+            found.append(obj)
+            inner = getattr(obj, "inner_optimizer", None)  # a LossScaleOptimizer's: its state is its own
+            if inner is not None:
+                seen.add(id(inner))
+            return
+        if isinstance(obj, saveable):
+            for key, value in vars(obj).items():
+                if not key.startswith("_self_") and key not in _DROPPED:
+                    visit(value, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                visit(value, depth + 1)
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                visit(value, depth + 1)
+
+    compiled = getattr(model, "optimizer", None)
+    if compiled is not None:
+        visit(compiled, 0)
+    visit(model, 0)
+    return found
+
+
+def optimizer_state_variables(model: Any) -> list[Any]:
+    """Every optimizer's whole state (slots, step counters, loss scale, EMA and accumulators), in a
+    fixed order; not learning rates, which the run sets itself (schedules, scaling, callbacks)."""
+    out: list[Any] = []
+    seen: set[int] = set()
+    for opt in optimizers_of(model):
+        for v in opt.variables:
+            if id(v) in seen or _path(v).endswith("learning_rate"):
+                continue
+            seen.add(id(v))
+            out.append(v)
+    return out
+
+
+def _path(v: Any) -> str:
+    return str(getattr(v, "path", None) or v.name)
+
+
+# -- pickling ------------------------------------------------------------------------
+def dump_graph(model: Any, values_apart: cabc.Iterable[Any] = ()) -> bytes:
+    """The model object pickled; variables in ``values_apart`` travel without their values."""
+    buf = io.BytesIO()
+    pickler = _GraphPickler(buf, protocol=5)
+    pickler.apart = {id(v) for v in values_apart}
+    pickler.var_keys = _var_keys(model)
+    pickler.dump(model)
+    return buf.getvalue()
+
+
+def load_graph(data: bytes) -> Any:
+    """The model from ``dump_graph``'s bytes. Only ever called on bytes from an authenticated peer."""
+    import cloudpickle
+
+    return cloudpickle.loads(data)
+
+
+def _new_variable(cls: type, meta: dict[str, Any], value: Any) -> Any:
+    v = cls.__new__(cls)
+    v.__dict__.update(meta)
+    if isinstance(value, tuple):  # (shape, dtype): the value travels apart and is assigned later
+        value = np.zeros(value[0], dtype=value[1])
+    v._initialize(value)
+    return v
+
+
+def _set_dict(obj: Any, state: dict[str, Any]) -> None:
+    obj.__dict__.update(state)
+
+
+def _set_optimizer(obj: Any, state: dict[str, Any]) -> None:
+    for key, value in state.items():
+        if isinstance(value, _ByVariable):
+            state[key] = value.rekeyed(obj)
+    obj.__dict__.update(state)
+
+
+def _set_tracker(obj: Any, state: dict[str, Any]) -> None:
+    obj.__dict__.update(state)
+    obj.__dict__["stored_ids"] = {name: {id(x) for x in store} for name, (_, store) in obj.config.items()}
+
+
+def _set_tracked(obj: Any, state: tuple[dict[str, Any], Any]) -> None:
+    attrs, items = state
+    obj.__dict__.update(attrs)
+    # The container's own methods would track again: fill it as the plain type it is.
+    if isinstance(obj, list):
+        list.extend(obj, items)
+    elif isinstance(obj, dict):
+        dict.update(obj, items)
+    else:
+        set.update(obj, items)
+
+
+class _Gone:
+    pass
+
+
+def _weak(target: Any) -> Any:
+    return weakref.ref(target if target is not None else _Gone())
+
+
+def _absent() -> None:
+    return None
+
+
+def _tf_function(python_function: Any, signature: Any) -> Any:
+    import tensorflow as tf
+
+    return tf.function(python_function, input_signature=signature)
+
+
+class _ByVariable:
+    """A dict or set an optimizer keys by its variables' process-local keys, keyed again on arrival."""
+
+    def __init__(self, kind: str, pairs: list[tuple[Any, Any]]) -> None:
+        self.kind, self.pairs = kind, pairs
+
+    def rekeyed(self, opt: Any) -> Any:
+        if self.kind == "set":
+            return {opt._var_key(v) for v, _ in self.pairs}
+        return {opt._var_key(v): value for v, value in self.pairs}
+
+
+def _var_keys(model: Any) -> dict[Any, Any]:
+    """Each optimizer's key of each variable it may have seen -> the variable."""
+    variables = list(model.variables)
+    opts = optimizers_of(model)
+    for opt in opts:
+        variables += list(getattr(opt, "_trainable_variables", []) or [])
+    keys: dict[Any, Any] = {}
+    for opt in opts:
+        for v in variables:
+            keys[opt._var_key(v)] = v
+    return keys
+
+
+def _by_variable(value: Any, keys: dict[Any, Any]) -> Any:
+    if not isinstance(value, (cabc.Mapping, cabc.Set)) or not value:
+        return value
+    try:
+        if not all(isinstance(k, (int, str)) and k in keys for k in value):
+            return value
+    except TypeError:
+        return value
+    if isinstance(value, cabc.Set):
+        return _ByVariable("set", [(keys[k], None) for k in value])
+    return _ByVariable("dict", [(keys[k], v) for k, v in value.items()])
+
+
+def _is_tf_resource(obj: Any) -> bool:
+    tf = sys.modules.get("tensorflow")
+    if tf is None:  # another backend: no TensorFlow resources to hold
+        return False
+    from tensorflow.python.trackable.resource import CapturableResource
+
+    if isinstance(obj, CapturableResource):
+        return True
+    return isinstance(obj, tf.Tensor) and obj.dtype == tf.resource
+
+
+def _tf_function_type() -> type | None:
+    tf = sys.modules.get("tensorflow")
+    return None if tf is None else tf.types.experimental.PolymorphicFunction
+
+
+def _cloudpickler() -> type:
+    import cloudpickle
+
+    return cloudpickle.Pickler
+
+
+class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
+    apart: set[int]
+    var_keys: dict[Any, Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.classes = _keras_classes()
+        self.tf_function = _tf_function_type()
+
+    def reducer_override(self, obj: Any) -> Any:
+        variable, saveable, tracking, optimizer = self.classes
+        kind = type(obj)
+        if isinstance(obj, variable):
+            meta = {k: v for k, v in vars(obj).items() if k != "_value" and not k.startswith("_self_")}
+            value = np.asarray(obj.numpy())
+            return _new_variable, (kind, meta, (value.shape, value.dtype.str) if id(obj) in self.apart else value)
+        if isinstance(obj, saveable):
+            # TensorFlow's checkpoint bookkeeping (_self_*) is made again on demand.
+            state = {k: (None if k in _DROPPED else v) for k, v in vars(obj).items() if not k.startswith("_self_")}
+            for key, value in state.items():
+                if _is_tf_resource(value):  # restored from the layer's assets (save_assets)
+                    state[key] = None
+            if isinstance(obj, optimizer):
+                state = {k: _by_variable(v, self.var_keys) for k, v in state.items()}
+                return copyreg.__newobj__, (kind,), state, None, None, _set_optimizer
+            return copyreg.__newobj__, (kind,), state, None, None, _set_dict
+        if isinstance(obj, tracking.Tracker):
+            return copyreg.__newobj__, (kind,), dict(vars(obj)), None, None, _set_tracker
+        if isinstance(obj, (tracking.TrackedList, tracking.TrackedDict, tracking.TrackedSet)):
+            items = dict(obj) if isinstance(obj, dict) else list(obj)
+            return copyreg.__newobj__, (kind,), (dict(vars(obj)), items), None, None, _set_tracked
+        if kind is weakref.ReferenceType:
+            return _weak, (obj(),)
+        if kind.__name__ == "DynamicBackend" and kind.__module__.startswith("keras"):
+            return kind, (obj._backend,)  # its __getattr__ recurses while unpickling by state
+        if _is_tf_resource(obj):
+            return _absent, ()
+        if self.tf_function is not None and isinstance(obj, self.tf_function):
+            return _tf_function, (obj.python_function, obj.input_signature)
+        return super().reducer_override(obj)
+
+
+# -- resources and assets ------------------------------------------------------------
+def check_resources(model: Any) -> str | None:
+    """The first layer that holds a TensorFlow resource it cannot restore (no load_assets), if any."""
+    for layer in model._flatten_layers():
+        if hasattr(layer, "load_assets"):
+            continue
+        for key, value in vars(layer).items():
+            if _is_tf_resource(value):
+                return f"layer {layer.name!r} ({type(layer).__name__}) holds a TensorFlow resource in {key!r}"
+    return None
+
+
+def has_assets(model: Any) -> bool:
+    return any(hasattr(layer, "save_assets") for layer in model._flatten_layers())
+
+
+def save_assets(model: Any) -> bytes | None:
+    """Every layer's assets (lookup vocabularies), as Keras saves them, in one zip; None if none."""
+    if not has_assets(model):
+        return None
+    buf = io.BytesIO()
+    with tempfile.TemporaryDirectory(prefix="nbdist-assets-") as root, \
+            zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as archive:
+        for i, layer in enumerate(model._flatten_layers()):
+            if not hasattr(layer, "save_assets"):
+                continue
+            folder = os.path.join(root, str(i))
+            os.makedirs(folder)
+            layer.save_assets(folder)
+            for name in sorted(os.listdir(folder)):
+                archive.write(os.path.join(folder, name), f"{i}/{name}")
+    return buf.getvalue()
+
+
+def load_assets(model: Any, blob: bytes | None) -> None:
+    """Each layer's assets back, through its own load_assets (which remakes its lookup table)."""
+    if not blob:
+        return
+    with tempfile.TemporaryDirectory(prefix="nbdist-assets-") as root:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            names = archive.namelist()
+            for name in names:
+                index, _, base = name.partition("/")
+                if not index.isdigit() or not base or "/" in base or base.startswith("."):
+                    raise ValueError(f"unexpected asset path {name!r}")
+            archive.extractall(root)
+        for i, layer in enumerate(model._flatten_layers()):
+            if hasattr(layer, "load_assets"):
+                folder = os.path.join(root, str(i))
+                os.makedirs(folder, exist_ok=True)
+                layer.load_assets(folder)
