@@ -162,9 +162,23 @@ def apply_settings(settings: dict[str, Any]) -> None:
 
 
 # -- driver: model -> spec -----------------------------------------------------
-def spec_from_model(model: Any, namespace: dict[str, Any] | None = None) -> ModelSpec:
+def spec_from_model(model: Any, namespace: dict[str, Any] | None = None, strategy: str = "averaging") -> ModelSpec:
     """The model as it travels to train; one sentence if it cannot, before any worker starts."""
-    return travelling_model(model, namespace)[0]
+    spec = travelling_model(model, namespace)[0]
+    check_strategy(model, strategy)
+    return spec
+
+
+def check_strategy(model: Any, strategy: str) -> None:
+    """Allreduce averages the gradients ``model.optimizer`` applies; a model whose own train_step applies
+    other optimizers (a GAN's two) would train them on each worker's gradients alone."""
+    if strategy != "allreduce":
+        return
+    others = [opt for opt in model_graph.optimizers_of(model) if opt is not model.optimizer]
+    if others:
+        names = ", ".join(sorted({type(o).__name__ for o in others}))
+        raise NbdistError(f"the model holds optimizers of its own besides model.optimizer ({names}), which its "
+                          "train_step applies and --strategy allreduce cannot average; use --strategy averaging.")
 
 
 def travelling_model(model: Any, namespace: dict[str, Any] | None = None, *,

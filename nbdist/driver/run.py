@@ -312,7 +312,8 @@ class Run:
             return
         self._before_stop()
         self._shutdown()
-        self._keep_results()
+        if not self._kept_results():
+            return
         self._release()
         self.state.finish("stopped", reason)
         self._notify("end")
@@ -501,11 +502,28 @@ class Run:
 
     def _complete(self) -> None:
         self._shutdown()
-        self._keep_results()
+        if not self._kept_results():
+            return
         self._on_done()
         self._release()
         self.state.finish("done")
         self._notify("end")
+
+    def _kept_results(self) -> bool:
+        """``_keep_results``, or the run failed because what the workers made could not be kept (the
+        model is then as it was: model_io.apply_state puts all of it back or none)."""
+        try:
+            self._keep_results()
+            return True
+        except Exception as exc:
+            log.exception("keeping the run's results failed")
+            message = (f"the workers finished, but their trained state could not be put into the notebook's "
+                       f"model ({' '.join(str(exc).split())[:200]}); the model was left as it was before the run.")
+            self._failure = TrainingFailed(message, "", None)
+            self._release()
+            self.state.finish("failed", message)
+            self._notify("end")
+            return False
 
     def _shutdown(self) -> None:
         if self._coordinator is not None:

@@ -173,6 +173,9 @@ class DistMagics(Magics):
                 return None  # stop() ended every worker and kept the last synchronised weights
             raise cause
         if not result.success:
+            if fit_calls:  # its model.fit trained on the workers before the error
+                raise NbdistError("the cell raised an error (shown above) after its model.fit trained on the workers; "
+                                  "the model holds the trained state, fix the code after fit and rerun it.")
             raise NbdistError("the cell raised an error (shown above) before training started; fix it and rerun.")
         if fit_calls:  # the cell's own model.fit ran on the workers: nothing more to train
             return None
