@@ -276,6 +276,62 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
         return super().reducer_override(obj)
 
 
+def unpicklable_part(model: Any) -> str | None:
+    """Where in the model the first object that cannot be pickled sits, e.g. "layer Logger, attribute
+    stream (TextIOWrapper)"; None if every part pickles on its own."""
+    _, saveable, tracking, _ = _keras_classes()
+    seen: set[int] = set()
+
+    class _Alone(_GraphPickler):  # one attribute on its own: the Keras objects it reaches are visited apart
+        def persistent_id(self, obj: Any) -> Any:
+            return id(obj) if isinstance(obj, saveable) else None
+
+    def fails(value: Any) -> bool:
+        pickler = _Alone(io.BytesIO(), protocol=5)
+        pickler.apart, pickler.var_keys = set(), {}
+        try:
+            pickler.dump(value)
+            return False
+        except Exception:
+            return True
+
+    def visit(obj: Any, owner: str) -> str | None:
+        if id(obj) in seen:
+            return None
+        seen.add(id(obj))
+        leaves = []
+        for key, value in vars(obj).items():
+            if key.startswith("_self_") or key in _DROPPED or isinstance(value, tracking.Tracker):
+                continue
+            items = list(value.values()) if isinstance(value, dict) else value
+            items = list(items) if isinstance(items, (list, tuple)) else [value]
+            for item in items:
+                if isinstance(item, saveable):  # the parts first: the innermost owner is named
+                    found = visit(item, f"{_kind(item)} {type(item).__name__}")
+                    if found is not None:
+                        return found
+                else:
+                    leaves.append((key, item))
+        for key, item in leaves:
+            if fails(item):
+                return f"{owner}, attribute {key.lstrip('_')} ({type(item).__name__})"
+        return None
+
+    return visit(model, f"{_kind(model)} {type(model).__name__}")
+
+
+def _kind(obj: Any) -> str:
+    import keras
+
+    if isinstance(obj, keras.Model):
+        return "model"
+    if isinstance(obj, keras.layers.Layer):
+        return "layer"
+    if isinstance(obj, keras.optimizers.Optimizer):
+        return "optimizer"
+    return "object"
+
+
 # -- resources and assets ------------------------------------------------------------
 def check_resources(model: Any) -> str | None:
     """The first layer that holds a TensorFlow resource it cannot restore (no load_assets), if any."""

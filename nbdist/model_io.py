@@ -201,9 +201,9 @@ def travelling_model(model: Any, namespace: dict[str, Any] | None = None, *,
     try:  # the optimizer's state never in the pickle: it travels beside it to train, not at all for inference
         graph = model_graph.dump_graph(model, weights + opt_vars)
     except Exception as exc:
-        raise NbdistError(f"the model cannot be sent to the workers ({_one_line(exc)}); an object it holds "
-                          "(named there) cannot be pickled: create it inside the layer or function that uses "
-                          "it, or hold what it is made from instead.") from None
+        where = model_graph.unpicklable_part(model) or "an object the model holds"
+        raise NbdistError(f"{where} cannot be sent to the workers ({_one_line(exc)}); create it inside the "
+                          "layer or function that uses it, or hold what it is made from instead.") from None
     try:
         assets = model_graph.save_assets(model)
     except Exception as exc:

@@ -164,6 +164,10 @@ class Run:
     def _release(self) -> None:
         """On every ending, and when a launch fails: remove what the run made (e.g. temp checkpoints)."""
 
+    def _after_failure(self, message: str) -> str:
+        """The failure's sentence, with what it left in the notebook (e.g. the model untouched)."""
+        return message
+
     # -- public ---------------------------------------------------------
     @property
     def status(self) -> str:
@@ -492,6 +496,7 @@ class Run:
     def _fail(self, rank: int | None, message: str, worker_traceback: str) -> None:
         if self._intercept_failure(rank, message, worker_traceback):
             return
+        message = self._after_failure(message)
         self._failure = TrainingFailed(message, worker_traceback, rank)
         if rank is not None:
             self.state.worker_finished(rank, "failed", worker_traceback)

@@ -252,6 +252,10 @@ class TrainingJob(Run):
         if self._restart_pending is not None:
             self._restart()
 
+    def _after_failure(self, message: str) -> str:
+        # A failed run keeps nothing of what the workers trained (a stop keeps the last epoch's).
+        return f"{message.rstrip().rstrip('.')}; the notebook's model was left as it was before the run."
+
     def _intercept_failure(self, rank: int | None, message: str, worker_traceback: str) -> bool:
         if self._restart_pending is not None:  # the first cause is the one a restart reports
             return True

@@ -85,7 +85,7 @@ def test_an_object_that_cannot_travel_is_named_before_any_worker(ip, capsys, tmp
     result = ip.run_cell("%%dist_train --model logged --data X,y --epochs 1 --workers 2 --ui none\npass")
     assert not result.success
     err = capsys.readouterr().err
-    assert "layer Logger, argument 1 (TextIOWrapper) cannot be sent to the workers" in err
+    assert "layer Logger, attribute stream (TextIOWrapper) cannot be sent to the workers" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     ns = ip.user_ns
     assert all(np.array_equal(a, b) for a, b in zip(ns["logged"].get_weights(), ns["before"]))
