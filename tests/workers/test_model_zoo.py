@@ -267,7 +267,8 @@ def gan(x, y):
             self.d_loss.update_state(loss)
             return {"d_loss": self.d_loss.result()}
 
-    d = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1, "sigmoid")])
+    d = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(1, "sigmoid")])
     g = keras.Sequential([keras.Input((4,)), keras.layers.Dense(64, activation="sigmoid")])
     model = GAN(d, g, 4)
     model.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3), keras.losses.BinaryCrossentropy())
