@@ -228,6 +228,17 @@ def _tf_function_type() -> type | None:
     return None if tf is None else tf.types.experimental.PolymorphicFunction
 
 
+def _tf_strategy_type() -> type | None:
+    tf = sys.modules.get("tensorflow")
+    return None if tf is None else tf.distribute.Strategy
+
+
+def _current_strategy() -> Any:
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy()
+
+
 def _cloudpickler() -> type:
     import cloudpickle
 
@@ -242,6 +253,7 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.classes = _keras_classes()
         self.tf_function = _tf_function_type()
+        self.tf_strategy = _tf_strategy_type()
 
     def reducer_override(self, obj: Any) -> Any:
         variable, saveable, tracking, optimizer = self.classes
@@ -271,6 +283,8 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
             return kind, (obj._backend,)  # its __getattr__ recurses while unpickling by state
         if _is_tf_resource(obj):
             return _absent, ()
+        if self.tf_strategy is not None and isinstance(obj, self.tf_strategy):
+            return _current_strategy, ()  # the receiving process's own (a copy would refuse new variables)
         if self.tf_function is not None and isinstance(obj, self.tf_function):
             return _tf_function, (obj.python_function, obj.input_signature)
         return super().reducer_override(obj)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import nbdist
-from nbdist.model_io import optimizer_state_variables
+from nbdist.model_graph import optimizers_of
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
@@ -158,7 +158,9 @@ def attention(x, y):
     inp = keras.Input((8, 8))
     h = keras.layers.MultiHeadAttention(2, 4)(inp, inp)
     h = keras.layers.LayerNormalization()(keras.layers.Flatten()(h))
-    return _compile(keras.Model(inp, keras.layers.Dense(10, "softmax")(h))), x.reshape(-1, 8, 8), y
+    # SGD: the key bias's gradient is zero up to rounding, and Adam would turn that noise into lr-sized steps.
+    return _compile(keras.Model(inp, keras.layers.Dense(10, "softmax")(h)), keras.optimizers.SGD(0.1)), \
+        x.reshape(-1, 8, 8), y
 
 
 def two_inputs_lambda(x, y):
@@ -324,21 +326,32 @@ def _built(case: Case, data: tuple[np.ndarray, np.ndarray], seed: int = 5) -> tu
     return case.build(*data)
 
 
-def _local(case: Case, data, **fit: Any) -> tuple[Any, dict[str, list[float]]]:
+def _local(case: Case, data, epochs: int = EPOCHS) -> tuple[Any, dict[str, list[float]]]:
     model, x, y = _built(case, data)
-    history = model.fit(x, y, batch_size=WORKERS * BATCH, epochs=EPOCHS, shuffle=False, verbose=0, **fit)
+    history = model.fit(x, y, batch_size=WORKERS * BATCH, epochs=epochs, shuffle=False, verbose=0)
     return model, history.history
 
 
-def _state(model: Any) -> list[np.ndarray]:
-    return [np.asarray(v.numpy(), dtype="float64") for v in list(model.weights) + optimizer_state_variables(model)]
+def _states(model: Any, local: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Both models' weights and the state of every optimizer the local fit built (a model whose own
+    train_step never applies model.optimizer leaves it unbuilt locally; nbdist builds it, empty)."""
+    def values(variables: list[Any]) -> list[np.ndarray]:
+        return [np.asarray(v.numpy(), dtype="float64") for v in variables]
+
+    got, want = values(model.weights), values(local.weights)
+    for mine, theirs in zip(optimizers_of(model), optimizers_of(local), strict=True):
+        if theirs.built:
+            got += values([v for v in mine.variables if "learning_rate" not in v.path])
+            want += values([v for v in theirs.variables if "learning_rate" not in v.path])
+    return got, want
 
 
 def _assert_close(got: list[np.ndarray], want: list[np.ndarray], rtol: float) -> None:
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.shape == b.shape, (i, a.shape, b.shape)
-        assert np.linalg.norm(a - b) <= rtol * max(np.linalg.norm(b), 1e-6), (i, float(np.abs(a - b).max()))
+        # A floor for tensors near zero (an attention key bias, whose gradient is rounding noise).
+        assert np.linalg.norm(a - b) <= rtol * max(np.linalg.norm(b), 1e-3), (i, float(np.abs(a - b).max()))
 
 
 def _accuracy(model: Any, x: Any, y: np.ndarray) -> float:
@@ -346,20 +359,23 @@ def _accuracy(model: Any, x: Any, y: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_two_workers_under_allreduce_train_the_whole_model_as_the_local_global_batch(name, data):
+def test_two_workers_under_allreduce_train_the_whole_model_as_the_local_global_batch(name, data, digits):
     case = ZOO[name]
-    local, local_history = _local(case, data)
+    # Inexact models train long enough on all of digits for a point of accuracy to mean something.
+    data, epochs = (data, EPOCHS) if case.exact else (digits, 5)
+    local, local_history = _local(case, data, epochs)
     model, x, y = _built(case, data)
-    job = nbdist.train(model, x, y, epochs=EPOCHS, batch_size=BATCH, workers=WORKERS, strategy="allreduce",
+    job = nbdist.train(model, x, y, epochs=epochs, batch_size=BATCH, workers=WORKERS, strategy="allreduce",
                        shuffle=False, callbacks=[], backend="local", lr_scaling="none")
     assert job.status == "done"
     if case.exact:
-        _assert_close(_state(model), _state(local), case.rtol)
+        _assert_close(*_states(model, local), case.rtol)
         for key, values in local_history.items():
             np.testing.assert_allclose(job.history[key], values, rtol=max(case.rtol, 1e-5), err_msg=key)
     else:
         assert abs(_accuracy(model, x, y) - _accuracy(local, x, y)) <= 0.01 + 1e-9
-        assert len(_state(model)) == len(_state(local))
+        got, want = _states(model, local)
+        assert [a.shape for a in got] == [b.shape for b in want]
     # The notebook's model holds what the workers trained: its whole state, its step count included.
     assert int(model.optimizer.iterations.numpy()) == int(local.optimizer.iterations.numpy())
     # And it evaluates as the workers' evaluation of it says.
@@ -378,7 +394,7 @@ def test_one_worker_equals_the_local_fit(name, data):
     model, x, y = _built(case, data)
     job = nbdist.train(model, x, y, epochs=EPOCHS, batch_size=BATCH, workers=1, shuffle=False, callbacks=[],
                        backend="local")
-    _assert_close(_state(model), _state(model_l), case.rtol)
+    _assert_close(*_states(model, model_l), case.rtol)
     for key, values in history.items():
         np.testing.assert_allclose(job.history[key], values, rtol=max(case.rtol, 1e-5), err_msg=key)
 
