@@ -1,4 +1,4 @@
-"""Evaluation and prediction as a worker runs them: rebuild the model, run it on the shard, report.
+"""Evaluation and prediction as a worker runs them: the notebook's model, run on the shard, report.
 
 The compute (``evaluate_shard``, ``predict_shard``) takes arrays, not a connection,
 so a backend whose shards come from elsewhere (Spark partitions) can feed it too.

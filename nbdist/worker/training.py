@@ -1,4 +1,4 @@
-"""The training job as a worker runs it: rebuild the model, rendezvous, fit."""
+"""The training job as a worker runs it: the notebook's model with its state, rendezvous, fit."""
 from __future__ import annotations
 
 import logging
