@@ -263,6 +263,64 @@ class RunTracker:
         self._client.log_artifacts(self.run_id, path, "model")
 
 
+class SearchRun:
+    """The parent MLflow run of a hyperparameter search (``nbdist.tune``); its trials are child runs
+    (``RunTracker`` with ``parent_run_id``). Failures cost one warning, as for a run."""
+
+    def __init__(self, name: str, params: dict[str, str], active: str = "nest") -> None:
+        self.run_id: str | None = None
+        self._client: Any = None
+        self._owns_run = True
+        try:
+            mlflow = import_mlflow(required=True)
+            uri = mlflow.get_tracking_uri()
+            problem = unreachable(uri)
+            if problem is not None:
+                log.warning("the MLflow tracking server at %s is unreachable: %s; the search runs without MLflow "
+                            "tracking.", uri, problem)
+                return
+            self._client = mlflow.MlflowClient()
+            current = mlflow.active_run()
+            if active == "use" and current is not None:
+                self.run_id, self._owns_run = current.info.run_id, False
+            else:
+                tags = {"mlflow.parentRunId": current.info.run_id} if current is not None else {}
+                if current is not None:
+                    experiment = current.info.experiment_id
+                else:
+                    from mlflow.tracking.fluent import _get_experiment_id
+
+                    experiment = _get_experiment_id()
+                self.run_id = self._client.create_run(experiment, tags=tags, run_name=name).info.run_id
+            from mlflow.entities import Param
+
+            self._client.log_batch(self.run_id, params=[Param(k, _text(v)) for k, v in params.items()])
+        except NbdistError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        self.run_id = None
+        log.warning("logging the search to MLflow failed (%s: %s); it runs on without MLflow tracking.",
+                    type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+
+    def end(self, status: str, best_value: float | None, best_params: dict[str, Any]) -> None:
+        if self.run_id is None:
+            return
+        try:
+            from mlflow.entities import Metric, Param
+
+            metrics = [] if best_value is None else [Metric("best_value", float(best_value), int(time.time() * 1000),
+                                                            0)]
+            params = [Param(f"best.{k}", _text(v)) for k, v in best_params.items()]
+            self._client.log_batch(self.run_id, metrics=metrics, params=params)
+            if self._owns_run:
+                self._client.set_terminated(self.run_id, {"done": "FINISHED", "failed": "FAILED"}.get(status, "KILLED"))
+        except Exception as exc:
+            self._fail(exc)
+
+
 def tracker_for(config: TrainConfig, model: Any, fit: dict[str, Any] | None = None,
                 **options: Any) -> RunTracker | None:
     """The tracker of a run, or None when this run is not tracked (see ``wanted``)."""
@@ -281,5 +339,5 @@ def track(job: Any, config: TrainConfig, fit: dict[str, Any] | None = None) -> N
         job.listeners.append(tracker)
 
 
-__all__ = ["RunTracker", "import_mlflow", "keras_autolog_config", "run_params", "track", "tracker_for",
+__all__ = ["RunTracker", "SearchRun", "import_mlflow", "keras_autolog_config", "run_params", "track", "tracker_for",
            "unreachable", "wanted"]
