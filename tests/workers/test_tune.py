@@ -137,3 +137,47 @@ model.fit(X, y, batch_size=64, epochs=3 if trial.number else 1, validation_data=
         assert float((model.predict(xv, verbose=0).argmax(1) == yv).mean()) == pytest.approx(
             ip.user_ns["study"].best_value, abs=1e-6)
     assert np.isfinite(ip.user_ns["study"].best_value)
+
+
+def test_search_is_an_mlflow_run_with_one_child_run_per_trial(digits, tmp_path):
+    """With tracking on, the search is one MLflow run and each trial a child of it, logged from the notebook
+    with its trial's params and merged metrics (the value Optuna stored at the last epoch)."""
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    import nbdist
+
+    from ..conftest import mlp
+
+    x, y = digits
+
+    def build(trial):
+        model = mlp(trial.number, optimizer="adam")
+        model.optimizer.learning_rate = trial.suggest_float("lr", 1e-3, 1e-2)
+        return model
+
+    with _use_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):
+        search = nbdist.tune(build, trials=2, parallel=2, objective="val_accuracy", storage=f"sqlite:///{tmp_path}/s.db",
+                             x=x[:400], y=y[:400], validation_data=(x[400:600], y[400:600]), epochs=2,
+                             mlflow=True, run_name="lr-search", pruner="none")
+        client = mlflow.MlflowClient()
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    parent = [r for r in runs if r.info.run_name == "lr-search"]
+    assert len(parent) == 1 and len(runs) == 3
+    children = {r.data.tags["optuna.trial"]: r for r in runs if r is not parent[0]}
+    assert all(r.data.tags["mlflow.parentRunId"] == parent[0].info.run_id for r in children.values())
+    for t in search.study.get_trials():
+        run = children[str(t.number)]
+        assert float(run.data.params["lr"]) == pytest.approx(t.params["lr"])
+        assert run.data.metrics["val_accuracy"] == pytest.approx(t.value)
+    assert parent[0].data.metrics["best_value"] == pytest.approx(search.study.best_value)
+
+
+def test_dist_tune_without_optuna_says_what_to_install(ip, monkeypatch):
+    import sys
+
+    from IPython.core.error import UsageError
+
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    with pytest.raises(UsageError, match=r"needs Optuna, which is not installed; pip install 'nbdist\[track\]'"):
+        ip.run_cell_magic("dist_tune", "--trials 2 --data X,y", "ran = True\n")
