@@ -181,3 +181,18 @@ def test_dist_tune_without_optuna_says_what_to_install(ip, monkeypatch):
     monkeypatch.setitem(sys.modules, "optuna", None)
     with pytest.raises(UsageError, match=r"needs Optuna, which is not installed; pip install 'nbdist\[track\]'"):
         ip.run_cell_magic("dist_tune", "--trials 2 --data X,y", "ran = True\n")
+
+
+def test_an_objective_the_runs_do_not_log_is_one_sentence_and_stops_every_trial(digits, tmp_path):
+    import nbdist
+
+    from ..conftest import mlp
+
+    x, y = digits
+    storage = f"sqlite:///{tmp_path / 'bad.db'}"
+    with pytest.raises(nbdist.NbdistError, match=r"--objective val_acc is not a metric of these runs \(their "
+                                                 r"epochs log accuracy, loss, val_accuracy, val_loss\)"):
+        nbdist.tune(lambda trial: mlp(trial.number), trials=2, parallel=2, objective="val_acc", storage=storage,
+                    x=x[:400], y=y[:400], validation_data=(x[400:600], y[400:600]), epochs=3)
+    stored = optuna.load_study(storage=storage, study_name="nbdist-tune").get_trials()
+    assert stored and all(t.state == optuna.trial.TrialState.FAIL for t in stored)
