@@ -64,3 +64,25 @@ def test_run_params_hold_options_fit_arguments_and_optimizer_config():
 
 def test_only_http_tracking_uris_are_probed():
     assert unreachable("sqlite:///mlflow.db") is None and unreachable("databricks") is None
+
+
+def test_text_view_says_each_ended_trial_and_the_table_at_the_end():
+    import io
+
+    from nbdist.ui.search import TextSearchView, search_html
+
+    out = io.StringIO()
+    view = TextSearchView(out)
+    state = SearchState("val_loss", "minimize", n_trials=2, parallel=2)
+    state.trial_started(0, {"units": 32}, epochs=2)
+    view("trial", state, 0)
+    assert out.getvalue() == ""  # a trial that starts is in the table, not a line of its own
+    state.trial_epoch(0, 0.5)
+    state.trial_ended(0, "pruned")
+    view("trial", state, 0)
+    state.finish("done")
+    view("end", state, None)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "trial 0 pruned: units=32; val_loss 0.5 after 1/2 epochs"
+    assert lines[1].startswith("search done: 1/2 trials finished") and "units=32" in lines[-1]
+    assert "<td>pruned</td>" in search_html(state)
