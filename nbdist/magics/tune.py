@@ -92,15 +92,22 @@ class TuneMagics(Magics):
         pruner = self._object(args.pruner, ns, "--pruner") if args.pruner in ns else args.pruner
         sampler = self._object(args.sampler, ns, "--sampler") if args.sampler else None
 
+        # Run as IPython would (magics and ! lines inside it transformed), but not through run_cell: the
+        # cell ends at its model.fit by an exception, which run_cell would record as an error output.
+        source = self.shell.transform_cell(cell)
+        code = self.shell.compile(source, self.shell.compile.cache(source), "exec")
+
         def build(trial: Any) -> Any:
             before = {name: id(value) for name, value in ns.items()}
             ns["trial"] = trial
-            result = self.shell.run_cell(cell, store_history=False, silent=False)
-            if isinstance(result.error_in_exec, (FitCaptured, KeyboardInterrupt)):
-                raise result.error_in_exec  # FitCaptured: the cell reached model.fit, the trial's run
-            if not result.success:
+            try:
+                exec(code, ns)
+            except (FitCaptured, KeyboardInterrupt):
+                raise  # FitCaptured: the cell reached model.fit, whose arguments are the trial's run
+            except Exception:
+                self.shell.showtraceback()
                 raise NbdistError(f"the cell raised an error (shown above) in trial {trial.number}; fix it and "
-                                  "rerun (the study keeps the trials that finished).")
+                                  "rerun (the study keeps the trials that finished).") from None
             names = [n for n in _new_models(before, ns) if n != "trial"]
             if len(names) != 1:
                 raise NbdistError(f"trial {trial.number}'s cell called no model.fit(...) and assigned "
