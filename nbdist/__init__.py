@@ -31,17 +31,27 @@ def predict(*args, **kwargs):
     return _predict(*args, **kwargs)
 
 
+def tune(*args, **kwargs):
+    from .search import tune as _tune
+
+    return _tune(*args, **kwargs)
+
+
+tune.__doc__ = ("Search hyperparameters with Optuna, several trials at once, each an nbdist run pruned on merged "
+                "metrics; see nbdist.search.tune.")
+
 evaluate.__doc__ = ("Evaluate a compiled Keras model sharded over workers, metrics merged exactly; "
                     "see nbdist.driver.inference.evaluate.")
 predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist.driver.inference.predict."
 
 
 def load_ipython_extension(ipython) -> None:
-    from .magics import DistMagics, EvaluateMagics
+    from .magics import DistMagics, EvaluateMagics, TuneMagics
     from .magics.train import continue_in_empty_cell
 
     ipython.register_magics(DistMagics)
     ipython.register_magics(EvaluateMagics)
+    ipython.register_magics(TuneMagics)
     if continue_in_empty_cell not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(continue_in_empty_cell)
     # Start the default local workers now, so the first %%dist_train finds TensorFlow imported.
@@ -54,7 +64,7 @@ def load_ipython_extension(ipython) -> None:
 
 def unload_ipython_extension(ipython) -> None:
     from .backends.warm import POOL
-    from .magics import DistMagics, EvaluateMagics
+    from .magics import DistMagics, EvaluateMagics, TuneMagics
     from .magics.train import continue_in_empty_cell
 
     POOL.close()
@@ -65,8 +75,8 @@ def unload_ipython_extension(ipython) -> None:
         table = ipython.magics_manager.magics[kind]
         for name in list(table):
             owner = getattr(table[name], "__self__", None)
-            if isinstance(owner, (DistMagics, EvaluateMagics)):
+            if isinstance(owner, (DistMagics, EvaluateMagics, TuneMagics)):
                 del table[name]
 
 
-__all__ = ["train", "evaluate", "predict", "TrainConfig", "NbdistError", "TrainingFailed", "__version__"]
+__all__ = ["train", "evaluate", "predict", "tune", "TrainConfig", "NbdistError", "TrainingFailed", "__version__"]

@@ -12,6 +12,7 @@ from .errors import NbdistError
 from .fitdata import is_py_dataset
 from .model_io import check_trainable, ensure_built
 from .spark.data import SparkData, is_spark_data, spark_dataset
+from .tracking import track
 from .ui import make_renderer
 
 
@@ -96,6 +97,7 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
     job = TrainingJob(model, config, train_set, val_set, namespace, all_listeners)
     if hasattr(renderer, "attach"):
         renderer.attach(job)
+    track(job, config)  # MLflow, when the notebook tracks: one run, logged here
     return job
 
 
@@ -113,6 +115,7 @@ def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_bat
     job.fit = prepare_fit_run(model, fit, config.epochs, global_batch, len(train_set))
     if hasattr(renderer, "attach"):
         renderer.attach(job)
+    track(job, config, fit)  # MLflow, when the notebook tracks: one run, logged here
     return job
 
 

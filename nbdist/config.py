@@ -14,6 +14,7 @@ STRATEGIES = ("averaging", "allreduce")
 BACKENDS = ("auto", "local", "spark", "containers")
 UIS = ("auto", "widgets", "html", "text", "none")
 LR_SCALINGS = ("auto", "none", "linear")
+MLFLOW_ACTIVE = ("nest", "use")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,13 @@ class TrainConfig:
     container_cpus: float | None = None
     container_memory: str | None = None
     container_gpus: str | None = None
+    # MLflow tracking (nbdist/tracking.py): None logs when the notebook uses MLflow (a tracking URI set,
+    # autologging or an active run), True always (--mlflow), False never (--no-mlflow). run_name names
+    # the MLflow run; mlflow_active says what an MLflow run active in the notebook is: "nest" (this
+    # run's parent) or "use" (this run logs into it).
+    mlflow: bool | None = None
+    run_name: str | None = None
+    mlflow_active: str = "nest"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +103,7 @@ class TrainConfig:
                 raise NbdistError(f"--engine {self.engine} applies to --strategy allreduce; "
                                   "add --strategy allreduce or drop --engine.")
         _validate_containers(self)
+        _validate_tracking(self)
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -126,6 +135,17 @@ def _validate_containers(cfg: TrainConfig) -> None:
     gpus = cfg.container_gpus
     if gpus is not None and (not isinstance(gpus, str) or not re.match(r"^(all|\d+(,\d+)*)$", gpus)):
         raise NbdistError(f"--gpus must be 'all' or GPU indices like 0,1, got {gpus!r}.")
+
+
+def _validate_tracking(cfg: TrainConfig) -> None:
+    if cfg.mlflow not in (None, True, False):
+        raise NbdistError(f"mlflow must be True, False or None (log when the notebook uses MLflow), "
+                          f"got {cfg.mlflow!r}.")
+    if cfg.run_name is not None and (not isinstance(cfg.run_name, str) or not cfg.run_name.strip()):
+        raise NbdistError(f"--run-name must be a non-empty name for the MLflow run, got {cfg.run_name!r}.")
+    if cfg.mlflow_active not in MLFLOW_ACTIVE:
+        raise NbdistError(f"--mlflow-active {cfg.mlflow_active!r}: use nest (a child run of the notebook's active "
+                          "MLflow run) or use (log into it).")
 
 
 def _validate_checkpointing(cfg: TrainConfig) -> None:

@@ -111,6 +111,7 @@ class Run:
         self._launched_at = 0.0
         self._pump_thread: threading.Thread | None = None
         self._stop_request: str | None = None
+        self._end_pump = False  # end_pump(): the current pump returns after the event being handled
 
     # -- what a kind of run says (subclasses) ---------------------------
     def _make_spec(self) -> ModelSpec:
@@ -347,6 +348,11 @@ class Run:
             if self.status not in TERMINAL:
                 self.stop(f"internal error: {exc}")
 
+    def end_pump(self) -> None:
+        """From a listener: the pump handling this event returns right after it, leaving later events
+        queued, so whoever pumps can act first (a search stops a pruned trial before its next epoch)."""
+        self._end_pump = True
+
     def worker_log(self, rank: int, lines: int = 20) -> str:
         """The last lines worker ``rank`` wrote to stdout/stderr."""
         return self._handles[rank].log_tail(lines) if rank < len(self._handles) else ""
@@ -356,12 +362,15 @@ class Run:
         """Handle the events that arrive within ``timeout`` seconds, then check worker health."""
         assert self._coordinator is not None
         end = time.monotonic() + timeout
+        self._end_pump = False
         while self.status not in TERMINAL and not self._holding():
             try:
                 event = self._coordinator.events.get(timeout=max(0.0, end - time.monotonic()))
             except queue.Empty:
                 break
             self._handle(event)
+            if self._end_pump:  # a listener wants to act (e.g. stop the run) before any later event
+                return
         if self.status not in TERMINAL and not self._holding():
             self._take_counts()
         if self.status not in TERMINAL and not self._holding():
@@ -574,3 +583,7 @@ def _interrupts_held() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# Public name for the other runners in the notebook (nbdist.tune stops several runs at once under it).
+interrupts_held = _interrupts_held

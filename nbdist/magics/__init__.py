@@ -1,5 +1,6 @@
 """IPython magics: thin glue from a cell to ``nbdist.api``."""
 from .evaluate import EvaluateMagics
 from .train import DistMagics
+from .tune import TuneMagics
 
-__all__ = ["DistMagics", "EvaluateMagics"]
+__all__ = ["DistMagics", "EvaluateMagics", "TuneMagics"]

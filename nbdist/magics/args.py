@@ -18,6 +18,24 @@ worker_arguments = [
     argument("--backend", default="auto", help="auto | local | spark | containers (default: auto)"),
 ]
 
+# MLflow tracking (nbdist/tracking.py); %%dist_train and %%dist_tune share them.
+tracking_arguments = [
+    argument("--mlflow", dest="mlflow", action="store_const", const=True, default=None,
+             help="log this run to MLflow (default: when the notebook uses MLflow: a tracking URI set, "
+                  "autologging on, or a run active)"),
+    argument("--no-mlflow", dest="mlflow", action="store_const", const=False,
+             help="log nothing to MLflow, even when the notebook uses it"),
+    argument("--run-name", default=None, metavar="NAME", help="the MLflow run's name"),
+    argument("--mlflow-active", default="nest", metavar="nest|use",
+             help="an MLflow run active in the notebook becomes this run's parent (nest, default) "
+                  "or receives its logs (use)"),
+]
+
+
+def tracking_options(args: Any) -> dict[str, Any]:
+    """The TrainConfig fields of ``tracking_arguments``."""
+    return {"mlflow": args.mlflow, "run_name": args.run_name, "mlflow_active": args.mlflow_active}
+
 
 def apply(decorators: list[Any]):
     def wrap(func):

@@ -11,7 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..config import TrainConfig
 from ..errors import NbdistError, TrainingFailed
 from ..model_io import is_keras_model
-from .args import apply, data_arguments, lookup_pair, worker_arguments
+from .args import apply, data_arguments, lookup_pair, tracking_arguments, tracking_options, worker_arguments
 
 
 def _new_models(before: dict[str, int], namespace: dict[str, Any]) -> list[str]:
@@ -64,6 +64,7 @@ class DistMagics(Magics):
     @argument("--max-restarts", type=int, default=0, metavar="N",
               help="when a worker fails, relaunch all workers from the last checkpoint, up to N times")
     @argument("--engine", default=None, help="collective engine: gloo | nccl | horovod")
+    @apply(tracking_arguments)
     @argument("--image", default=None, help="container image for --backend containers")
     @argument("--cpus", type=float, default=None, help="CPUs per worker container (--backend containers)")
     @argument("--memory", default=None, help="memory per worker container, e.g. 2g (--backend containers)")
@@ -140,6 +141,7 @@ class DistMagics(Magics):
             "checkpoint_dir": args.checkpoint_dir, "resume": args.resume, "background": args.background,
             "max_restarts": args.max_restarts, "engine": args.engine, "image": args.image,
             "container_cpus": args.cpus, "container_memory": args.memory, "container_gpus": args.gpus,
+            **tracking_options(args),
         }
         config = TrainConfig(**options)
         if not args.out.isidentifier():
@@ -159,6 +161,9 @@ class DistMagics(Magics):
         from ..driver.resolve import resolve_backend
 
         resolve_backend(config)  # e.g. --backend spark with no SparkContext: say so before the cell runs
+        from ..tracking import wanted
+
+        wanted(config.mlflow)  # --mlflow without MLflow installed: say so before the cell runs
 
         before = {name: id(value) for name, value in ns.items()}
         fit_calls: list[Any] = []

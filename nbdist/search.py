@@ -1,0 +1,454 @@
+"""``nbdist.tune``: an Optuna search whose trials are nbdist runs, several at once, pruned on merged metrics.
+
+Each trial builds a model with Optuna's ``trial`` (a function of yours, or the ``%%dist_tune``
+cell) and trains it as an nbdist run on ``workers_per_trial`` workers of the backend; up to
+``parallel`` trials run at once. Everything happens on the calling (notebook's main) thread,
+which pumps every running trial's events in turn: a trial's merged epoch is reported to Optuna
+there (``trial.report``), and when its pruner says so that trial's workers are stopped at once,
+freeing its slot for the next trial. The study lives in Optuna's storage (an SQLite file by
+default), so a search that was interrupted resumes where it was: finished trials count towards
+``trials`` and are not run again. An interrupt stops every trial's workers and tells the storage
+those trials failed (marked ``nbdist_interrupted``), leaving no trial RUNNING.
+
+The trial's cell runs up to its ``model.fit(...)``: that call's arguments are the trial's run, and
+what follows it in the cell does not run (the objective is the merged metric named ``objective``,
+its value at the last epoch). A cell without ``model.fit`` returns (or assigns) a compiled model,
+trained on ``x``/``y`` with the options.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .config import TrainConfig
+from .driver.run import TERMINAL, interrupts_held
+from .driver.search_state import SearchState, TrialRow
+from .errors import NbdistError
+from .model_io import is_keras_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STORAGE = "sqlite:///nbdist_tune.db"
+DEFAULT_STUDY = "nbdist-tune"
+# Seconds the loop waits on each running trial's events per turn.
+PUMP_SLICE = 0.05
+DIRECTIONS = ("maximize", "minimize")
+PRUNERS = ("median", "percentile", "hyperband", "successive-halving", "none")
+INTERRUPTED = "nbdist_interrupted"  # user attribute of a trial an interrupt ended
+
+
+class FitCaptured(Exception):
+    """Raised out of the trial cell's ``model.fit(...)``: its arguments are the trial's run."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows nothing: this is how the cell hands over
+        return []
+
+
+def import_optuna() -> Any:
+    try:
+        import optuna
+    except ImportError:
+        raise NbdistError("a search needs Optuna, which is not installed; pip install 'nbdist[track]' "
+                          "(or pip install optuna).") from None
+    return optuna
+
+
+def infer_direction(objective: str) -> str:
+    """minimize a loss or an error, maximize anything else (accuracy, AUC, ...)."""
+    name = objective.lower()
+    return "minimize" if any(w in name for w in ("loss", "error", "crossentropy", "mse", "mae")) else "maximize"
+
+
+def make_pruner(optuna: Any, spec: Any) -> Any:
+    """``median`` (Optuna's MedianPruner, its defaults), ``percentile`` (25th), ``hyperband``,
+    ``successive-halving``, ``none``, or a pruner object."""
+    if spec is None:
+        spec = "median"
+    if isinstance(spec, optuna.pruners.BasePruner):
+        return spec
+    makers = {"median": lambda: optuna.pruners.MedianPruner(),
+              "percentile": lambda: optuna.pruners.PercentilePruner(25.0),
+              "hyperband": lambda: optuna.pruners.HyperbandPruner(),
+              "successive-halving": lambda: optuna.pruners.SuccessiveHalvingPruner(),
+              "none": lambda: optuna.pruners.NopPruner()}
+    if spec not in makers:
+        raise NbdistError(f"unknown pruner {spec!r}; use one of: {', '.join(PRUNERS)}, or an Optuna pruner object "
+                          "(a notebook variable's name on the magic line).")
+    return makers[spec]()
+
+
+def open_study(optuna: Any, *, study: Any, storage: str | None, study_name: str | None, direction: str,
+               sampler: Any, pruner: Any, seed: int | None) -> Any:
+    """The given study, or the one named in ``storage`` (made, or loaded to resume)."""
+    if study is not None:
+        if study.direction.name.lower() != direction:
+            raise NbdistError(f"the study {study.study_name!r} was made to {study.direction.name.lower()}, "
+                              f"not to {direction}; pass --direction {study.direction.name.lower()}.")
+        return study
+    if sampler is None:
+        sampler = optuna.samplers.TPESampler(seed=seed)
+    name = study_name or DEFAULT_STUDY
+    try:
+        return optuna.create_study(storage=storage or DEFAULT_STORAGE, study_name=name, direction=direction,
+                                   sampler=sampler, pruner=pruner, load_if_exists=True)
+    except ValueError as exc:  # e.g. the stored study was made in the other direction
+        raise NbdistError(f"the study {name!r} in {storage or DEFAULT_STORAGE} cannot be used: {exc}; "
+                          "give another --study name or the stored study's --direction.") from None
+    except Exception as exc:  # a storage URL that does not open
+        raise NbdistError(f"Optuna's storage {storage or DEFAULT_STORAGE!r} could not be opened "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); pass an RDB URL such as "
+                          "sqlite:///search.db.") from None
+
+
+def finished_before(optuna: Any, study: Any) -> int:
+    """Trials the study finished earlier: complete, pruned, or failed by themselves (not by an interrupt)."""
+    states = optuna.trial.TrialState
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if t.state in (states.COMPLETE, states.PRUNED)
+               or (t.state == states.FAIL and not t.user_attrs.get(INTERRUPTED)))
+
+
+@dataclass
+class TrialRun:
+    trial: Any
+    job: Any
+    row: TrialRow
+    fit: dict[str, Any] | None = None  # the cell's model.fit arguments (None: trained on --data)
+    prune: bool = False
+
+
+class Search:
+    """A running or finished search: ``.study``, ``.best_model``, ``.best_params``, ``.state``, ``.jobs``."""
+
+    def __init__(self, build: Callable[[Any], Any], *, study: Any, optuna: Any, n_trials: int, parallel: int,
+                 objective: str, config: TrainConfig, x: Any = None, y: Any = None,
+                 validation_data: tuple[Any, Any] | None = None, explicit: dict[str, Any] | None = None,
+                 lr_scaling_given: bool = False, namespace: dict[str, Any] | None = None,
+                 listeners: list[Callable[[str, SearchState, Any], None]] | None = None,
+                 mlflow_run: Any = None) -> None:
+        self.build = build
+        self.study = study
+        self._optuna = optuna
+        self.objective = objective
+        self.config = config
+        self.x, self.y, self.validation_data = x, y, validation_data
+        self.explicit = dict(explicit or {})
+        self.lr_scaling_given = lr_scaling_given
+        self.namespace = namespace
+        self.listeners = list(listeners or [])
+        self.mlflow_run = mlflow_run
+        direction = study.direction.name.lower()
+        self.state = SearchState(objective, direction, n_trials, parallel, previous=finished_before(optuna, study))
+        self._seed_best()
+        self.running: dict[int, TrialRun] = {}
+        self.jobs: dict[int, Any] = {}  # every trial's TrainingJob of this session, by trial number
+        self.best_model: Any = None
+        self.best_number: int | None = None  # the trial best_model comes from
+        self._error: str | None = None
+
+    def _seed_best(self) -> None:
+        try:
+            best = self.study.best_trial
+        except ValueError:  # no complete trial yet
+            return
+        self.state.best_value, self.state.best_number = best.value, best.number
+
+    @property
+    def best_params(self) -> dict[str, Any]:
+        try:
+            return dict(self.study.best_params)
+        except ValueError:
+            return {}
+
+    # -- the loop -------------------------------------------------------
+    def run(self) -> Search:
+        """Run trials until the study has ``n_trials`` finished ones. Raises what ended it early
+        (KeyboardInterrupt after stopping every trial's workers, NbdistError for a bad cell)."""
+        self._notify("start")
+        try:
+            self._loop()
+        except BaseException as exc:
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            self._stop_all("interrupted" if interrupted else "the search failed")
+            message = "" if interrupted else str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.state.finish("interrupted" if interrupted else "failed", message)
+            self._end()
+            raise
+        self.state.finish("done")
+        self._end()
+        return self
+
+    def _remaining(self) -> int:
+        done = self.state.previous + sum(self.state.count(s) for s in ("complete", "pruned", "failed"))
+        return self.state.n_trials - done - len(self.running)
+
+    def _loop(self) -> None:
+        while True:
+            while len(self.running) < self.state.parallel and self._remaining() > 0:
+                self._start_next()
+            if not self.running:
+                return
+            for number in list(self.running):
+                tr = self.running[number]
+                if tr.job.status not in TERMINAL:
+                    tr.job.pump(PUMP_SLICE)
+                if self._error is not None:
+                    raise NbdistError(self._error)
+                if tr.prune and tr.job.status not in TERMINAL:
+                    tr.job.stop("pruned")  # its workers end now; the slot goes to the next trial
+                if tr.job.status in TERMINAL:
+                    self._finish(number)
+
+    def _start_next(self) -> None:
+        trial = self.study.ask()
+        number = trial.number
+        row = self.state.trial_started(number, {}, self.config.epochs)
+        job = None
+        try:
+            job, fit = self._build_job(trial)
+            row.params, row.epochs = dict(trial.params), job.config.epochs
+            tr = TrialRun(trial, job, row, fit)
+            self._track(tr)  # the MLflow run logs each epoch before the pruner may end the trial on it
+            job.listeners.append(self._epoch_listener(tr))
+            job.start()
+        except BaseException as exc:
+            if job is not None and job.state is not None:  # cut short while launching: end what started
+                with interrupts_held():
+                    job.stop("the search stopped")
+            self._tell_failed(trial, f"{type(exc).__name__}: {exc}", interrupted=isinstance(exc, KeyboardInterrupt))
+            self.state.trial_ended(number, "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
+                                   error=str(exc))
+            self._notify("trial", number)
+            raise
+        self.running[number] = tr
+        self.jobs[number] = job
+        self._notify("trial", number)
+
+    def _build_job(self, trial: Any) -> tuple[Any, dict[str, Any] | None]:
+        """Run the trial's cell (or function) up to its model.fit, and make the job it asks for."""
+        from .driver.fit_call import intercept_fit
+
+        captured: list[tuple[Any, dict[str, Any]]] = []
+
+        def on_fit(model: Any, fit: dict[str, Any]) -> Any:
+            captured.append((model, fit))
+            raise FitCaptured()
+
+        with intercept_fit(on_fit) as errors:
+            try:
+                model = self.build(trial)
+            except FitCaptured:
+                model = None
+        if errors:  # an interrupt while the cell ran
+            raise errors[0]
+        if captured:
+            model, fit = captured[0]
+            return self._fit_job(model, fit), fit
+        return self._data_job(model), None
+
+    def _trial_config(self, **changes: Any) -> TrainConfig:
+        # Trials draw nothing themselves and log through the search's MLflow run (tracking below).
+        return self.config.replace(ui="none", background=False, mlflow=False, **changes)
+
+    def _fit_job(self, model: Any, fit: dict[str, Any]) -> Any:
+        from .api import prepare_fit
+        from .driver.fit_call import reconcile
+
+        agreed = reconcile(fit, self.explicit)
+        changes = {"epochs": agreed["epochs"], "shuffle": agreed["shuffle"]}
+        if agreed["global_batch"] is not None and not self.lr_scaling_given:
+            changes["lr_scaling"] = "none"  # the global batch is the local one: no rescaling
+        if "batch_size" in agreed:
+            changes["batch_size"] = agreed["batch_size"]
+        return prepare_fit(model, self._trial_config(**changes), fit, agreed["global_batch"], namespace=self.namespace)
+
+    def _data_job(self, model: Any) -> Any:
+        from .api import prepare
+
+        if not is_keras_model(model):
+            raise NbdistError("the trial built no model to train: the cell must call model.fit(...), or assign "
+                              "(the API: return) a compiled Keras model and name the data with --data X,y.")
+        if self.x is None:
+            raise NbdistError("the trial's cell calls no model.fit(...), so name the data to train on: --data X,y "
+                              "(the API: x=..., y=...).")
+        return prepare(model, self._trial_config(), self.x, self.y, self.validation_data, namespace=self.namespace)
+
+    def _epoch_listener(self, tr: TrialRun) -> Callable[[str, Any, Any], None]:
+        from .tracking import metric_step
+
+        def on_event(kind: str, state: Any, merged: Any) -> None:
+            if kind == "worker" and all(w.pid is not None for w in state.workers):
+                self.state.trial_ready(tr.row.number)
+            if kind != "epoch" or self._error is not None or tr.prune:
+                return
+            value = merged.get(self.objective)
+            if value is None:
+                self._error = (f"--objective {self.objective} is not a metric of these runs (their epochs log "
+                               f"{', '.join(sorted(merged))}); name one of them.")
+                return
+            self.state.trial_epoch(tr.row.number, float(value))
+            tr.trial.report(float(value), metric_step(state))
+            if tr.trial.should_prune():
+                tr.prune = True
+                tr.job.end_pump()  # the loop stops its workers before any later epoch is handled
+            self._notify("epoch", tr.row.number)
+
+        return on_event
+
+    def _track(self, tr: TrialRun) -> None:
+        if self.mlflow_run is None or self.mlflow_run.run_id is None:
+            return
+        from .tracking import RunTracker, run_params
+
+        params = run_params(tr.job.config, tr.job.model, tr.fit)
+        for key, value in tr.trial.params.items():
+            params[key if key not in params else f"trial.{key}"] = str(value)
+        tracker = RunTracker(params, run_name=f"trial {tr.row.number}", parent_run_id=self.mlflow_run.run_id,
+                             tags={"optuna.study": self.study.study_name, "optuna.trial": str(tr.row.number)})
+        tracker.attach(tr.job)
+        tr.job.listeners.append(tracker)
+
+    # -- endings --------------------------------------------------------
+    def _finish(self, number: int) -> None:
+        tr = self.running.pop(number)
+        job, states = tr.job, self._optuna.trial.TrialState
+        tr.row.worker_pids = [w.pid for w in job.state.workers if w.pid is not None]
+        if tr.prune:  # also when its last epoch was already queued: the pruner decided on a reported step
+            self.study.tell(tr.trial, state=states.PRUNED)
+            self.state.trial_ended(number, "pruned")
+        elif job.status == "done":
+            values = job.history.get(self.objective) or []
+            value = float(values[-1]) if values else math.nan
+            if math.isnan(value) or math.isinf(value):
+                self._tell_failed(tr.trial, f"{self.objective} was {value} at the last epoch")
+                self.state.trial_ended(number, "failed", error=f"{self.objective} was {value}")
+            else:
+                self.study.tell(tr.trial, value)
+                previous = self.state.best_number
+                self.state.trial_ended(number, "complete", value)
+                if self.state.best_number == number and previous != number:
+                    self.best_model, self.best_number = job.model, number
+        else:  # a worker died or raised: the trial failed, the search goes on
+            err = job.error
+            message = str(err) if err is not None else job.state.error or job.status
+            self._tell_failed(tr.trial, message, traceback=getattr(err, "worker_traceback", "") or "")
+            self.state.trial_ended(number, "failed", error=message)
+            log.warning("trial %d failed: %s", number, message)
+        self._notify("trial", number)
+
+    def _tell_failed(self, trial: Any, message: str, traceback: str = "", interrupted: bool = False) -> None:
+        try:
+            trial.set_user_attr("error", message[:1000])
+            if traceback:
+                trial.set_user_attr("traceback", traceback[-4000:])
+            if interrupted:
+                trial.set_user_attr(INTERRUPTED, True)
+            self.study.tell(trial, state=self._optuna.trial.TrialState.FAIL)
+        except Exception:  # the storage itself failed: said once, the search's ending is what matters
+            log.exception("could not record trial %d's failure in the study", trial.number)
+
+    def _stop_all(self, reason: str) -> None:
+        """Every running trial's workers stopped, and the trial told failed (interrupted) in the storage."""
+        with interrupts_held():
+            for number in list(self.running):
+                tr = self.running.pop(number)
+                try:
+                    tr.job.stop(reason)
+                except Exception:
+                    log.exception("stopping trial %d failed", number)
+                tr.row.worker_pids = [w.pid for w in tr.job.state.workers if w.pid is not None]
+                self._tell_failed(tr.trial, f"stopped: {reason}", interrupted=True)
+                self.state.trial_ended(number, "interrupted", error=reason)
+                self._notify("trial", number)
+
+    def _end(self) -> None:
+        if self.state.best_number is not None and self.best_model is None:
+            log.info("the best trial (%d) ran in an earlier session; its model is not in memory (best_model is None)",
+                     self.state.best_number)
+        if self.mlflow_run is not None:
+            self.mlflow_run.end(self.state.status, self.state.best_value, self.best_params)
+        self._notify("end")
+
+    def _notify(self, kind: str, payload: Any = None) -> None:
+        for listener in self.listeners:
+            try:
+                listener(kind, self.state, payload)
+            except Exception:  # a broken view must not break the search
+                log.exception("search listener failed")
+
+
+def tune(build: Callable[[Any], Any], **kwargs: Any) -> Search:
+    """Search hyperparameters with Optuna, ``parallel`` trials at once, each an nbdist run.
+
+    ``build(trial)`` builds and compiles a model using ``trial.suggest_*``, then either calls
+    ``model.fit(...)`` (that call is the trial's run: its arguments, callbacks and all; the
+    function stops there) or returns the model (trained on ``x``/``y`` with the options).
+    Keyword arguments: ``trials`` (required), ``parallel`` (2), ``objective`` ("val_loss"; a merged
+    metric, its value at the last epoch is the trial's value), ``direction`` ("maximize" or
+    "minimize"; default: minimize a loss or error, else maximize), ``workers_per_trial`` (1),
+    ``pruner`` ("median" by default, "percentile", "hyperband", "successive-halving", "none", or an
+    Optuna pruner: it may stop a trial after any epoch), ``sampler``, and the study: ``study``, else
+    ``study_name`` in ``storage`` (an RDB URL, default ``sqlite:///nbdist_tune.db``), loaded when it
+    exists so that an interrupted search resumes (``trials`` counts the study's finished trials).
+    Other options are TrainConfig's (epochs, batch_size, strategy, backend, seed, mlflow, run_name,
+    ...; ``ui`` draws the table of trials, "none" by default). Returns the ``Search``: ``.study``,
+    ``.best_model`` (the best trial's trained model, when it ran in this session), ``.best_params``.
+    """
+    return make_search(build, **kwargs).run()
+
+
+def make_search(build: Callable[[Any], Any], *, trials: int, parallel: int = 2, objective: str = "val_loss",
+         direction: str | None = None, workers_per_trial: int = 1, storage: str | None = None,
+         study_name: str | None = None, study: Any = None, pruner: Any = None, sampler: Any = None,
+         x: Any = None, y: Any = None, validation_data: tuple[Any, Any] | None = None,
+         namespace: dict[str, Any] | None = None,
+         listeners: list[Callable[[str, SearchState, Any], None]] | None = None,
+         explicit: dict[str, Any] | None = None, lr_scaling_given: bool = False, **options: Any) -> Search:
+    """The search ``tune`` runs, checked and its study opened, not started."""
+    optuna = import_optuna()
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise NbdistError(f"--trials must be a whole number of at least 1, got {trials!r}; for example --trials 20.")
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise NbdistError(f"--parallel must be a whole number of at least 1, got {parallel!r}; "
+                          "for example --parallel 2.")
+    if not isinstance(objective, str) or not objective.strip():
+        raise NbdistError("--objective must name a metric the runs log, e.g. --objective val_accuracy.")
+    if direction is None:
+        direction = study.direction.name.lower() if study is not None else infer_direction(objective)
+    if direction not in DIRECTIONS:
+        raise NbdistError(f"--direction {direction!r}: use maximize or minimize.")
+    unknown = set(options) - TrainConfig.field_names()
+    if unknown:
+        raise NbdistError(f"unknown option(s) {', '.join(sorted(unknown))}; see help(nbdist.TrainConfig).")
+    if "workers" in options:
+        raise NbdistError("a search sets each trial's workers with workers_per_trial (--workers-per-trial), "
+                          "not workers.")
+    ui = options.pop("ui", "none")
+    if explicit is None:  # the API's epochs / batch_size must agree with a fit call's, as on a magic line
+        explicit = {k: options[k] for k in ("epochs", "batch_size") if k in options}
+    config = TrainConfig(**options, workers=workers_per_trial)
+    from .tracking import SearchRun, wanted
+
+    tracked = wanted(config.mlflow)
+    study = open_study(optuna, study=study, storage=storage, study_name=study_name, direction=direction,
+                       sampler=sampler, pruner=make_pruner(optuna, pruner), seed=config.seed)
+    from .ui.search import make_search_view
+
+    view = make_search_view(ui)
+    mlflow_run = None
+    if tracked:
+        mlflow_run = SearchRun(config.run_name or study.study_name,
+                               {"objective": objective, "direction": direction, "trials": str(trials),
+                                "parallel": str(parallel), "workers_per_trial": str(workers_per_trial),
+                                "pruner": type(study.pruner).__name__, "sampler": type(study.sampler).__name__},
+                               active=config.mlflow_active)
+    return Search(build, study=study, optuna=optuna, n_trials=trials, parallel=parallel, objective=objective,
+                    config=config, x=x, y=y, validation_data=validation_data, explicit=explicit,
+                    lr_scaling_given=lr_scaling_given, namespace=namespace,
+                  listeners=[*([view] if view else []), *(listeners or [])], mlflow_run=mlflow_run)
+
+
+__all__ = ["FitCaptured", "Search", "make_search", "infer_direction", "make_pruner", "open_study", "tune"]

@@ -1,0 +1,88 @@
+"""Issue 27's pure pieces: the search's state and table, the direction a metric implies, the tracking
+options' checks and what a run logs as parameters (no process, no MLflow store)."""
+from __future__ import annotations
+
+import pytest
+
+from nbdist.config import TrainConfig
+from nbdist.driver.search_state import SearchState
+from nbdist.errors import NbdistError
+from nbdist.search import infer_direction
+from nbdist.tracking import run_params, unreachable
+from nbdist.ui.search import search_rows, search_sentence, search_text
+
+
+def test_search_state_tracks_the_best_complete_trial_in_its_direction():
+    state = SearchState("val_accuracy", "maximize", n_trials=4, parallel=2, previous=1)
+    for n, lr in enumerate((0.1, 0.01, 0.001)):
+        state.trial_started(n, {"lr": lr}, epochs=3)
+    for value in (0.5, 0.7, 0.8):
+        state.trial_epoch(0, value)
+    state.trial_epoch(1, 0.95)  # pruned after one epoch: never the best, however good its step was
+    state.trial_ended(1, "pruned")
+    state.trial_ended(0, "complete", 0.8)
+    state.trial_epoch(2, 0.6)
+    assert (state.best_number, state.best_value) == (0, 0.8)
+    assert [r.number for r in state.running] == [2]
+    rows = search_rows(state)
+    assert rows[0] == ["0", "complete", "lr=0.1", "3/3", "0.8", "0.8"]
+    assert rows[1][:2] == ["1", "pruned"] and rows[2][1] == "running"
+    assert "3/4 trials finished" in search_sentence(state) and "best val_accuracy 0.8 (trial 0" in search_text(state)
+    state.finish("interrupted")
+    assert state.trials[2].state == "interrupted"
+    minimize = SearchState("val_loss", "minimize", n_trials=2, parallel=1)
+    assert minimize.better(0.1, 0.2) and not minimize.better(0.3, 0.2)
+
+
+@pytest.mark.parametrize("metric,direction", [("val_loss", "minimize"), ("val_accuracy", "maximize"),
+                                              ("mae", "minimize"), ("auc", "maximize")])
+def test_direction_follows_the_metric(metric, direction):
+    assert infer_direction(metric) == direction
+
+
+def test_tracking_options_are_checked_in_one_sentence():
+    with pytest.raises(NbdistError, match="--mlflow-active 'both': use nest"):
+        TrainConfig(mlflow_active="both")
+    with pytest.raises(NbdistError, match="--run-name must be a non-empty name"):
+        TrainConfig(run_name=" ")
+
+
+def test_run_params_hold_options_fit_arguments_and_optimizer_config():
+    import keras
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
+    fit = {"given": {"batch_size", "epochs", "class_weight"}, "batch_size": 64, "epochs": 3, "shuffle": True,
+           "class_weight": {0: 2.0}, "callbacks": [keras.callbacks.EarlyStopping()], "validation_data": None}
+    params = run_params(TrainConfig(epochs=3, strategy="allreduce", seed=7), model, fit)
+    assert params["fit.batch_size"] == "64" and params["fit.class_weight"] == "{0: 2.0}"
+    assert "fit.shuffle" not in params  # not given in the call
+    assert params["fit.callbacks"] == "EarlyStopping" and "averaging_frequency" not in params
+    assert params["optimizer"] == "SGD" and float(params["optimizer.momentum"]) == pytest.approx(0.9)
+    assert (params["strategy"], params["seed"], params["model.parameters"]) == ("allreduce", "7", "10")
+
+
+def test_only_http_tracking_uris_are_probed():
+    assert unreachable("sqlite:///mlflow.db") is None and unreachable("databricks") is None
+
+
+def test_text_view_says_each_ended_trial_and_the_table_at_the_end():
+    import io
+
+    from nbdist.ui.search import TextSearchView, search_html
+
+    out = io.StringIO()
+    view = TextSearchView(out)
+    state = SearchState("val_loss", "minimize", n_trials=2, parallel=2)
+    state.trial_started(0, {"units": 32}, epochs=2)
+    view("trial", state, 0)
+    assert out.getvalue() == ""  # a trial that starts is in the table, not a line of its own
+    state.trial_epoch(0, 0.5)
+    state.trial_ended(0, "pruned")
+    view("trial", state, 0)
+    state.finish("done")
+    view("end", state, None)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "trial 0 pruned: units=32; val_loss 0.5 after 1/2 epochs"
+    assert lines[1].startswith("search done: 1/2 trials finished") and "units=32" in lines[-1]
+    assert "<td>pruned</td>" in search_html(state)

@@ -1,0 +1,198 @@
+"""Issue 27, search: ``nbdist.tune`` / ``%%dist_tune`` run Optuna trials as nbdist runs, two at once on real
+local worker processes (digits): trials overlap in time, a pruned trial's workers are gone when it ends,
+each stored value is its run's merged metric, ``best_model`` is the best trial's trained model, and a
+search interrupted mid-way resumes from its SQLite storage without repeating finished trials."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sqlite3
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from ..conftest import wait_no_workers
+
+optuna = pytest.importorskip("optuna")
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+
+def test_trials_run_concurrently_pruned_workers_stop_and_best_model_is_the_best_trials(digits, tmp_path):
+    import keras
+
+    import nbdist
+
+    x, y = digits
+    xt, yt, xv, yv = x[:600], y[:600], x[600:900], y[600:900]
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(storage=storage, study_name="lr", direction="maximize")
+    for lr in (0.01, 0.02, 1e-6, 1e-6):  # two that learn, two the median pruner stops once both have completed
+        study.enqueue_trial({"lr": lr})
+
+    def build(trial):
+        keras.utils.set_random_seed(trial.number)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(10, activation="softmax")])
+        model.compile(keras.optimizers.Adam(trial.suggest_float("lr", 1e-6, 0.1, log=True)),
+                      "sparse_categorical_crossentropy", metrics=["accuracy"])
+        model.fit(xt, yt, batch_size=64, epochs=3, validation_data=(xv, yv), verbose=0)
+        raise AssertionError("the cell stops at its model.fit")
+
+    alive_at_end: dict[int, list[int]] = {}
+
+    def on_trial(kind, state, number):
+        if kind == "trial" and number is not None and state.trials[number].state != "running":
+            alive_at_end[number] = [p for p in state.trials[number].worker_pids if psutil.pid_exists(p)
+                                    and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+    search = nbdist.tune(build, trials=4, parallel=2, objective="val_accuracy", direction="maximize",
+                         storage=storage, study_name="lr", pruner=pruner, listeners=[on_trial])
+
+    trials = {t.number: t for t in search.study.get_trials()}
+    states = optuna.trial.TrialState
+    assert [trials[n].state for n in range(4)] == [states.COMPLETE, states.COMPLETE, states.PRUNED, states.PRUNED], (
+        search.state.trials, [t.intermediate_values for t in trials.values()])
+    rows = search.state.trials
+    # Two at once: each of the first two trials had its worker connected before the other one ended.
+    assert rows[1].ready_at < rows[0].ended and rows[0].ready_at < rows[1].ended
+    for n in (2, 3):  # pruned before their last epoch; their workers were gone when the trial ended
+        assert rows[n].epochs_done < 3 and search.jobs[n].status == "stopped"
+        assert rows[n].worker_pids and alive_at_end[n] == []
+    for n in (0, 1):  # the stored value is the run's merged metric at its last epoch
+        assert trials[n].value == search.jobs[n].history["val_accuracy"][-1]
+    best = search.study.best_trial
+    assert best.number in (0, 1) and search.best_params == {"lr": best.params["lr"]}
+    assert search.best_model is search.jobs[best.number].model
+    # One worker per trial: its last validation ran on the weights the model now holds.
+    accuracy = float((search.best_model.predict(xv, verbose=0).argmax(1) == yv).mean())
+    assert accuracy == pytest.approx(best.value, abs=1e-6)
+
+
+def interrupt_when_a_trial_completes(db: str, stop: threading.Event) -> threading.Thread:
+    """Sends this process SIGINT (as the kernel's interrupt does) once the stored study has a complete trial.
+    Reads the SQLite file itself: Optuna opening a storage that is being created would race to make it."""
+    def watch():
+        while not stop.is_set():
+            try:  # closed at once: an open read would hold SQLite's lock against the search's writes
+                with contextlib.closing(sqlite3.connect(db, timeout=1)) as con:
+                    done = con.execute("SELECT count(*) FROM trials WHERE state = 'COMPLETE'").fetchall()[0][0]
+            except sqlite3.Error:  # not made yet
+                done = 0
+            if done:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_dist_tune_interrupted_resumes_from_storage_without_repeating_finished_trials(ip, tmp_path):
+    db = tmp_path / "resume.db"
+    storage = f"sqlite:///{db}"
+    line = (f"--trials 3 --parallel 2 --objective val_accuracy --direction maximize --storage {storage} "
+            "--study resume --pruner none --seed 1 --ui none")
+    cell = """
+import keras
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(trial.suggest_int("units", 8, 32)),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(trial.suggest_float("lr", 1e-3, 3e-2, log=True)),
+              "sparse_categorical_crossentropy", metrics=["accuracy"])
+model.fit(X, y, batch_size=64, epochs=3 if trial.number else 1, validation_data=(Xv, yv), verbose=0)
+"""
+    for name in ("study", "best_model", "best_params"):
+        ip.user_ns.pop(name, None)
+    stop = threading.Event()
+    watcher = interrupt_when_a_trial_completes(str(db), stop)
+    try:
+        ip.run_cell_magic("dist_tune", line, cell)  # trial 0 (1 epoch) completes, trial 1 or 2 is cut short
+    finally:
+        stop.set()
+        watcher.join(5)
+    assert not wait_no_workers(), "an interrupt left workers behind"
+    states = optuna.trial.TrialState
+    first = {t.number: t for t in ip.user_ns["study"].get_trials()}
+    assert first[0].state == states.COMPLETE, [(t.number, t.state, t.user_attrs) for t in first.values()]
+    assert not [t for t in first.values() if t.state == states.RUNNING]
+    cut = [n for n, t in first.items() if t.state == states.FAIL]
+    assert cut and all(first[n].user_attrs.get("nbdist_interrupted") for n in cut)
+    complete_before = {n: t.value for n, t in first.items() if t.state == states.COMPLETE}
+
+    ip.run_cell_magic("dist_tune", line, cell)  # resumes: only the missing trials run
+    after = {t.number: t for t in ip.user_ns["study"].get_trials()}
+    complete = {n: t.value for n, t in after.items() if t.state == states.COMPLETE}
+    assert len(complete) == 3
+    assert {n: complete[n] for n in complete_before} == complete_before  # finished trials kept, not rerun
+    assert len(after) == len(first) + 3 - len(complete_before)
+    assert ip.user_ns["best_params"] == ip.user_ns["study"].best_params
+    model = ip.user_ns["best_model"]
+    if model is not None:  # the best trial ran in this session
+        xv, yv = ip.user_ns["Xv"], ip.user_ns["yv"]
+        assert float((model.predict(xv, verbose=0).argmax(1) == yv).mean()) == pytest.approx(
+            ip.user_ns["study"].best_value, abs=1e-6)
+    assert np.isfinite(ip.user_ns["study"].best_value)
+
+
+def test_search_is_an_mlflow_run_with_one_child_run_per_trial(digits, tmp_path):
+    """With tracking on, the search is one MLflow run and each trial a child of it, logged from the notebook
+    with its trial's params and merged metrics (the value Optuna stored at the last epoch)."""
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    import nbdist
+
+    from ..conftest import mlp
+
+    x, y = digits
+
+    def build(trial):
+        model = mlp(trial.number, optimizer="adam")
+        model.optimizer.learning_rate = trial.suggest_float("lr", 1e-3, 1e-2)
+        return model
+
+    with _use_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):
+        search = nbdist.tune(build, trials=2, parallel=2, objective="val_accuracy", storage=f"sqlite:///{tmp_path}/s.db",
+                             x=x[:400], y=y[:400], validation_data=(x[400:600], y[400:600]), epochs=2,
+                             mlflow=True, run_name="lr-search", pruner="none")
+        client = mlflow.MlflowClient()
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    parent = [r for r in runs if r.info.run_name == "lr-search"]
+    assert len(parent) == 1 and len(runs) == 3
+    children = {r.data.tags["optuna.trial"]: r for r in runs if r is not parent[0]}
+    assert all(r.data.tags["mlflow.parentRunId"] == parent[0].info.run_id for r in children.values())
+    for t in search.study.get_trials():
+        run = children[str(t.number)]
+        assert float(run.data.params["lr"]) == pytest.approx(t.params["lr"])
+        assert run.data.metrics["val_accuracy"] == pytest.approx(t.value)
+    assert parent[0].data.metrics["best_value"] == pytest.approx(search.study.best_value)
+
+
+def test_dist_tune_without_optuna_says_what_to_install(ip, monkeypatch):
+    import sys
+
+    from IPython.core.error import UsageError
+
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    with pytest.raises(UsageError, match=r"needs Optuna, which is not installed; pip install 'nbdist\[track\]'"):
+        ip.run_cell_magic("dist_tune", "--trials 2 --data X,y", "ran = True\n")
+
+
+def test_an_objective_the_runs_do_not_log_is_one_sentence_and_stops_every_trial(digits, tmp_path):
+    import nbdist
+
+    from ..conftest import mlp
+
+    x, y = digits
+    storage = f"sqlite:///{tmp_path / 'bad.db'}"
+    with pytest.raises(nbdist.NbdistError, match=r"--objective val_acc is not a metric of these runs \(their "
+                                                 r"epochs log accuracy, loss, val_accuracy, val_loss\)"):
+        nbdist.tune(lambda trial: mlp(trial.number), trials=2, parallel=2, objective="val_acc", storage=storage,
+                    x=x[:400], y=y[:400], validation_data=(x[400:600], y[400:600]), epochs=3)
+    stored = optuna.load_study(storage=storage, study_name="nbdist-tune").get_trials()
+    assert stored and all(t.state == optuna.trial.TrialState.FAIL for t in stored)
