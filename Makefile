@@ -15,11 +15,17 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# The quickstart needs the package, the dashboard and a kernel to run the notebook: no Spark, MLflow
+# or test tools.
+$(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[widgets,notebook]"
+	touch $@
+
 # Java for Spark, Podman for containers, Chromium for the browser test.
 system-deps:
 	bash scripts/install_system_deps.sh
 
-demo: install
+demo: $(VENV)/.installed-demo
 	$(BIN)/python scripts/run_notebook.py notebooks/01_quickstart.ipynb
 
 # The code's style (ruff) and its layering (import-linter contracts in pyproject.toml); fails on either.
