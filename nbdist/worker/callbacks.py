@@ -27,6 +27,7 @@ class AveragingCallback(keras.callbacks.Callback):
         self.span = BatchSpan(self.sizes)  # a call may run several batches (blocks.py)
         self._pending = 0
         self._rounds = 0
+        self.before_pad: Callable[[], None] | None = None  # before each padding round (K=1: global_mask.py)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self.span.reset()
@@ -41,6 +42,8 @@ class AveragingCallback(keras.callbacks.Callback):
                 self._round()
         if self.span.next == batches:
             while self._rounds < self.rounds_per_epoch:
+                if self.before_pad is not None:
+                    self.before_pad()
                 self._round()
 
     def _round(self) -> None:
