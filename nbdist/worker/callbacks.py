@@ -141,8 +141,10 @@ class WeightShipper:
         self.send, self.model, self.every_epoch = send, model, every_epoch
         self.sent = 0  # weight messages sent (the closing report says how many)
         self._last: tuple[dict[str, Any], list[np.ndarray]] | None = None  # the latest epoch's, not yet sent
+        self._epoch: int | None = None  # the latest epoch shipped or kept
 
     def __call__(self, epoch: int) -> None:
+        self._epoch = epoch
         model = self.model
         weights = weights_and_optimizer(model)
         body = {"type": MessageType.WEIGHTS, "epoch": epoch, "n_weights": len(model.weights),  # get_weights()'s
@@ -153,7 +155,19 @@ class WeightShipper:
             self._last = (body, weights)  # one assignment: the reader thread sees the old copy or this one
 
     def finish(self) -> None:
-        """Training ended: send the last epoch's weights if they have not gone yet."""
+        """Training ended: send the last epoch's weights if they have not gone yet.
+
+        With ``use_ema`` Keras' fit swaps the moving averages into the model after the last epoch
+        (``finalize_variable_values``): those are the weights a local fit leaves, so they are taken again.
+        """
+        if self._epoch is not None and getattr(self.model.optimizer, "use_ema", False):
+            self._last = None
+            every_epoch, self.every_epoch = self.every_epoch, True
+            try:
+                self(self._epoch)
+            finally:
+                self.every_epoch = every_epoch
+            return
         self.on_stop()
 
     def on_stop(self) -> None:

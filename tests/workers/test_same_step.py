@@ -21,6 +21,8 @@ import pytest
 
 import nbdist
 
+from ..conftest import mlp, relative_error
+
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 ROWS, SEQ, VOCAB, GLOBAL_BATCH, EPOCHS = 300, 10, 40, 64, 2
@@ -105,3 +107,31 @@ def test_allreduce_equals_the_local_step(optimizer):
 def test_averaging_every_step_with_sgd_equals_the_local_step():
     """Averaging with K=1 and plain SGD: the same, for every kind of gradient and loss."""
     assert_same(*local_and_remote(keras.optimizers.SGD(0.1), strategy="averaging", averaging_frequency=1))
+
+
+# -- the same fit ------------------------------------------------------------------------------
+class LastEpochWeights(keras.callbacks.Callback):
+    """The raw weights at the last epoch's end, before fit swaps the moving averages in."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.weights = [w.copy() for w in self.model.get_weights()]
+
+
+@pytest.mark.parametrize("strategy, optimizer", [
+    ("allreduce", keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9)),
+    ("averaging", keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9)),  # K=1: the EMA slots averaged too
+], ids=["allreduce-adam", "averaging-sgd"])
+def test_use_ema_leaves_the_moving_averages_in_the_model(digits, strategy, optimizer):
+    """Keras swaps the EMA weights into the model at the end of fit: the notebook's model ends with
+    the local fit's (to 1e-5), not the raw last-step weights (which differ from them by far more)."""
+    x, y = digits[0][:320], digits[1][:320]
+    config = keras.optimizers.serialize(optimizer)
+    local = mlp(seed=3, optimizer=keras.optimizers.deserialize(config))
+    remote = mlp(seed=3, optimizer=keras.optimizers.deserialize(config))
+    remote.set_weights(local.get_weights())
+    raw = LastEpochWeights()
+    expected = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[raw]).history
+    job = nbdist.train(remote, x, y, epochs=2, batch_size=32, workers=2, shuffle=False, lr_scaling="none",
+                       strategy=strategy, averaging_frequency=1, sample_weight=np.ones(len(x), "float32"))
+    assert_same(local, remote, expected, job)
+    assert relative_error(raw.weights, local.get_weights()) > 1e-2  # the EMA is not the last step's weights
