@@ -337,7 +337,9 @@ class TrainingJob(Run):
             build_optimizer(self.model)
             set_optimizer_weights(self.model, self._opt_weights)
         if self._iterations is not None:  # Adam's bias correction and LR schedules continue, not restart
-            self.model.optimizer.iterations.assign(int(self._iterations))
+            # The raw counter: with gradient_accumulation_steps, ``iterations`` is a computed tensor.
+            opt = self.model.optimizer
+            getattr(opt, "_iterations", opt.iterations).assign(int(self._iterations))
 
 
 __all__ = ["TrainingJob", "NbdistError", "TrainingFailed", "last_traceback"]

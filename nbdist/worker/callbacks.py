@@ -128,6 +128,12 @@ def weights_and_optimizer(model: Any) -> list[np.ndarray]:
     ]
 
 
+def step_count(optimizer: Any) -> int:
+    """The optimizer's raw step counter: with ``gradient_accumulation_steps`` Keras' ``iterations`` is a
+    tensor counting applied updates (the batches divided by k), and only ``_iterations`` can be assigned."""
+    return int(np.asarray(getattr(optimizer, "_iterations", optimizer.iterations)))
+
+
 class WeightShipper:
     """Rank 0's synchronised weights, optimizer state and step count, for the driver.
 
@@ -148,7 +154,7 @@ class WeightShipper:
         model = self.model
         weights = weights_and_optimizer(model)
         body = {"type": MessageType.WEIGHTS, "epoch": epoch, "n_weights": len(model.weights),  # get_weights()'s
-                "iterations": int(model.optimizer.iterations.numpy())}
+                "iterations": step_count(model.optimizer)}
         if self.every_epoch:
             self._send(body, weights)
         else:

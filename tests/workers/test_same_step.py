@@ -135,3 +135,19 @@ def test_use_ema_leaves_the_moving_averages_in_the_model(digits, strategy, optim
                        strategy=strategy, averaging_frequency=1, sample_weight=np.ones(len(x), "float32"))
     assert_same(local, remote, expected, job)
     assert relative_error(raw.weights, local.get_weights()) > 1e-2  # the EMA is not the last step's weights
+
+
+def test_gradient_accumulation_applies_every_k_batches_as_locally(digits):
+    """gradient_accumulation_steps=3: every worker applies the update at the same batch, the notebook's
+    model ends as the local fit's (to 1e-5) and counts the same batches."""
+    x, y = digits[0][:320], digits[1][:320]
+    config = keras.optimizers.serialize(keras.optimizers.Adam(0.01, gradient_accumulation_steps=3))
+    local = mlp(seed=4, optimizer=keras.optimizers.deserialize(config))
+    remote = mlp(seed=4, optimizer=keras.optimizers.deserialize(config))
+    remote.set_weights(local.get_weights())
+    expected = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    job = nbdist.train(remote, x, y, epochs=2, batch_size=32, workers=2, shuffle=False, lr_scaling="none",
+                       strategy="allreduce", sample_weight=np.ones(len(x), "float32"))
+    assert_same(local, remote, expected, job)
+    assert int(remote.optimizer._iterations) == int(local.optimizer._iterations) == 10  # 5 batches x 2 epochs
+    assert int(remote.optimizer.iterations) == 3  # updates applied
