@@ -224,9 +224,12 @@ class TrainingJob(Run):
                     return True
                 self._notify("epoch", merged)
                 bad = non_finite(merged)
-                if bad is not None:  # diverged: stop rather than train on, and keep the user's weights
+                terminate = bad is not None and self.fit is not None and self.fit.callbacks.terminates_on_nan
+                if bad is not None and not terminate:  # diverged: stop rather than train on, keep the user's weights
                     self._fail(rank, non_finite_message(bad, merged[bad], int(msg.body["epoch"])), "")
                 elif self.fit is not None:
+                    if terminate:  # TerminateOnNaN: stop after this epoch, its History kept (Keras stops mid-epoch)
+                        self.model.stop_training = True
                     self._fit_epoch_end(int(msg.body["epoch"]), merged)
         elif kind == MessageType.WEIGHTS:
             n = int(msg.body["n_weights"])

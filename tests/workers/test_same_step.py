@@ -151,3 +151,29 @@ def test_gradient_accumulation_applies_every_k_batches_as_locally(digits):
     assert_same(local, remote, expected, job)
     assert int(remote.optimizer._iterations) == int(local.optimizer._iterations) == 10  # 5 batches x 2 epochs
     assert int(remote.optimizer.iterations) == 3  # updates applied
+
+
+def test_terminate_on_nan_returns_the_history_as_keras_does(digits):
+    """TerminateOnNaN: a diverging fit stops at the epoch local fit stops, with no error; the History
+    keeps the non-finite loss and equals local fit's before it."""
+    x, y = digits[0][:256], (digits[1][:256] * 100.0).astype("float32")
+
+    def linear():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.5), "mse")
+        return model
+
+    local, remote = linear(), linear()
+    expected = local.fit(x, y, batch_size=64, epochs=6, shuffle=False, verbose=0,
+                         callbacks=[keras.callbacks.TerminateOnNaN()]).history
+    assert len(expected["loss"]) < 6 and not np.isfinite(expected["loss"][-1])  # it diverges, and stops
+    job = nbdist.train(remote, x, y, epochs=6, batch_size=32, workers=2, shuffle=False, lr_scaling="none",
+                       strategy="allreduce", callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert job.status == "done"
+    got = job.fit_history.history["loss"]
+    assert len(got) == len(expected["loss"]) and not np.isfinite(got[-1])
+    np.testing.assert_allclose(got[:-1], expected["loss"][:-1], rtol=1e-5)
+    # The model holds the workers' weights at the end of that epoch (Keras stops at its first bad batch,
+    # the workers at the epoch's end: the weights there differ), not the ones from before the run.
+    assert relative_error(remote.get_weights(), linear().get_weights()) > 1.0
