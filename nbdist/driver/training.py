@@ -171,6 +171,7 @@ class TrainingJob(Run):
             validation_anywhere=self.validation_data is not None,
             batch_sizes=list(self._rank_batches) if fit is not None else None, learning_rate=self._first_lr,
             epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions),
+            validation_freq=fit.validation_freq if fit is not None else 1,
             weights_every_epoch=self._weights_every_epoch)
         placement = Placement(backend.bind_host, backend.advertise_host, backend.gloo_ifname, backend.store_on_link)
         x_val, y_val, w_val = data_parts(val)

@@ -177,3 +177,26 @@ def test_terminate_on_nan_returns_the_history_as_keras_does(digits):
     # The model holds the workers' weights at the end of that epoch (Keras stops at its first bad batch,
     # the workers at the epoch's end: the weights there differ), not the ones from before the run.
     assert relative_error(remote.get_weights(), linear().get_weights()) > 1.0
+
+
+FREQ_CELL = """
+import keras
+keras.utils.set_random_seed(6)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+hist = model.fit(X[:320], y[:320], batch_size=64, epochs=4, shuffle=False, verbose=0, validation_data=(Xv, yv),
+                 validation_freq=2)
+"""
+
+
+def test_validation_freq_validates_the_epochs_keras_validates(ip):
+    """fit(validation_freq=2) in a cell: validation after epochs 2 and 4 only; the History equals the
+    same cell run locally (val_ entries only for those epochs)."""
+    ip.run_cell_magic("dist_train", "--workers 2 --ui none --strategy allreduce", FREQ_CELL)
+    got = ip.user_ns["hist"].history
+    ip.run_cell(FREQ_CELL).raise_error()
+    expected = ip.user_ns["hist"].history
+    assert set(got) == set(expected) and len(expected["val_loss"]) == 2 and len(expected["loss"]) == 4
+    for key, values in expected.items():
+        np.testing.assert_allclose(got[key], values, rtol=1e-5, err_msg=key)
