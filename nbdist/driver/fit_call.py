@@ -85,6 +85,9 @@ def check_fit_arguments(fit: dict[str, Any]) -> None:
     if isinstance(freq, bool) or not isinstance(freq, (int, np.integer)) or freq < 1:
         raise NbdistError(f"validation_freq must be a whole number of epochs of at least 1, got {freq!r} (Keras 3 "
                           "takes an integer: validate every that many epochs).")
+    if freq != 1 and (is_py_dataset(fit.get("x")) or is_py_dataset(fit.get("validation_data"))):
+        raise NbdistError("validation_freq other than 1 is not supported with a PyDataset yet (its reader reads "
+                          "every epoch's validation share); drop it to validate every epoch.")
     if fit.get("class_weight") is not None and fit.get("sample_weight") is not None:
         raise NbdistError("class_weight and sample_weight cannot be used together (as in Keras); fold the class "
                           "weights into sample_weight.")
