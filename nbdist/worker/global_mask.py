@@ -23,41 +23,57 @@ import numpy as np
 log = logging.getLogger("nbdist.worker")
 
 
+_active: GlobalMaskNormaliser | None = None  # this process's current job's (a warm worker runs several)
+
+
+def _patch_keras_once() -> None:
+    """Route Keras' ``apply_mask`` through the active normaliser; patched once per process, so jobs
+    run one after another in a warm worker do not stack wrappers."""
+    import keras.src.losses.loss as loss_module
+
+    if getattr(loss_module.apply_mask, "nbdist_original", None) is not None:
+        return
+    original = loss_module.apply_mask
+
+    def apply_mask(sample_weight: Any, mask: Any, dtype: Any, reduction: Any) -> Any:
+        normaliser = _active
+        if (normaliser is None or mask is None or not normaliser.tracing
+                or reduction not in ("mean", "sum_over_batch_size")):
+            return original(sample_weight, mask, dtype, reduction)
+        weights = original(sample_weight, mask, dtype, "sum")  # sample weight x 0/1 mask
+        return weights * normaliser.global_weight(mask, weights.dtype)
+
+    apply_mask.nbdist_original = original  # type: ignore[attr-defined]
+    loss_module.apply_mask = apply_mask
+
+
 class GlobalMaskNormaliser:
     """Installs the global normalisation of masked losses on this worker's train step."""
 
     def __init__(self, collective: Any) -> None:
         self.collective = collective
         self.calls_per_step = 0  # masked losses in one train step (found when it is traced)
-        self._tracing = False
+        self.tracing = False  # set while this job's train step is traced (or run eagerly)
         self._calls = 0
         self._last: Any = None  # the previous sum in this trace: the sums run in the same order everywhere
 
     def install(self, model: Any) -> None:
-        import keras.src.losses.loss as loss_module
-
-        original_apply_mask = loss_module.apply_mask
-
-        def apply_mask(sample_weight: Any, mask: Any, dtype: Any, reduction: Any) -> Any:
-            if mask is None or not self._tracing or reduction not in ("mean", "sum_over_batch_size"):
-                return original_apply_mask(sample_weight, mask, dtype, reduction)
-            weights = original_apply_mask(sample_weight, mask, dtype, "sum")  # sample weight x 0/1 mask
-            return weights * self._global_weight(mask, weights.dtype)
-
-        loss_module.apply_mask = apply_mask
+        global _active
+        _patch_keras_once()
+        _active = self
         original_step = model.train_step
 
         def train_step(data: Any) -> Any:
-            self._tracing, self._calls, self._last = True, 0, None
+            self.tracing, self._calls, self._last = True, 0, None
             try:
                 return original_step(data)
             finally:
-                self._tracing = False
+                self.tracing = False
                 self.calls_per_step = self._calls
 
         model.train_step = train_step  # an instance attribute: Keras' train function calls self.train_step
 
-    def _global_weight(self, mask: Any, dtype: Any) -> Any:
+    def global_weight(self, mask: Any, dtype: Any) -> Any:
         """``total / valid`` of the global batch (0 where nothing is valid), a tensor of ``dtype``."""
         import tensorflow as tf
 

@@ -10,6 +10,11 @@ One functional model holds every case, so each optimizer costs one launch of wor
 - ``mk``: a ``Masking`` layer over float sequences, a loss per timestep, masked the same way;
 - ``tw``: a loss per timestep weighted by per-timestep (temporal) sample weights;
 all with ``loss_weights``. 300 rows and a global batch of 64: the last batch is short (44 rows).
+The workers' halves of every batch are equal: Keras records each output's ``<name>_loss`` as an
+unweighted mean over batches (its batch size is unknown when traced), so with unequal halves (an odd
+global batch, or a last batch of fewer rows than workers) those entries alone differ from local fit's;
+the weights and ``loss`` stay equal (measured with 257 rows, pad steps included: weights 6e-8 (allreduce,
+Adam) and 2e-7 (averaging, SGD) apart, ``loss`` 1e-7).
 """
 from __future__ import annotations
 
