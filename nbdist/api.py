@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checks import check_model_fits_data
+from .checks import check_model_fits_data, check_not_stateful
 from .config import TrainConfig
 from .data import make_dataset
 from .driver.inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
@@ -82,6 +82,7 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
         elif val_set.x.shape[1:] != train_set.x.shape[1:]:
             raise NbdistError(f"validation features have shape {val_set.x.shape[1:]} per row but training "
                               f"features have {train_set.x.shape[1:]}; pass matching arrays.")
+    check_not_stateful(model)
     if not isinstance(train_set, SparkData):  # a mismatch is one sentence here, not a worker's traceback
         check_trainable(model)
         ensure_built(model, train_set.x, train_set.y)
@@ -108,6 +109,7 @@ def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_bat
 
     check_fit_arguments(fit)
     check_trainable(model)
+    check_not_stateful(model)
     train_set, val_set = fit_data(fit)
     renderer = make_renderer(config.ui)
     all_listeners = list(listeners or []) + ([renderer] if renderer else [])

@@ -60,3 +60,63 @@ def non_finite(logs: dict[str, Any]) -> str | None:
 def non_finite_message(metric: str, value: float, epoch: int) -> str:
     return (f"training stopped: {metric} became {value} in epoch {epoch + 1}, so the weights diverged; lower the "
             "learning rate or scale the features, the model keeps its weights from before the run.")
+
+
+# -- what a %%dist_train cell does, read from its code (never run to find out) ---------------------
+_LOOP_MARKS = {"GradientTape": "tf.GradientTape", "apply_gradients": "optimizer.apply_gradients",
+               "train_on_batch": "model.train_on_batch"}
+
+
+def custom_training_loop(source: str) -> str | None:
+    """The mark of a hand-written training loop in a cell that never calls ``.fit(...)``, if any.
+
+    Read with ``ast``: a ``tf.GradientTape``, ``apply_gradients`` or ``train_on_batch`` outside any
+    class body (inside one it is a subclassed model's own ``train_step``, which ``fit`` runs). None
+    when the cell calls ``.fit(...)`` (that call is what trains) or cannot be parsed.
+    """
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    found: list[str] = []
+
+    def visit(node: ast.AST, in_class: bool) -> bool:
+        """False once a ``.fit(...)`` call is seen."""
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and child.func.attr == "fit":
+                return False
+            name = (child.attr if isinstance(child, ast.Attribute)
+                    else child.id if isinstance(child, ast.Name) else None)
+            if name in _LOOP_MARKS and not in_class:
+                found.append(_LOOP_MARKS[name])
+            if not visit(child, in_class or isinstance(child, ast.ClassDef)):
+                return False
+        return True
+
+    return found[0] if visit(tree, False) and found else None
+
+
+def check_no_custom_loop(source: str) -> None:
+    """One sentence, before the cell runs, for a cell that trains with its own loop instead of ``fit``."""
+    mark = custom_training_loop(source)
+    if mark is not None:
+        raise NbdistError(f"this cell trains with its own loop ({mark}, no model.fit), which nbdist cannot split "
+                          "over workers: move the step into your model's train_step (subclass keras.Model and "
+                          "override train_step), compile the model, then call model.fit(...) in the cell.")
+
+
+def check_not_stateful(model: Any) -> None:
+    """One sentence for a stateful RNN: its state carries each batch row's stream into the next batch."""
+    for layer in getattr(model, "_flatten_layers", lambda: [])():
+        if getattr(layer, "stateful", False):
+            try:
+                batch = model.inputs[0].shape[0]
+            except (AttributeError, IndexError, TypeError, ValueError):
+                batch = None
+            size = f"its fixed batch size of {batch}" if batch else "its fixed batch size"
+            raise NbdistError(f"layer {layer.name!r} is stateful (stateful=True with {size}): each row of a "
+                              "batch continues a stream from the same row of the previous batch, and nbdist "
+                              "splits every batch over the workers, so no worker would see whole streams; "
+                              "train it with a local model.fit, or set stateful=False.")

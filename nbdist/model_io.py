@@ -135,9 +135,16 @@ def build_optimizers(model: Any, layout: list[list[int]]) -> None:
             opt.build([weights[i] for i in indices])
 
 
+def step_counter(optimizer: Any) -> Any:
+    """The optimizer's raw step variable: with ``gradient_accumulation_steps`` Keras' ``iterations`` is a
+    tensor computed from it (applied updates), which cannot be assigned."""
+    raw = getattr(optimizer, "_iterations", None)
+    return optimizer.iterations if raw is None else raw
+
+
 def optimizer_steps(model: Any) -> int | None:
     try:
-        return int(np.asarray(model.optimizer.iterations))
+        return int(np.asarray(step_counter(model.optimizer)))
     except Exception:  # an optimizer without a step counter
         return None
 
@@ -229,7 +236,7 @@ def model_from_spec(spec: ModelSpec, *, weights: bool = True) -> Any:
         build_optimizers(model, spec.layout)
         set_optimizer_weights(model, spec.optimizer_weights)
     if spec.iterations:  # Adam's bias correction and learning-rate schedules continue, not restart
-        model.optimizer.iterations.assign(int(spec.iterations))
+        step_counter(model.optimizer).assign(int(spec.iterations))
     return model
 
 
@@ -274,11 +281,11 @@ def apply_state(model: Any, weights: list[np.ndarray], optimizer_values: list[np
     try:
         set_values(targets, list(weights) + list(optimizer_values or []), "state variables")
         if iterations is not None:
-            model.optimizer.iterations.assign(int(iterations))
+            step_counter(model.optimizer).assign(int(iterations))
     except Exception:
         set_values(targets, before, "state variables")
         if steps is not None:
-            model.optimizer.iterations.assign(steps)
+            step_counter(model.optimizer).assign(steps)
         raise
 
 

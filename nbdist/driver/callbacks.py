@@ -66,6 +66,14 @@ class DriverCallbacks:
         """Whether workers wait at each epoch end for the notebook (only when a callback can decide)."""
         return bool(self.user)
 
+    @property
+    def terminates_on_nan(self) -> bool:
+        """A ``keras.callbacks.TerminateOnNaN`` is among them: a non-finite loss stops training (as in
+        Keras, the History keeps it), instead of failing the run."""
+        import keras
+
+        return any(isinstance(cb, keras.callbacks.TerminateOnNaN) for cb in self.user)
+
     def begin(self) -> float | None:
         """Before the workers start: on_train_begin, on_epoch_begin(initial); the first epoch's rate."""
         self.model.stop_training = False

@@ -50,6 +50,7 @@ class FitRun:
     initial_epoch: int = 0
     global_batch: int | None = None  # None: --batch-size per worker times the workers
     rows: int = 0
+    validation_freq: int = 1  # fit's: validate after every that many epochs, as Keras does
 
     def plan(self, world: int, per_worker_batch: int) -> tuple[list[int], list[np.ndarray]]:
         """Each worker's batch size and row indices (every global batch split over the workers)."""
@@ -80,8 +81,13 @@ def check_fit_arguments(fit: dict[str, Any]) -> None:
     if fit.get("validation_steps") is not None:
         raise NbdistError("validation_steps is for streamed validation data; drop it: nbdist validates on all "
                           "the validation rows, split over the workers.")
-    if fit.get("validation_freq", 1) != 1:
-        raise NbdistError("validation_freq other than 1 is not supported yet; drop it to validate every epoch.")
+    freq = fit.get("validation_freq", 1)
+    if isinstance(freq, bool) or not isinstance(freq, (int, np.integer)) or freq < 1:
+        raise NbdistError(f"validation_freq must be a whole number of epochs of at least 1, got {freq!r} (Keras 3 "
+                          "takes an integer: validate every that many epochs).")
+    if freq != 1 and (is_py_dataset(fit.get("x")) or is_py_dataset(fit.get("validation_data"))):
+        raise NbdistError("validation_freq other than 1 is not supported with a PyDataset yet (its reader reads "
+                          "every epoch's validation share); drop it to validate every epoch.")
     if fit.get("class_weight") is not None and fit.get("sample_weight") is not None:
         raise NbdistError("class_weight and sample_weight cannot be used together (as in Keras); fold the class "
                           "weights into sample_weight.")
@@ -194,7 +200,8 @@ def reconcile(fit: dict[str, Any], magic: dict[str, Any]) -> dict[str, Any]:
 def prepare_fit_run(model: Any, fit: dict[str, Any], epochs: int, global_batch: int | None,
                     rows: int) -> FitRun:
     callbacks = DriverCallbacks(model, list(fit.get("callbacks") or []), epochs, int(fit.get("initial_epoch") or 0))
-    return FitRun(callbacks, int(fit.get("initial_epoch") or 0), global_batch, rows)
+    return FitRun(callbacks, int(fit.get("initial_epoch") or 0), global_batch, rows,
+                  int(fit.get("validation_freq") or 1))
 
 
 # -- interception ----------------------------------------------------------------

@@ -172,6 +172,7 @@ class TrainingJob(Run):
             validation_anywhere=self.validation_data is not None,
             batch_sizes=list(self._rank_batches) if fit is not None else None, learning_rate=self._first_lr,
             epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions),
+            validation_freq=fit.validation_freq if fit is not None else 1,
             weights_every_epoch=self._weights_every_epoch)
         placement = Placement(backend.bind_host, backend.advertise_host, backend.gloo_ifname, backend.store_on_link)
         x_val, y_val, w_val = data_parts(val)
@@ -225,9 +226,12 @@ class TrainingJob(Run):
                     return True
                 self._notify("epoch", merged)
                 bad = non_finite(merged)
-                if bad is not None:  # diverged: stop rather than train on, and keep the user's weights
+                terminate = bad is not None and self.fit is not None and self.fit.callbacks.terminates_on_nan
+                if bad is not None and not terminate:  # diverged: stop rather than train on, keep the user's weights
                     self._fail(rank, non_finite_message(bad, merged[bad], int(msg.body["epoch"])), "")
                 elif self.fit is not None:
+                    if terminate:  # TerminateOnNaN: stop after this epoch, its History kept (Keras stops mid-epoch)
+                        self.model.stop_training = True
                     self._fit_epoch_end(int(msg.body["epoch"]), merged)
         elif kind == MessageType.WEIGHTS:
             n = int(msg.body["n_weights"])

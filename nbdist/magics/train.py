@@ -8,6 +8,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..checks import check_no_custom_loop
 from ..config import TrainConfig
 from ..errors import NbdistError, TrainingFailed
 from ..model_io import is_keras_model
@@ -165,6 +166,8 @@ class DistMagics(Magics):
 
         wanted(config.mlflow)  # --mlflow without MLflow installed: say so before the cell runs
 
+        # A hand-written loop would run here in full before anything could tell: read the cell instead.
+        check_no_custom_loop(self.shell.transform_cell(cell))
         before = {name: id(value) for name, value in ns.items()}
         fit_calls: list[Any] = []
         runner = self._fit_runner(options, explicit, args, out_given, ns, fit_calls)

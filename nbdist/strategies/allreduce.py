@@ -184,6 +184,10 @@ class GradientAllreduce:
         self.seconds = 0.0  # wall time spent synchronising (read by the progress callback)
         self.steps = 0
         self._present: list[bool] | None = None
+        self._sparse: list[bool] | None = None  # which variables' gradients are tf.IndexedSlices
+        # Called at a pad step before its exchange: joins the sums other workers run inside their step
+        # (worker/global_mask.py).
+        self.before_pad: Callable[[], None] | None = None
         self._weight_var = None
         self._engine_impl: Any = None
         if engine == "nccl":
@@ -392,9 +396,16 @@ class GradientAllreduce:
             raise RuntimeError("the set of variables with gradients changed between steps")
         if len(grads) != len(self.shapes):
             raise RuntimeError(f"{len(grads)} gradients for {len(self.shapes)} trainable variables")
-        # Variables without a gradient contribute zeros; the optimizer still sees None for them.
-        dense = [tf.zeros(s, tf.float32) if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
-                 for g, s in zip(grads, self.shapes)]
+        # Sparse gradients (an Embedding's tf.IndexedSlices) travel as slices on Gloo (``gather_slices``).
+        sparse = [isinstance(g, tf.IndexedSlices) and self.engine == "gloo" for g in grads]
+        if self._sparse is None:
+            self._sparse = sparse
+        elif sparse != self._sparse:
+            raise RuntimeError("the set of variables with sparse gradients changed between steps")
+        # Variables without a gradient contribute zeros; the optimizer still sees None for them. A sparse
+        # gradient's place in the bucket holds zeros too (its slices are gathered after the bucket's sum).
+        dense = [tf.zeros(s, tf.float32) if g is None or sp else tf.cast(tf.convert_to_tensor(g), tf.float32)
+                 for g, s, sp in zip(grads, self.shapes, sparse)]
         if self.engine == "gloo":
             uncopied = self._ring is not None or self._chunked is not None
             exchange = (self.exchange if not prescaled else self.exchange_sum if uncopied
@@ -407,17 +418,94 @@ class GradientAllreduce:
                                         Tout=[tf.float32] * len(dense), stateful=True,
                                         name="nbdist_gradient_allreduce")
             out = [tf.reshape(o, s) for o, s in zip(out, self.shapes)]
+            if any(sparse):
+                # After the bucket's sum (which set this step's weight and total): every worker calls
+                # the collectives in the same order.
+                with tf.control_dependencies(out):
+                    slices = self._gather_slices([g for g, sp in zip(grads, sparse) if sp], prescaled)
+                it = iter(slices)
+                out = [next(it) if sp else o for o, sp in zip(out, sparse)]
         else:
             out = self._engine_impl.reduce(self, dense)
-        return [None if g is None else tf.cast(o, g.dtype) for g, o in zip(grads, out)]
+        return [None if g is None else o if isinstance(o, tf.IndexedSlices) else tf.cast(o, g.dtype)
+                for g, o in zip(grads, out)]
+
+    def _gather_slices(self, grads: Sequence[Any], prescaled: bool) -> list[Any]:
+        """Every worker's slices of each sparse gradient, concatenated by rank, as one tf.IndexedSlices each.
+
+        Keras applies a sparse gradient with scatter updates and squares its slices one by one (Adam's
+        and RMSprop's second moments: a row looked up twice adds two squares, not the square of the
+        sum), so the sum of the workers' dense gradients would not be the local step. Concatenated,
+        the slices are the ones one local step on the global batch would hand Keras (the rows of a
+        global batch are dealt to the workers in rank order), each scaled by n / total.
+        """
+        import tensorflow as tf
+
+        args = []
+        for g in grads:
+            args += [tf.cast(g.indices, tf.int64), tf.cast(g.values, tf.float32)]
+        out = tf.numpy_function(lambda *a: self.gather_slices(a, prescaled), args,
+                                Tout=[tf.int64, tf.float32] * len(grads), stateful=True,
+                                name="nbdist_gather_slices")
+        result = []
+        for k, g in enumerate(grads):
+            indices, values = out[2 * k], out[2 * k + 1]
+            indices.set_shape([None])
+            values = tf.reshape(values, tf.concat([[-1], tf.shape(g.values)[1:]], 0))
+            values.set_shape(tf.TensorShape([None]).concatenate(g.values.shape[1:]))
+            result.append(tf.IndexedSlices(tf.cast(values, g.values.dtype), tf.cast(indices, g.indices.dtype),
+                                           g.dense_shape))
+        return result
+
+    def gather_slices(self, arrays: Sequence[np.ndarray], prescaled: bool) -> list[np.ndarray]:
+        """numpy side of ``_gather_slices``: (indices, values) pairs in, the same with every worker's rows out.
+
+        Two sums: every worker's slice counts, then one float64 buffer where each worker fills its own
+        rows (indices and float32 values are exact in float64; the other workers add zeros). A pad step
+        (weight 0) contributes no slices.
+        """
+        t0 = time.perf_counter()
+        n, total = self.weight, self._check_total()
+        pairs = []
+        for i in range(0, len(arrays), 2):
+            values = np.asarray(arrays[i + 1])
+            pairs.append((np.reshape(arrays[i], -1), values.reshape(len(values), int(np.prod(values.shape[1:])))))
+        world, rank = self.collective.world_size, self.collective.rank
+        counts = np.zeros((world, len(pairs)), dtype=np.int64)
+        if n > 0:
+            counts[rank] = [len(ix) for ix, _ in pairs]
+        self.collective.allreduce_sum(counts)
+        widths = [1 + v.shape[1] for _, v in pairs]  # an index, then the slice's values
+        starts = np.cumsum([0] + [int(counts[r, k]) * widths[k] for k in range(len(pairs)) for r in range(world)])
+        buf = np.zeros(int(starts[-1]), dtype=np.float64)
+        factor = None if prescaled else np.float32(n / total)
+        for k, (ix, values) in enumerate(pairs):
+            if n <= 0:
+                continue
+            a = int(starts[k * world + rank])
+            block = buf[a:a + len(ix) * widths[k]].reshape(len(ix), widths[k])
+            block[:, 0] = ix
+            block[:, 1:] = values if factor is None else values * factor
+        self.collective.allreduce_sum(buf)
+        out: list[np.ndarray] = []
+        for k in range(len(pairs)):
+            a, b = int(starts[k * world]), int(starts[(k + 1) * world])
+            block = buf[a:b].reshape(-1, widths[k])
+            out += [block[:, 0].astype(np.int64), np.ascontiguousarray(block[:, 1:], dtype=np.float32)]
+        self.seconds += time.perf_counter() - t0
+        return out
 
     def pad_step(self, apply: Callable[[list[Any]], Any], total: float | None = None) -> None:
         """Take part in one step with no samples of our own (a shorter shard's missing batch)."""
         import tensorflow as tf
 
         self.set_weight(0.0, total)
+        if self.before_pad is not None:
+            self.before_pad()
         present = self._present or [True] * len(self.shapes)
-        zeros = [tf.zeros(s, tf.float32) if p else None for s, p in zip(self.shapes, present)]
+        sparse = self._sparse or [False] * len(self.shapes)
+        zeros = [None if not p else _no_slices(s) if sp else tf.zeros(s, tf.float32)
+                 for s, p, sp in zip(self.shapes, present, sparse)]
         apply(self.reduce(zeros, prescaled=bool(self.prescaled)))
         if self.scheduled:
             self.advance()
@@ -568,6 +656,14 @@ def _split(flat: Any, owner: GradientAllreduce) -> list[Any]:
     # The engines' buckets are plain concatenations (no alignment gaps, unlike the Gloo bucket).
     starts = np.concatenate([[0], np.cumsum(owner.sizes)]).astype(np.int64)
     return [tf.reshape(flat[int(a):int(a) + n], s) for s, a, n in zip(owner.shapes, starts[:-1], owner.sizes)]
+
+
+def _no_slices(shape: tuple[int, ...]) -> Any:
+    """An empty sparse gradient for a variable of ``shape`` (a pad step's share)."""
+    import tensorflow as tf
+
+    return tf.IndexedSlices(tf.zeros((0, *shape[1:]), tf.float32), tf.zeros((0,), tf.int64),
+                            tf.constant(shape, tf.int64))
 
 
 # -- the Gloo bucket's helpers ------------------------------------------------

@@ -93,6 +93,7 @@ class TrainSettings:
     batch_sizes: list[int] | None = None
     learning_rate: float | None = None
     epoch_decisions: bool = False
+    validation_freq: int = 1  # fit's validation_freq: the workers validate every that many epochs
     # Rank 0 sends the weights at every epoch end (checkpoints, callbacks that read the model);
     # False: once, at the end or when the driver stops the run (driver/training.py decides).
     weights_every_epoch: bool = True

@@ -71,6 +71,12 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         # Each step finds its share in the graph, so a call may run several (blocks.py).
         reducer.schedule(batch_sizes(samples, batch_size), totals)
     original_apply = wrap_optimizer(model.optimizer, reducer)
+    if collective.world_size > 1:  # masked losses normalised by the global batch's valid entries
+        from .global_mask import GlobalMaskNormaliser
+
+        normaliser = GlobalMaskNormaliser(collective)
+        normaliser.install(model)
+        reducer.before_pad = normaliser.pad
     non_trainable = floats(model.non_trainable_weights)
     stats = WeightedAverager(collective, non_trainable, compiled=True) if non_trainable else None
 

@@ -27,6 +27,7 @@ class AveragingCallback(keras.callbacks.Callback):
         self.span = BatchSpan(self.sizes)  # a call may run several batches (blocks.py)
         self._pending = 0
         self._rounds = 0
+        self.before_pad: Callable[[], None] | None = None  # before each padding round (K=1: global_mask.py)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self.span.reset()
@@ -41,6 +42,8 @@ class AveragingCallback(keras.callbacks.Callback):
                 self._round()
         if self.span.next == batches:
             while self._rounds < self.rounds_per_epoch:
+                if self.before_pad is not None:
+                    self.before_pad()
                 self._round()
 
     def _round(self) -> None:
@@ -125,6 +128,14 @@ def weights_and_optimizer(model: Any) -> tuple[list[np.ndarray], list[list[int]]
     return weights + optimizer, layout
 
 
+def step_count(optimizer: Any) -> int:
+    """The optimizer's raw step count (model_io.step_counter: not the computed ``iterations`` of
+    ``gradient_accumulation_steps``)."""
+    from ..model_io import step_counter
+
+    return int(np.asarray(step_counter(optimizer)))
+
+
 class WeightShipper:
     """Rank 0's synchronised weights, optimizer state and step count, for the driver.
 
@@ -138,19 +149,33 @@ class WeightShipper:
         self.send, self.model, self.every_epoch = send, model, every_epoch
         self.sent = 0  # weight messages sent (the closing report says how many)
         self._last: tuple[dict[str, Any], list[np.ndarray]] | None = None  # the latest epoch's, not yet sent
+        self._epoch: int | None = None  # the latest epoch shipped or kept
 
     def __call__(self, epoch: int) -> None:
+        self._epoch = epoch
         model = self.model
         weights, layout = weights_and_optimizer(model)
         body = {"type": MessageType.WEIGHTS, "epoch": epoch, "n_weights": len(model.weights),  # get_weights()'s
-                "iterations": int(model.optimizer.iterations.numpy()), "layout": layout}
+                "iterations": step_count(model.optimizer), "layout": layout}
         if self.every_epoch:
             self._send(body, weights)
         else:
             self._last = (body, weights)  # one assignment: the reader thread sees the old copy or this one
 
     def finish(self) -> None:
-        """Training ended: send the last epoch's weights if they have not gone yet."""
+        """Training ended: send the last epoch's weights if they have not gone yet.
+
+        With ``use_ema`` Keras' fit swaps the moving averages into the model after the last epoch
+        (``finalize_variable_values``): those are the weights a local fit leaves, so they are taken again.
+        """
+        if self._epoch is not None and getattr(self.model.optimizer, "use_ema", False):
+            self._last = None
+            every_epoch, self.every_epoch = self.every_epoch, True
+            try:
+                self(self._epoch)
+            finally:
+                self.every_epoch = every_epoch
+            return
         self.on_stop()
 
     def on_stop(self) -> None:

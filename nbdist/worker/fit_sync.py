@@ -120,16 +120,17 @@ class MetricSumCallback(keras.callbacks.Callback):
     """Runs ``MetricStateSum`` after this worker's last training batch and last validation batch."""
 
     def __init__(self, summer: MetricStateSum, train_steps: int, val_steps: int | None,
-                 others_validate: bool = False) -> None:
+                 others_validate: bool = False, validation_freq: int = 1) -> None:
         super().__init__()
         self.summer = summer
         self.train_steps = train_steps
         self.val_steps = val_steps
         # No validation rows here but other workers validate: join their sum with zeros.
         self.join_with_zeros = others_validate and val_steps is None
+        self.validation_freq = validation_freq
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        if self.join_with_zeros:
+        if self.join_with_zeros and (epoch + 1) % self.validation_freq == 0:  # the epochs Keras validates
             self.summer.sum(contribute=False)
 
     def on_train_end(self, logs: Any = None) -> None:
@@ -191,7 +192,8 @@ def sync_callbacks(link: Any, job: JobMessage, model: Any, collective: Any, inpu
     if collective.world_size > 1:  # a batch hook costs every step its async dispatch
         out.append(MetricSumCallback(MetricStateSum(collective, model, bool(job.train.shared_memory)),
                                      int(inputs["steps_per_epoch"]),
-                                     inputs.get("validation_steps"), job.train.validation_anywhere))
+                                     inputs.get("validation_steps"), job.train.validation_anywhere,
+                                     int(job.train.validation_freq)))
     decision = None
     if job.train.epoch_decisions:
         decision = DecisionCallback(link, float(job.train.sync_timeout), lr_factor)
@@ -222,7 +224,7 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
         extra.append(KeepValidationIterator())
     try:
         model.fit(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=callbacks + extra,
-                  initial_epoch=int(job.train.initial_epoch))
+                  initial_epoch=int(job.train.initial_epoch), validation_freq=int(job.train.validation_freq))
     finally:
         if feed is not None:
             feed.close()

@@ -120,8 +120,15 @@ def run_training(link: Any, job: JobMessage) -> None:
             if block > 1:
                 callbacks.insert(0, StepBlocks(block, steps, inputs.get("validation_steps")).install(model))
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
-            callbacks.insert(0, AveragingCallback(averager, int(train.averaging_frequency), samples,
-                                                  batch_size, int(train.rounds_per_epoch), sizes=sizes))
+            averaging = AveragingCallback(averager, int(train.averaging_frequency), samples,
+                                          batch_size, int(train.rounds_per_epoch), sizes=sizes)
+            if int(train.averaging_frequency) == 1:  # every step one round: masked losses as one local step
+                from .global_mask import GlobalMaskNormaliser
+
+                normaliser = GlobalMaskNormaliser(collective)
+                normaliser.install(model)
+                averaging.before_pad = normaliser.pad
+            callbacks.insert(0, averaging)
         if feed is not None:
             callbacks = feed.callbacks(event) + callbacks
         report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)

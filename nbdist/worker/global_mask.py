@@ -1,0 +1,99 @@
+"""A masked loss normalised by the global batch's valid entries, as one local step would normalise it.
+
+Keras normalises a masked loss (``mask_zero``, ``Masking``, a padded sequence) by the valid entries of
+the batch it sees: ``apply_mask`` in keras/src/losses/loss.py weights each valid entry by
+``total / valid`` of that batch. A worker sees only its share of the global batch, so its loss is
+``S_w / V_w`` where one local step computes ``sum S_w / sum V_w``: scaled by rows (n_w / N), the
+workers' gradients and logged losses do not add up to the local ones when the shares hold different
+numbers of valid entries.
+
+Here the weight becomes ``total / valid`` of the GLOBAL batch (both summed over the workers inside
+the train step, one tiny sum per masked loss): the worker's loss is then ``(N / n_w) * S_w / V``, and
+weighted by n_w / N, as gradients, logged losses and averaged weights are, the workers' shares add
+up to ``S / V``, the local step's. Only training steps change (validation keeps Keras' own
+normalisation per batch); unmasked losses and the ``sum``/``none`` reductions are untouched.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("nbdist.worker")
+
+
+_active: GlobalMaskNormaliser | None = None  # this process's current job's (a warm worker runs several)
+
+
+def _patch_keras_once() -> None:
+    """Route Keras' ``apply_mask`` through the active normaliser; patched once per process, so jobs
+    run one after another in a warm worker do not stack wrappers."""
+    import keras.src.losses.loss as loss_module
+
+    if getattr(loss_module.apply_mask, "nbdist_original", None) is not None:
+        return
+    original = loss_module.apply_mask
+
+    def apply_mask(sample_weight: Any, mask: Any, dtype: Any, reduction: Any) -> Any:
+        normaliser = _active
+        if (normaliser is None or mask is None or not normaliser.tracing
+                or reduction not in ("mean", "sum_over_batch_size")):
+            return original(sample_weight, mask, dtype, reduction)
+        weights = original(sample_weight, mask, dtype, "sum")  # sample weight x 0/1 mask
+        return weights * normaliser.global_weight(mask, weights.dtype)
+
+    apply_mask.nbdist_original = original  # type: ignore[attr-defined]
+    loss_module.apply_mask = apply_mask
+
+
+class GlobalMaskNormaliser:
+    """Installs the global normalisation of masked losses on this worker's train step."""
+
+    def __init__(self, collective: Any) -> None:
+        self.collective = collective
+        self.calls_per_step = 0  # masked losses in one train step (found when it is traced)
+        self.tracing = False  # set while this job's train step is traced (or run eagerly)
+        self._calls = 0
+        self._last: Any = None  # the previous sum in this trace: the sums run in the same order everywhere
+
+    def install(self, model: Any) -> None:
+        global _active
+        _patch_keras_once()
+        _active = self
+        original_step = model.train_step
+
+        def train_step(data: Any) -> Any:
+            self.tracing, self._calls, self._last = True, 0, None
+            try:
+                return original_step(data)
+            finally:
+                self.tracing = False
+                self.calls_per_step = self._calls
+
+        model.train_step = train_step  # an instance attribute: Keras' train function calls self.train_step
+
+    def global_weight(self, mask: Any, dtype: Any) -> Any:
+        """``total / valid`` of the global batch (0 where nothing is valid), a tensor of ``dtype``."""
+        import tensorflow as tf
+
+        local = tf.stack([tf.reduce_sum(tf.cast(mask, tf.float64)), tf.cast(tf.size(mask), tf.float64)])
+        deps = [] if self._last is None else [self._last]
+        with tf.control_dependencies(deps):
+            summed = tf.numpy_function(self.sum_counts, [local], Tout=tf.float64, stateful=True,
+                                       name="nbdist_global_mask_counts")
+        summed.set_shape([2])
+        self._last = summed
+        self._calls += 1
+        valid, total = summed[0], summed[1]
+        return tf.cast(tf.math.divide_no_nan(total, valid), dtype)
+
+    def sum_counts(self, local: np.ndarray) -> np.ndarray:
+        counts = np.array(local, dtype=np.float64)
+        self.collective.allreduce_sum(counts)
+        return counts
+
+    def pad(self) -> None:
+        """A step with no rows of ours (a shorter share's missing batch): join the step's sums with zeros."""
+        for _ in range(self.calls_per_step):
+            self.sum_counts(np.zeros(2))

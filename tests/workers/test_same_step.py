@@ -1,0 +1,198 @@
+"""The same step (issue 30): 2 workers equal the local ``fit`` on the global batch, for every kind of
+gradient and loss normalisation Keras produces. Real worker processes, real TensorFlow.
+
+One functional model holds every case, so each optimizer costs one launch of workers:
+- ``reg``: a dense branch (Dense gradients);
+- ``cls``: an Embedding without a mask (a sparse ``tf.IndexedSlices`` gradient that Keras applies
+  with scatter updates: Adam's and RMSprop's squares of its duplicate rows differ from the dense sum's);
+- ``seq``: an Embedding with ``mask_zero`` and a loss per timestep (normalised by the valid steps of
+  the global batch, not of each worker's share);
+- ``mk``: a ``Masking`` layer over float sequences, a loss per timestep, masked the same way;
+- ``tw``: a loss per timestep weighted by per-timestep (temporal) sample weights;
+all with ``loss_weights``. 300 rows and a global batch of 64: the last batch is short (44 rows).
+The workers' halves of every batch are equal: Keras records each output's ``<name>_loss`` as an
+unweighted mean over batches (its batch size is unknown when traced), so with unequal halves (an odd
+global batch, or a last batch of fewer rows than workers) those entries alone differ from local fit's;
+the weights and ``loss`` stay equal (measured with 257 rows, pad steps included: weights 6e-8 (allreduce,
+Adam) and 2e-7 (averaging, SGD) apart, ``loss`` 1e-7).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+
+import nbdist
+
+from ..conftest import mlp, relative_error
+
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+ROWS, SEQ, VOCAB, GLOBAL_BATCH, EPOCHS = 300, 10, 40, 64, 2
+
+
+def case_data(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, VOCAB, (ROWS, SEQ)).astype("int32")
+    lengths = rng.integers(2, SEQ + 1, ROWS)
+    masked_ids = np.where(np.arange(SEQ)[None, :] < lengths[:, None], ids, 0).astype("int32")  # padded ends
+    floats = rng.normal(size=(ROWS, SEQ, 3)).astype("float32")
+    floats[np.arange(SEQ)[None, :] >= rng.integers(1, SEQ + 1, ROWS)[:, None]] = 0.0  # Masking's padding
+    x = {"x": rng.normal(size=(ROWS, 6)).astype("float32"), "ids": ids, "mids": masked_ids, "fl": floats,
+         "tf": rng.normal(size=(ROWS, SEQ, 2)).astype("float32")}
+    y = {"reg": rng.normal(size=(ROWS, 1)).astype("float32"),
+         "cls": (ids[:, 0] % 2).astype("int32"),
+         "seq": (masked_ids % 3).astype("int32"),
+         "mk": rng.normal(size=(ROWS, SEQ, 1)).astype("float32"),
+         "tw": rng.normal(size=(ROWS, SEQ, 1)).astype("float32")}
+    # Keras needs a masked output's weights per timestep too (a row's weight would not broadcast over its mask).
+    weights = {"reg": np.ones(ROWS, "float32"), "cls": np.ones(ROWS, "float32"),
+               "seq": np.ones((ROWS, SEQ), "float32"), "mk": np.ones((ROWS, SEQ), "float32"),
+               "tw": rng.uniform(0.0, 3.0, (ROWS, SEQ)).astype("float32")}  # one weight per timestep
+    return x, y, weights
+
+
+def case_model(optimizer: Any) -> Any:
+    keras.utils.set_random_seed(7)
+    x = keras.Input((6,), name="x")
+    ids = keras.Input((SEQ,), dtype="int32", name="ids")
+    mids = keras.Input((SEQ,), dtype="int32", name="mids")
+    fl = keras.Input((SEQ, 3), name="fl")
+    tf_in = keras.Input((SEQ, 2), name="tf")
+    reg = keras.layers.Dense(1, name="reg")(keras.layers.Dense(8, activation="tanh")(x))
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(VOCAB, 8)(ids))
+    cls = keras.layers.Dense(2, activation="softmax", name="cls")(pooled)
+    seq = keras.layers.Dense(3, activation="softmax", name="seq")(
+        keras.layers.Embedding(VOCAB, 6, mask_zero=True)(mids))
+    mk = keras.layers.Dense(1, name="mk")(keras.layers.Dense(4, activation="tanh")(keras.layers.Masking(0.0)(fl)))
+    tw = keras.layers.Dense(1, name="tw")(tf_in)
+    model = keras.Model({"x": x, "ids": ids, "mids": mids, "fl": fl, "tf": tf_in},
+                        {"reg": reg, "cls": cls, "seq": seq, "mk": mk, "tw": tw})
+    model.compile(optimizer, loss={"reg": "mse", "cls": "sparse_categorical_crossentropy",
+                                   "seq": "sparse_categorical_crossentropy", "mk": "mse", "tw": "mse"},
+                  loss_weights={"reg": 0.5, "cls": 1.0, "seq": 2.0, "mk": 1.0, "tw": 0.7})
+    return model
+
+
+def local_and_remote(optimizer: Any, **options: Any) -> tuple[Any, Any, dict[str, list[float]], Any]:
+    """The same model fit locally on the global batch and by 2 workers (each half of every global batch)."""
+    x, y, w = case_data()
+    local = case_model(keras.optimizers.deserialize(keras.optimizers.serialize(optimizer)))
+    remote = case_model(keras.optimizers.deserialize(keras.optimizers.serialize(optimizer)))
+    remote.set_weights(local.get_weights())
+    expected = local.fit(x, y, sample_weight=w, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                         verbose=0).history
+    job = nbdist.train(remote, x, y, sample_weight=w, epochs=EPOCHS, batch_size=GLOBAL_BATCH // 2, workers=2,
+                       shuffle=False, lr_scaling="none", **options)
+    return local, remote, expected, job
+
+
+def assert_same(local: Any, remote: Any, expected: dict[str, list[float]], job: Any) -> None:
+    got = job.fit_history.history
+    assert set(expected) <= set(got), (sorted(expected), sorted(got))
+    for key, values in expected.items():
+        np.testing.assert_allclose(got[key], values, rtol=1e-5, atol=1e-7, err_msg=key)
+    for a, b in zip(remote.get_weights(), local.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", [
+    keras.optimizers.Adam(0.01),
+    keras.optimizers.RMSprop(0.01),
+    keras.optimizers.SGD(0.05, momentum=0.9),
+    keras.optimizers.AdamW(0.01, weight_decay=0.01),
+], ids=["adam", "rmsprop", "sgd-momentum", "adamw"])
+def test_allreduce_equals_the_local_step(optimizer):
+    """Allreduce: weights and every History entry of local fit to 1e-5, for each optimizer."""
+    assert_same(*local_and_remote(optimizer, strategy="allreduce"))
+
+
+def test_averaging_every_step_with_sgd_equals_the_local_step():
+    """Averaging with K=1 and plain SGD: the same, for every kind of gradient and loss."""
+    assert_same(*local_and_remote(keras.optimizers.SGD(0.1), strategy="averaging", averaging_frequency=1))
+
+
+# -- the same fit ------------------------------------------------------------------------------
+class LastEpochWeights(keras.callbacks.Callback):
+    """The raw weights at the last epoch's end, before fit swaps the moving averages in."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.weights = [w.copy() for w in self.model.get_weights()]
+
+
+@pytest.mark.parametrize("strategy, optimizer", [
+    # Both at once (one launch): the EMA is updated at each applied update, every 3 batches.
+    ("allreduce", keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9, gradient_accumulation_steps=3)),
+    ("averaging", keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9)),  # K=1: the EMA slots averaged too
+], ids=["allreduce-adam-accumulating", "averaging-sgd"])
+def test_ema_and_gradient_accumulation_as_locally(digits, strategy, optimizer):
+    """use_ema: Keras swaps the EMA weights into the model at the end of fit, so the notebook's model ends
+    with the local fit's (to 1e-5), not the raw last-step weights (which differ from them by far more).
+    gradient_accumulation_steps=3: every worker applies the update at the same batch, as locally, and the
+    model counts the same batches (Keras' iterations is then computed from them: the run used to end in
+    an AttributeError)."""
+    x, y = digits[0][:320], digits[1][:320]
+    config = keras.optimizers.serialize(optimizer)
+    local = mlp(seed=3, optimizer=keras.optimizers.deserialize(config))
+    remote = mlp(seed=3, optimizer=keras.optimizers.deserialize(config))
+    remote.set_weights(local.get_weights())
+    raw = LastEpochWeights()
+    expected = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[raw]).history
+    job = nbdist.train(remote, x, y, epochs=2, batch_size=32, workers=2, shuffle=False, lr_scaling="none",
+                       strategy=strategy, averaging_frequency=1, sample_weight=np.ones(len(x), "float32"))
+    assert_same(local, remote, expected, job)
+    assert relative_error(raw.weights, local.get_weights()) > 1e-2  # the EMA is not the last step's weights
+    assert int(remote.optimizer._iterations) == int(local.optimizer._iterations) == 10  # 5 batches x 2 epochs
+    if optimizer.gradient_accumulation_steps:
+        assert int(remote.optimizer.iterations) == 3  # updates applied
+
+
+def test_terminate_on_nan_returns_the_history_as_keras_does(digits):
+    """TerminateOnNaN: a diverging fit stops at the epoch local fit stops, with no error; the History
+    keeps the non-finite loss and equals local fit's before it."""
+    x, y = digits[0][:256], (digits[1][:256] * 100.0).astype("float32")
+
+    def linear():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.5), "mse")
+        return model
+
+    local, remote = linear(), linear()
+    expected = local.fit(x, y, batch_size=64, epochs=6, shuffle=False, verbose=0,
+                         callbacks=[keras.callbacks.TerminateOnNaN()]).history
+    assert len(expected["loss"]) < 6 and not np.isfinite(expected["loss"][-1])  # it diverges, and stops
+    job = nbdist.train(remote, x, y, epochs=6, batch_size=32, workers=2, shuffle=False, lr_scaling="none",
+                       strategy="allreduce", callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert job.status == "done"
+    got = job.fit_history.history["loss"]
+    assert len(got) == len(expected["loss"]) and not np.isfinite(got[-1])
+    np.testing.assert_allclose(got[:-1], expected["loss"][:-1], rtol=1e-5)
+    # The model holds the workers' weights at the end of that epoch (Keras stops at its first bad batch,
+    # the workers at the epoch's end: the weights there differ), not the ones from before the run.
+    assert relative_error(remote.get_weights(), linear().get_weights()) > 1.0
+
+
+FREQ_CELL = """
+import keras
+keras.utils.set_random_seed(6)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+hist = model.fit(X[:320], y[:320], batch_size=64, epochs=4, shuffle=False, verbose=0, validation_data=(Xv, yv),
+                 validation_freq=2)
+"""
+
+
+def test_validation_freq_validates_the_epochs_keras_validates(ip):
+    """fit(validation_freq=2) in a cell: validation after epochs 2 and 4 only; the History equals the
+    same cell run locally (val_ entries only for those epochs)."""
+    ip.run_cell_magic("dist_train", "--workers 2 --ui none --strategy allreduce", FREQ_CELL)
+    got = ip.user_ns["hist"].history
+    ip.run_cell(FREQ_CELL).raise_error()
+    expected = ip.user_ns["hist"].history
+    assert set(got) == set(expected) and len(expected["val_loss"]) == 2 and len(expected["loss"]) == 4
+    for key, values in expected.items():
+        np.testing.assert_allclose(got[key], values, rtol=1e-5, err_msg=key)
