@@ -4,7 +4,7 @@ Only the shape of the results is asserted (figures on a shared CI machine are no
 goals themselves are reported by the full run, not tested. CI runs the harness on two cheap
 rows (P1: one worker and a plain fit; P8: the quickstart cell with warm workers), which is
 all of the harness (a child process per row, its JSON, the table, results.json, the chart)
-in under a minute; every row at --quick size took 6-7 minutes of CI's budget.
+in a ninth of the time of every row at --quick size (129 s against 1187 s in one loaded run).
 ``NBDIST_BENCH_ROWS=all`` (or a list such as ``P3,P7``) runs those rows through the same checks.
 """
 from __future__ import annotations
