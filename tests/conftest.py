@@ -15,6 +15,30 @@ import numpy as np
 import psutil
 import pytest
 
+# CI's budget for the whole run of pytest (`make test` on 2 cores; CI itself stops at 90 minutes).
+CI_BUDGET_SECONDS = 35 * 60
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Seconds per tier (setup, call and teardown of its tests) against CI's budget.
+
+    Printed by every run, so a tier that grows shows up in CI's log before the budget is gone.
+    """
+    tiers: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            nodeid, duration = getattr(rep, "nodeid", ""), getattr(rep, "duration", None)
+            if nodeid and duration is not None and getattr(rep, "when", None):
+                parts = nodeid.split("/")
+                tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+                tiers[tier] = tiers.get(tier, 0.0) + duration
+    if not tiers:
+        return
+    total = sum(tiers.values())
+    terminalreporter.write_sep("=", f"time per tier: {total / 60:.1f} of CI's {CI_BUDGET_SECONDS // 60} minutes")
+    for tier, seconds in sorted(tiers.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{tier:<12} {seconds / 60:5.1f} min  {100 * seconds / total:3.0f}%")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def no_spark_session_left() -> Iterator[None]:

@@ -9,7 +9,6 @@ import json
 import numpy as np
 import pytest
 
-from nbdist.strategies.allreduce import direct_sum_fits
 from nbdist.strategies.direct import add_in_rank_order
 
 from ..ranks import run_ranks
@@ -30,6 +29,10 @@ def test_rows_are_added_in_rank_order():
 
 
 def test_small_buckets_go_direct_large_ones_by_the_ring():
+    # Imported here: the ranks below import this module, and nbdist.strategies.allreduce brings Keras
+    # (5 s of CPU per rank for nothing).
+    from nbdist.strategies.allreduce import direct_sum_fits
+
     mib = 2**20
     assert direct_sum_fits(117 * 1024, 2, 4 * mib)  # a small CNN's gradients
     assert direct_sum_fits(4 * mib, 2, 4 * mib) and not direct_sum_fits(4 * mib + 4, 2, 4 * mib)
