@@ -349,6 +349,8 @@ class SparkBackend:
                     w.rows = int(body["rows"])
                 elif body.get("type") == MessageType.TASK_EXIT:
                     w.log = str(body.get("log", ""))
+                    if body.get("error"):
+                        w.error = str(body["error"])
                     w.code = int(body["code"])
         except Exception:
             pass

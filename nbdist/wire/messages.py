@@ -96,6 +96,8 @@ class TrainSettings:
     # Rank 0 sends the weights at every epoch end (checkpoints, callbacks that read the model);
     # False: once, at the end or when the driver stops the run (driver/training.py decides).
     weights_every_epoch: bool = True
+    # Spark data: the bytes of rows a worker holds and shuffles together while streaming (worker/streams.py).
+    stream_buffer_bytes: int = 64 * 2**20
 
     @classmethod
     def from_config(cls, config: Any, **run: Any) -> TrainSettings:
