@@ -27,6 +27,7 @@ from ..errors import NbdistError, TrainingFailed
 from ..fitdata import FitData, PyDatasetData
 from ..model_io import ModelSpec
 from ..placement import threads_per_worker
+from ..procs import oom_sentence
 from ..spark.data import SparkData
 from ..wire import protocol
 from ..wire.messages import JobMessage, MessageType
@@ -43,7 +44,11 @@ EXIT_GRACE = 2.0
 Listener = Callable[[str, RunState, Any], None]
 
 
-def _describe_exit(code: int) -> str:
+def _describe_exit(code: int, handle: Any = None) -> str:
+    """How a worker ended, in words; the out-of-memory killer named when its handle knows it was that."""
+    end = getattr(handle, "end", None)
+    if end is not None and end.oom_killed:
+        return oom_sentence(end.peak_rss)
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -412,7 +417,7 @@ class Run:
             text = _first_line(str(msg.body.get("message", "error")))
             dead = self._dead_peer(rank)
             if dead is not None:  # a peer's death broke the collective: name the cause, not the symptom
-                self._fail(dead.rank, f"{dead.describe()} {_describe_exit(dead.exit_status())} during training "
+                self._fail(dead.rank, f"{dead.describe()} {_describe_exit(dead.exit_status(), dead)} during training "
                                       f"(then {self._name(rank)} failed: {text})",
                            last_traceback(dead.log_tail(400)))
                 return
@@ -442,7 +447,7 @@ class Run:
                 self._drain_errors()
                 if self.status in TERMINAL:
                     return
-                how = _describe_exit(code) if code is not None else "closed its connection"
+                how = _describe_exit(code, h) if code is not None else "closed its connection"
                 if code == protocol.EXIT_UNREACHABLE:  # it never connected: where it tried, and what to change
                     host, port = self._coordinator.address
                     hint = self._backend.unreachable_hint

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.command import job_command, worker_env
-from ..procs import ProcessId, read_log_tail, signal_group
+from ..procs import ChildEnd, ProcessId, oom_kill_count, read_log_tail, reap, signal_group
 from ..wire.messages import MessageType
 from ..wire.shardfile import DATA_ENV, DiskFull, ShardWriter
 
@@ -304,6 +304,7 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
     log_path = os.path.join(workdir, "worker.log")
     proc: subprocess.Popen | spark_warm.ClaimedWorker | None = None
     code, tail, rows, error = 1, "", -1, ""
+    end: ChildEnd | None = None
     env = worker_env(spec.threads)
     executor = executor_id()
     pool = None  # this executor's warm workers, if it keeps any
@@ -326,6 +327,7 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
             log_path = _move(proc.log_path, log_path)
         else:
             with open(log_path, "wb") as out:
+                oom_kills = oom_kill_count()
                 proc = subprocess.Popen(
                     job_command(spec.address, rank, die_with_parent=True),  # dies with this task's Python process
                     env={**env, **job_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
@@ -333,7 +335,11 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
                 hand_over(proc, secret)  # on stdin, not in the worker's command line or environment
         reporter.send({"type": MessageType.TASK_STARTED, "rank": rank, "pid": proc.pid, "host": socket.gethostname(),
                        "warm": isinstance(proc, spark_warm.ClaimedWorker)})
-        code = proc.wait()
+        if isinstance(proc, subprocess.Popen):  # its own child: reaped with its peak memory
+            end = reap(proc.pid, oom_kills, block=True)
+            proc.returncode = code = end.code if end is not None else proc.wait()
+        else:
+            code = proc.wait()
         tail = read_log_tail(log_path, 40)
     except DiskFull as exc:  # named, not a traceback: the user frees space or moves spark.local.dir
         error = tail = str(exc.strerror)
@@ -345,7 +351,8 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
             signal_group(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         reporter.send({"type": MessageType.TASK_EXIT, "rank": rank, "code": code, "log": tail, "at": time.time(),
-                       "error": error})
+                       "error": error, "oom_killed": bool(end and end.oom_killed),
+                       "peak_rss": end.peak_rss if end is not None else None})
         reporter.close()
         shutil.rmtree(workdir, ignore_errors=True)
         if pool is not None:  # the next job's worker imports TensorFlow while the notebook idles

@@ -6,9 +6,13 @@ Small Arrow batches and a small shuffle window make every epoch cross many block
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import psutil
 import pytest
 
+from ..memory_cgroup import join, memory_cgroup, peak_usage
 from ..spark_helpers import accuracy, need_spark, small_model
 
 need_spark()
@@ -57,3 +61,44 @@ def test_streamed_shuffle_trains_as_well_as_in_memory(frame, data, no_leftover_w
                  **options)
     nbdist.train(in_memory, X, y, backend="local", **options)
     assert accuracy(streamed, Xte, yte) >= accuracy(in_memory, Xte, yte) - 0.01
+
+
+CAP_BYTES = 800 * 2**20  # charged here: a worker starts at ~400 MB; whole-file loading adds ~2.6x the share
+CAP_ROWS = 1_200_000  # 64 float32 features and a label: a 312 MB share for the one worker
+
+
+def move_workers(job, cgroup: str, stop: threading.Event) -> None:
+    """Put the job's worker into ``cgroup`` as soon as it starts: within 50 ms, before it imports TensorFlow."""
+    host, port = job._coordinator.address
+    moved: set[int] = set()
+    while not stop.wait(0.05):
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info.get("cmdline") or []
+            if p.pid not in moved and "nbdist.worker" in cmd and f"{host}:{port}" in cmd:
+                join(cgroup, p.pid)
+                moved.add(p.pid)
+
+
+def test_a_worker_capped_below_whole_file_loading_trains_by_streaming(spark, no_leftover_workers):
+    import keras
+    from pyspark.sql import functions as F
+
+    with memory_cgroup(CAP_BYTES) as cgroup:
+        features = F.array(*[F.rand(seed=i).cast("float") for i in range(64)])
+        df = spark.range(0, CAP_ROWS, numPartitions=1).select(features.alias("x"), (F.rand(seed=99) > 0.5)
+                                                               .cast("int").alias("y"))
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2, activation="softmax")])
+        model.compile("sgd", "sparse_categorical_crossentropy")
+        job = nbdist.train(model, df, features="x", label="y", epochs=1, batch_size=4096, workers=1,
+                           backend="spark", background=True)
+        stop = threading.Event()
+        mover = threading.Thread(target=move_workers, args=(job, cgroup, stop), daemon=True)
+        mover.start()
+        try:
+            job.wait(timeout=600)
+        finally:
+            stop.set()
+            mover.join()
+        peak = peak_usage(cgroup)
+    assert peak > 300 * 2**20, peak  # the worker was in the group while it trained
+    assert job.status == "done" and job.state.workers[0].samples == CAP_ROWS
