@@ -1,6 +1,7 @@
 """Turn the notebook's training data into per-worker shards (pure numpy logic)."""
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,17 +11,59 @@ from .errors import NbdistError
 
 
 @dataclass(frozen=True)
+class NpyFile:
+    """Where a memory-mapped array's rows lie: a whole .npy file (``np.load(path, mmap_mode="r")``)."""
+
+    path: str
+    offset: int  # bytes of header before the first row
+    dtype: str
+    shape: tuple[int, ...]
+
+    def rows(self, start: int, stop: int) -> dict[str, Any]:
+        """What a local worker's job says about its rows ``start:stop`` of this file."""
+        return {"path": self.path, "offset": self.offset, "dtype": self.dtype, "shape": list(self.shape),
+                "start": int(start), "stop": int(stop)}
+
+
+def npy_file(arr: Any) -> NpyFile | None:
+    """The .npy file a memory map reads in whole (as ``np.load(..., mmap_mode=...)`` returns it), else None.
+
+    A slice or other view of such an array is not taken: its rows are not the file's rows.
+    """
+    if not isinstance(arr, np.memmap) or not getattr(arr, "filename", None) or not isinstance(arr.base, mmap.mmap):
+        return None
+    if not arr.flags.c_contiguous or arr.ndim < 1 or arr.dtype.hasobject:
+        return None
+    try:
+        with open(arr.filename, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)
+            offset = f.tell()
+    except (OSError, ValueError):
+        return None
+    if fortran or tuple(shape) != arr.shape or np.dtype(dtype) != arr.dtype or arr.offset != offset:
+        return None
+    return NpyFile(str(arr.filename), int(offset), np.lib.format.dtype_to_descr(arr.dtype), tuple(arr.shape))
+
+
+@dataclass(frozen=True)
 class Dataset:
-    """Features and labels as numpy arrays of equal length."""
+    """Features and labels as numpy arrays of equal length.
+
+    ``x_file``: the features are the notebook's memory map of this .npy file; local workers read
+    their rows from it (worker/streams.py) instead of receiving them.
+    """
 
     x: np.ndarray
     y: np.ndarray | None
+    x_file: NpyFile | None = None
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
     def slice(self, start: int, stop: int) -> Dataset:
-        return Dataset(self.x[start:stop], None if self.y is None else self.y[start:stop])
+        return Dataset(self.x[start:stop], None if self.y is None else self.y[start:stop], self.x_file)
 
 
 def as_array(value: Any, what: str) -> np.ndarray:
@@ -45,10 +88,20 @@ def to_array(value: Any, what: str) -> np.ndarray:
             )
     if arr.ndim == 0:
         raise NbdistError(f"{what} is a single value, not a dataset; pass one row per example.")
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
-        raise NbdistError(f"{what} holds {bad} NaN or infinite values; clean or impute them before training.")
+    if arr.dtype.kind == "f":
+        bad = non_finite(arr)
+        if bad:
+            raise NbdistError(f"{what} holds {bad} NaN or infinite values; clean or impute them before training.")
     return arr
+
+
+def non_finite(arr: np.ndarray, block_bytes: int = 64 * 2**20) -> int:
+    """NaN and infinite values in ``arr``, counted a block of rows at a time (a memory map stays on disk)."""
+    if arr.ndim == 0 or len(arr) == 0:
+        return 0
+    step = max(1, block_bytes // max(1, arr[:1].nbytes))
+    return sum(int(np.size(arr[i:i + step]) - np.count_nonzero(np.isfinite(arr[i:i + step])))
+               for i in range(0, len(arr), step))
 
 
 def make_dataset(x: Any, y: Any, what: str = "data") -> Dataset:
@@ -60,6 +113,9 @@ def make_dataset(x: Any, y: Any, what: str = "data") -> Dataset:
         )
     if len(xa) == 0:
         raise NbdistError(f"{what} is empty; pass at least one example per worker.")
+    source = npy_file(x)
+    if source is not None:  # stays on disk: local workers read their rows (and cast them) themselves
+        return Dataset(xa, ya, source)
     if xa.dtype == np.float64:  # Keras trains in float32; halve what crosses the wire
         xa = xa.astype(np.float32)
     return Dataset(xa, ya)

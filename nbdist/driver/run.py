@@ -275,11 +275,16 @@ class Run:
         """The job fields every kind of run fills the same way, plus ``fields``."""
         shard = self._shard(rank)
         x, y, weights = data_parts(shard)
+        source, data_file = "task" if shard is None else "wire", None
+        x_file = getattr(shard, "x_file", None)
+        if x_file is not None and kind == "train" and self._backend.name == "local":
+            # The notebook's memory map: the worker reads its rows from the file, none cross the wire.
+            source, data_file, x = "file", x_file.rows(*self._shards[rank]), None
         return JobMessage(
             kind=kind, rank=rank, world_size=self.world_size, batch_size=self.config.batch_size,
             heartbeat_timeout=self.config.heartbeat_timeout, threads=threads_per_worker(self.world_size),
-            model=self._spec, x=x, y=y, sample_weight=weights,
-            data_source="task" if shard is None else "wire", has_y=shard is None or y is not None, **fields)
+            model=self._spec, x=x, y=y, sample_weight=weights, data_source=source, data_file=data_file,
+            has_y=shard is None or y is not None, **fields)
 
     def wait(self, timeout: float | None = None) -> dict[str, list[float]]:
         """Follow the run until it ends. Raises TrainingFailed; on interrupt stops every worker."""

@@ -159,13 +159,14 @@ def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None,
 
 
 def streamed_inputs(job: JobMessage, validation: tuple[Any, ...] | None) -> tuple[dict[str, Any], int]:
-    """``fit`` arguments streaming the share the Spark task wrote next to this worker (streams.py);
-    its row count. Validation data, which comes over the wire, is held as for arrays."""
-    from ..wire.shardfile import ShardReader
+    """``fit`` arguments streaming the share the Spark task wrote next to this worker, or its rows of the
+    notebook's memory-mapped .npy (streams.py); its row count. Validation data, which comes over the
+    wire, is held as for arrays."""
+    from ..wire.shardfile import NpyRows, ShardReader
     from .streams import ShardStream, streamed_batches
 
     train = job.train
-    reader = ShardReader()
+    reader = NpyRows(job.data_file, job.y) if job.data_source == "file" else ShardReader()
     batch_size = rank_batch_size(job)
     val_samples = sample_count(validation[0]) if validation is not None else 0
     steps, val_steps = fit_steps(reader.rows, val_samples, batch_size)
@@ -188,12 +189,12 @@ def job_inputs(job: JobMessage) -> tuple[dict[str, Any], int, int]:
     double the worker's memory for the data. A Spark task's shard is streamed from its file.
     """
     train = job.train
-    if job.data_source == "task":
+    if job.data_source in ("task", "file"):
         validation = None
         if job.x_val is not None and sample_count(job.x_val) > 0:
             validation = (job.x_val, job.y_val, job.sample_weight_val)
         inputs, samples = streamed_inputs(job, validation)
-        job.x_val = job.y_val = job.sample_weight_val = None
+        job.y = job.x_val = job.y_val = job.sample_weight_val = None
         return inputs, samples, sample_count(validation[0]) if validation is not None else 0
     validation = None
     if job.x_val is not None and sample_count(job.x_val) > 0:
