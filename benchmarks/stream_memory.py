@@ -7,6 +7,7 @@ and no shuffle runs before training.
 
     python benchmarks/stream_memory.py --gb 1.5 [--cache DIR]    # P9 memory at one size
     python benchmarks/stream_memory.py --speed --gb 0.2           # P9 speed
+    python benchmarks/stream_memory.py --local --gb 2             # P9 local
 
 Memory: each worker's RSS sampled every 0.1 s while it trains one epoch of a softmax regression
 (the model is tiny, so the RSS above a worker's start is its data path). Speed: samples per second
@@ -142,13 +143,85 @@ def measure_speed(spark: Any, gb: float, cache: Path = DEFAULT_CACHE, batch_size
             "ratio": rate(streamed) / rate(in_memory)}
 
 
+def npy_data(gb: float, cache: Path = DEFAULT_CACHE) -> tuple[Path, Path]:
+    """``gb`` GB of float32 features as an .npy (written once, a block at a time) and its labels."""
+    import numpy as np
+
+    rows = int(gb * 1e9 / (FEATURES * 4))
+    x_path, y_path = cache / f"local-{rows}-x.npy", cache / f"local-{rows}-y.npy"
+    if not y_path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        out = np.lib.format.open_memmap(str(x_path) + ".tmp", mode="w+", dtype=np.float32, shape=(rows, FEATURES))
+        rng = np.random.default_rng(0)
+        for a in range(0, rows, 2**18):
+            out[a:a + 2**18] = rng.random((min(2**18, rows - a), FEATURES), dtype=np.float32)
+        out.flush()
+        del out
+        os.replace(str(x_path) + ".tmp", x_path)
+        x = np.load(x_path, mmap_mode="r")
+        y = np.concatenate([(x[a:a + 2**18].sum(axis=1) > FEATURES / 2) for a in range(0, rows, 2**18)])
+        np.save(y_path, y.astype(np.int64))
+    return x_path, y_path
+
+
+def measure_local(gb: float, workers: int = 4, cache: Path = DEFAULT_CACHE) -> dict[str, Any]:
+    """One epoch on ``workers`` local workers of a memory-mapped ``gb`` GB .npy: the workers' summed RSS
+    (sampled) and the notebook's growth, against the same on an array 64 times smaller (TensorFlow's and
+    the model's own memory), over the array's size."""
+    import numpy as np
+
+    os.environ.setdefault("NBDIST_WARM_WORKERS", "0")
+    me = psutil.Process()
+    out: dict[str, Any] = {"gb": gb, "workers": workers}
+    for name, size in (("small", gb / 64), ("big", gb)):
+        x_path, y_path = npy_data(size, cache)
+        x, y = np.load(x_path, mmap_mode="r"), np.load(y_path)
+        before = me.memory_info().rss
+        job, peaks, total = train_summing(softmax(), x, y, epochs=1, batch_size=1024, workers=workers,
+                                          backend="local", ui="none")
+        out[name] = {"array_mb": x.nbytes / 2**20, "workers_peak_sum_mb": total / 2**20,
+                     "notebook_growth_mb": (me.memory_info().rss - before) / 2**20,
+                     "rows_trained": sum(w.samples for w in job.state.workers)}
+    data_mb = out["big"]["workers_peak_sum_mb"] - out["small"]["workers_peak_sum_mb"] \
+        + max(0.0, out["big"]["notebook_growth_mb"])
+    out["ratio"] = data_mb / out["big"]["array_mb"]
+    return out
+
+
+def train_summing(model: Any, x: Any, y: Any = None, **options: Any) -> tuple[Any, dict[int, float], float]:
+    """``train_sampling``, also the peak of the workers' summed RSS."""
+    import nbdist
+    from nbdist.driver.run import TERMINAL
+
+    job = nbdist.train(model, x, y, background=True, **options)
+    peaks: dict[int, float] = {}
+    total = 0.0
+    while job.status not in TERMINAL:
+        now = 0.0
+        for p in _job_workers(job):
+            try:
+                rss = p.memory_info().rss
+            except psutil.Error:
+                continue
+            peaks[p.pid] = max(peaks.get(p.pid, 0), rss)
+            now += rss
+        total = max(total, now)
+        time.sleep(0.1)
+    job.wait()
+    return job, peaks, total
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=1.5)
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--speed", action="store_true", help="P9 speed instead of P9 memory")
+    p.add_argument("--local", action="store_true", help="P9 local (4 local workers on a memory map)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.local:
+        print(json.dumps(measure_local(args.gb, cache=args.cache), indent=1))
+        return 0
     spark = start_spark()
     try:
         m = measure_speed(spark, args.gb, args.cache) if args.speed else measure_memory(spark, args.gb, args.cache)

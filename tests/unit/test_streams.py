@@ -71,4 +71,24 @@ def test_a_small_window_keeps_rows_near_their_block_order():
     batches = list(window_batches(blocks, 5, 20, True, epoch_rng(0, 0)))
     # The first two batches come from the first window: the first 20 rows (2 blocks).
     assert np.concatenate([b[0] for b in batches[:2]]).max() < 20
+    assert np.diff(batches[0][0]).tolist() != [1] * 4  # the window's rows are permuted, not only its blocks
     assert sorted(np.concatenate([b[0] for b in batches]).tolist()) == list(range(100))
+
+
+def test_a_whole_npy_memory_map_is_read_by_rows_from_its_file(tmp_path, monkeypatch):
+    from nbdist.data import make_dataset, npy_file
+    from nbdist.wire.shardfile import NpyRows
+
+    x = np.arange(40, dtype=np.float64).reshape(10, 2, 2)
+    np.save(tmp_path / "x.npy", x)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    assert npy_file(mapped[2:]) is None and npy_file(np.asarray(x)) is None  # only the file's own rows
+    data = make_dataset(mapped, np.arange(10))
+    assert data.x_file is not None and data.x_file.shape == (10, 2, 2)
+    monkeypatch.setattr(NpyRows, "BLOCK_BYTES", 40)  # 32-byte rows: one a block
+    rows = NpyRows(data.x_file.rows(3, 10), np.arange(10)[3:10])
+    got = [rows.block(i) for i in range(rows.blocks)]
+    rows.close()
+    assert rows.rows == rows.blocks == 7 and got[0][0].dtype == np.float32
+    np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), x[3:10])
+    assert np.concatenate([g[1] for g in got]).tolist() == list(range(3, 10))
