@@ -66,8 +66,32 @@ class Dataset:
         return Dataset(self.x[start:stop], None if self.y is None else self.y[start:stop], self.x_file)
 
 
+def not_in_memory(value: Any) -> str | None:
+    """The kind of input pipeline ``value`` is, if it is one rather than in-memory data."""
+    cls = type(value)
+    names = {f"{c.__module__}.{c.__name__}" for c in cls.__mro__}
+    if any(n.startswith("tensorflow.python.data") for n in names):
+        return "a tf.data.Dataset"
+    if any("torch.utils.data" in n for n in names):
+        return "a torch DataLoader"
+    if hasattr(value, "__next__") or (hasattr(value, "__iter__") and not isinstance(value, (list, tuple, dict))
+                                      and not hasattr(value, "shape") and not hasattr(value, "to_numpy")):
+        return "a generator or iterator"
+    return None
+
+
+def pipeline_message(kind: str, what: str) -> str:
+    return (f"{what} is {kind}: nbdist splits in-memory data over the workers and cannot split a stream "
+            f"soundly; pass the arrays it reads from (numpy arrays, pandas, or a dict or list of them) "
+            f"to model.fit instead, e.g. model.fit(X, y, batch_size=32), or wrap them in a "
+            f"keras.utils.PyDataset, whose batches nbdist deals to the workers.")
+
+
 def as_array(value: Any, what: str) -> np.ndarray:
     """numpy arrays, pandas objects and nested lists as one array, or one sentence."""
+    kind = not_in_memory(value)
+    if kind is not None:  # every entry point refuses a stream with the same sentence
+        raise NbdistError(pipeline_message(kind, what))
     if hasattr(value, "to_numpy") and callable(value.to_numpy):  # pandas DataFrame / Series
         value = value.to_numpy()
     try:
