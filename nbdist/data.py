@@ -113,19 +113,30 @@ def to_array(value: Any, what: str) -> np.ndarray:
     if arr.ndim == 0:
         raise NbdistError(f"{what} is a single value, not a dataset; pass one row per example.")
     if arr.dtype.kind == "f":
-        bad = non_finite(arr)
+        bad = non_finite(value if npy_file(value) is not None else arr)
         if bad:
             raise NbdistError(f"{what} holds {bad} NaN or infinite values; clean or impute them before training.")
     return arr
 
 
-def non_finite(arr: np.ndarray, block_bytes: int = 64 * 2**20) -> int:
-    """NaN and infinite values in ``arr``, counted a block of rows at a time (a memory map stays on disk)."""
+def non_finite(arr: np.ndarray, block_bytes: int = 16 * 2**20) -> int:
+    """NaN and infinite values in ``arr``, counted a block of rows at a time. A whole-file memory map
+    is read with plain file reads: pages read through the map would stay in the notebook's RSS."""
     if arr.ndim == 0 or len(arr) == 0:
         return 0
     step = max(1, block_bytes // max(1, arr[:1].nbytes))
-    return sum(int(np.size(arr[i:i + step]) - np.count_nonzero(np.isfinite(arr[i:i + step])))
-               for i in range(0, len(arr), step))
+    source = npy_file(arr)
+    if source is None:
+        return sum(int(np.size(arr[i:i + step]) - np.count_nonzero(np.isfinite(arr[i:i + step])))
+                   for i in range(0, len(arr), step))
+    per_row = int(np.prod(arr.shape[1:], dtype=np.int64))
+    bad = 0
+    with open(source.path, "rb") as f:
+        f.seek(source.offset)
+        for i in range(0, len(arr), step):
+            block = np.fromfile(f, dtype=arr.dtype, count=min(step, len(arr) - i) * per_row)
+            bad += int(block.size - np.count_nonzero(np.isfinite(block)))
+    return bad
 
 
 def make_dataset(x: Any, y: Any, what: str = "data") -> Dataset:

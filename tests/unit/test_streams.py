@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nbdist.errors import NbdistError
 from nbdist.wire.shardfile import ShardReader, ShardWriter
 from nbdist.worker.streams import ShardStream, epoch_rng, window_batches
 
@@ -92,3 +93,7 @@ def test_a_whole_npy_memory_map_is_read_by_rows_from_its_file(tmp_path, monkeypa
     assert rows.rows == rows.blocks == 7 and got[0][0].dtype == np.float32
     np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), x[3:10])
     assert np.concatenate([g[1] for g in got]).tolist() == list(range(3, 10))
+    x[9, 1, 1] = np.nan  # found by reading the file, not the map
+    np.save(tmp_path / "bad.npy", x)
+    with pytest.raises(NbdistError, match="holds 1 NaN"):
+        make_dataset(np.load(tmp_path / "bad.npy", mmap_mode="r"), np.arange(10))
