@@ -42,7 +42,7 @@ def frame(spark, data):
 @pytest.mark.parametrize("strategy", ["allreduce", "averaging"])
 def test_streamed_equals_in_memory_without_shuffle(frame, strategy, no_leftover_workers):
     df, X, y = frame
-    options = dict(epochs=3, batch_size=32, workers=2, strategy=strategy, averaging_frequency=1, shuffle=False,
+    options = dict(epochs=2, batch_size=32, workers=2, strategy=strategy, averaging_frequency=1, shuffle=False,
                    seed=0, stream_buffer_bytes=WINDOW_BYTES)
     streamed, in_memory = small_model(), small_model()
     job = nbdist.train(streamed, df, features="pixels", label="digit", backend="spark", **options)
