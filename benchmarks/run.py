@@ -20,6 +20,13 @@ Rows (issue 9):
   P7 steady epoch of the digits MLP, 2 local workers / plain model.fit with the same global batch,
      the worse of the two strategies (each, and 4 workers on 2 cores, in the detail)   goal <= 0.6
   P8 the quickstart cell, start to return: 2 warm local workers / the cell without the magic  goal <= 1.0
+  P9M each Spark worker's peak RSS streaming one epoch of a 6 GB Parquet DataFrame (2 workers) / the
+     same on a 1.5 GB one; the detail gives the peak against a quarter of the worker's share
+     (the data is written once under NBDIST_BENCH_CACHE, ~/.cache/nbdist-bench)  goal <= 1.1
+  P9S samples/s streamed from the Spark tasks' files / the same rows in memory (numpy, local
+     workers), MLP 256x2 on 64 features, batch 256 per worker, allreduce     goal >= 0.9
+  P9L 4 local workers on a 2 GB memory-mapped .npy: their summed peak RSS (and the notebook's growth)
+     above the same run on an array 64x smaller, / the array's size            goal <= 1.3
 Each figure is the median of several runs, with min and max. Every row runs in its own
 process (a clean driver for memory, its own CPU affinity) under a timeout, reusing the
 functions of the single-purpose scripts beside this one. Results go to
@@ -46,7 +53,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8")
+ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9L")
 log = logging.getLogger("nbdist.bench")
 
 
@@ -96,6 +103,9 @@ GOALS = {
     "P6": ("driver RSS growth, >= 1 GB DataFrame", "< 100", "MB"),
     "P7": ("steady epoch, 2 workers / plain fit (digits MLP)", "<= 0.6", "x"),
     "P8": ("quickstart cell, 2 warm workers / no magic", "<= 1.0", "x"),
+    "P9M": ("Spark worker peak RSS streaming, 6 GB / 1.5 GB DataFrame", "<= 1.1", "x"),
+    "P9S": ("samples/s streamed from Spark / in memory (MLP 256x2)", ">= 0.9", "x"),
+    "P9L": ("4 local workers' memory above TF's on a memory map / its size", "<= 1.3", "x"),
 }
 
 
@@ -245,10 +255,55 @@ def row_p8(quick: bool, workdir: Path) -> Row:
                extra=m)
 
 
+def row_p9m(quick: bool, workdir: Path) -> Row:
+    import stream_memory as sm
+
+    big, small = (0.2, 0.05) if quick else (6.0, 1.5)
+    spark = sm.start_spark(2)
+    try:
+        ms = {gb: sm.measure_memory(spark, gb) for gb in (small, big)}
+    finally:
+        spark.stop()
+    peak = {gb: max(m["peak_mb"]) for gb, m in ms.items()}
+    share = max(ms[big]["share_mb"])
+    return Row("P9M", *GOALS["P9M"], runs=[peak[big] / peak[small]],
+               detail=f"peak {peak[big]:,.0f} MB with a {share:,.0f} MB share per worker (a quarter: "
+                      f"{share / 4:,.0f} MB), {peak[small]:,.0f} MB with {max(ms[small]['share_mb']):,.0f} MB; "
+                      f"{ms[big]['seconds']:.0f} s for the epoch; softmax regression, 64 float32 features"
+                      + (" (--quick: 0.2 / 0.05 GB)" if quick else ""),
+               extra={"runs": ms})
+
+
+def row_p9s(quick: bool, workdir: Path) -> Row:
+    import stream_memory as sm
+
+    gb = 0.02 if quick else 0.5
+    spark = sm.start_spark(2)
+    try:
+        m = sm.measure_speed(spark, gb)
+    finally:
+        spark.stop()
+    return Row("P9S", *GOALS["P9S"], runs=[m["ratio"]],
+               detail=f"{m['streamed_per_s']:,.0f} vs {m['in_memory_per_s']:,.0f} samples/s, the second of 2 "
+                      f"epochs on {m['rows']:,} rows ({gb} GB)", extra=m)
+
+
+def row_p9l(quick: bool, workdir: Path) -> Row:
+    import stream_memory as sm
+
+    gb = 0.1 if quick else 2.0
+    m = sm.measure_local(gb)
+    big, small = m["big"], m["small"]
+    return Row("P9L", *GOALS["P9L"], runs=[m["ratio"]],
+               detail=f"4 workers' summed peak RSS {big['workers_peak_sum_mb']:,.0f} MB on {big['array_mb']:,.0f} MB, "
+                      f"{small['workers_peak_sum_mb']:,.0f} MB on {small['array_mb']:,.0f} MB; notebook grew "
+                      f"{big['notebook_growth_mb']:,.0f} MB", extra=m)
+
+
 ROW_FUNCS: dict[str, Callable[[bool, Path], Row | list[Row]]] = {
     "P1": row_p1, "P2": row_p2, "P3": row_p3, "P3C": row_p3c, "P4": row_p4, "P4M": row_p4m, "P5": row_p5,
     "P6": row_p6, "P7": row_p7,
-    "P8": row_p8}
+    "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9L": row_p9l}
 
 
 # -- the parent: run each row in a child, then print, save and draw -------

@@ -51,6 +51,10 @@ class TrainConfig:
     # shared_chunk_bytes. False: always messages (the ring, Gloo).
     shared_memory: bool = True
     shared_chunk_bytes: int = 2 * 2**20
+    # Spark data: each worker streams its partition from its task's file; this many bytes of rows are
+    # held and shuffled together (the shuffle window, worker/streams.py). Its memory for the data is
+    # about twice this plus a few blocks, whatever the partition's size.
+    stream_buffer_bytes: int = 64 * 2**20
     image: str | None = None
     # --backend containers: per-worker limits and GPU passthrough ("all" or "0,1"); None: no limit/none.
     container_cpus: float | None = None
@@ -93,6 +97,10 @@ class TrainConfig:
         if not isinstance(self.shared_chunk_bytes, int) or self.shared_chunk_bytes < 64:
             raise NbdistError("shared_chunk_bytes must be a number of bytes of at least 64, "
                               f"got {self.shared_chunk_bytes!r}.")
+        if isinstance(self.stream_buffer_bytes, bool) or not isinstance(self.stream_buffer_bytes, int) \
+                or self.stream_buffer_bytes < 1:
+            raise NbdistError("stream_buffer_bytes must be a positive number of bytes, got "
+                              f"{self.stream_buffer_bytes!r}; for example --stream-buffer 64 (MiB).")
         if not isinstance(self.shared_memory, bool):
             raise NbdistError(f"shared_memory must be True or False, got {self.shared_memory!r}.")
         _validate_checkpointing(self)

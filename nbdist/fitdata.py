@@ -16,39 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from .data import as_array
+from .data import as_array, not_in_memory, pipeline_message
 from .errors import NbdistError
 
 # An array, a list of Structs or a dict of Structs (or None: not given).
 Struct = Any
 
-_PIPELINES = ("tensorflow.python.data", "tf.data", "keras.src.trainers.data_adapters.py_dataset_adapter")
-
-
-def _not_in_memory(value: Any) -> str | None:
-    """The kind of input pipeline ``value`` is, if it is one rather than in-memory data."""
-    cls = type(value)
-    names = {f"{c.__module__}.{c.__name__}" for c in cls.__mro__}
-    if any(n.startswith("tensorflow.python.data") for n in names):
-        return "a tf.data.Dataset"
-    if any("torch.utils.data" in n for n in names):
-        return "a torch DataLoader"
-    if hasattr(value, "__next__") or (hasattr(value, "__iter__") and not isinstance(value, (list, tuple, dict))
-                                      and not hasattr(value, "shape") and not hasattr(value, "to_numpy")):
-        return "a generator or iterator"
-    return None
-
-
 def is_py_dataset(value: Any) -> bool:
     """A ``keras.utils.PyDataset`` (told by its class, so this module needs no Keras)."""
     return any(c.__name__ == "PyDataset" and c.__module__.startswith("keras") for c in type(value).__mro__)
-
-
-def pipeline_message(kind: str, what: str) -> str:
-    return (f"{what} is {kind}: nbdist splits in-memory data over the workers and cannot split a stream "
-            f"soundly; pass the arrays it reads from (numpy arrays, pandas, or a dict or list of them) "
-            f"to model.fit instead, e.g. model.fit(X, y, batch_size=32), or wrap them in a "
-            f"keras.utils.PyDataset, whose batches nbdist deals to the workers.")
 
 
 def to_struct(value: Any, what: str) -> Struct:
@@ -65,7 +41,7 @@ def to_struct(value: Any, what: str) -> Struct:
         if not value:
             raise NbdistError(f"{what} is empty; pass at least one example per worker.")
         return [to_struct(v, f"{what}[{i}]") for i, v in enumerate(value)]
-    kind = _not_in_memory(value)
+    kind = not_in_memory(value)
     if kind is not None:
         raise NbdistError(pipeline_message(kind, what))
     return _leaf(value, what)

@@ -88,3 +88,48 @@ def remove_quietly(path: str | os.PathLike[str]) -> None:
         Path(path).unlink()
     except OSError:
         pass
+
+
+# -- how a process ended: the out-of-memory killer -----------------------------
+def oom_kill_count() -> int | None:
+    """Processes the kernel's out-of-memory killer has killed since boot (cgroup limits included), or None."""
+    try:
+        with open("/proc/vmstat", "rb") as f:
+            for line in f:
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@dataclass
+class ChildEnd:
+    """How a child process ended: its exit code (negative: the signal), peak RSS, and whether the
+    out-of-memory killer ended it (a SIGKILL while the kernel's count of such kills went up)."""
+
+    code: int
+    peak_rss: int | None = None  # bytes
+    oom_killed: bool = False
+
+
+def reap(pid: int, oom_kills_before: int | None, block: bool = False) -> ChildEnd | None:
+    """Reap child ``pid`` with its resource usage (os.wait4), None while it runs. Its peak RSS comes from
+    the kernel's accounting, which a killed process no longer can report itself."""
+    try:
+        got, status, usage = os.wait4(pid, 0 if block else os.WNOHANG)
+    except ChildProcessError:
+        return None
+    if got == 0:
+        return None
+    code = os.waitstatus_to_exitcode(status)
+    after = oom_kill_count()
+    oom = code == -9 and oom_kills_before is not None and after is not None and after > oom_kills_before
+    return ChildEnd(code, usage.ru_maxrss * 1024, oom)
+
+
+def oom_sentence(peak_rss: int | None) -> str:
+    """What a worker killed by the out-of-memory killer is told, after its name."""
+    peak = f" after reaching {peak_rss / 2**20:,.0f} MB" if peak_rss else ""
+    return (f"was killed by the out-of-memory killer{peak} (SIGKILL); give it less to hold: a smaller "
+            "--stream-buffer (Spark data) or --batch-size, fewer --workers on one machine, or more memory")

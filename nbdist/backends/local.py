@@ -14,7 +14,7 @@ from typing import Any
 from .. import placement
 from ..config import default_local_workers
 from ..placement import core_slices, count_host_gpus, local_gpu_env, usable_cores
-from ..procs import pin_to_cores, read_log_tail, signal_group
+from ..procs import ChildEnd, oom_kill_count, pin_to_cores, read_log_tail, reap, signal_group
 from ..wire.handover import job_line
 from ..wire.secret import hand_over
 from .command import job_command, worker_env
@@ -40,8 +40,14 @@ class LocalWorker:
         self.rank = rank
         self.proc = proc
         self.log_path = log_path
+        self._oom_kills = oom_kill_count()
+        self.end: ChildEnd | None = None  # how it ended, once reaped
 
     def exit_status(self) -> int | None:
+        if self.end is None and self.proc.returncode is None:
+            self.end = reap(self.proc.pid, self._oom_kills)
+            if self.end is not None:  # reaped here: Popen must not wait for it again
+                self.proc.returncode = self.end.code
         return self.proc.poll()
 
     def describe(self) -> str:

@@ -27,6 +27,7 @@ from ..errors import NbdistError, TrainingFailed
 from ..fitdata import FitData, PyDatasetData
 from ..model_io import ModelSpec
 from ..placement import threads_per_worker
+from ..procs import oom_sentence
 from ..spark.data import SparkData
 from ..wire import protocol
 from ..wire.messages import JobMessage, MessageType
@@ -43,7 +44,11 @@ EXIT_GRACE = 2.0
 Listener = Callable[[str, RunState, Any], None]
 
 
-def _describe_exit(code: int) -> str:
+def _describe_exit(code: int, handle: Any = None) -> str:
+    """How a worker ended, in words; the out-of-memory killer named when its handle knows it was that."""
+    end = getattr(handle, "end", None)
+    if end is not None and end.oom_killed:
+        return oom_sentence(end.peak_rss)
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -275,11 +280,16 @@ class Run:
         """The job fields every kind of run fills the same way, plus ``fields``."""
         shard = self._shard(rank)
         x, y, weights = data_parts(shard)
+        source, data_file = "task" if shard is None else "wire", None
+        x_file = getattr(shard, "x_file", None)
+        if x_file is not None and kind == "train" and self._backend.name == "local":
+            # The notebook's memory map: the worker reads its rows from the file, none cross the wire.
+            source, data_file, x = "file", x_file.rows(*self._shards[rank]), None
         return JobMessage(
             kind=kind, rank=rank, world_size=self.world_size, batch_size=self.config.batch_size,
             heartbeat_timeout=self.config.heartbeat_timeout, threads=threads_per_worker(self.world_size),
-            model=self._spec, x=x, y=y, sample_weight=weights,
-            data_source="task" if shard is None else "wire", has_y=shard is None or y is not None, **fields)
+            model=self._spec, x=x, y=y, sample_weight=weights, data_source=source, data_file=data_file,
+            has_y=shard is None or y is not None, **fields)
 
     def wait(self, timeout: float | None = None) -> dict[str, list[float]]:
         """Follow the run until it ends. Raises TrainingFailed; on interrupt stops every worker."""
@@ -426,7 +436,7 @@ class Run:
             text = _first_line(str(msg.body.get("message", "error")))
             dead = self._dead_peer(rank)
             if dead is not None:  # a peer's death broke the collective: name the cause, not the symptom
-                self._fail(dead.rank, f"{dead.describe()} {_describe_exit(dead.exit_status())} during training "
+                self._fail(dead.rank, f"{dead.describe()} {_describe_exit(dead.exit_status(), dead)} during training "
                                       f"(then {self._name(rank)} failed: {text})",
                            last_traceback(dead.log_tail(400)))
                 return
@@ -456,7 +466,7 @@ class Run:
                 self._drain_errors()
                 if self.status in TERMINAL:
                     return
-                how = _describe_exit(code) if code is not None else "closed its connection"
+                how = _describe_exit(code, h) if code is not None else "closed its connection"
                 if code == protocol.EXIT_UNREACHABLE:  # it never connected: where it tried, and what to change
                     host, port = self._coordinator.address
                     hint = self._backend.unreachable_hint

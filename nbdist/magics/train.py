@@ -66,6 +66,9 @@ class DistMagics(Magics):
               help="when a worker fails, relaunch all workers from the last checkpoint, up to N times")
     @argument("--engine", default=None, help="collective engine: gloo | nccl | horovod")
     @apply(tracking_arguments)
+    @argument("--stream-buffer", type=int, default=64, metavar="MIB",
+              help="Spark data: MiB of rows each worker holds and shuffles together while it streams its "
+                   "partition (default 64; lower it if workers run out of memory)")
     @argument("--image", default=None, help="container image for --backend containers")
     @argument("--cpus", type=float, default=None, help="CPUs per worker container (--backend containers)")
     @argument("--memory", default=None, help="memory per worker container, e.g. 2g (--backend containers)")
@@ -143,6 +146,7 @@ class DistMagics(Magics):
             "max_restarts": args.max_restarts, "engine": args.engine, "image": args.image,
             "container_cpus": args.cpus, "container_memory": args.memory, "container_gpus": args.gpus,
             **tracking_options(args),
+            "stream_buffer_bytes": args.stream_buffer * 2**20 if args.stream_buffer > 0 else args.stream_buffer,
         }
         config = TrainConfig(**options)
         if not args.out.isidentifier():

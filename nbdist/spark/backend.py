@@ -32,6 +32,7 @@ from typing import Any
 
 from ..backends.warm import wanted_count
 from ..errors import NbdistError
+from ..procs import ChildEnd
 from ..wire import protocol
 from ..wire.messages import MessageType
 from . import cluster
@@ -194,6 +195,7 @@ class SparkTaskWorker:
         self.spark_error = ""  # set when the Spark job itself failed or was cancelled
         self.error = ""  # the task's own sentence, e.g. that it cannot reach the notebook
         self.rows: int | None = None  # the rows of its partition, as the task counted them
+        self.end: ChildEnd | None = None  # its exit, peak memory and whether the OOM killer ended it
 
     def exit_status(self) -> int | None:
         return self.code
@@ -349,6 +351,10 @@ class SparkBackend:
                     w.rows = int(body["rows"])
                 elif body.get("type") == MessageType.TASK_EXIT:
                     w.log = str(body.get("log", ""))
+                    if body.get("error"):
+                        w.error = str(body["error"])
+                    if body.get("peak_rss") is not None:  # how it ended, as its task saw it (procs.reap)
+                        w.end = ChildEnd(int(body["code"]), int(body["peak_rss"]), bool(body.get("oom_killed")))
                     w.code = int(body["code"])
         except Exception:
             pass

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from ..backends.command import job_command, worker_env
-from ..procs import ProcessId, read_log_tail, signal_group
+from ..procs import ChildEnd, ProcessId, oom_kill_count, read_log_tail, reap, signal_group
 from ..wire.messages import MessageType
-from ..wire.shardfile import DATA_ENV, X_FILE, Y_FILE, NpyStreamWriter
+from ..wire.shardfile import DATA_ENV, DiskFull, ShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -105,23 +105,20 @@ class Layout:
 
 
 def write_partition(rows: Iterable[Any], layout: Layout, directory: str, chunk: int = CHUNK_ROWS) -> int:
-    """Stream a partition's rows into ``directory``/x.npy (and y.npy); return the row count."""
-    xw = NpyStreamWriter(os.path.join(directory, X_FILE))
-    yw = NpyStreamWriter(os.path.join(directory, Y_FILE)) if layout.label is not None or not layout.features else None
+    """Stream a partition's rows into ``directory``'s shard file, ``chunk`` rows a block; the row count."""
+    writer = ShardWriter(directory, labels=layout.label is not None or not layout.features)
     try:
         block: list[Any] = []
         for row in rows:
             block.append(row)
             if len(block) >= chunk:
-                _write_block(block, layout, xw, yw)
+                _write_block(block, layout, writer)
                 block = []
         if block:
-            _write_block(block, layout, xw, yw)
+            _write_block(block, layout, writer)
     finally:
-        xw.close()
-        if yw is not None:
-            yw.close()
-    return xw.rows
+        writer.close()
+    return writer.rows
 
 
 def vector_values(cell: Any) -> Any:
@@ -169,29 +166,24 @@ def arrow_label(column: Any, name: str) -> np.ndarray:
 
 
 def write_batches(batches: Iterable[Any], layout: Layout, directory: str) -> int:
-    """Stream a partition's Arrow record batches into ``directory``/x.npy and y.npy; the row count."""
-    xw = NpyStreamWriter(os.path.join(directory, X_FILE))
-    yw = NpyStreamWriter(os.path.join(directory, Y_FILE)) if layout.label is not None else None
+    """Stream a partition's Arrow record batches into ``directory``'s shard file, one block per batch
+    (Spark's ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows at most); the row count."""
+    writer = ShardWriter(directory, labels=layout.label is not None)
     try:
         for batch in batches:
             if batch.num_rows == 0:
                 continue
             blocks = [arrow_features(batch.column(name), name) for name in layout.features]
-            xw.append(blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1), "the features")
-            if yw is not None:
-                yw.append(arrow_label(batch.column(layout.label), layout.label), "the label")
+            y = arrow_label(batch.column(layout.label), layout.label) if layout.label is not None else None
+            writer.append(blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1), y)
     finally:
-        xw.close()
-        if yw is not None:
-            yw.close()
-    return xw.rows
+        writer.close()
+    return writer.rows
 
 
-def _write_block(block: list[Any], layout: Layout, xw: NpyStreamWriter, yw: NpyStreamWriter | None) -> None:
+def _write_block(block: list[Any], layout: Layout, writer: ShardWriter) -> None:
     x, y = layout.split(block)
-    xw.append(x, "the features")
-    if yw is not None and y is not None:
-        yw.append(y, "the label")
+    writer.append(x, y)
 
 
 # -- the task -------------------------------------------------------------
@@ -261,6 +253,13 @@ def unreachable(address: tuple[str, int], exc: BaseException) -> str:
             "that the executors can reach (and open its ports to them).")
 
 
+def local_dir() -> str | None:
+    """Where the task writes its partition: the executor's first local directory (Spark's scratch disk,
+    spark.local.dir / SPARK_LOCAL_DIRS) when it names one, else the temp directory."""
+    dirs = [d for d in os.environ.get("SPARK_LOCAL_DIRS", "").split(",") if d and os.path.isdir(d)]
+    return dirs[0] if dirs else None
+
+
 def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
     """``rdd.barrier().mapPartitions`` body (an RDD of pairs on a classic session): one result dict."""
     from pyspark import BarrierTaskContext
@@ -301,10 +300,11 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
     reporter = _Reporter(spec, secret)
     if reporter.channel is None:  # the coordinator, on the same host, is out of reach too: no worker
         return {"rank": rank, "code": 1, "rows": -1, "log": reporter.error, "error": reporter.error}
-    workdir = tempfile.mkdtemp(prefix=f"nbdist-task{rank}-")
+    workdir = tempfile.mkdtemp(prefix=f"nbdist-task{rank}-", dir=local_dir())
     log_path = os.path.join(workdir, "worker.log")
     proc: subprocess.Popen | spark_warm.ClaimedWorker | None = None
-    code, tail, rows = 1, "", -1
+    code, tail, rows, error = 1, "", -1, ""
+    end: ChildEnd | None = None
     env = worker_env(spec.threads)
     executor = executor_id()
     pool = None  # this executor's warm workers, if it keeps any
@@ -327,6 +327,7 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
             log_path = _move(proc.log_path, log_path)
         else:
             with open(log_path, "wb") as out:
+                oom_kills = oom_kill_count()
                 proc = subprocess.Popen(
                     job_command(spec.address, rank, die_with_parent=True),  # dies with this task's Python process
                     env={**env, **job_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
@@ -334,8 +335,14 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
                 hand_over(proc, secret)  # on stdin, not in the worker's command line or environment
         reporter.send({"type": MessageType.TASK_STARTED, "rank": rank, "pid": proc.pid, "host": socket.gethostname(),
                        "warm": isinstance(proc, spark_warm.ClaimedWorker)})
-        code = proc.wait()
+        if isinstance(proc, subprocess.Popen):  # its own child: reaped with its peak memory
+            end = reap(proc.pid, oom_kills, block=True)
+            proc.returncode = code = end.code if end is not None else proc.wait()
+        else:
+            code = proc.wait()
         tail = read_log_tail(log_path, 40)
+    except DiskFull as exc:  # named, not a traceback: the user frees space or moves spark.local.dir
+        error = tail = str(exc.strerror)
     except BaseException:  # includes the task being interrupted
         tail = (read_log_tail(log_path, 40) + "\n" if proc is not None else "") + traceback.format_exc()
         code = proc.poll() if proc is not None and proc.poll() is not None else 1
@@ -343,7 +350,9 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
         if proc is not None and proc.poll() is None:
             signal_group(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-        reporter.send({"type": MessageType.TASK_EXIT, "rank": rank, "code": code, "log": tail, "at": time.time()})
+        reporter.send({"type": MessageType.TASK_EXIT, "rank": rank, "code": code, "log": tail, "at": time.time(),
+                       "error": error, "oom_killed": bool(end and end.oom_killed),
+                       "peak_rss": end.peak_rss if end is not None else None})
         reporter.close()
         shutil.rmtree(workdir, ignore_errors=True)
         if pool is not None:  # the next job's worker imports TensorFlow while the notebook idles
@@ -351,4 +360,4 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
                 spark_warm.start(pool, env, executor)
             except OSError as exc:
                 log.warning("could not start a warm worker: %s", exc)
-    return {"rank": rank, "code": code, "rows": rows, "log": tail, "error": ""}
+    return {"rank": rank, "code": code, "rows": rows, "log": tail, "error": error}

@@ -28,7 +28,9 @@ from ..model_io import ModelSpec
 JOB_VERSION = 3
 
 JOB_KINDS = ("train", "evaluate", "predict")
-DATA_SOURCES = ("wire", "task")  # the shard came in the job's arrays / the Spark task wrote it to a file
+# The shard came in the job's arrays / the Spark task wrote it to a file / the worker reads its rows of
+# the notebook's memory-mapped .npy file (``data_file``; local workers, which share the filesystem).
+DATA_SOURCES = ("wire", "task", "file")
 # A job's data fields, in the order their arrays follow the model's. Each is an array, a nested
 # dict/list of arrays (a multi-input or multi-output model's), or None.
 DATA_FIELDS = ("x", "y", "sample_weight", "x_val", "y_val", "sample_weight_val")
@@ -97,6 +99,8 @@ class TrainSettings:
     # Rank 0 sends the weights at every epoch end (checkpoints, callbacks that read the model);
     # False: once, at the end or when the driver stops the run (driver/training.py decides).
     weights_every_epoch: bool = True
+    # Spark data: the bytes of rows a worker holds and shuffles together while streaming (worker/streams.py).
+    stream_buffer_bytes: int = 64 * 2**20
 
     @classmethod
     def from_config(cls, config: Any, **run: Any) -> TrainSettings:
@@ -144,6 +148,9 @@ class JobMessage:
     # A fit on keras.utils.PyDataset(s): cloudpickled {"train", "validation": fitdata.PyDatasetData or None,
     # "order_seed": int}; each worker reads its share of the batches (worker/pydatasets.py).
     py_datasets: bytes | None = None
+    # data_source "file": {"path", "offset", "dtype", "shape", "start", "stop"} of the features' .npy
+    # (data.NpyFile plus this worker's rows); the labels travel in y as usual.
+    data_file: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in JOB_KINDS:
@@ -167,7 +174,7 @@ class JobMessage:
             "type": MessageType.JOB.value, "version": self.version, "kind": self.kind, "rank": self.rank,
             "world_size": self.world_size, "batch_size": self.batch_size,
             "heartbeat_timeout": self.heartbeat_timeout, "threads": self.threads, "model": model,
-            "data": {"source": self.data_source, "layout": layout, "has_y": self.has_y},
+            "data": {"source": self.data_source, "layout": layout, "has_y": self.has_y, "file": self.data_file},
             "train": None if self.train is None else dataclasses.asdict(self.train),
             "placement": None if self.placement is None else dataclasses.asdict(self.placement),
             "classifier": self.classifier,
@@ -223,7 +230,7 @@ class JobMessage:
             kind=str(body["kind"]), rank=int(body["rank"]), world_size=int(body["world_size"]),
             batch_size=int(body["batch_size"]), heartbeat_timeout=float(body["heartbeat_timeout"]),
             threads=int(body["threads"]), model=model, **values,
-            data_source=str(data["source"]), has_y=bool(data["has_y"]),
+            data_source=str(data["source"]), has_y=bool(data["has_y"]), data_file=data.get("file"),
             train=None if train is None else TrainSettings(**train),
             placement=None if placement is None else Placement(**placement),
             classifier=body.get("classifier"), version=int(body["version"]), py_datasets=py_datasets,

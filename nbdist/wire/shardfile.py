@@ -1,19 +1,36 @@
 """The shard file: how a Spark task hands its partition to the worker it starts on the same executor.
 
-The task streams rows into ``x.npy`` (and ``y.npy``) in a directory it names in ``NBDIST_DATA_DIR``;
-the worker loads them. Plain .npy files, never pickles.
+The task appends its rows, a block at a time as they arrive from Spark, to one Arrow IPC
+file (``shard.arrow``) on the executor's local disk, in the directory it names in
+``NBDIST_DATA_DIR``: column ``x`` (a fixed-size list of float32 per row) and, with labels,
+``y``. The IPC *file* format ends in a footer that locates every block, so the worker reads
+any block on its own (``ShardReader.block``) without reading the rest: it streams its share
+in bounded memory, in any block order (worker/streams.py). Plain Arrow buffers, never pickles.
+
+Why not Parquet: the rows are already decoded numbers and are read once per epoch on the same
+machine; IPC blocks are the arrays themselves (no decoding, no compression to undo), and
+``RecordBatchFileReader.get_batch`` over an ``OSFile`` reads one block's bytes and nothing else.
+``pyarrow.dataset``'s ``to_batches`` is avoided on purpose: it accumulates memory on long reads
+(apache/arrow#39808).
 """
 from __future__ import annotations
 
+import errno
 import os
 import struct
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 DATA_ENV = "NBDIST_DATA_DIR"  # tells the worker where its task wrote the shard
-X_FILE, Y_FILE = "x.npy", "y.npy"
+SHARD_FILE = "shard.arrow"
+ROWS_FILE = "shard.rows"  # int64 row count of every block, written last: the reader sizes epochs from it
 NPY_HEADER_SIZE = 128  # fixed, so the shape can be written after streaming the rows
+
+
+class DiskFull(OSError):
+    """The executor's local directory filled up while the task wrote its partition."""
 
 
 def npy_header(dtype: np.dtype, shape: Sequence[int], size: int = NPY_HEADER_SIZE) -> bytes:
@@ -26,38 +43,169 @@ def npy_header(dtype: np.dtype, shape: Sequence[int], size: int = NPY_HEADER_SIZ
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", room) + text + b" " * (room - len(text) - 1) + b"\n"
 
 
-class NpyStreamWriter:
-    """Append row blocks to a .npy file without holding the whole partition in memory."""
+class ShardWriter:
+    """Append (x, y) row blocks to ``directory``/shard.arrow; never holds more than one block.
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._f = open(path, "wb")  # noqa: SIM115 - appended to across calls, closed by close()
-        self._f.write(b"\0" * NPY_HEADER_SIZE)
-        self.dtype: np.dtype | None = None
-        self.row_shape: tuple[int, ...] | None = None
+    ``labels``: whether blocks carry y. The file is opened at the first non-empty block (its
+    schema needs the row width); a partition without rows leaves no file (``ShardReader`` reads
+    it as zero rows).
+    """
+
+    def __init__(self, directory: str, labels: bool) -> None:
+        self.path = os.path.join(directory, SHARD_FILE)
+        self.labels = labels
         self.rows = 0
+        self.block_rows: list[int] = []
+        self.width: int | None = None
+        self.y_dtype: np.dtype | None = None
+        self._sink = None
+        self._writer = None
 
-    def append(self, block: np.ndarray, what: str) -> None:
-        if self.dtype is None:
-            self.dtype, self.row_shape = block.dtype, block.shape[1:]
-        elif block.shape[1:] != self.row_shape:
-            raise ValueError(f"{what} has {block.shape[1:]} values in some rows but {self.row_shape} in others; "
+    def append(self, x: np.ndarray, y: np.ndarray | None, what: str = "the features") -> None:
+        import pyarrow as pa
+
+        if len(x) == 0:
+            return
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(len(x), -1)
+        if self.width is None:
+            self.width = x.shape[1]
+            self.y_dtype = None if y is None else np.asarray(y).dtype
+            fields = [("x", pa.list_(pa.float32(), self.width))]
+            if self.labels:
+                fields.append(("y", pa.from_numpy_dtype(self.y_dtype)))
+            self._sink = pa.OSFile(self.path, "wb")
+            self._writer = pa.ipc.new_file(self._sink, pa.schema(fields))
+        elif x.shape[1] != self.width:
+            raise ValueError(f"{what} has {x.shape[1]} values in some rows but {self.width} in others; "
                              "every row needs the same number of values.")
-        self._f.write(np.ascontiguousarray(block, dtype=self.dtype).tobytes())
-        self.rows += len(block)
+        columns = [pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), self.width)]
+        if self.labels:
+            columns.append(pa.array(np.asarray(y, dtype=self.y_dtype)))
+        try:
+            self._writer.write_batch(pa.RecordBatch.from_arrays(columns, ["x", "y"][:len(columns)]))
+        except OSError as exc:
+            raise disk_error(exc, self.path) from None
+        self.rows += len(x)
+        self.block_rows.append(len(x))
 
     def close(self) -> None:
-        self._f.seek(0)
-        self._f.write(npy_header(self.dtype or np.float32, (self.rows, *(self.row_shape or ()))))
-        self._f.close()
+        if self._writer is None:
+            return
+        try:
+            self._writer.close()
+            with open(os.path.join(os.path.dirname(self.path), ROWS_FILE), "wb") as f:
+                f.write(np.asarray(self.block_rows, dtype="<i8").tobytes())
+        except OSError as exc:
+            raise disk_error(exc, self.path) from None
+        finally:
+            self._sink.close()
+            self._writer = None
+
+
+def disk_error(exc: OSError, path: str) -> OSError:
+    """A full disk named as such (with the directory to free or move), else the error as it was."""
+    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc):
+        return DiskFull(errno.ENOSPC, f"the executor's local directory {os.path.dirname(path)} is full while "
+                                      "writing this worker's partition; free space there or point "
+                                      "spark.local.dir (SPARK_LOCAL_DIRS) or TMPDIR at a larger disk.")
+    return exc
+
+
+class ShardReader:
+    """The worker's side: the blocks its task wrote, each read on its own from disk."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        import pyarrow as pa
+
+        directory = directory or os.environ.get(DATA_ENV)
+        if not directory:
+            raise RuntimeError(f"the job says the data is on this executor but {DATA_ENV} is not set")
+        self.path = os.path.join(directory, SHARD_FILE)
+        self._file = pa.OSFile(self.path, "rb") if os.path.exists(self.path) else None
+        self._reader = pa.ipc.open_file(self._file) if self._file is not None else None
+        self.block_rows: list[int] = []
+        if self._reader is not None:  # row counts per block from the task's list: reading them reads no rows
+            counts = np.fromfile(os.path.join(directory, ROWS_FILE), dtype="<i8")
+            if len(counts) != self._reader.num_record_batches:
+                raise RuntimeError(f"{self.path} holds {self._reader.num_record_batches} blocks but its row "
+                                   f"list {len(counts)}: the task did not finish writing it")
+            self.block_rows = [int(c) for c in counts]
+        self.rows = int(sum(self.block_rows))
+        self.labels = self._reader is not None and self._reader.schema.get_field_index("y") >= 0
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_rows)
+
+    def block(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Block ``i`` as numpy arrays (x float32 (rows, width), y or None), read from disk now."""
+        batch = self._reader.get_batch(i)
+        col = batch.column(0)
+        x = col.flatten().to_numpy().reshape(batch.num_rows, col.type.list_size)
+        y = batch.column(1).to_numpy() if self.labels else None
+        return x, y
+
+    def read_all(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Every row at once (evaluation and prediction, which read their shard whole)."""
+        if not self.blocks:
+            return np.zeros((0, 1), np.float32), (np.zeros(0, np.float32) if self.labels else None)
+        parts = [self.block(i) for i in range(self.blocks)]
+        x = np.concatenate([p[0] for p in parts])
+        y = np.concatenate([p[1] for p in parts]) if self.labels else None
+        return x, y
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = self._reader = None
 
 
 def load_task_data(directory: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """The worker's side: read what its task wrote."""
-    directory = directory or os.environ.get(DATA_ENV)
-    if not directory:
-        raise RuntimeError(f"the job says the data is local but {DATA_ENV} is not set")
-    x = np.load(os.path.join(directory, X_FILE))
-    y_path = os.path.join(directory, Y_FILE)
-    y = np.load(y_path) if os.path.exists(y_path) else None
-    return x, y
+    """What the task wrote, whole (evaluation and prediction; training streams it)."""
+    reader = ShardReader(directory)
+    try:
+        return reader.read_all()
+    finally:
+        reader.close()
+
+
+class NpyRows:
+    """A local worker's rows of the notebook's memory-mapped .npy (``JobMessage.data_file``), read a
+    block at a time with plain file reads (no memory map: its pages would stay in the worker's RSS),
+    the labels from the job. The same interface as ``ShardReader`` for worker/streams.py."""
+
+    BLOCK_BYTES = 4 * 2**20
+
+    def __init__(self, data_file: dict, y: np.ndarray | None) -> None:
+        self.path = str(data_file["path"])
+        self.dtype = np.dtype(data_file["dtype"])
+        self.row_shape = tuple(int(s) for s in data_file["shape"][1:])
+        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.offset = int(data_file["offset"])
+        self.start, self.stop = int(data_file["start"]), int(data_file["stop"])
+        self.y = y
+        self.labels = y is not None
+        self.rows = self.stop - self.start
+        step = max(1, self.BLOCK_BYTES // max(1, self.row_bytes))
+        self._starts = list(range(0, self.rows, step))
+        self.block_rows = [min(step, self.rows - a) for a in self._starts]
+        self._file = open(self.path, "rb")  # noqa: SIM115 - read across calls, closed by close()
+        self._lock = threading.Lock()  # the read-ahead thread and the first block's read share the file
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_rows)
+
+    def block(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        a, n = self._starts[i], self.block_rows[i]
+        with self._lock:
+            self._file.seek(self.offset + (self.start + a) * self.row_bytes)
+            x = np.fromfile(self._file, dtype=self.dtype, count=n * self.row_bytes // self.dtype.itemsize)
+        x = x.reshape((n, *self.row_shape))
+        if x.dtype == np.float64:  # as the wire would have sent it: Keras trains in float32
+            x = x.astype(np.float32)
+        y = None if self.y is None else self.y[a:a + n]
+        return x, y
+
+    def close(self) -> None:
+        self._file.close()

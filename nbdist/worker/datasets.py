@@ -158,13 +158,44 @@ def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None,
     return kwargs
 
 
+def streamed_inputs(job: JobMessage, validation: tuple[Any, ...] | None) -> tuple[dict[str, Any], int]:
+    """``fit`` arguments streaming the share the Spark task wrote next to this worker, or its rows of the
+    notebook's memory-mapped .npy (streams.py); its row count. Validation data, which comes over the
+    wire, is held as for arrays."""
+    from ..wire.shardfile import NpyRows, ShardReader
+    from .streams import ShardStream, streamed_batches
+
+    train = job.train
+    reader = NpyRows(job.data_file, job.y) if job.data_source == "file" else ShardReader()
+    batch_size = rank_batch_size(job)
+    val_samples = sample_count(validation[0]) if validation is not None else 0
+    steps, val_steps = fit_steps(reader.rows, val_samples, batch_size)
+    stream = ShardStream(reader, batch_size, bool(train.shuffle), shuffle_seed(train.seed, job.rank),
+                         int(train.initial_epoch), int(train.stream_buffer_bytes))
+    kwargs: dict[str, Any] = {"x": streamed_batches(stream), "steps_per_epoch": steps, "shuffle": False}
+    if val_steps is not None:
+        kwargs["validation_data"] = validation_batches(validation[0], validation[1], batch_size,
+                                                       validation[2] if len(validation) > 2 else None)
+        kwargs["validation_steps"] = val_steps
+    log.info("streaming %d rows in %d blocks from %s (a shuffle window of %d rows)", reader.rows, reader.blocks,
+             reader.path, stream.window)
+    return kwargs, reader.rows
+
+
 def job_inputs(job: JobMessage) -> tuple[dict[str, Any], int, int]:
     """``fit_inputs`` for a worker's job, with its training and validation sample counts.
 
     The job's numpy shard is dropped once the pipeline holds its own copy: keeping both would
-    double the worker's memory for the data.
+    double the worker's memory for the data. A Spark task's shard is streamed from its file.
     """
     train = job.train
+    if job.data_source in ("task", "file"):
+        validation = None
+        if job.x_val is not None and sample_count(job.x_val) > 0:
+            validation = (job.x_val, job.y_val, job.sample_weight_val)
+        inputs, samples = streamed_inputs(job, validation)
+        job.y = job.x_val = job.y_val = job.sample_weight_val = None
+        return inputs, samples, sample_count(validation[0]) if validation is not None else 0
     validation = None
     if job.x_val is not None and sample_count(job.x_val) > 0:
         validation = (job.x_val, job.y_val, job.sample_weight_val)

@@ -18,7 +18,9 @@ def pin_threads(threads: int) -> None:
 def unpack_job(msg: Any) -> JobMessage:
     """The job message decoded (wire/messages.py), with the shard its Spark task wrote, if any."""
     job = JobMessage.decode(msg.body, msg.arrays)
-    if job.data_source == "task":  # the Spark task wrote this worker's shard next to it
+    # The Spark task wrote this worker's shard next to it: training streams it (datasets.job_inputs),
+    # evaluation and prediction read it whole.
+    if job.data_source == "task" and job.kind != "train":
         from ..wire.shardfile import load_task_data
 
         job.x, job.y = load_task_data()

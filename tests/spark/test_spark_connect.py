@@ -173,6 +173,34 @@ def test_an_rdd_over_connect_is_one_sentence(spark):
     assert "\n" not in str(info.value)
 
 
+def test_streamed_over_connect_equals_in_memory_on_the_same_rows(spark, data, no_leftover_workers):
+    """Small Arrow blocks and a window of ~100 rows, shuffle=False, allreduce: each worker's rows are
+    those of df.repartition(2) (deterministic: Spark sorts before a round-robin repartition)."""
+    from pyspark.sql import functions as F
+
+    Xtr, _, ytr, _ = data
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "50")
+    try:
+        df = _frame(spark, Xtr[:1000], ytr[:1000])
+        parts = df.repartition(2).select("pixels", "digit", F.spark_partition_id().alias("part")).toPandas()
+        sizes = parts["part"].value_counts().sort_index().tolist()
+        if sizes != [500, 500]:
+            pytest.skip(f"the repartition gave {sizes} rows, not the local backend's equal halves")
+        X = np.stack(parts["pixels"].to_numpy()).astype("float32")
+        y = parts["digit"].to_numpy()
+        order = np.argsort(parts["part"].to_numpy(), kind="stable")
+        options = dict(epochs=2, batch_size=32, workers=2, strategy="allreduce", shuffle=False,
+                       stream_buffer_bytes=100 * 65 * 4, ui="none")
+        streamed, in_memory = small_model(), small_model()
+        job = nbdist.train(streamed, df, features="pixels", label="digit", **options)
+        assert job.state.backend == "spark" and [w.samples for w in job.state.workers] == [500, 500]
+        nbdist.train(in_memory, X[order], y[order], backend="local", **options)
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    for a, b in zip(streamed.get_weights(), in_memory.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def _started(spark, data, **options):
     """A long DataFrame training run over Connect, once its first epoch is done."""
     Xtr, _, ytr, _ = data

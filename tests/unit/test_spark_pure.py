@@ -10,7 +10,7 @@ from nbdist.config import TrainConfig
 from nbdist.errors import NbdistError
 from nbdist.spark.backend import NO_SPARK, coordinator_host, summarize_spark_error
 from nbdist.spark.task import Layout, cuda_visible_devices, write_partition
-from nbdist.wire.shardfile import NpyStreamWriter, load_task_data, npy_header
+from nbdist.wire.shardfile import load_task_data, npy_header
 
 
 def test_npy_header_is_fixed_size_and_loadable():
@@ -18,17 +18,6 @@ def test_npy_header_is_fixed_size_and_loadable():
     data = npy_header(arr.dtype, arr.shape) + arr.tobytes()
     assert len(npy_header(np.int64, (10**12, 3072))) == 128
     np.testing.assert_array_equal(np.load(io.BytesIO(data)), arr)
-
-
-def test_stream_writer_appends_blocks(tmp_path):
-    w = NpyStreamWriter(str(tmp_path / "x.npy"))
-    w.append(np.ones((3, 2), np.float32), "x")
-    w.append(np.zeros((2, 2), np.float32), "x")
-    with pytest.raises(ValueError, match="same number of values"):
-        w.append(np.zeros((1, 3), np.float32), "x")
-    w.close()
-    out = np.load(tmp_path / "x.npy")
-    assert out.shape == (5, 2) and out[:3].sum() == 6 and out[3:].sum() == 0
 
 
 def test_write_partition_reads_numbers_arrays_and_vectors(tmp_path):

@@ -1,0 +1,104 @@
+"""Spark data streamed from each task's shard file (worker/streams.py), on a real local[2] Spark.
+
+The DataFrame keeps its two partitions (createDataFrame from pandas splits the rows in two
+contiguous halves), so the in-memory run on the local backend trains each worker on the same rows.
+Small Arrow batches and a small shuffle window make every epoch cross many blocks and windows.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import psutil
+import pytest
+
+from ..memory_cgroup import join, memory_cgroup, peak_usage
+from ..spark_helpers import accuracy, need_spark, small_model
+
+need_spark()
+
+import nbdist  # noqa: E402
+
+ROWS_PER_BLOCK = 50  # spark.sql.execution.arrow.maxRecordsPerBatch: the task's blocks
+WINDOW_BYTES = 100 * 65 * 4  # about 100 rows of 64 float32 features and a label
+
+
+@pytest.fixture(scope="module")
+def frame(spark, data):
+    import pandas as pd
+
+    Xtr, _, ytr, _ = data
+    n = len(Xtr) - len(Xtr) % 2
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", str(ROWS_PER_BLOCK))
+    pdf = pd.DataFrame({"pixels": list(Xtr[:n].astype("float64")), "digit": ytr[:n].astype("int64")})
+    df = spark.createDataFrame(pdf)
+    parts = df.rdd.glom().map(len).collect()
+    assert parts == [n // 2, n // 2], parts  # contiguous halves: the local backend's shards
+    firsts = df.rdd.glom().map(lambda rows: int(rows[0].digit) if rows else -1).collect()
+    assert firsts == [int(ytr[0]), int(ytr[n // 2])], firsts
+    return df, Xtr[:n], ytr[:n]
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "averaging"])
+def test_streamed_equals_in_memory_without_shuffle(frame, strategy, no_leftover_workers):
+    df, X, y = frame
+    options = dict(epochs=2, batch_size=32, workers=2, strategy=strategy, averaging_frequency=1, shuffle=False,
+                   seed=0, stream_buffer_bytes=WINDOW_BYTES)
+    streamed, in_memory = small_model(), small_model()
+    job = nbdist.train(streamed, df, features="pixels", label="digit", backend="spark", **options)
+    assert job.state.backend == "spark" and [w.samples for w in job.state.workers] == [len(X) // 2] * 2
+    nbdist.train(in_memory, X, y, backend="local", **options)
+    for a, b in zip(streamed.get_weights(), in_memory.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_streamed_shuffle_trains_as_well_as_in_memory(frame, data, no_leftover_workers):
+    df, X, y = frame
+    _, Xte, _, yte = data
+    options = dict(epochs=12, batch_size=32, workers=2, strategy="allreduce", seed=0)
+    streamed, in_memory = small_model(), small_model()
+    nbdist.train(streamed, df, features="pixels", label="digit", backend="spark", stream_buffer_bytes=WINDOW_BYTES,
+                 **options)
+    nbdist.train(in_memory, X, y, backend="local", **options)
+    assert accuracy(streamed, Xte, yte) >= accuracy(in_memory, Xte, yte) - 0.01
+
+
+CAP_BYTES = 800 * 2**20  # charged here: a worker starts at ~400 MB; whole-file loading adds ~2.6x the share
+CAP_ROWS = 1_200_000  # 64 float32 features and a label: a 312 MB share for the one worker
+
+
+def move_workers(job, cgroup: str, stop: threading.Event) -> None:
+    """Put the job's worker into ``cgroup`` as soon as it starts: within 50 ms, before it imports TensorFlow."""
+    host, port = job._coordinator.address
+    moved: set[int] = set()
+    while not stop.wait(0.05):
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info.get("cmdline") or []
+            if p.pid not in moved and "nbdist.worker" in cmd and f"{host}:{port}" in cmd:
+                join(cgroup, p.pid)
+                moved.add(p.pid)
+
+
+def test_a_worker_capped_below_whole_file_loading_trains_by_streaming(spark, no_leftover_workers):
+    import keras
+    from pyspark.sql import functions as F
+
+    with memory_cgroup(CAP_BYTES) as cgroup:
+        features = F.array(*[F.rand(seed=i).cast("float") for i in range(64)])
+        df = spark.range(0, CAP_ROWS, numPartitions=1).select(features.alias("x"), (F.rand(seed=99) > 0.5)
+                                                               .cast("int").alias("y"))
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2, activation="softmax")])
+        model.compile("sgd", "sparse_categorical_crossentropy")
+        job = nbdist.train(model, df, features="x", label="y", epochs=1, batch_size=4096, workers=1,
+                           backend="spark", background=True)
+        stop = threading.Event()
+        mover = threading.Thread(target=move_workers, args=(job, cgroup, stop), daemon=True)
+        mover.start()
+        try:
+            job.wait(timeout=600)
+        finally:
+            stop.set()
+            mover.join()
+        peak = peak_usage(cgroup)
+    assert peak > 300 * 2**20, peak  # the worker was in the group while it trained
+    assert job.status == "done" and job.state.workers[0].samples == CAP_ROWS

@@ -1,0 +1,58 @@
+"""Every entry point refuses a stream (tf.data, a generator) with the same one sentence, before any worker starts."""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from IPython.core.error import UsageError
+
+import nbdist
+from nbdist.errors import NbdistError
+
+from ..conftest import mlp, worker_processes
+
+STREAMS = {
+    "tf.data": (lambda: __import__("tensorflow").data.Dataset.from_tensor_slices(np.zeros((8, 64), "float32")),
+                "is a tf.data.Dataset"),
+    "generator": (lambda: (row for row in np.zeros((8, 64), "float32")), "is a generator or iterator"),
+}
+CELL = ("model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation='softmax')])\n"
+        "model.compile('sgd', 'sparse_categorical_crossentropy')\n")
+
+
+def _train_api(ip, x):
+    nbdist.train(mlp(), x, ip.user_ns["y"][:8], workers=2)
+
+
+def _magic_data(ip, x):
+    ip.user_ns["S"] = x
+    ip.run_cell_magic("dist_train", "--data S,y --workers 2 --ui none", CELL)
+
+
+def _cell_fit(ip, x):
+    ip.user_ns["S"] = x
+    ip.run_cell_magic("dist_train", "--workers 2 --ui none", CELL + "model.fit(S, y[:8])\n")
+
+
+def _evaluate(ip, x):
+    ip.user_ns.update(S=x, m=mlp())
+    ip.run_line_magic("dist_evaluate", "m --data S,y --workers 2")
+
+
+def _predict(ip, x):
+    ip.user_ns.update(S=x, m=mlp())
+    ip.run_line_magic("dist_predict", "m --data S --workers 2")
+
+
+@pytest.mark.parametrize("entry", [_train_api, _magic_data, _cell_fit, _evaluate, _predict],
+                         ids=["nbdist.train", "--data", "model.fit", "%dist_evaluate", "%dist_predict"])
+@pytest.mark.parametrize("kind", sorted(STREAMS))
+def test_a_stream_is_one_sentence_at_every_entry_point(ip, entry, kind):
+    make, words = STREAMS[kind]
+    ip.user_ns["keras"] = keras
+    with pytest.raises((NbdistError, UsageError)) as info:
+        entry(ip, make())
+    message = str(info.value)
+    assert words in message and "pass the arrays it reads from" in message, message
+    assert "dtype object" not in message and "\n" not in message
+    assert not worker_processes()

@@ -1,0 +1,25 @@
+"""The notebook's memory-mapped .npy reaches local workers as the file itself: each reads its rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nbdist
+
+from ..conftest import mlp
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "averaging"])
+def test_a_memory_map_trains_as_the_array_in_memory(digits, tmp_path, strategy, no_leftover_workers):
+    X, y = digits
+    np.save(tmp_path / "x.npy", X[:1000].astype("float64"))  # cast per block on the workers
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    options = dict(epochs=2, batch_size=32, workers=2, strategy=strategy, averaging_frequency=1, shuffle=False,
+                   stream_buffer_bytes=100 * 64 * 4, ui="none")  # windows of ~100 rows, 4 MB blocks
+    from_file, in_memory = mlp(), mlp()
+    job = nbdist.train(from_file, mapped, y[:1000], **options)
+    nbdist.train(in_memory, X[:1000], y[:1000], **options)
+    sent = job._job_message(1)  # what worker 1 was sent
+    assert sent.data_source == "file" and sent.x is None and sent.data_file["start"] == 500
+    for a, b in zip(from_file.get_weights(), in_memory.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
