@@ -100,9 +100,30 @@ def as_array(value: Any, what: str) -> np.ndarray:
         raise NbdistError(f"{what} cannot be turned into an array ({exc}); pass a numpy array.") from None
 
 
+def as_text(arr: np.ndarray) -> np.ndarray | None:
+    """Strings as Keras takes them (a ``StringLookup`` or ``TextVectorization`` input): numpy str or bytes
+    arrays as they are, and object arrays (a list of str, a pandas string column) of only str, or only
+    bytes, as fixed-width ones, which cross the wire as raw buffers. None for anything else."""
+    if arr.dtype.kind in "US":
+        return arr
+    if arr.dtype != object or arr.size == 0:
+        return None
+    flat = arr.ravel()
+    if all(isinstance(v, str) for v in flat):
+        return arr.astype(str)
+    if all(isinstance(v, bytes) for v in flat):
+        return arr.astype(bytes)
+    return None
+
+
 def to_array(value: Any, what: str) -> np.ndarray:
     """Accept numpy arrays, pandas objects and nested lists; reject what cannot train."""
     arr = as_array(value, what)
+    text = as_text(arr)
+    if text is not None:
+        if text.ndim == 0:
+            raise NbdistError(f"{what} is a single value, not a dataset; pass one row per example.")
+        return text
     if arr.dtype.kind not in "biuf":
         if arr.dtype.kind == "b":
             arr = arr.astype("float32")

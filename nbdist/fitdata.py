@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import as_array, not_in_memory, pipeline_message
+from .data import as_array, as_text, not_in_memory, pipeline_message
 from .errors import NbdistError
 
 # An array, a list of Structs or a dict of Structs (or None: not given).
@@ -49,6 +49,11 @@ def to_struct(value: Any, what: str) -> Struct:
 
 def _leaf(value: Any, what: str) -> np.ndarray:
     arr = as_array(value, what)
+    text = as_text(arr)
+    if text is not None:  # strings for the model's own text layers
+        if text.ndim == 0:
+            raise NbdistError(f"{what} is a single value, not a dataset; pass one row per example.")
+        return text
     if arr.dtype == object:
         raise NbdistError(f"{what} holds Python objects of different shapes, not one array; pass a numpy "
                           "array per input (several inputs as a dict or list of arrays).")

@@ -40,8 +40,8 @@ EXIT_UNREACHABLE = 6
 KIND_JSON = 1
 KIND_BLOB = 2
 
-# Only plain numeric dtypes cross the wire: never object arrays.
-_ALLOWED_DTYPE_KINDS = set("biufc?")
+# Only plain numeric and fixed-width text (str, bytes) dtypes cross the wire: never object arrays.
+_ALLOWED_DTYPE_KINDS = set("biufc?US")
 
 
 class ProtocolError(Exception):
@@ -141,7 +141,7 @@ class Channel:
         meta = []
         for a in arrays:
             if a.dtype.kind not in _ALLOWED_DTYPE_KINDS:
-                raise ProtocolError(f"cannot send an array of dtype {a.dtype}; only numeric arrays")
+                raise ProtocolError(f"cannot send an array of dtype {a.dtype}; only numeric and text arrays")
             meta.append({"dtype": a.dtype.str, "shape": list(a.shape)})
         full = dict(body)
         if meta:

@@ -67,7 +67,8 @@ def test_bad_options_get_one_sentence(options, fragment):
 
 @pytest.mark.parametrize("x, y, fragment", [
     (np.zeros((5, 2)), np.zeros(4), "5 rows but labels have 4"),
-    (np.array([["a", "b"]]), np.zeros(1), "not numbers"),
+    (np.array([["2020-01-01", "2020-01-02"]], dtype="datetime64[D]"), np.zeros(1), "not numbers"),
+    (np.array([["a", 1]], dtype=object), np.zeros(1), "not numbers"),
     (np.array([[1.0, np.nan]]), np.zeros(1), "NaN"),
     (np.zeros((0, 3)), np.zeros(0), "empty"),
     (3.0, None, "single value"),
@@ -104,3 +105,14 @@ def test_last_traceback_keeps_the_head_of_a_long_traceback() -> None:
     assert got.startswith("Traceback (most recent call last):\n  File") and got.endswith("ValueError: boom")
     assert "first" not in got
     assert last_traceback("\n".join(str(i) for i in range(100))).splitlines() == [str(i) for i in range(70, 100)]
+
+
+@pytest.mark.parametrize("value", [np.array([["a"], ["b"]]), ["one text", "another"], np.array([b"x", b"y"]),
+                                   np.array(["a", "b"], dtype=object)])
+def test_text_inputs_are_data_as_keras_takes_them(value):
+    """Strings for a model's own StringLookup or TextVectorization: fixed-width arrays that cross the wire."""
+    from nbdist.data import to_array
+    from nbdist.fitdata import to_struct
+
+    for arr in (to_array(value, "x"), to_struct(value, "x")):
+        assert arr.dtype.kind in "US" and len(arr) == 2

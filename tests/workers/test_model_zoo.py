@@ -31,6 +31,7 @@ class Case:
     exact: bool = True  # deterministic: compared to 1e-5; else by accuracy
     rtol: float = 1e-5
     labels: bool = True  # fit(x, y); False: fit(x) (a GAN)
+    local_input: Callable[[Any], Any] | None = None  # what the local fit takes instead (Keras refuses numpy str)
 
 
 def _head(*layers: Any, inputs: Any = None, dtype: str | None = None) -> Any:
@@ -57,6 +58,25 @@ def integer_lookup(x, y):
                               keras.layers.Embedding(lookup.vocabulary_size(), 4), keras.layers.Flatten(),
                               keras.layers.Dense(10, activation="softmax")])
     return _compile(model, keras.optimizers.SGD(0.1)), ids, y
+
+
+def string_lookup(x, y):
+    words = np.array([f"w{int(v)}" for v in (x[:, 20] * 16)])  # a numpy str array, a vocabulary asset
+    lookup = keras.layers.StringLookup()
+    lookup.adapt(words)
+    model = keras.Sequential([keras.Input((1,), dtype="string"), lookup,
+                              keras.layers.Embedding(lookup.vocabulary_size(), 4), keras.layers.Flatten(),
+                              keras.layers.Dense(10, activation="softmax")])
+    return _compile(model, keras.optimizers.SGD(0.1)), words.reshape(-1, 1), y
+
+
+def text_vectorization(x, y):
+    text = [" ".join(f"t{int(v)}" for v in row[18:30:3] * 16) for row in x]  # a list of str
+    vectorize = keras.layers.TextVectorization(max_tokens=40, output_sequence_length=4)
+    vectorize.adapt(text)
+    model = keras.Sequential([keras.Input((), dtype="string"), vectorize, keras.layers.Embedding(40, 8),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10, activation="softmax")])
+    return _compile(model, keras.optimizers.SGD(0.1)), text, y
 
 
 def discretization(x, y):
@@ -290,6 +310,8 @@ def batch_norm(x, y):
 ZOO = {
     "normalization": Case(normalization),
     "integer_lookup": Case(integer_lookup),
+    "string_lookup": Case(string_lookup, local_input=lambda x: __import__("tensorflow").constant(x)),
+    "text_vectorization": Case(text_vectorization, local_input=lambda x: __import__("tensorflow").constant(x)),
     "discretization": Case(discretization),
     "category_and_hashing": Case(category_and_hashing),
     "counter_layer": Case(counter_layer),
@@ -328,6 +350,7 @@ def _built(case: Case, data: tuple[np.ndarray, np.ndarray], seed: int = 5) -> tu
 
 def _local(case: Case, data, epochs: int = EPOCHS) -> tuple[Any, dict[str, list[float]]]:
     model, x, y = _built(case, data)
+    x = case.local_input(x) if case.local_input else x
     history = model.fit(x, y, batch_size=WORKERS * BATCH, epochs=epochs, shuffle=False, verbose=0)
     return model, history.history
 
