@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checks import check_model_fits_data, check_not_stateful
+from .checks import check_model_fits_data, check_not_stateful, check_text_inputs
 from .config import TrainConfig
 from .data import make_dataset
 from .driver.inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
@@ -111,6 +111,8 @@ def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_bat
     check_trainable(model)
     check_not_stateful(model)
     train_set, val_set = fit_data(fit)
+    for data, what in ((train_set, "training data"), (val_set, "validation data")):
+        check_text_inputs(model, getattr(data, "x", None), what)
     renderer = make_renderer(config.ui)
     all_listeners = list(listeners or []) + ([renderer] if renderer else [])
     job = TrainingJob(model, config, train_set, val_set, namespace, all_listeners)

@@ -29,10 +29,33 @@ def _output_shape(model: Any) -> tuple[Any, ...] | None:
         return None
 
 
+def check_text_inputs(model: Any, x: Any, what: str = "training data") -> None:
+    """Text (str or bytes arrays) only where the model's input takes strings: one sentence before launch,
+    not a cast error from every worker. Inputs are matched by name (a dict), position (a list) or alone."""
+    try:
+        inputs = list(model.inputs)
+    except (AttributeError, ValueError, TypeError):
+        return  # a subclassed model: its call decides what it takes
+    if isinstance(x, dict):
+        names = {getattr(t, "name", "").split(":")[0]: t for t in inputs}
+        pairs = [(f"{what} {k!r}", v, names.get(str(k))) for k, v in x.items()]
+    elif isinstance(x, (list, tuple)):
+        pairs = [(f"{what} input {i}", v, inputs[i] if i < len(inputs) else None) for i, v in enumerate(x)]
+    else:
+        pairs = [(f"{what} features", x, inputs[0] if len(inputs) == 1 else None)]
+    for name, value, tensor in pairs:
+        kind = getattr(getattr(value, "dtype", None), "kind", "")
+        if kind in ("U", "S") and tensor is not None and str(tensor.dtype) != "string":
+            raise NbdistError(f"the {name} hold text (dtype {value.dtype}) but the model's input takes "
+                              f"{tensor.dtype}; convert it first, e.g. .astype('float32'), or give the model "
+                              "keras.Input(dtype='string') and a StringLookup or TextVectorization layer.")
+
+
 def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what: str = "training data") -> None:
     """One sentence if ``x`` cannot feed the model or ``y`` cannot be the target of its loss."""
     from .metrics import check_labels, classifier_spec, labels_are_classes
 
+    check_text_inputs(model, x, what)
     expected = input_shape(model)
     if expected is not None and tuple(x.shape[1:]) != expected:
         raise NbdistError(f"the {what} features have shape {tuple(x.shape[1:])} per row but the model expects "

@@ -41,6 +41,7 @@ from ..fitdata import (
 from ..strategies.allreduce import AllreduceCallback
 from ..wire.messages import JobMessage
 from .datasets import tf_structure
+from .readahead import put_until_stopped
 
 log = logging.getLogger("nbdist.worker")
 
@@ -95,13 +96,7 @@ class ShareReader:
         return batch
 
     def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_until_stopped(self._queue, item, self._stop)
 
     def _run(self) -> None:
         epoch = self.first_epoch

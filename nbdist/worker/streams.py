@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .readahead import put_until_stopped
+
 log = logging.getLogger("nbdist.worker")
 
 READ_AHEAD_BLOCKS = 4  # blocks the reader thread holds ahead of the window
@@ -108,13 +110,7 @@ class ReadAhead:
         self._put(None)
 
     def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_until_stopped(self._queue, item, self._stop)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, ...]]:
         try:

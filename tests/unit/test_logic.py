@@ -116,3 +116,16 @@ def test_text_inputs_are_data_as_keras_takes_them(value):
 
     for arr in (to_array(value, "x"), to_struct(value, "x")):
         assert arr.dtype.kind in "US" and len(arr) == 2
+
+
+def test_text_for_an_input_that_takes_numbers_is_one_sentence_before_launch():
+    import keras
+
+    from nbdist.checks import check_text_inputs
+
+    a, b = keras.Input((1,), name="a"), keras.Input((1,), name="b", dtype="string")
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(1)(a))
+    text = np.array([["x"], ["y"]])
+    check_text_inputs(model, {"a": np.zeros((2, 1), "float32"), "b": text})  # text where it is taken
+    with pytest.raises(NbdistError, match=r"'a' hold text \(dtype <U1\) but the model's input takes float32"):
+        check_text_inputs(model, {"a": text, "b": text})

@@ -107,22 +107,16 @@ def counter_layer(x, y):
     return _compile(_head(StepCount(), keras.layers.Dense(16, activation="relu"))), x, y
 
 
-def mixed_float16(x, y):
-    keras.mixed_precision.set_global_policy("mixed_float16")  # a LossScaleOptimizer wraps Adam
-    try:
-        model = _compile(_head(keras.layers.Dense(32, activation="relu")))
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    return model, x, y
-
-
-def mixed_bfloat16(x, y):
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    try:
-        model = _compile(_head(keras.layers.Dense(32, activation="relu")))
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    return model, x, y
+def mixed(policy: str):
+    """A model made under a mixed policy (under mixed_float16 a LossScaleOptimizer wraps Adam)."""
+    def build(x, y):
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            model = _compile(_head(keras.layers.Dense(32, activation="relu")))
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        return model, x, y
+    return build
 
 
 def loss_scale_optimizer(x, y):
@@ -315,8 +309,8 @@ ZOO = {
     "discretization": Case(discretization),
     "category_and_hashing": Case(category_and_hashing),
     "counter_layer": Case(counter_layer),
-    "mixed_float16": Case(mixed_float16, rtol=2e-3),
-    "mixed_bfloat16": Case(mixed_bfloat16, rtol=2e-2),
+    "mixed_float16": Case(mixed("mixed_float16"), rtol=2e-3),
+    "mixed_bfloat16": Case(mixed("mixed_bfloat16"), rtol=2e-2),
     "loss_scale_optimizer": Case(loss_scale_optimizer),
     "adamw_excluded": Case(adamw_excluded),
     "schedule_momentum": Case(schedule_momentum),
