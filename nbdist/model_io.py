@@ -169,9 +169,9 @@ def apply_settings(settings: dict[str, Any]) -> None:
 
 
 # -- driver: model -> spec -----------------------------------------------------
-def spec_from_model(model: Any, namespace: dict[str, Any] | None = None, strategy: str = "averaging") -> ModelSpec:
+def spec_from_model(model: Any, strategy: str = "averaging") -> ModelSpec:
     """The model as it travels to train; one sentence if it cannot, before any worker starts."""
-    spec = travelling_model(model, namespace)[0]
+    spec = travelling_model(model)
     check_strategy(model, strategy)
     return spec
 
@@ -188,10 +188,9 @@ def check_strategy(model: Any, strategy: str) -> None:
                           "train_step applies and --strategy allreduce cannot average; use --strategy averaging.")
 
 
-def travelling_model(model: Any, namespace: dict[str, Any] | None = None, *,
-                     optimizer: bool = True) -> tuple[ModelSpec, dict[str, Any]]:
-    """The spec (and, for the callers that kept it, an empty dict: notebook objects travel inside the
-    model now); without ``optimizer``, for inference."""
+def travelling_model(model: Any, *, optimizer: bool = True) -> ModelSpec:
+    """The spec (notebook classes and functions travel inside the pickled model); without ``optimizer``,
+    for inference: its state is neither pickled nor sent."""
     if optimizer:
         check_trainable(model)
     elif not model.built and not model.weights:
@@ -220,7 +219,7 @@ def travelling_model(model: Any, namespace: dict[str, Any] | None = None, *,
                      [np.asarray(v.numpy()) for v in opt_vars] if optimizer else None,
                      optimizer_steps(model) if optimizer else None, assets,
                      optimizer_layout(model) if optimizer else [], keras_settings())
-    return spec, {}
+    return spec
 
 
 # -- worker: spec -> model -----------------------------------------------------

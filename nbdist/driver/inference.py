@@ -70,9 +70,9 @@ def _has_trained(model: Any) -> bool:
         return True
 
 
-def inference_spec(model: Any, namespace: dict[str, Any] | None) -> tuple[ModelSpec, dict[str, Any]]:
-    """The model as config + weights (no optimizer state), and the notebook objects it needs."""
-    return travelling_model(model, namespace, optimizer=False)
+def inference_spec(model: Any) -> ModelSpec:
+    """The model and its weights, without optimizer state."""
+    return travelling_model(model, optimizer=False)
 
 
 def _config(options: dict[str, Any]) -> TrainConfig:
@@ -96,11 +96,9 @@ class InferenceJob(Run):
                  namespace: dict[str, Any] | None = None, listeners: list[Listener] | None = None) -> None:
         super().__init__(model, config, data, namespace, listeners)
         self.answers: dict[int, protocol.Message] = {}
-        self._custom: dict[str, Any] = {}
 
     def _make_spec(self) -> ModelSpec:
-        spec, self._custom = inference_spec(self.model, self._namespace)
-        return spec
+        return inference_spec(self.model)
 
     def _job_message(self, rank: int) -> JobMessage:
         return self._common_job(rank, self.kind)
@@ -317,7 +315,7 @@ def predict_spark(model: Any, df: Any, features: str | Sequence[str] | None, nam
     if any(d is None for d in out_shape):
         raise NbdistError("the model's output size depends on its input; nbdist predicts fixed-size outputs only.")
     scalar = int(np.prod(out_shape)) == 1
-    spec, _ = inference_spec(model, namespace)
+    spec = inference_spec(model)
     spark_types = sql_types()
     session = df.sparkSession
     # The model (its objects and weights) goes inside Spark's own broadcast or task closure, as any UDF's

@@ -88,7 +88,7 @@ class TrainingJob(Run):
 
     # -- Run's hooks ----------------------------------------------------
     def _make_spec(self) -> ModelSpec:
-        return spec_from_model(self.model, self._namespace, self.config.strategy)
+        return spec_from_model(self.model, self.config.strategy)
 
     def _plan_shards(self, backend: Any, world: int) -> list[tuple[int, int]] | None:
         self._rank_batches = [self.config.batch_size] * world
