@@ -396,12 +396,14 @@ def test_two_workers_under_allreduce_train_the_whole_model_as_the_local_global_b
         assert [a.shape for a in got] == [b.shape for b in want]
     # The notebook's model holds what the workers trained: its whole state, its step count included.
     assert int(model.optimizer.iterations.numpy()) == int(local.optimizer.iterations.numpy())
-    # And it evaluates as the workers' evaluation of it says.
+    # And it evaluates and predicts as the workers' evaluation and prediction of it say.
     if name in ("normalization", "integer_lookup", "mixed_float16", "batch_norm"):
         merged = nbdist.evaluate(model, x, y, workers=1, backend="local")
         here = model.evaluate(x, y, verbose=0, return_dict=True)
         assert merged["accuracy"] == pytest.approx(here["accuracy"], abs=1e-6)
         assert merged["loss"] == pytest.approx(here["loss"], rel=1e-4)
+        predicted = nbdist.predict(model, x, workers=1, backend="local")
+        np.testing.assert_allclose(predicted, model.predict(x, verbose=0), atol=2e-3 if "mixed" in name else 1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(ZOO) + ["own_compile_two_optimizers"])
