@@ -111,14 +111,15 @@ model.fit(X, y, batch_size=64, epochs=3 if trial.number else 1, validation_data=
     stop = threading.Event()
     watcher = interrupt_when_a_trial_completes(str(db), stop)
     try:
-        ip.run_cell_magic("dist_tune", line, cell)  # trial 0 (1 epoch) completes, trial 1 or 2 is cut short
+        ip.run_cell_magic("dist_tune", line, cell)  # a trial completes (trial 0 trains 1 epoch), the rest are cut short
     finally:
         stop.set()
         watcher.join(5)
     assert not wait_no_workers(), "an interrupt left workers behind"
     states = optuna.trial.TrialState
     first = {t.number: t for t in ip.user_ns["study"].get_trials()}
-    assert first[0].state == states.COMPLETE, [(t.number, t.state, t.user_attrs) for t in first.values()]
+    # Trial 0 trains 1 epoch, the others 3, but which finishes first is the machine's timing: some trial did.
+    assert any(t.state == states.COMPLETE for t in first.values()), [(t.number, t.state) for t in first.values()]
     assert not [t for t in first.values() if t.state == states.RUNNING]
     cut = [n for n, t in first.items() if t.state == states.FAIL]
     assert cut and all(first[n].user_attrs.get("nbdist_interrupted") for n in cut)
