@@ -90,14 +90,14 @@ def optimizer_state_variables(model: Any) -> list[Any]:
     seen: set[int] = set()
     for opt in optimizers_of(model):
         for v in opt.variables:
-            if id(v) in seen or _path(v).endswith("learning_rate"):
+            if id(v) in seen or variable_path(v).endswith("learning_rate"):
                 continue
             seen.add(id(v))
             out.append(v)
     return out
 
 
-def _path(v: Any) -> str:
+def variable_path(v: Any) -> str:
     return str(getattr(v, "path", None) or v.name)
 
 

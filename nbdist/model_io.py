@@ -103,7 +103,7 @@ def averaged_optimizer_variables(model: Any) -> list[Any]:
     rates or a loss scale (each worker's own, see README)."""
     out = []
     for v in optimizer_state_variables(model):
-        path = _path(v)
+        path = model_graph.variable_path(v)
         if "float" not in str(v.dtype) or path.rsplit("/", 1)[-1] in _ITERATION_NAMES or "dynamic_scale" in path:
             continue
         out.append(v)
@@ -294,12 +294,10 @@ def _check_shapes(variables: list[Any], values: list[np.ndarray], what: str) -> 
                           f"{len(variables)}); the model was left as it was.")
     for v, value in zip(variables, values):
         if int(np.prod(v.shape)) != int(np.asarray(value).size):
-            raise NbdistError(f"the trained state does not fit the notebook's model ({_path(v)} has shape "
-                              f"{tuple(v.shape)}, got {np.asarray(value).shape}); the model was left as it was.")
+            raise NbdistError(f"the trained state does not fit the notebook's model "
+                              f"({model_graph.variable_path(v)} has shape {tuple(v.shape)}, got "
+                              f"{np.asarray(value).shape}); the model was left as it was.")
 
-
-def _path(v: Any) -> str:
-    return str(getattr(v, "path", None) or v.name)
 
 
 # -- helpers -------------------------------------------------------------------

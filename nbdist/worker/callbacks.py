@@ -128,14 +128,6 @@ def weights_and_optimizer(model: Any) -> tuple[list[np.ndarray], list[list[int]]
     return weights + optimizer, layout
 
 
-def step_count(optimizer: Any) -> int:
-    """The optimizer's raw step count (model_io.step_counter: not the computed ``iterations`` of
-    ``gradient_accumulation_steps``)."""
-    from ..model_io import step_counter
-
-    return int(np.asarray(step_counter(optimizer)))
-
-
 class WeightShipper:
     """Rank 0's synchronised weights, optimizer state and step count, for the driver.
 
@@ -152,11 +144,13 @@ class WeightShipper:
         self._epoch: int | None = None  # the latest epoch shipped or kept
 
     def __call__(self, epoch: int) -> None:
+        from ..model_io import optimizer_steps
+
         self._epoch = epoch
         model = self.model
         weights, layout = weights_and_optimizer(model)
         body = {"type": MessageType.WEIGHTS, "epoch": epoch, "n_weights": len(model.weights),  # get_weights()'s
-                "iterations": step_count(model.optimizer), "layout": layout}
+                "iterations": optimizer_steps(model), "layout": layout}
         if self.every_epoch:
             self._send(body, weights)
         else:
