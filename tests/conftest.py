@@ -7,9 +7,9 @@ import time
 from collections.abc import Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# No warm workers unless a test asks for them (test_warm.py): the others count worker processes,
-# and kernels started by the notebook tests inherit this.
-os.environ["NBDIST_WARM_WORKERS"] = "0"
+# Local workers are forked from a warm fork server (backends/warm.py), as in a notebook: it saves each
+# worker TensorFlow's import. The tests that need cold workers set NBDIST_WARM_WORKERS=0 themselves.
+os.environ.pop("NBDIST_WARM_WORKERS", None)
 
 import numpy as np
 import psutil
@@ -38,6 +38,25 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_sep("=", f"time per tier: {total / 60:.1f} of CI's {CI_BUDGET_SECONDS // 60} minutes")
     for tier, seconds in sorted(tiers.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{tier:<12} {seconds / 60:5.1f} min  {100 * seconds / total:3.0f}%")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_fork_server_left() -> Iterator[None]:
+    """At the end of the session, stopping the pool stops every fork server."""
+    yield
+    from nbdist.backends.warm import POOL
+
+    POOL.close()
+    left = [p for p in psutil.Process().children(recursive=True) if _is_fork_server(p)]
+    psutil.wait_procs(left, timeout=15)
+    assert not [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "fork servers left"
+
+
+def _is_fork_server(proc: psutil.Process) -> bool:
+    try:
+        return "--fork-server" in proc.cmdline()
+    except psutil.Error:
+        return False
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -75,11 +94,13 @@ def digits_split(digits):
 
 
 def worker_processes() -> list[psutil.Process]:
-    """nbdist workers started by this test process (they are its direct children)."""
+    """nbdist workers started by this test process or its children; not the fork servers they come
+    from, which stay for the next job (the session's end stops them: ``no_fork_server_left``)."""
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "nbdist.worker" in " ".join(child.cmdline()):
+            cmdline = " ".join(child.cmdline())
+            if "nbdist.worker" in cmdline and "--fork-server" not in cmdline:
                 out.append(child)
         except psutil.NoSuchProcess:
             continue

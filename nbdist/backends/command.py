@@ -20,6 +20,11 @@ WORKER_MODULE = "nbdist.worker"
 # warm worker (spark/warm.py names its sockets after them; the order keeps those names stable).
 STARTUP_KEYS = ("PYTHONPATH", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
                 "CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL")
+# Variables of these families may be read while TensorFlow, torch, Keras or the interpreter load:
+# a local fork server (backends/warm.py) is shared only by environments that agree on all of them.
+# The rest (PYTEST_CURRENT_TEST, a notebook's own settings) reach each forked worker with its job.
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "TF_", "XLA_", "CUDA", "NVIDIA", "KERAS", "JAX", "TORCH",
+                    "LD_", "MALLOC", "GLIBC")
 
 
 def package_root() -> str:
@@ -43,9 +48,10 @@ def job_command(address: tuple[str, int], rank: int, *, die_with_parent: bool = 
     return [*cmd, "--die-with-parent"] if die_with_parent else cmd
 
 
-def warm_command(python: str = sys.executable) -> list[str]:
-    """A warm local worker: imports first, then reads its job on stdin (backends/warm.py)."""
-    return [*_worker(python), "--warm"]
+def fork_server_command(python: str = sys.executable) -> list[str]:
+    """The local fork server: imports first, then forks a worker for each job read on stdin
+    (backends/warm.py, worker/fork_server.py)."""
+    return [*_worker(python), "--fork-server"]
 
 
 def warm_socket_command(sock_path: str, executor: tuple[int, int], python: str = sys.executable) -> list[str]:
@@ -55,6 +61,11 @@ def warm_socket_command(sock_path: str, executor: tuple[int, int], python: str =
 
 
 # -- environment -----------------------------------------------------------------
+def startup_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of a worker's environment its imports may read: what a fork server must agree on."""
+    return {k: v for k, v in env.items() if k in STARTUP_KEYS or k.startswith(STARTUP_PREFIXES)}
+
+
 def thread_env(threads: int) -> dict[str, str]:
     """The thread budget as the variables OpenMP and TensorFlow read when they start."""
     return {"OMP_NUM_THREADS": str(threads), "TF_NUM_INTRAOP_THREADS": str(threads),

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -15,28 +14,26 @@ from .. import placement
 from ..config import default_local_workers
 from ..placement import core_slices, count_host_gpus, local_gpu_env, usable_cores
 from ..procs import ChildEnd, oom_kill_count, pin_to_cores, read_log_tail, reap, signal_group
-from ..wire.handover import job_line
 from ..wire.secret import hand_over
 from .command import job_command, worker_env
-from .warm import POOL, wanted_count
+from .warm import POOL, ForkedWorker, warm_enabled, worker_end
 
 log = logging.getLogger(__name__)
 
 
-def start_warm_workers() -> int:
-    """Warm the workers a default local job will take (backends/warm.py); return how many start."""
-    world = default_local_workers()
-    size = wanted_count(world)
-    # Not with GPUs: a worker's device is chosen before TensorFlow starts. (Nor with Spark active:
-    # the extension loader does not call this then.)
-    if size == 0 or count_host_gpus() > 0:
-        return 0
-    POOL.enable(size, worker_env(placement.threads_per_worker(world)))
-    return size
+def start_warm_workers() -> bool:
+    """Start the fork server a default local job's workers will come from (backends/warm.py).
+
+    Not with GPUs: a worker's device is chosen before TensorFlow starts. (Nor with Spark active:
+    the extension loader does not call this then.) False when none starts.
+    """
+    if not warm_enabled() or count_host_gpus() > 0:
+        return False
+    return POOL.server(worker_env(placement.threads_per_worker(default_local_workers()))) is not None
 
 
 class LocalWorker:
-    def __init__(self, rank: int, proc: subprocess.Popen, log_path: Path) -> None:
+    def __init__(self, rank: int, proc: subprocess.Popen | ForkedWorker, log_path: Path) -> None:
         self.rank = rank
         self.proc = proc
         self.log_path = log_path
@@ -45,7 +42,8 @@ class LocalWorker:
 
     def exit_status(self) -> int | None:
         if self.end is None and self.proc.returncode is None:
-            self.end = reap(self.proc.pid, self._oom_kills)
+            forked = isinstance(self.proc, ForkedWorker)  # its parent, the fork server, reaps it
+            self.end = worker_end(self.proc, self._oom_kills) if forked else reap(self.proc.pid, self._oom_kills)
             if self.end is not None:  # reaped here: Popen must not wait for it again
                 self.proc.returncode = self.end.code
         return self.proc.poll()
@@ -71,7 +69,6 @@ class LocalBackend:
     def __init__(self) -> None:
         self.workers: list[LocalWorker] = []
         self.run_dir: Path | None = None
-        self._warm_env: dict[str, str] | None = None  # the workers' environment, to refill the pool
 
     def default_workers(self) -> int:
         return default_local_workers()
@@ -83,28 +80,34 @@ class LocalBackend:
         env = worker_env(threads_per_worker)
         cores = usable_cores()
         slices = core_slices(cores, world_size, threads_per_worker) if cores else None
-        self._warm_env = env
-        gpus = count_host_gpus() > 0
-        warm = [] if gpus else POOL.take(world_size, env)
+        # Not with GPUs: each worker's device is chosen before TensorFlow starts.
+        server = POOL.server(env) if count_host_gpus() == 0 else None
+        forked = 0
         for rank in range(world_size):
             gpu_env = local_gpu_env(rank)  # one GPU per worker by local rank, if any
             log_path = self.run_dir / f"worker-{rank}.log"
-            if rank < len(warm):  # already imported TensorFlow: told its job on stdin, before the secret
-                proc, job = warm[rank].proc, job_line(address, rank, gpu_env)
-                os.replace(warm[rank].log_path, log_path)  # its open log file moves with it
-            else:
-                job = b""
+            proc: subprocess.Popen | ForkedWorker | None = None
+            if server is not None:
+                job = {"address": f"{address[0]}:{address[1]}", "rank": rank, "env": {**env, **gpu_env}}
+                try:
+                    proc = server.fork(job, secret, log_path)
+                    forked += 1
+                except OSError as exc:  # the rest start cold: slower, and their own logs say why if they fail
+                    log.warning("%s; starting workers afresh instead", exc)
+                    server.stop()  # the pool starts another for the next job
+                    server = None
+            if proc is None:
                 with open(log_path, "wb") as out:
                     proc = subprocess.Popen(
                         job_command(address, rank, die_with_parent=True),
                         env={**env, **gpu_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                         start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
                     )
-            if slices is not None:  # every thread a warm worker runs; a cold one has not started any yet
+                hand_over(proc, secret)
+            if slices is not None:
                 pin_to_cores(proc.pid, slices[rank])
-            hand_over(proc, secret, job)
             self.workers.append(LocalWorker(rank, proc, log_path))
-        log.info("started %d local workers (%d of them warm)%s, logs in %s", world_size, len(warm),
+        log.info("started %d local workers (%d forked from a warm server)%s, logs in %s", world_size, forked,
                  f" pinned to cores {[sorted(c) for c in slices]}" if slices else "", self.run_dir)
         return list(self.workers)
 
@@ -128,6 +131,4 @@ class LocalBackend:
     def cleanup(self) -> None:
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        if self._warm_env is not None:  # the job is over: warm the next one's workers meanwhile
-            POOL.fill(self._warm_env)
 

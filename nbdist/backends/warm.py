@@ -1,20 +1,23 @@
-"""Warm local workers: processes started ahead of a job that have already imported TensorFlow.
+"""Warm local workers: forked in milliseconds from a fork server that has already imported TensorFlow.
 
 A cold worker spends 6-8 s of CPU importing TensorFlow and torch before it can train, which is
-most of the wait between running a ``%%dist_train`` cell and its first metric. Loading the
-extension therefore starts the default number of local workers in the background with
-``--warm``; each imports everything it will need, says so in its log, and then waits on stdin.
-A job whose workers would be started with the same environment takes them instead of starting
-new ones, hands each its address and rank and then the run's secret on that pipe (never the
-command line or the environment), and a new set is started once the job has ended.
+most of the wait between running a ``%%dist_train`` cell and its first metric, and N workers
+started together pay it N times. So the notebook keeps a fork server (worker/fork_server.py):
+one process, started with the workers' environment, that imports everything once and then forks
+each worker of each job. Loading the extension starts it in the background; otherwise the first
+local job starts it and forks its workers from it as soon as its imports are done.
 
-Only the local backend uses them, and not on a machine with GPUs (each worker's device must be
-chosen before TensorFlow is imported). ``NBDIST_WARM_WORKERS=0`` turns them off; a number sets
-how many are kept.
+A job takes a server started with the part of its workers' environment that imports may read
+(``command.startup_env``: the thread budget differs with the number of workers, and OpenMP reads
+it when it loads); the rest of the environment goes to each worker with its job, which replaces
+the server's. At most ``KEPT`` servers are kept, the least recently used stopped first. Not on a
+machine with GPUs: each worker's device must be chosen before TensorFlow starts.
+``NBDIST_WARM_WORKERS=0`` turns them off: every worker then starts cold.
 """
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import shutil
@@ -22,131 +25,221 @@ import signal
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+import time
 from pathlib import Path
+from typing import Any
 
-from ..procs import remove_quietly, signal_group
+from ..procs import ChildEnd, ProcessId, oom_kill_count, remove_quietly, signal_group
 from ..wire.handover import READY
-from .command import warm_command
+from .command import fork_server_command, startup_env
 
 log = logging.getLogger(__name__)
 
 ENV_COUNT = "NBDIST_WARM_WORKERS"
+KEPT = 2  # fork servers kept at once (each holds its imported libraries: ~0.5 GB)
+FORK_TIMEOUT = 300.0  # seconds for a server to import and fork (a cold start's budget)
 
 
-@dataclass
-class WarmWorker:
-    proc: subprocess.Popen
-    log_path: Path
-    env: dict[str, str]
+def warm_enabled(environ: dict[str, str] | None = None) -> bool:
+    """False when ``$NBDIST_WARM_WORKERS`` is 0 (or not a number of workers)."""
+    raw = (os.environ if environ is None else environ).get(ENV_COUNT, "").strip()
+    if not raw:
+        return True
+    try:
+        return int(raw) > 0
+    except ValueError:
+        log.warning("%s=%r is not a number of workers; warm workers stay on", ENV_COUNT, raw)
+        return True
+
+
+class ForkedWorker:
+    """A worker forked by a fork server: what ``subprocess.Popen`` offers for it, from its parent's reports.
+
+    The server, not this process, is its parent and reaps it; it reports the end here.
+    """
+
+    def __init__(self, pid: int, server: ForkServer) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._id = ProcessId.of(pid)
+        self._server = server
+        self.end: ChildEnd | None = None  # set by the server's reader thread
+
+    def _ended(self, code: int, peak_rss: int) -> None:
+        self.end = ChildEnd(code, peak_rss)
+        self.returncode = code
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._server.alive() and not (self._id and self._id.alive()):
+            self._ended(1, 0)  # its server died first and could not report its exit code
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"worker pid {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+
+class ForkServer:
+    """The notebook's side of one fork server: its process, its requests, and its workers' ends."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self.env = dict(env)
+        self.key = startup_env(env)
+        fd, name = tempfile.mkstemp(prefix="fork-server-", suffix=".log", dir=log_dir)
+        self.log_path = Path(name)
+        # No --die-with-parent: Linux would kill the server when the *thread* that started it ends
+        # (a background job's). Its stdin reaches EOF when the kernel dies, and it exits then.
+        with os.fdopen(fd, "wb") as out:
+            self.proc = subprocess.Popen(fork_server_command(), env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=out, start_new_session=True)
+        self._lock = threading.Lock()  # one request at a time, each answered by its pid
+        self._forked: list[int | str] = []  # pids forked, or why a request was refused
+        self._workers: dict[int, ForkedWorker] = {}
+        self._ends: dict[int, tuple[int, int]] = {}  # ends reported before the worker was registered
+        self._answered = threading.Condition()
+        threading.Thread(target=self._read, name="nbdist-fork-server", daemon=True).start()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def ready(self) -> bool:
-        """Alive, and done importing (it has logged READY)."""
-        if self.proc.poll() is not None:
-            return False
+        """Alive and done importing (it has logged READY)."""
         try:
             with open(self.log_path, "rb") as f:
-                return READY.encode() in f.read(1 << 16)
+                return self.alive() and READY.encode() in f.read(1 << 16)
         except OSError:
             return False
 
+    def fork(self, job: dict[str, Any], secret: bytes, log_path: Path, timeout: float = FORK_TIMEOUT) -> ForkedWorker:
+        """A new worker with ``job`` (address, rank, its whole environment) logging to ``log_path``.
 
-def wanted_count(default: int, environ: dict[str, str] | None = None) -> int:
-    """How many warm workers to keep: ``$NBDIST_WARM_WORKERS`` if set (0: none), else ``default``."""
-    raw = (os.environ if environ is None else environ).get(ENV_COUNT, "").strip()
-    if not raw:
-        return default
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        log.warning("%s=%r is not a number of workers; keeping %d warm workers", ENV_COUNT, raw, default)
-        return default
+        Waits while the server imports; raises OSError if it dies or does not answer in ``timeout``.
+        """
+        request = {"job": job, "secret": secret.hex(), "log": str(log_path)}
+        with self._lock:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+                self.proc.stdin.flush()
+            except (OSError, ValueError) as exc:
+                raise OSError(f"the fork server (pid {self.proc.pid}) is gone: {exc}") from exc
+            deadline = time.monotonic() + timeout
+            with self._answered:
+                while not self._forked:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self.alive():
+                        raise OSError(f"the fork server (pid {self.proc.pid}) did not fork a worker; "
+                                      f"its log: {self.log_path}")
+                    self._answered.wait(min(left, 0.5))
+                pid = self._forked.pop(0)
+                if isinstance(pid, str):
+                    raise OSError(f"the fork server (pid {self.proc.pid}) refused a request: {pid}")
+                worker = ForkedWorker(pid, self)
+                self._workers[pid] = worker
+                if pid in self._ends:  # it ended before we registered it
+                    worker._ended(*self._ends.pop(pid))
+        return worker
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                log.warning("fork server pid %d: unreadable answer %r", self.proc.pid, line[:200])
+                continue
+            with self._answered:
+                if "forked" in answer:
+                    self._forked.append(int(answer["forked"]))
+                elif "refused" in answer:
+                    self._forked.append(str(answer["refused"]))
+                elif "exit" in answer:
+                    pid, end = int(answer["exit"]), (int(answer["code"]), int(answer.get("peak_rss", 0)))
+                    if pid in self._workers:
+                        self._workers.pop(pid)._ended(*end)
+                    else:
+                        self._ends[pid] = end
+                self._answered.notify_all()
+
+    def stop(self) -> None:
+        """Stop the server (its running workers keep their jobs; they end with their driver link)."""
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()  # it exits on EOF
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        remove_quietly(self.log_path)
 
 
 class WarmPool:
-    """The kernel's warm workers. Thread-safe: jobs take from it while it refills in the background."""
+    """The kernel's fork servers, by the environment their workers get. Thread-safe."""
 
     def __init__(self) -> None:
-        self._workers: list[WarmWorker] = []
+        self._servers: list[ForkServer] = []  # least recently used first
         self._lock = threading.Lock()
         self._dir: Path | None = None
-        self.enabled = False
-        self.size = 0
 
-    def enable(self, size: int, env: dict[str, str]) -> None:
-        """Keep ``size`` warm workers started with ``env`` from now on; start them now."""
-        self.enabled, self.size = size > 0, size
-        if self.enabled:
-            self.fill(env)
+    def server(self, env: dict[str, str]) -> ForkServer | None:
+        """The live fork server for workers started with ``env`` (its startup part), started now if there
+        is none.
 
-    def fill(self, env: dict[str, str]) -> None:
-        """Start warm workers until ``size`` of them, started with ``env``, are alive."""
-        if not self.enabled:
-            return
-        with self._lock:
-            self._drop(lambda w: w.proc.poll() is not None or w.env != env)
-            missing = self.size - len(self._workers)
-            for _ in range(missing):
-                self._workers.append(self._start(env))
-        if missing > 0:
-            log.info("starting %d warm worker(s) in the background", missing)
-
-    def take(self, count: int, env: dict[str, str]) -> list[WarmWorker]:
-        """Up to ``count`` live warm workers started with exactly ``env``, the ready ones first.
-
-        One still importing is taken too: it is further along than a worker started now.
+        None when warm workers are off (``NBDIST_WARM_WORKERS=0``).
         """
+        if not warm_enabled():
+            return None
         with self._lock:
-            alive = [w for w in self._workers if w.env == env and w.proc.poll() is None]
-            taken = sorted(alive, key=lambda w: not w.ready())[:count]
-            self._workers = [w for w in self._workers if w not in taken]
-        return taken
+            stale = [s for s in self._servers if not s.alive()]
+            for s in stale:
+                self._servers.remove(s)
+                s.stop()
+            match = next((s for s in self._servers if s.key == startup_env(env)), None)
+            if match is None:
+                if self._dir is None:
+                    self._dir = Path(tempfile.mkdtemp(prefix="nbdist-warm-"))
+                match = ForkServer(env, self._dir)
+                log.info("starting a fork server for local workers (pid %d) in the background", match.proc.pid)
+            else:
+                self._servers.remove(match)
+            self._servers.append(match)
+            old = self._servers[:-KEPT]
+            del self._servers[:-KEPT]
+        for s in old:
+            s.stop()
+        return match
 
-    def ready_count(self) -> int:
+    def servers(self) -> list[ForkServer]:
         with self._lock:
-            return sum(w.ready() for w in self._workers)
+            return list(self._servers)
 
     def close(self) -> None:
-        """Stop every warm worker (unloading the extension, or the kernel exiting)."""
-        self.enabled = False
+        """Stop every fork server (unloading the extension, or the kernel exiting)."""
         with self._lock:
-            self._drop(lambda w: True)
+            servers, self._servers = self._servers, []
+        for s in servers:
+            s.stop()
+        with self._lock:
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
 
-    def _drop(self, which) -> None:
-        keep = []
-        for w in self._workers:
-            if which(w):
-                _stop(w)
-            else:
-                keep.append(w)
-        self._workers = keep
 
-    def _start(self, env: dict[str, str]) -> WarmWorker:
-        if self._dir is None:
-            self._dir = Path(tempfile.mkdtemp(prefix="nbdist-warm-"))
-        fd, name = tempfile.mkstemp(prefix="worker-", suffix=".log", dir=self._dir)
-        # No --die-with-parent: Linux would kill the worker when the *thread* that started it
-        # ends (a background job's). While it waits, its stdin reaches EOF if the kernel dies;
-        # once in a job, the driver link and its heartbeats end it as they end any worker.
-        with os.fdopen(fd, "wb") as out:
-            proc = subprocess.Popen(warm_command(), env=env, stdin=subprocess.PIPE, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        return WarmWorker(proc, Path(name), dict(env))
-
-
-def _stop(w: WarmWorker) -> None:
-    if w.proc.poll() is None:
-        signal_group(w.proc.pid, signal.SIGKILL)  # it holds no job: nothing to finish
-    try:
-        w.proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        log.warning("warm worker pid %d did not exit", w.proc.pid)
-    if w.proc.stdin is not None:
-        w.proc.stdin.close()
-    remove_quietly(w.log_path)
+def worker_end(proc: Any, oom_kills_before: int | None) -> ChildEnd | None:
+    """How a forked worker ended, with the out-of-memory killer's part judged as ``procs.reap`` does."""
+    end = proc.end if proc.poll() is not None else None
+    if end is None:
+        return None
+    after = oom_kill_count()
+    end.oom_killed = end.code == -9 and oom_kills_before is not None and after is not None and after > oom_kills_before
+    return end
 
 
 POOL = WarmPool()

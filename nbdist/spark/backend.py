@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..backends.warm import wanted_count
+from ..backends.warm import warm_enabled
 from ..errors import NbdistError
 from ..procs import ChildEnd
 from ..wire import protocol
@@ -264,7 +264,7 @@ class SparkBackend:
         threading.Thread(target=self._accept, name="nbdist-spark-status", daemon=True).start()
         spec = TaskSpec(address=tuple(address), status_address=status_address, secret_hex=secret.hex(),
                         threads=threads_per_worker, layout=None if data is None else data.layout,
-                        warm=wanted_count(1) > 0)  # NBDIST_WARM_WORKERS=0 turns executors' warm workers off
+                        warm=warm_enabled())  # NBDIST_WARM_WORKERS=0 turns executors' warm workers off
         stage = self._stage(world_size, data, spec)
         self._thread = threading.Thread(target=self._run, args=(stage,), name="nbdist-spark-job", daemon=True)
         self._thread.start()

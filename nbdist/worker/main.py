@@ -140,18 +140,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nbdist.worker", description="nbdist training worker")
     p.add_argument("--address", help="driver coordinator HOST:PORT")
     p.add_argument("--rank", type=int, help="this worker's rank")
-    p.add_argument("--warm", action="store_true",
-                   help="import everything first, then read the address and rank on stdin (backends/warm.py)")
     p.add_argument("--warm-socket", metavar="PATH",
                    help="import everything first, then take a Spark task's job on this Unix socket "
                         "(spark/warm.py, worker/warm_socket.py)")
     p.add_argument("--watch", metavar="PID:START", help="with --warm-socket: exit when this process ends")
+    p.add_argument("--fork-server", action="store_true",
+                   help="import everything first, then fork a worker for each job read on stdin, answering on "
+                        "stdout (backends/warm.py, worker/fork_server.py)")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the parent process dies")
     args = p.parse_args(argv)
     if args.warm_socket and not args.watch:
         p.error("--warm-socket needs --watch")
-    if not (args.warm or args.warm_socket) and (args.address is None or args.rank is None):
-        p.error("--address and --rank are required unless --warm or --warm-socket")
+    if not (args.warm_socket or args.fork_server) and (args.address is None or args.rank is None):
+        p.error("--address and --rank are required unless --warm-socket or --fork-server")
     return args
 
 
@@ -177,16 +178,10 @@ def _take_job(line: bytes) -> tuple[str, int]:
     return address, rank
 
 
-def wait_warm(stream: Any = None) -> tuple[str, int] | None:
-    """A warm local worker: import what training needs, then read its job line from stdin.
-
-    Returns (address, rank), or None when stdin closed without a job (the pool let the worker
-    go). The job line may also set environment variables, before anything reads them.
-    """
-    _import_for_training()
-    stream = stream if stream is not None else sys.stdin.buffer
-    line = stream.readline(1 << 16)
-    return _take_job(line) if line else None
+def _forked_work(job: bytes, secret: bytes) -> int:
+    """A worker forked by the fork server: its job line (which sets its environment), then its work."""
+    address, rank = _take_job(job)
+    return _work(address, rank, secret)
 
 
 def wait_warm_socket(path: str, watch: str) -> tuple[str, int, bytes, socket.socket] | None:
@@ -235,15 +230,17 @@ def main(argv: list[str] | None = None) -> int:
         _die_with_parent()
         if os.getppid() != parent:
             return 5
+    if args.fork_server:
+        from .fork_server import serve
+
+        answers = os.dup(1)  # the answers' channel; anything else printed goes to the log
+        os.dup2(2, 1)
+        _import_for_training()
+        return serve(answers, _forked_work)
     task: socket.socket | None = None  # a Spark task's connection, when it took this warm worker
     secret_line = None
     try:
-        if args.warm:
-            job = wait_warm()
-            if job is None:
-                return 0  # released unused
-            args.address, args.rank = job
-        elif args.warm_socket:
+        if args.warm_socket:
             taken = wait_warm_socket(args.warm_socket, args.watch)
             if taken is None:
                 return 0

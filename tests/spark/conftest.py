@@ -7,6 +7,13 @@ import pytest
 from ..spark_helpers import digits, spark_session
 
 
+@pytest.fixture(autouse=True)
+def no_warm_executor_workers(monkeypatch):
+    """Executors' warm workers only where a test asks for them (test_spark_warm.py): the others count
+    the processes a job leaves."""
+    monkeypatch.setenv("NBDIST_WARM_WORKERS", "0")
+
+
 @pytest.fixture(scope="module")
 def spark():
     """A local[2] SparkSession for one test module, stopped after it."""

@@ -1,6 +1,6 @@
 """The worker's command line and environment (backends/command.py), built once for every backend.
 
-``python -m nbdist.worker`` and its flags are an interface (warm workers and users' container
+``python -m nbdist.worker`` and its flags are an interface (fork servers, warm workers and users' container
 images start it): each command line is pinned here to the letter and parsed by the worker's
 own parser; the thread budget reaches local, Spark and container workers alike.
 """
@@ -14,10 +14,10 @@ import nbdist
 from nbdist.backends.command import (
     STARTUP_KEYS,
     container_env,
+    fork_server_command,
     job_command,
     package_root,
     thread_env,
-    warm_command,
     warm_socket_command,
     worker_env,
 )
@@ -34,16 +34,16 @@ def test_command_lines_are_the_workers_interface_to_the_letter():
         "/py", "-m", "nbdist.worker", "--address", "10.0.0.5:4242", "--rank", "1", "--die-with-parent"]
     assert job_command(("h", 5), 0, python="/py") == ["/py", "-m", "nbdist.worker", "--address", "h:5",
                                                       "--rank", "0"]
-    assert warm_command("/py") == ["/py", "-m", "nbdist.worker", "--warm"]
+    assert fork_server_command("/py") == ["/py", "-m", "nbdist.worker", "--fork-server"]
     assert warm_socket_command("/d/k-t.sock", (77, 1234), "/py") == [
         "/py", "-m", "nbdist.worker", "--warm-socket", "/d/k-t.sock", "--watch", "77:1234"]
-    assert job_command(("h", 5), 0)[0] == warm_command()[0] == sys.executable
+    assert job_command(("h", 5), 0)[0] == fork_server_command()[0] == sys.executable
 
 
 def test_the_worker_parses_every_command_line_built_for_it():
     cold = _parse(job_command(("h", 5), 3, die_with_parent=True)[3:])
-    assert (cold.address, cold.rank, cold.die_with_parent, cold.warm) == ("h:5", 3, True, False)
-    assert _parse(warm_command()[3:]).warm
+    assert (cold.address, cold.rank, cold.die_with_parent, cold.fork_server) == ("h:5", 3, True, False)
+    assert _parse(fork_server_command()[3:]).fork_server
     sock = _parse(warm_socket_command("/s.sock", (1, 2))[3:])
     assert (sock.warm_socket, sock.watch) == ("/s.sock", "1:2")
 

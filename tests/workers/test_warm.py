@@ -1,36 +1,35 @@
-"""Warm local workers (backends/warm.py): started ahead of a job, TensorFlow already imported.
+"""Warm local workers (backends/warm.py, worker/fork_server.py): forked from a server that has
+already imported TensorFlow.
 
-Real worker processes throughout: a job must take the warm ones (same pids), train correctly,
-pin every thread they already run, and leave a fresh set warming for the next job; closing the
-pool leaves no process behind.
+Real processes throughout: a job's workers must be the server's children and train correctly;
+the next job must fork from the same server; a server is kept per workers' environment (at most
+``KEPT``); a server that cannot fork sends the job's workers to a cold start; a worker's end,
+signal included, reaches the driver through the server; closing the pool, unloading the
+extension or killing the kernel leaves no process behind.
 """
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
 import keras
+import psutil
 import pytest
 
 import nbdist
 from nbdist.backends import warm
-from nbdist.backends.command import worker_env
+from nbdist.backends.command import startup_env, worker_env
 from nbdist.backends.local import start_warm_workers
-from nbdist.backends.warm import POOL, WarmPool, WarmWorker
+from nbdist.backends.warm import POOL
 from nbdist.placement import threads_per_worker
 from nbdist.procs import pin_to_cores
+from nbdist.wire import protocol
 
-from ..conftest import ipython_shell, wait_no_workers, worker_processes
+from ..conftest import ipython_shell, wait_no_workers
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _wait_ready(count: int, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while POOL.ready_count() < count:
-        assert time.monotonic() < deadline, f"{count} warm workers not ready within {timeout} s"
-        time.sleep(0.2)
 
 
 def _mlp():
@@ -41,61 +40,94 @@ def _mlp():
     return model
 
 
-def test_a_job_takes_the_warm_workers_and_the_next_set_warms(digits, monkeypatch):
-    monkeypatch.setenv(warm.ENV_COUNT, "2")
-    try:
-        assert start_warm_workers() == 2
-        _wait_ready(2)
-        first = {w.proc.pid for w in POOL._workers}
-        x, y = digits
-        model = _mlp()
-        job = nbdist.train(model, x, y, epochs=5, batch_size=32, workers=2, ui="none")
-        assert {w.pid for w in job.state.workers} == first  # no worker was started for the job
-        assert len(job.history["loss"]) == 5 and job.history["loss"][-1] < job.history["loss"][0]
-        assert job.history["accuracy"][-1] > 0.6  # it learned (chance is 0.1; 0.80-0.9 seen here)
-        # The job over, the next set is warming: new processes, ready in the background.
-        _wait_ready(2)
-        second = {w.proc.pid for w in POOL._workers}
-        assert len(second) == 2 and not second & first
-    finally:
-        POOL.close()
-    assert wait_no_workers() == []
-    assert POOL._dir is None
+def _wait(condition, timeout: float = 180, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.1)
 
 
-def test_a_worker_that_connects_after_the_rendezvous_still_gets_it(digits, monkeypatch):
-    # One warm worker for a 2-worker job: rank 0 (warm) connects and publishes the Gloo store
-    # seconds before rank 1 (cold) has imported TensorFlow. Rank 1 must still be told where
-    # the store is; it used to wait for the startup timeout instead.
-    monkeypatch.setenv(warm.ENV_COUNT, "1")
-    try:
-        POOL.enable(1, worker_env(threads_per_worker(2)))  # what a 2-worker job's workers get
-        _wait_ready(1)
-        x, y = digits
-        job = nbdist.train(_mlp(), x, y, epochs=2, batch_size=32, workers=2, ui="none", startup_timeout=40)
-        assert job.status == "done" and len(job.history["loss"]) == 2
-    finally:
-        POOL.close()
+def _server_pids() -> set[int]:
+    return {s.proc.pid for s in POOL.servers()}
+
+
+@pytest.fixture
+def fresh_pool():
+    """No fork server from earlier tests; none left after this one."""
+    POOL.close()
+    yield
+    POOL.close()
     assert wait_no_workers() == []
 
 
-def test_warm_workers_outlive_the_thread_that_started_them(monkeypatch):
-    # A background job ends on its own thread, which starts the next warm set. Workers told to
-    # die with their parent (PR_SET_PDEATHSIG) would die with that thread: the "parent" is the
-    # thread that spawned them. Here the thread lives until the workers are ready, then ends.
-    import threading
+def test_jobs_fork_their_workers_from_one_server(digits, fresh_pool):
+    x, y = digits
+    job = nbdist.train(_mlp(), x, y, epochs=5, batch_size=32, workers=2, ui="none")
+    (server,) = POOL.servers()
+    parents = {psutil.Process(w.pid).ppid() if psutil.pid_exists(w.pid) else None for w in job.state.workers}
+    assert len(job.history["loss"]) == 5 and job.history["loss"][-1] < job.history["loss"][0]
+    assert job.history["accuracy"][-1] > 0.6  # it learned (chance is 0.1; 0.80-0.9 seen here)
+    again = nbdist.train(_mlp(), x, y, epochs=1, batch_size=32, workers=2, strategy="allreduce", ui="none")
+    assert again.status == "done"
+    assert POOL.servers() == [server] and server.alive()  # the second job forked from the same server
+    log = server.log_path.read_text()
+    assert log.count("forked") == 0 and "warm: ready for a job" in log  # the server logs; workers log apart
+    assert not {w.pid for w in job.state.workers} & {w.pid for w in again.state.workers}
+    assert parents <= {server.proc.pid, None}  # None: already reaped when checked
 
-    monkeypatch.setenv(warm.ENV_COUNT, "2")
+
+def test_a_server_per_environment_and_the_least_recently_used_stops(fresh_pool):
+    envs = [worker_env(threads) for threads in (1, 2, 3)]
+    first = POOL.server(envs[0])
+    second = POOL.server(envs[1])
+    assert POOL.server(envs[0]) is first  # the same environment: the same server
+    assert POOL.server({**envs[0], "NOTEBOOK_SETTING": "x"}) is first  # what imports do not read goes with the job
+    third = POOL.server(envs[2])  # a third: the least recently used (second) stops
+    assert POOL.servers() == [first, third]
+    _wait(lambda: not second.alive(), 15, "the dropped server's exit")
+    assert {s.proc.pid for s in POOL.servers()} == _server_pids()
+
+
+def test_a_forked_workers_end_reaches_the_driver_through_the_server(tmp_path, fresh_pool):
+    # The server, not this process, is the workers' parent: their exit codes and the signal that
+    # killed one must reach the driver through it (a dead worker fails its job with its own story).
+    server = POOL.server(worker_env(1))
+    job = {"address": "127.0.0.1:9", "rank": 0, "env": worker_env(1)}  # port 9: nothing listens
+    dead = server.fork(job, b"k" * 32, tmp_path / "w0.log")
+    assert dead.wait(timeout=120) == protocol.EXIT_UNREACHABLE
+    assert "cannot reach the notebook's coordinator" in (tmp_path / "w0.log").read_text()
+    listener = __import__("socket").create_server(("127.0.0.1", 0))  # accepts, never answers
     try:
-        starter = threading.Thread(target=lambda: (start_warm_workers(), _wait_ready(2)))
-        starter.start()
-        starter.join(200)
-        assert not starter.is_alive()
-        time.sleep(1.0)
-        assert POOL.ready_count() == 2
+        hung = server.fork({**job, "address": f"127.0.0.1:{listener.getsockname()[1]}"}, b"k" * 32,
+                           tmp_path / "w1.log")
+        assert hung.poll() is None
+        os.killpg(hung.pid, signal.SIGKILL)  # it leads its own process group
+        assert hung.wait(timeout=30) == -signal.SIGKILL and hung.end.code == -9
     finally:
-        POOL.close()
-    assert wait_no_workers() == []
+        listener.close()
+
+
+def test_a_server_that_cannot_fork_sends_the_job_to_cold_workers(digits, fresh_pool, monkeypatch, caplog):
+    # A server that dies at once (as one whose imports fail would): the job must still train,
+    # on workers started afresh, and say why once.
+    monkeypatch.setattr(warm, "fork_server_command", lambda: [sys.executable, "-c", "import sys; sys.exit(3)"])
+    x, y = digits
+    with caplog.at_level("WARNING", logger="nbdist.backends.local"):
+        job = nbdist.train(_mlp(), x, y, epochs=1, batch_size=32, workers=2, ui="none")
+    assert job.status == "done"
+    assert "did not fork a worker" in caplog.text and "starting workers afresh instead" in caplog.text
+
+
+def test_a_malformed_request_is_refused_and_the_server_keeps_serving(tmp_path, fresh_pool):
+    server = POOL.server(worker_env(1))
+    _wait(server.ready, what="the fork server's imports")
+    server.proc.stdin.write(b"not json\n")
+    server.proc.stdin.flush()
+    with pytest.raises(OSError, match="refused a request: malformed request"):
+        server.fork({"address": "127.0.0.1:9", "rank": 0, "env": {}}, b"k" * 32, tmp_path / "w.log")
+    worker = server.fork({"address": "127.0.0.1:9", "rank": 0, "env": {"PATH": "/nowhere"}}, b"k" * 32,
+                         tmp_path / "w.log")
+    assert worker.wait(timeout=60) == protocol.EXIT_UNREACHABLE and server.alive()
 
 
 def test_pinning_reaches_the_threads_a_warm_worker_already_runs():
@@ -114,81 +146,46 @@ def test_pinning_reaches_the_threads_a_warm_worker_already_runs():
         child.wait()
 
 
-def test_a_job_takes_only_workers_started_with_its_environment():
-    pool = WarmPool()
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    procs = [subprocess.Popen(sleeper, stdin=subprocess.PIPE) for _ in range(3)]
-    try:
-        a, b = {"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"}
-        pool._workers = [WarmWorker(procs[0], warm.Path("/nonexistent"), a),
-                         WarmWorker(procs[1], warm.Path("/nonexistent"), b),
-                         WarmWorker(procs[2], warm.Path("/nonexistent"), a)]
-        procs[2].kill()
-        procs[2].wait()
-        taken = pool.take(2, a)  # the other environment's worker and the dead one are not taken
-        assert [w.proc for w in taken] == [procs[0]]
-        assert pool.take(1, {"OMP_NUM_THREADS": "3"}) == []
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+def test_no_server_when_warm_workers_are_off(digits, fresh_pool, monkeypatch):
+    monkeypatch.setenv(warm.ENV_COUNT, "0")
+    x, y = digits
+    job = nbdist.train(_mlp(), x, y, epochs=1, batch_size=32, workers=2, ui="none")
+    assert job.status == "done" and POOL.servers() == [] and not start_warm_workers()
 
 
-@pytest.mark.parametrize("line, code, says", [
-    (b"", 0, "warm: ready for a job"),  # the pool let it go: stdin closed, nothing to do
-    (b"not json\n", 2, "malformed job line"),
-])
-def test_a_warm_worker_without_a_job_exits_with_one_line(line, code, says):
-    proc = subprocess.run([sys.executable, "-m", "nbdist.worker", "--warm"], input=line, capture_output=True,
-                          env=worker_env(1), timeout=180)
-    out = proc.stderr.decode()
-    assert proc.returncode == code and says in out, out[-2000:]
-    assert "Traceback" not in out
-
-
-def test_the_extension_starts_warm_workers_and_unloading_stops_them(monkeypatch):
+def test_the_extension_starts_a_server_and_unloading_stops_it(fresh_pool):
     shell = ipython_shell()  # the session's shell: its magics must be registered again afterwards
-    monkeypatch.setenv(warm.ENV_COUNT, "1")
-    try:
-        nbdist.load_ipython_extension(shell)
-        assert POOL.enabled and len(worker_processes()) == 1
-        nbdist.unload_ipython_extension(shell)
-        assert not POOL.enabled and wait_no_workers() == []
-    finally:
-        monkeypatch.setenv(warm.ENV_COUNT, "0")
-        nbdist.load_ipython_extension(shell)
-    assert not POOL.enabled and "dist_train" in shell.magics_manager.magics["cell"]
+    nbdist.unload_ipython_extension(shell)
+    assert POOL.servers() == []
+    nbdist.load_ipython_extension(shell)
+    (server,) = POOL.servers()
+    assert server.key == startup_env(worker_env(threads_per_worker(2)))  # what a default job's workers get
+    nbdist.unload_ipython_extension(shell)
+    assert POOL.servers() == [] and not server.alive()
+    nbdist.load_ipython_extension(shell)
+    assert "dist_train" in shell.magics_manager.magics["cell"]
 
 
-def test_warm_workers_exit_when_the_kernel_is_killed():
-    # Without PR_SET_PDEATHSIG, a waiting warm worker ends on its stdin's EOF: a kernel killed
-    # with SIGKILL leaves no process behind.
-    import psutil
-
-    code = ("import os, sys, time; os.environ['NBDIST_WARM_WORKERS'] = '2'; "
-            "from nbdist.backends.local import start_warm_workers; from nbdist.backends.warm import POOL; "
-            "start_warm_workers(); [time.sleep(0.2) for _ in iter(lambda: POOL.ready_count() < 2, False)]; "
-            "print(POOL._dir, *[w.proc.pid for w in POOL._workers], flush=True); time.sleep(120)")
+def test_the_server_exits_when_the_kernel_is_killed():
+    # A waiting fork server ends on its stdin's EOF: a kernel killed with SIGKILL leaves no process behind.
+    code = ("import time; from nbdist.backends.local import start_warm_workers; from nbdist.backends.warm import POOL; "
+            "start_warm_workers(); s, = POOL.servers(); [time.sleep(0.2) for _ in iter(lambda: not s.ready(), False)]; "
+            "print(s.log_path.parent, s.proc.pid, flush=True); time.sleep(120)")
     kernel = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
-        warm_dir, *pids = kernel.stdout.readline().split()
-        pids = [int(p) for p in pids]
-        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        warm_dir, pid = kernel.stdout.readline().split()
+        assert _running(int(pid))
     finally:
         kernel.kill()
         kernel.wait()
-    deadline = time.monotonic() + 15
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_running(p) for p in pids)
-    shutil.rmtree(warm_dir)  # the workers' logs: a killed kernel cannot remove them (README)
+    _wait(lambda: not _running(int(pid)), 15, "the orphaned fork server's exit")
+    shutil.rmtree(warm_dir)  # its log: a killed kernel cannot remove it (README)
 
 
 def _running(pid: int) -> bool:
-    import psutil
-
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
