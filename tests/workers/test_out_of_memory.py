@@ -10,7 +10,8 @@ from ..conftest import mlp
 from ..memory_cgroup import join, memory_cgroup
 
 
-def test_a_worker_killed_by_the_oom_killer_is_named(digits, no_leftover_workers):
+def test_a_worker_killed_by_the_oom_killer_is_named(digits, no_leftover_workers, monkeypatch):
+    monkeypatch.setenv("NBDIST_WARM_WORKERS", "0")  # a cold worker: its TensorFlow import is charged to the cap
     X, y = digits
     model = mlp()
     with memory_cgroup(150 * 2**20) as cgroup:  # less than importing TensorFlow takes

@@ -11,20 +11,24 @@ import pytest
 @pytest.mark.skipif(len(getattr(__import__("os"), "sched_getaffinity", lambda _: ())(0)) < 2, reason="needs 2 cores")
 def test_local_backend_pins_each_worker_to_its_own_core():
     import os
+    import socket
 
     from nbdist.backends.local import LocalBackend
 
     before = os.sched_getaffinity(0)
     cores = sorted(before)[:2]
     backends = [LocalBackend(), LocalBackend()]
+    # A coordinator that accepts and never answers: the workers start and wait, which is all we look at.
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
     try:
         os.sched_setaffinity(0, cores)  # the driver's usable cores: the workers split them
-        # Nobody listens on port 9: the workers only start (and soon exit), which is all we look at.
-        workers = backends[0].launch(2, ("127.0.0.1", 9), b"x" * 32, 1)
+        workers = backends[0].launch(2, address, b"x" * 32, 1)
         assert [os.sched_getaffinity(w.proc.pid) for w in workers] == [{cores[0]}, {cores[1]}]
-        workers = backends[1].launch(3, ("127.0.0.1", 9), b"x" * 32, 1)  # more workers than cores
+        workers = backends[1].launch(3, address, b"x" * 32, 1)  # more workers than cores
         assert all(os.sched_getaffinity(w.proc.pid) == set(cores) for w in workers)
     finally:
+        listener.close()
         os.sched_setaffinity(0, before)
         for backend in backends:
             backend.stop(grace=1.0)
@@ -73,11 +77,13 @@ def test_a_worker_starts_without_tensorflows_load_time_noise():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}  # as on a Spark executor
-    # A warm worker imports TensorFlow and torch, then stops at a malformed job line with its one sentence.
-    done = subprocess.run([sys.executable, "-m", "nbdist.worker", "--warm"], input=b"not a job\n",
+    # The fork server imports TensorFlow and torch, refuses a malformed request in one line, and exits
+    # when its stdin closes.
+    done = subprocess.run([sys.executable, "-m", "nbdist.worker", "--fork-server"], input=b"not a job\n",
                           capture_output=True, env=env, timeout=300)
     err = done.stderr.decode(errors="replace")
-    assert done.returncode == 2 and "malformed job line" in err, err
+    assert done.returncode == 0 and "refused a request: malformed request" in err, err
+    assert "Traceback" not in err and done.stdout.startswith(b'{"refused"'), err
     for noise in ("absl::InitializeLog", "oneDNN", "cuda drivers", "port.cc", "cudart_stub"):
         assert noise not in err, err
     if not os.path.exists("/proc/driver/nvidia"):
