@@ -196,3 +196,35 @@ def test_validation_freq_validates_the_epochs_keras_validates(ip):
     assert set(got) == set(expected) and len(expected["val_loss"]) == 2 and len(expected["loss"]) == 4
     for key, values in expected.items():
         np.testing.assert_allclose(got[key], values, rtol=1e-5, err_msg=key)
+
+
+STEPS_CELL = """
+import keras
+keras.utils.set_random_seed(8)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(OPTIMIZER, "sparse_categorical_crossentropy", metrics=["accuracy"])
+hist = model.fit(X[:384], y[:384], batch_size=64, epochs=4, steps_per_epoch=2, shuffle=False, verbose=0,
+                 validation_data=(Xv, yv), validation_steps=2)
+"""
+
+
+@pytest.mark.parametrize("line, optimizer", [
+    ("--strategy allreduce", "keras.optimizers.Adam(0.01)"),
+    ("--strategy averaging --averaging-frequency 1", "keras.optimizers.SGD(0.1)"),
+], ids=["allreduce-adam", "averaging-sgd"])
+def test_steps_per_epoch_continues_the_data_as_keras_does(ip, line, optimizer):
+    """fit(x, y, steps_per_epoch=2, validation_steps=2) on arrays of 6 batches: each epoch reads the next
+    2 batches (the 4th starts the data over), each validation the first 2 batches of the validation data,
+    as local Keras does; History (every entry) and weights equal the same cell run locally, to 1e-5."""
+    cell = STEPS_CELL.replace("OPTIMIZER", optimizer)
+    ip.run_cell_magic("dist_train", f"--workers 2 --ui none {line}", cell)
+    got, weights = ip.user_ns["hist"].history, ip.user_ns["model"].get_weights()
+    ip.run_cell(cell).raise_error()
+    expected = ip.user_ns["hist"].history
+    assert set(got) == set(expected) and len(expected["loss"]) == 4
+    for key, values in expected.items():
+        np.testing.assert_allclose(got[key], values, rtol=1e-5, err_msg=key)
+    for a, b in zip(weights, ip.user_ns["model"].get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(ip.user_ns["model"].optimizer.iterations) == 8  # 2 steps x 4 epochs

@@ -1,0 +1,54 @@
+"""fit's ``steps_per_epoch`` with in-memory arrays (issue 30): the epochs Keras 3 runs, and the ones nbdist
+refuses in one sentence because they are not all alike (checked before any worker starts)."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from nbdist.driver.fit_call import check_fit_arguments, keras_epoch_steps, uniform_epoch_steps
+from nbdist.errors import NbdistError
+
+
+def keras_own_epochs(rows: int, batch: int, steps_per_epoch: int, epochs: int) -> list[int]:
+    """The steps Keras' own EpochIterator gives each epoch of a fit on arrays (one iterator for the fit)."""
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    iterator = EpochIterator(np.arange(rows, dtype="float32")[:, None], np.zeros(rows, "float32"),
+                             batch_size=batch, steps_per_epoch=steps_per_epoch, shuffle=False)
+    iterator.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Your input ran out of data": the epochs Keras cuts short
+        return [sum(1 for _ in iterator.enumerate_epoch()) for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("rows, batch", [(10, 3), (12, 3), (64, 16), (70, 16)])
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 7])
+def test_epoch_steps_are_keras_own(rows, batch, steps):
+    batches = -(-rows // batch)
+    assert keras_epoch_steps(batches, steps, 7) == keras_own_epochs(rows, batch, steps, 7)
+
+
+def test_alike_epochs_run_and_the_others_are_refused_in_one_sentence():
+    assert uniform_epoch_steps(384, 64, 2, 4) == 2  # 6 batches: 2, 2, 2, 2 (the data starts over)
+    assert uniform_epoch_steps(384, 64, 6, 4) is None  # a pass per epoch: as without steps_per_epoch
+    assert uniform_epoch_steps(384, 64, 9, 4) is None  # Keras cuts every epoch at the pass's end
+    assert uniform_epoch_steps(400, 64, 2, 3) == 2  # 7 batches, the short 7th never read
+    with pytest.raises(NbdistError) as uneven:
+        uniform_epoch_steps(384, 64, 4, 3)  # 4, 2, 4: Keras cuts the 2nd epoch short
+    with pytest.raises(NbdistError) as short:
+        uniform_epoch_steps(468, 64, 4, 2)  # 8 batches: the 8th (20 rows) ends the 2nd epoch, not the 1st
+    for info in (uneven, short):
+        message = str(info.value)
+        assert "steps_per_epoch=" in message and message.count(". ") == 0 and message.endswith(".")
+    assert "4, 2, 4" in str(uneven.value) and "divides 6" in str(uneven.value)
+    assert "multiple of 64" in str(short.value)
+
+
+@pytest.mark.parametrize("name, value", [("steps_per_epoch", 0), ("validation_steps", 1.5),
+                                         ("steps_per_epoch", True)])
+def test_bad_step_counts_are_one_sentence(name, value):
+    fit = {"x": np.zeros((8, 2)), "epochs": 1, "initial_epoch": 0, name: value}
+    with pytest.raises(NbdistError, match=name):
+        check_fit_arguments(fit)
