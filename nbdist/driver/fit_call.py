@@ -175,6 +175,18 @@ def check_fit_arguments(fit: dict[str, Any]) -> None:
     cbs = fit.get("callbacks")
     if cbs is not None and not isinstance(cbs, (list, tuple)):
         raise NbdistError("callbacks must be a list of keras.callbacks.Callback objects, e.g. callbacks=[cb].")
+    for cb in cbs or []:
+        check_batch_frequency(cb)
+
+
+def check_batch_frequency(callback: Any) -> None:
+    """Keras' callbacks that act every N batches would silently never act: the batches run on the workers."""
+    freq = getattr(callback, "save_freq", "epoch")
+    if not isinstance(freq, bool) and isinstance(freq, (int, np.integer)):
+        name = type(callback).__name__
+        raise NbdistError(f"{name}(save_freq={freq}) saves every {freq} batches, but under %%dist_train the "
+                          f"batches run on the workers and the notebook's callbacks act at epoch ends; use "
+                          f"{name}(save_freq='epoch') (the default).")
 
 
 def fit_data(fit: dict[str, Any]) -> tuple[FitData | PyDatasetData, FitData | PyDatasetData | None]:

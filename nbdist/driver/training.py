@@ -168,7 +168,13 @@ class TrainingJob(Run):
         if self._keeper is not None:
             self._keeper.seed_state(state)
         if self.fit is not None:  # on_train_begin, on_epoch_begin: the first epoch's learning rate
+            asked = self.fit.callbacks.initial_epoch
             self._first_lr = self.fit.callbacks.begin()
+            start = self.fit.callbacks.initial_epoch
+            if start != asked:  # BackupAndRestore restored its backup: the workers start there
+                self._check_restored_start(start)
+                self._initial_epoch = self._data_epoch = state.initial_epoch = start
+                self._spec = self._make_spec()  # with the restored weights and optimizer state
 
     def _job_message(self, rank: int) -> JobMessage:
         cfg, backend = self.config, self._backend
@@ -189,6 +195,13 @@ class TrainingJob(Run):
         x_val, y_val, w_val = data_parts(val)
         return self._common_job(rank, "train", train=settings, placement=placement,
                                 x_val=x_val, y_val=y_val, sample_weight_val=w_val, py_datasets=self._py_datasets)
+
+    def _check_restored_start(self, start: int) -> None:
+        if start >= self.config.epochs:
+            self.fit.callbacks.end()  # as Keras: no epoch left, on_train_end (which removes the backup)
+            self._release()
+            raise NbdistError(f"BackupAndRestore restored epoch {start} of epochs={self.config.epochs}: nothing "
+                              "is left to train; raise epochs to train on.")
 
     def _data_start(self) -> dict[str, Any]:
         """steps_per_epoch: where the workers' data starts, as the uninterrupted fit would read it there."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import keras
 import numpy as np
 import pytest
 
@@ -52,3 +53,16 @@ def test_bad_step_counts_are_one_sentence(name, value):
     fit = {"x": np.zeros((8, 2)), "epochs": 1, "initial_epoch": 0, name: value}
     with pytest.raises(NbdistError, match=name):
         check_fit_arguments(fit)
+
+
+@pytest.mark.parametrize("callback", [lambda d: keras.callbacks.BackupAndRestore(d, save_freq=10),
+                                      lambda d: keras.callbacks.ModelCheckpoint(d + "/m.keras", save_freq=5)])
+def test_callbacks_saving_every_n_batches_are_refused(tmp_path, callback):
+    """Their batch hooks would never run (the batches run on the workers): one sentence, not no backup."""
+    cb = callback(str(tmp_path))
+    fit = {"x": np.zeros((8, 2)), "epochs": 1, "initial_epoch": 0, "callbacks": [cb]}
+    with pytest.raises(NbdistError) as info:
+        check_fit_arguments(fit)
+    message = str(info.value)
+    assert f"{type(cb).__name__}(save_freq=" in message and "save_freq='epoch'" in message
+    assert message.count(". ") == 0
