@@ -66,3 +66,19 @@ def test_callbacks_saving_every_n_batches_are_refused(tmp_path, callback):
     message = str(info.value)
     assert f"{type(cb).__name__}(save_freq=" in message and "save_freq='epoch'" in message
     assert message.count(". ") == 0
+
+
+def test_where_a_relaunch_starts_reading_and_what_validation_reads():
+    """A relaunch after a failure (--max-restarts) at epoch e reads from where the uninterrupted fit would
+    have: pass and batch counted from the epoch the fit's data started; validation_steps: the first rows."""
+    from nbdist.driver.callbacks import DriverCallbacks
+    from nbdist.driver.fit_call import FitRun
+
+    run = FitRun(DriverCallbacks(None, [], 4), rows=384, global_batch=64, epochs=4, steps_per_epoch=2,
+                 validation_steps=2)
+    assert run.worker_steps(2, 32) == 2
+    assert [run.data_start(e, 0, 2, 6) for e in range(5)] == [(0, 0), (0, 2), (0, 4), (1, 0), (1, 2)]
+    assert run.data_start(3, 3, 2, 6) == (3, 0)  # a new fit call (BackupAndRestore's rerun): from the start
+    assert run.data_start(3, 0, None, 6) == (3, 0)  # without steps_per_epoch an epoch is a pass
+    assert run.validation_rows(200, 2, 32) == 128 and run.validation_rows(100, 2, 32) == 100
+    assert FitRun(DriverCallbacks(None, [], 4), validation_steps=2, validation_batch=10).validation_rows(200, 2, 32) == 20
