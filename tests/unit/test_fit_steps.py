@@ -81,4 +81,5 @@ def test_where_a_relaunch_starts_reading_and_what_validation_reads():
     assert run.data_start(3, 3, 2, 6) == (3, 0)  # a new fit call (BackupAndRestore's rerun): from the start
     assert run.data_start(3, 0, None, 6) == (3, 0)  # without steps_per_epoch an epoch is a pass
     assert run.validation_rows(200, 2, 32) == 128 and run.validation_rows(100, 2, 32) == 100
-    assert FitRun(DriverCallbacks(None, [], 4), validation_steps=2, validation_batch=10).validation_rows(200, 2, 32) == 20
+    sized = FitRun(DriverCallbacks(None, [], 4), validation_steps=2, validation_batch=10)  # validation_batch_size
+    assert sized.validation_rows(200, 2, 32) == 20
