@@ -75,9 +75,15 @@ class DriverCallbacks:
         return any(isinstance(cb, keras.callbacks.TerminateOnNaN) for cb in self.user)
 
     def begin(self) -> float | None:
-        """Before the workers start: on_train_begin, on_epoch_begin(initial); the first epoch's rate."""
+        """Before the workers start: on_train_begin, on_epoch_begin(initial); the first epoch's rate.
+
+        BackupAndRestore's on_train_begin loads its backup into the model and moves the first epoch
+        (``model._initial_epoch``, which Keras' fit reads right after): ``initial_epoch`` follows it."""
         self.model.stop_training = False
         self.list.on_train_begin()
+        restored = getattr(self.model, "_initial_epoch", None)
+        if restored:
+            self.initial_epoch = int(restored)
         self.list.on_epoch_begin(self.initial_epoch)
         return learning_rate(self.model)
 

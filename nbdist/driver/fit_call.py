@@ -51,11 +51,78 @@ class FitRun:
     global_batch: int | None = None  # None: --batch-size per worker times the workers
     rows: int = 0
     validation_freq: int = 1  # fit's: validate after every that many epochs, as Keras does
+    epochs: int = 1
+    steps_per_epoch: int | None = None  # fit's: an epoch of that many batches (the data not rewound)
+    validation_steps: int | None = None  # fit's: each validation reads the first that many batches
+    validation_batch: int | None = None  # fit's validation_batch_size (None: the global batch)
+
+    def batch(self, world: int, per_worker_batch: int) -> int:
+        return self.global_batch if self.global_batch is not None else per_worker_batch * world
 
     def plan(self, world: int, per_worker_batch: int) -> tuple[list[int], list[np.ndarray]]:
         """Each worker's batch size and row indices (every global batch split over the workers)."""
-        batch = self.global_batch if self.global_batch is not None else per_worker_batch * world
+        batch = self.batch(world, per_worker_batch)
         return rank_batch_sizes(batch, world), deal_rows(self.rows, batch, world)
+
+    def worker_steps(self, world: int, per_worker_batch: int) -> int | None:
+        """The steps every worker runs per epoch under ``steps_per_epoch`` (None: an epoch is one pass)."""
+        return uniform_epoch_steps(self.rows, self.batch(world, per_worker_batch), self.steps_per_epoch,
+                                   self.epochs - self.initial_epoch)
+
+    def validation_rows(self, rows: int, world: int, per_worker_batch: int) -> int:
+        """The validation rows Keras reads under ``validation_steps``: its first batches, every time."""
+        if self.validation_steps is None:
+            return rows
+        return min(rows, self.validation_steps * (self.validation_batch or self.batch(world, per_worker_batch)))
+
+    def data_start(self, start_epoch: int, first_epoch: int, steps: int | None, batches: int) -> tuple[int, int]:
+        """(pass, batch) where epoch ``start_epoch`` starts reading, for a fit whose data started at
+        ``first_epoch``: the pipeline counts its passes from the epoch it starts at (datasets.py)."""
+        if steps is None:
+            return start_epoch, 0
+        done, batch = divmod((start_epoch - first_epoch) * steps, batches)
+        return first_epoch + done, batch
+
+
+def keras_epoch_steps(batches: int, steps_per_epoch: int | None, epochs: int) -> list[int]:
+    """Steps of each of ``epochs`` epochs of Keras' ``fit`` on in-memory arrays of ``batches`` batches.
+
+    Keras 3 keeps one iterator over the data across epochs: an epoch reads ``steps_per_epoch`` batches
+    where the last one stopped, is cut short where the data ends (with a warning), and the data starts
+    over at the next epoch (trainers/epoch_iterator.py)."""
+    if not steps_per_epoch:
+        return [batches] * epochs
+    out, position = [], 0
+    for _ in range(epochs):
+        steps = min(steps_per_epoch, batches - position)
+        out.append(steps)
+        position = 0 if position + steps >= batches else position + steps
+    return out
+
+
+def uniform_epoch_steps(rows: int, batch: int, steps_per_epoch: int | None, epochs: int) -> int | None:
+    """``steps_per_epoch`` as the workers run it: None for whole passes, else every epoch's step count.
+
+    nbdist runs every epoch with the same steps and batch sizes on every worker, so Keras' epochs must
+    all be alike: one sentence otherwise."""
+    batches = -(-rows // batch)
+    steps = keras_epoch_steps(batches, steps_per_epoch, epochs)
+    if all(s == batches for s in steps):
+        return None  # every epoch one pass: as without steps_per_epoch
+    if len(set(steps)) > 1:
+        shown = ", ".join(map(str, steps[:6])) + (", ..." if len(steps) > 6 else "")
+        raise NbdistError(f"steps_per_epoch={steps_per_epoch} does not divide the {batches} batches of "
+                          f"batch_size {batch} in the data, so Keras would cut some of these epochs short where "
+                          f"the data ends (steps per epoch: {shown}), which nbdist cannot keep in step over the "
+                          f"workers; use a steps_per_epoch that divides {batches}, or run at most "
+                          f"{batches // steps_per_epoch} epoch(s) in this call.")
+    short = rows % batch
+    if short and sum(steps) >= batches:
+        raise NbdistError(f"with steps_per_epoch={steps_per_epoch} some epoch ends with the short last batch "
+                          f"({short} of {rows} rows, batch_size {batch}) and the others do not, which nbdist cannot "
+                          f"keep in step over the workers; pass a number of rows that is a multiple of {batch} "
+                          f"(x[:{rows - short}]), or fewer epochs.")
+    return steps[0]
 
 
 # -- fit's arguments -----------------------------------------------------------
@@ -75,12 +142,16 @@ def bind_fit(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sig: ins
 
 def check_fit_arguments(fit: dict[str, Any]) -> None:
     """One sentence for what cannot be distributed soundly, before any worker starts."""
-    if fit.get("steps_per_epoch") is not None:
-        raise NbdistError("steps_per_epoch limits an epoch to part of the data; under %%dist_train every epoch "
-                          "is one pass over the in-memory data: drop steps_per_epoch (pass fewer rows instead).")
-    if fit.get("validation_steps") is not None:
-        raise NbdistError("validation_steps is for streamed validation data; drop it: nbdist validates on all "
-                          "the validation rows, split over the workers.")
+    for name in ("steps_per_epoch", "validation_steps", "validation_batch_size"):
+        value = fit.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise NbdistError(f"{name} must be a whole number of at least 1 (or None), got {value!r}.")
+        streamed = is_py_dataset(fit.get("x")) or is_py_dataset(fit.get("validation_data"))
+        if name != "validation_batch_size" and streamed:
+            raise NbdistError(f"{name} is not supported with a PyDataset yet (each worker reads its share of "
+                              f"the PyDataset's batches every epoch); drop {name}, or make the PyDataset shorter.")
     freq = fit.get("validation_freq", 1)
     if isinstance(freq, bool) or not isinstance(freq, (int, np.integer)) or freq < 1:
         raise NbdistError(f"validation_freq must be a whole number of epochs of at least 1, got {freq!r} (Keras 3 "
@@ -104,6 +175,18 @@ def check_fit_arguments(fit: dict[str, Any]) -> None:
     cbs = fit.get("callbacks")
     if cbs is not None and not isinstance(cbs, (list, tuple)):
         raise NbdistError("callbacks must be a list of keras.callbacks.Callback objects, e.g. callbacks=[cb].")
+    for cb in cbs or []:
+        check_batch_frequency(cb)
+
+
+def check_batch_frequency(callback: Any) -> None:
+    """Keras' callbacks that act every N batches would silently never act: the batches run on the workers."""
+    freq = getattr(callback, "save_freq", "epoch")
+    if not isinstance(freq, bool) and isinstance(freq, (int, np.integer)):
+        name = type(callback).__name__
+        raise NbdistError(f"{name}(save_freq={freq}) saves every {freq} batches, but under %%dist_train the "
+                          f"batches run on the workers and the notebook's callbacks act at epoch ends; use "
+                          f"{name}(save_freq='epoch') (the default).")
 
 
 def fit_data(fit: dict[str, Any]) -> tuple[FitData | PyDatasetData, FitData | PyDatasetData | None]:
@@ -201,7 +284,8 @@ def prepare_fit_run(model: Any, fit: dict[str, Any], epochs: int, global_batch: 
                     rows: int) -> FitRun:
     callbacks = DriverCallbacks(model, list(fit.get("callbacks") or []), epochs, int(fit.get("initial_epoch") or 0))
     return FitRun(callbacks, int(fit.get("initial_epoch") or 0), global_batch, rows,
-                  int(fit.get("validation_freq") or 1))
+                  int(fit.get("validation_freq") or 1), int(epochs), fit.get("steps_per_epoch"),
+                  fit.get("validation_steps"), fit.get("validation_batch_size"))
 
 
 # -- interception ----------------------------------------------------------------

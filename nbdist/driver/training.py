@@ -66,6 +66,8 @@ class TrainingJob(Run):
         self._first_lr: float | None = None  # the first epoch's rate, as the notebook's callbacks chose it
         self._rank_batches: list[int] = []  # each rank's batch size (its share of fit's global batch)
         self._rows: list[np.ndarray] = []  # an intercepted fit: the rows dealt to each rank
+        self._epoch_steps: int | None = None  # fit's steps_per_epoch as every worker runs it (fit_call.py)
+        self._data_epoch = 0  # the epoch at which the fit's data iterator started (BackupAndRestore moves it)
         self._py_datasets: bytes | None = None  # a fit on PyDatasets: what every worker gets (_prepare)
         self._weights_every_epoch = True  # decided per launch (_wants_weights_every_epoch)
 
@@ -100,6 +102,9 @@ class TrainingJob(Run):
         check_workers(len(self.data), world)
         self._rank_batches, self._rows = self.fit.plan(world, self.config.batch_size)
         self._initial_epoch = self.fit.initial_epoch
+        self._epoch_steps = self.fit.worker_steps(world, self.config.batch_size)
+        if self._epoch_steps is not None:  # an epoch of steps_per_epoch full batches, not a pass
+            return [(0, self._epoch_steps * b) for b in self._rank_batches]
         return [(0, len(rows)) for rows in self._rows]
 
     def _plan_py_dataset(self, world: int) -> list[tuple[int, int]]:
@@ -130,6 +135,10 @@ class TrainingJob(Run):
 
     def _prepare(self) -> None:
         cfg, world = self.config, self.world_size
+        if self.fit is not None and isinstance(self.validation_data, FitData):  # validation_steps: its first rows
+            keep = self.fit.validation_rows(len(self.validation_data), world, cfg.batch_size)
+            if keep < len(self.validation_data):
+                self.validation_data = self.validation_data.slice(0, keep)
         self._val_shards = (shard_bounds(len(self.validation_data), world)
                             if isinstance(self.validation_data, (Dataset, FitData)) else None)
         if isinstance(self.data, PyDatasetData) or isinstance(self.validation_data, PyDatasetData):
@@ -138,6 +147,8 @@ class TrainingJob(Run):
         self._keeper = CheckpointKeeper.for_run(cfg, self.model)
         if self._keeper is not None:
             self._spec, self._initial_epoch = self._keeper.start_point(self._spec)
+        # A new fit call reads its data from the start (a relaunch after a failure continues it).
+        self._data_epoch = self._initial_epoch
 
     def _pack_py_datasets(self) -> bytes:
         import secrets
@@ -157,7 +168,13 @@ class TrainingJob(Run):
         if self._keeper is not None:
             self._keeper.seed_state(state)
         if self.fit is not None:  # on_train_begin, on_epoch_begin: the first epoch's learning rate
+            asked = self.fit.callbacks.initial_epoch
             self._first_lr = self.fit.callbacks.begin()
+            start = self.fit.callbacks.initial_epoch
+            if start != asked:  # BackupAndRestore restored its backup: the workers start there
+                self._check_restored_start(start)
+                self._initial_epoch = self._data_epoch = state.initial_epoch = start
+                self._spec = self._make_spec()  # with the restored weights and optimizer state
 
     def _job_message(self, rank: int) -> JobMessage:
         cfg, backend = self.config, self._backend
@@ -173,11 +190,27 @@ class TrainingJob(Run):
             batch_sizes=list(self._rank_batches) if fit is not None else None, learning_rate=self._first_lr,
             epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions),
             validation_freq=fit.validation_freq if fit is not None else 1,
-            weights_every_epoch=self._weights_every_epoch)
+            weights_every_epoch=self._weights_every_epoch, **self._data_start())
         placement = Placement(backend.bind_host, backend.advertise_host, backend.gloo_ifname, backend.store_on_link)
         x_val, y_val, w_val = data_parts(val)
         return self._common_job(rank, "train", train=settings, placement=placement,
                                 x_val=x_val, y_val=y_val, sample_weight_val=w_val, py_datasets=self._py_datasets)
+
+    def _check_restored_start(self, start: int) -> None:
+        if start >= self.config.epochs:
+            self.fit.callbacks.end()  # as Keras: no epoch left, on_train_end (which removes the backup)
+            self._release()
+            raise NbdistError(f"BackupAndRestore restored epoch {start} of epochs={self.config.epochs}: nothing "
+                              "is left to train; raise epochs to train on.")
+
+    def _data_start(self) -> dict[str, Any]:
+        """steps_per_epoch: where the workers' data starts, as the uninterrupted fit would read it there."""
+        if self._epoch_steps is None:
+            return {}
+        batches = -(-len(self.data) // sum(self._rank_batches))
+        first_pass, first_batch = self.fit.data_start(self._initial_epoch, self._data_epoch, self._epoch_steps,
+                                                      batches)
+        return {"steps_per_epoch": self._epoch_steps, "first_pass": first_pass, "first_batch": first_batch}
 
     def _wants_weights_every_epoch(self) -> bool:
         """Who reads the weights at an epoch's end: a checkpoint (--checkpoint-dir, restarts) or a notebook

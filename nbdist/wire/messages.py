@@ -96,6 +96,12 @@ class TrainSettings:
     learning_rate: float | None = None
     epoch_decisions: bool = False
     validation_freq: int = 1  # fit's validation_freq: the workers validate every that many epochs
+    # fit's steps_per_epoch (None: an epoch is one pass over the shard): each epoch reads that many
+    # batches where the last one stopped; the pipeline starts at batch ``first_batch`` of pass
+    # ``first_pass`` (counted as epochs are without it: its shuffle seed), not rewound per epoch.
+    steps_per_epoch: int | None = None
+    first_pass: int = 0
+    first_batch: int = 0
     # Rank 0 sends the weights at every epoch end (checkpoints, callbacks that read the model);
     # False: once, at the end or when the driver stops the run (driver/training.py decides).
     weights_every_epoch: bool = True

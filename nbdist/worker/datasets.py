@@ -171,7 +171,7 @@ def streamed_inputs(job: JobMessage, validation: tuple[Any, ...] | None) -> tupl
     val_samples = sample_count(validation[0]) if validation is not None else 0
     steps, val_steps = fit_steps(reader.rows, val_samples, batch_size)
     stream = ShardStream(reader, batch_size, bool(train.shuffle), shuffle_seed(train.seed, job.rank),
-                         int(train.initial_epoch), int(train.stream_buffer_bytes))
+                         first_pass(job), int(train.stream_buffer_bytes))
     kwargs: dict[str, Any] = {"x": streamed_batches(stream), "steps_per_epoch": steps, "shuffle": False}
     if val_steps is not None:
         kwargs["validation_data"] = validation_batches(validation[0], validation[1], batch_size,
@@ -195,13 +195,32 @@ def job_inputs(job: JobMessage) -> tuple[dict[str, Any], int, int]:
             validation = (job.x_val, job.y_val, job.sample_weight_val)
         inputs, samples = streamed_inputs(job, validation)
         job.y = job.x_val = job.y_val = job.sample_weight_val = None
-        return inputs, samples, sample_count(validation[0]) if validation is not None else 0
+        return inputs, epoch_window(job, inputs, samples), sample_count(validation[0]) if validation is not None else 0
     validation = None
     if job.x_val is not None and sample_count(job.x_val) > 0:
         validation = (job.x_val, job.y_val, job.sample_weight_val)
     samples = sample_count(job.x)
     val_samples = sample_count(validation[0]) if validation is not None else 0
     inputs = fit_inputs(job.x, job.y, rank_batch_size(job), bool(train.shuffle), train.seed, job.rank,
-                        int(train.initial_epoch), validation, job.sample_weight)
+                        first_pass(job), validation, job.sample_weight)
     job.x = job.y = job.sample_weight = job.x_val = job.y_val = job.sample_weight_val = None
-    return inputs, samples, val_samples
+    return inputs, epoch_window(job, inputs, samples), val_samples
+
+
+def first_pass(job: JobMessage) -> int:
+    """The pass over the shard the pipeline starts with (its shuffle seed): the first epoch's, unless
+    fit's steps_per_epoch makes epochs shorter than a pass (the driver counts them)."""
+    return int(job.train.first_pass if job.train.steps_per_epoch else job.train.initial_epoch)
+
+
+def epoch_window(job: JobMessage, inputs: dict[str, Any], samples: int) -> int:
+    """fit's ``steps_per_epoch``: every epoch reads that many full batches of the repeated pipeline where
+    the last stopped, as Keras reads in-memory data (the driver checked that every epoch is alike);
+    returns the samples of an epoch (``samples``, one pass, without it)."""
+    steps = job.train.steps_per_epoch
+    if not steps:
+        return samples
+    inputs["steps_per_epoch"] = int(steps)
+    if job.train.first_batch:  # a relaunch continues the pass where the failed run's epoch began
+        inputs["x"] = inputs["x"].skip(int(job.train.first_batch))
+    return int(steps) * rank_batch_size(job)

@@ -62,6 +62,9 @@ def run_training(link: Any, job: JobMessage) -> None:
     # The notebook's model as it is, with its whole state; the step count comes with it (Adam's bias
     # correction and LR schedules continue).
     model = model_from_spec(job.model)
+    # Keras' fit starts at ``model._initial_epoch`` when set (BackupAndRestore's restore travels with the
+    # pickled model): the job's initial_epoch is where this launch starts (a relaunch starts later).
+    model._initial_epoch = None
     # One step per Keras call unless the averaging path installs its own calls of several (blocks.py):
     # Keras' own would run past an epoch's end on the repeated pipelines.
     model.steps_per_execution = 1

@@ -88,3 +88,23 @@ def test_a_stateful_rnn_is_refused_before_any_worker_starts():
         assert "stateful" in str(info.value) and "batch size of 32" in str(info.value)
         assert not worker_processes()
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+
+
+UNALIKE_EPOCHS = """
+import keras
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+model.compile("sgd", "sparse_categorical_crossentropy")
+hist = model.fit(X, y, batch_size=64, epochs=3, steps_per_epoch=4, verbose=0)
+"""
+
+
+def test_steps_per_epoch_keras_would_run_unalike_is_refused_before_any_worker_starts():
+    """384 rows, 6 batches, 4 steps per epoch: Keras runs epochs of 4, 2, 4 steps; one sentence saying so."""
+    ip = ipython_shell()
+    ip.user_ns.pop("hist", None)
+    ip.user_ns.update(X=np.zeros((384, 64), "float32"), y=np.zeros(384, "int64"))
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("dist_train", "--workers 2 --ui none", UNALIKE_EPOCHS)
+    message = str(info.value)
+    assert "steps_per_epoch=4" in message and "4, 2, 4" in message and message.count(". ") == 0
+    assert "hist" not in ip.user_ns and not worker_processes()

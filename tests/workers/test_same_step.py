@@ -196,3 +196,102 @@ def test_validation_freq_validates_the_epochs_keras_validates(ip):
     assert set(got) == set(expected) and len(expected["val_loss"]) == 2 and len(expected["loss"]) == 4
     for key, values in expected.items():
         np.testing.assert_allclose(got[key], values, rtol=1e-5, err_msg=key)
+
+
+STEPS_CELL = """
+import keras
+keras.utils.set_random_seed(8)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(OPTIMIZER, "sparse_categorical_crossentropy", metrics=["accuracy"])
+hist = model.fit(X[:384], y[:384], batch_size=64, epochs=4, steps_per_epoch=2, shuffle=False, verbose=0,
+                 validation_data=(Xv, yv), validation_steps=2)
+"""
+
+
+@pytest.mark.parametrize("line, optimizer", [
+    ("--strategy allreduce", "keras.optimizers.Adam(0.01)"),
+    ("--strategy averaging --averaging-frequency 1", "keras.optimizers.SGD(0.1)"),
+], ids=["allreduce-adam", "averaging-sgd"])
+def test_steps_per_epoch_continues_the_data_as_keras_does(ip, line, optimizer):
+    """fit(x, y, steps_per_epoch=2, validation_steps=2) on arrays of 6 batches: each epoch reads the next
+    2 batches (the 4th starts the data over), each validation the first 2 batches of the validation data,
+    as local Keras does; History (every entry) and weights equal the same cell run locally, to 1e-5."""
+    cell = STEPS_CELL.replace("OPTIMIZER", optimizer)
+    ip.run_cell_magic("dist_train", f"--workers 2 --ui none {line}", cell)
+    got, weights = ip.user_ns["hist"].history, ip.user_ns["model"].get_weights()
+    steps = int(ip.user_ns["model"].optimizer.iterations)
+    ip.run_cell(cell).raise_error()
+    expected = ip.user_ns["hist"].history
+    assert set(got) == set(expected) and len(expected["loss"]) == 4
+    for key, values in expected.items():
+        np.testing.assert_allclose(got[key], values, rtol=1e-5, err_msg=key)
+    for a, b in zip(weights, ip.user_ns["model"].get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert steps == int(ip.user_ns["model"].optimizer.iterations) == 8  # 2 steps x 4 epochs
+
+
+# -- averaging with K > 1: what it is ----------------------------------------------------------------
+def sparse_model(optimizer: Any) -> Any:
+    """The issue's Embedding model: its gradient is a tf.IndexedSlices of the rows a batch holds."""
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential([keras.Input((12,), dtype="int32"), keras.layers.Embedding(50, 8),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2, activation="softmax")])
+    model.compile(optimizer, "sparse_categorical_crossentropy")
+    return model
+
+
+def averaged_state(model: Any) -> list[Any]:
+    """The optimizer's float state nbdist averages: slots (Adam's m and v), not the step count."""
+    return [v for v in model.optimizer.variables
+            if "float" in str(v.dtype) and v.path.rsplit("/", 1)[-1] not in ("iteration", "iterations")]
+
+
+def rounds_of_local_adam(model: Any, shards: list[tuple[np.ndarray, np.ndarray]], batch: int, k: int) -> None:
+    """Averaging by hand: from the shared weights AND optimizer slots, each worker runs ``k`` of its own
+    steps (its Adam, its batches), then weights and slots are averaged, weighted by the rows each saw."""
+    steps = lambda m: int(m.optimizer.iterations)
+    rounds = max(-(-len(sx) // (k * batch)) for sx, _ in shards)
+    start = [w.copy() for w in model.get_weights()]
+    start_slots = [np.array(v.numpy()) for v in averaged_state(model)]
+    for r in range(rounds):
+        total, acc, acc_slots, first = 0, [0.0] * len(start), [0.0] * len(start_slots), steps(model)
+        for sx, sy in shards:
+            part = slice(r * k * batch, (r + 1) * k * batch)
+            rows = len(sx[part])
+            model.set_weights(start)
+            for v, s in zip(averaged_state(model), start_slots):
+                v.assign(s)
+            model.optimizer.iterations.assign(first)  # each worker counts the same steps
+            model.fit(sx[part], sy[part], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+            acc = [a + rows * w.astype(np.float64) for a, w in zip(acc, model.get_weights())]
+            acc_slots = [a + rows * np.array(v.numpy(), np.float64) for a, v in zip(acc_slots, averaged_state(model))]
+            total += rows
+        start = [(a / total).astype(np.float32) for a in acc]
+        start_slots = [(a / total).astype(np.float32) for a in acc_slots]
+    model.set_weights(start)
+    for v, s in zip(averaged_state(model), start_slots):
+        v.assign(s)
+
+
+def test_averaging_every_k_steps_is_local_adam_then_the_weighted_average_of_weights_and_slots():
+    """Averaging with K=3 and Adam on an Embedding (sparse gradients): each worker takes 3 Adam steps of its
+    own from the shared weights and slots, then every weight (an Embedding row that only one worker's
+    batches held is averaged like any other weight, by rows: it moves by that worker's share) and every
+    slot (m, v) is the row-weighted average; the step count is the steps taken. Equal to that done by
+    hand, to 1e-5 (README: what averaging with K > 1 is, against local Adam)."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 50, (256, 12)).astype("int32")
+    y = (x[:, 0] % 2).astype("int32")
+    local, remote = sparse_model(keras.optimizers.Adam(0.01)), sparse_model(keras.optimizers.Adam(0.01))
+    remote.set_weights(local.get_weights())
+    local.optimizer.build(local.trainable_variables)
+    rounds_of_local_adam(local, [(x[:128], y[:128]), (x[128:], y[128:])], batch=16, k=3)
+    job = nbdist.train(remote, x, y, epochs=1, batch_size=16, workers=2, strategy="averaging",
+                       averaging_frequency=3, shuffle=False, lr_scaling="none")
+    assert job.reports[0]["rounds"] == 3  # 8 batches per worker: after the 3rd, 6th and 8th
+    for a, b in zip(remote.get_weights(), local.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(averaged_state(remote), averaged_state(local)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7, err_msg=a.path)
+    assert int(remote.optimizer.iterations) == int(local.optimizer.iterations) == 8
