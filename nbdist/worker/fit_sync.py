@@ -20,6 +20,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from ..strategies.backend_grads import synced_state
 from ..wire.messages import JobMessage, MessageType
 from .validation import KeepValidationIterator, reads_whole_passes
 
@@ -58,6 +59,7 @@ class MetricStateSum:
         if self.collective.world_size == 1:
             return
         t0 = time.perf_counter()
+        synced_state(self.model)  # JAX: the metric variables hold the running fit's or evaluate's values
         variables = self.variables()
         values = [np.asarray(v.numpy()) for v in variables]
         flat = np.concatenate([a.astype(np.float64).reshape(-1) for a in values]) if values else np.zeros(0)
@@ -218,6 +220,10 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
     if phases is not None:
         first, last = phases.callbacks()
         callbacks = [first, *callbacks, last]
+    if keras.backend.backend() == "torch":
+        from ..strategies.backend_grads import SelfDistributionGuard
+
+        callbacks = [SelfDistributionGuard(), *callbacks]
     # After the strategy's rounds or padding steps: metric sums pair up in the same order on every worker.
     extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
     if reads_whole_passes(inputs.get("validation_data")):
