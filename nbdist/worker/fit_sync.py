@@ -14,6 +14,7 @@ the learning rate for the next epoch), so all workers act on it at the same epoc
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
@@ -235,6 +236,8 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
         if feed is not None:
             feed.close()
     report = closing_report(decision)
+    report["keras_backend"] = keras.backend.backend()
+    report["tensorflow_loaded"] = "tensorflow" in sys.modules  # never on JAX or torch (keras_backend.py)
     if phases is not None:
         report["phase_times"] = phases.epochs
     if shipper is not None:
