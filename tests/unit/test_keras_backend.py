@@ -36,3 +36,20 @@ def test_a_missing_backend_package_is_one_sentence_naming_what_to_install(monkey
     assert message is not None and "pip install 'jax[cpu]'" in message and message.count(". ") == 0
     assert missing_package("torch") is None
     assert "does not support" in (missing_package("mlx") or "")
+
+
+def test_a_process_on_another_backend_refuses_the_model_in_one_sentence():
+    """The job carries the notebook's backend: a worker whose Keras runs another one (a user's image that
+    sets its own KERAS_BACKEND) says what to set instead of failing somewhere inside Keras."""
+    import keras
+    import pytest
+
+    from nbdist.errors import NbdistError
+    from nbdist.model_io import apply_settings, keras_settings
+
+    settings = keras_settings()
+    assert settings["backend"] == keras.backend.backend()
+    apply_settings(settings)  # the same backend: taken as it is
+    other = "jax" if keras.backend.backend() != "jax" else "torch"
+    with pytest.raises(NbdistError, match=f"KERAS_BACKEND={other}"):
+        apply_settings({**settings, "backend": other})
