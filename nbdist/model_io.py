@@ -154,13 +154,19 @@ def keras_settings() -> dict[str, Any]:
     import keras
 
     return {"dtype_policy": keras.config.dtype_policy().name, "floatx": keras.config.floatx(),
-            "epsilon": keras.config.epsilon(), "image_data_format": keras.config.image_data_format()}
+            "epsilon": keras.config.epsilon(), "image_data_format": keras.config.image_data_format(),
+            "backend": keras.backend.backend()}
 
 
 def apply_settings(settings: dict[str, Any]) -> None:
     if not settings:
         return
     import keras
+
+    wanted, here = settings.get("backend"), keras.backend.backend()
+    if wanted and wanted != here:  # the launcher sets KERAS_BACKEND; a user's image or wrapper may not
+        raise NbdistError(f"the model was made with Keras on the {wanted} backend but this process's Keras runs on "
+                          f"{here}; start it with KERAS_BACKEND={wanted} (nbdist's own launchers do).")
 
     keras.config.set_floatx(settings["floatx"])
     keras.config.set_epsilon(settings["epsilon"])

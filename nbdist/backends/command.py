@@ -13,13 +13,16 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..keras_backend import ENV as BACKEND_ENV
+from ..keras_backend import notebook_backend
 from ..placement import interop_threads
 
 WORKER_MODULE = "nbdist.worker"
 # The variables a worker's start depends on: two environments that agree on these can share a
 # warm worker (spark/warm.py names its sockets after them; the order keeps those names stable).
+# KERAS_BACKEND: a warm worker has imported its Keras backend, so it serves only runs on that backend.
 STARTUP_KEYS = ("PYTHONPATH", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
-                "CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL")
+                "CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL", BACKEND_ENV)
 # Variables of these families may be read while TensorFlow, torch, Keras or the interpreter load:
 # a local fork server (backends/warm.py) is shared only by environments that agree on all of them.
 # The rest (PYTEST_CURRENT_TEST, a notebook's own settings) reach each forked worker with its job.
@@ -72,18 +75,23 @@ def thread_env(threads: int) -> dict[str, str]:
             "TF_NUM_INTEROP_THREADS": str(interop_threads(threads))}
 
 
-def _worker_variables(threads: int, environ: Mapping[str, str]) -> dict[str, str]:
-    """What every worker gets wherever it runs: unbuffered output, TensorFlow's C++ logs quiet
-    unless the notebook set a level, and its thread budget."""
-    return {"TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), **thread_env(threads),
+def _worker_variables(threads: int, environ: Mapping[str, str], backend: str | None) -> dict[str, str]:
+    """What every worker gets wherever it runs: the notebook's Keras backend (read before the worker
+    imports Keras, whatever its own environment or keras.json says), unbuffered output, TensorFlow's
+    C++ logs quiet unless the notebook set a level, and its thread budget."""
+    return {BACKEND_ENV: backend or notebook_backend(environ),
+            "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), **thread_env(threads),
             "PYTHONUNBUFFERED": "1"}
 
 
-def worker_env(threads: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The whole environment of a worker process on this machine: the notebook's, plus nbdist's own."""
+def worker_env(threads: int, environ: Mapping[str, str] | None = None, backend: str | None = None) -> dict[str, str]:
+    """The whole environment of a worker process on this machine: the notebook's, plus nbdist's own.
+
+    ``backend``: the notebook's Keras backend (a Spark task, which runs elsewhere, is told it); by
+    default this process's (keras_backend.notebook_backend)."""
     env = dict(os.environ if environ is None else environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH", "")) if p)
-    env.update(_worker_variables(threads, env))
+    env.update(_worker_variables(threads, env, backend))
     env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "")  # the backend sets a GPU per worker
     env.pop("MPLBACKEND", None)  # the kernel's inline backend does not exist in a worker
     return env
@@ -96,7 +104,7 @@ def container_env(threads: int, *, mounted_package: bool, gpus: bool,
     ``mounted_package``: nbdist is mounted from the host at its own path (the default image);
     ``gpus``: GPUs are passed through, so the worker may see them.
     """
-    env = {**_worker_variables(threads, os.environ if environ is None else environ), "HOME": "/tmp"}
+    env = {**_worker_variables(threads, os.environ if environ is None else environ, None), "HOME": "/tmp"}
     if mounted_package:
         env["PYTHONPATH"] = package_root()
     if not gpus:

@@ -114,6 +114,10 @@ class DistMagics(Magics):
         When the cell returns, that model holds the trained weights and ``history`` (or
         ``--out``) holds the per-epoch metrics.
 
+        Keras backends: the workers run the notebook's (``KERAS_BACKEND`` = tensorflow, jax or
+        torch, set before ``import keras``); a JAX or torch worker never imports TensorFlow.
+        Both strategies give the local step on every backend (see the README's "Keras backends").
+
         Every run's ``TrainingJob`` is stored in the notebook as ``<out>_job``
         (``history_job`` by default): after a failure, ``job.error`` and
         ``job.worker_log(rank)`` tell what happened. With ``--background`` the cell

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..backends.warm import warm_enabled
 from ..errors import NbdistError
+from ..keras_backend import notebook_backend
 from ..procs import ChildEnd
 from ..wire import protocol
 from ..wire.messages import MessageType
@@ -264,7 +265,8 @@ class SparkBackend:
         threading.Thread(target=self._accept, name="nbdist-spark-status", daemon=True).start()
         spec = TaskSpec(address=tuple(address), status_address=status_address, secret_hex=secret.hex(),
                         threads=threads_per_worker, layout=None if data is None else data.layout,
-                        warm=warm_enabled())  # NBDIST_WARM_WORKERS=0 turns executors' warm workers off
+                        warm=warm_enabled(),  # NBDIST_WARM_WORKERS=0 turns executors' warm workers off
+                        keras_backend=notebook_backend())
         stage = self._stage(world_size, data, spec)
         self._thread = threading.Thread(target=self._run, args=(stage,), name="nbdist-spark-job", daemon=True)
         self._thread.start()

@@ -195,6 +195,7 @@ class TaskSpec:
     threads: int
     layout: Layout | None = None  # None: the data comes over the wire from the driver
     warm: bool = False  # take a warm worker if one waits, and leave one for the next job (spark_warm.py)
+    keras_backend: str | None = None  # the notebook's (keras_backend.py): the worker runs it, whatever the executor's
 
 
 class _Reporter:
@@ -305,7 +306,7 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
     proc: subprocess.Popen | spark_warm.ClaimedWorker | None = None
     code, tail, rows, error = 1, "", -1, ""
     end: ChildEnd | None = None
-    env = worker_env(spec.threads)
+    env = worker_env(spec.threads, backend=spec.keras_backend)
     executor = executor_id()
     pool = None  # this executor's warm workers, if it keeps any
     try:

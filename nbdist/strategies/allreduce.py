@@ -63,7 +63,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from .averaging import FlatBuffer, WeightedAverager, batch_sizes
+from .averaging import FlatBuffer, WeightedAverager, batch_sizes, synced_state
 from .collective import Collective, GlooCollective
 from .direct import DirectSum
 from .ring import ALIGN, RingSum, aligned_offsets, pieces
@@ -136,7 +136,10 @@ class GradientAllreduce:
 
     def __init__(self, collective: Collective, variables: Sequence[Any], engine: str = "gloo",
                  chunk_elements: int = CHUNK_ELEMENTS, direct_sum_bytes: int = DIRECT_SUM_BYTES,
-                 shared_memory: bool = True, shared_chunk_bytes: int = SHARED_CHUNK_BYTES) -> None:
+                 shared_memory: bool = True, shared_chunk_bytes: int = SHARED_CHUNK_BYTES,
+                 loss_scaling: bool = True) -> None:
+        """``loss_scaling``: scale each worker's loss by its share (TensorFlow's train step); off, the
+        gradients are scaled as they are copied (backend_grads.py)."""
         self.collective = collective
         self.engine = engine
         self.shapes = [tuple(v.shape) for v in variables]
@@ -158,8 +161,6 @@ class GradientAllreduce:
         self.prescaled: bool | None = None  # which exchange the train step uses, fixed when first traced
         inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
         if engine == "gloo" and isinstance(inner, GlooCollective) and inner.world_size > 1:
-            import tensorflow as tf
-
             count_at = int(self.offsets[-1])
             if direct_sum_fits(4 * len(self.buffer), inner.world_size, direct_sum_bytes):
                 if shared_memory:  # all workers on this machine: no messages at all
@@ -174,7 +175,10 @@ class GradientAllreduce:
                     self._chunked_plan = self._chunked.plan(*layout)
                 else:
                     self._ring = RingSum(inner.rank, inner.world_size, *layout, inner.timeout)
-            self.loss_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="nbdist_loss_scale")
+            if loss_scaling:
+                import tensorflow as tf
+
+                self.loss_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="nbdist_loss_scale")
         self.weight = 0.0  # samples in this worker's current batch; set before each step
         self.total: float | None = None  # samples of all workers in the current step
         # A schedule (``schedule``): every step's (weight, total), found by an in-graph step counter.
@@ -577,6 +581,8 @@ class AllreduceCallback(keras.callbacks.Callback):
         reached, self._last_seen = self._last_seen < last <= batch, batch
         if not reached:
             return
+        if self.steps_per_epoch > len(self.sizes) or self.non_trainable is not None:
+            synced_state(self.model)  # JAX: pad steps and the statistics' average act on the variables
         for step in range(len(self.sizes), self.steps_per_epoch):
             self.reducer.pad_step(lambda grads: self._apply(grads, self._trainable), self.totals[step])
             self.padded_steps += 1

@@ -18,6 +18,13 @@ import numpy as np
 from .collective import Collective
 
 
+def synced_state(model: Any) -> None:
+    """Put the running JAX fit's (or evaluate's) state into the model's variables; nothing elsewhere."""
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None:
+        sync()
+
+
 def rounds_in_epoch(batches: int, k: int) -> int:
     return -(-batches // k)
 

@@ -1,4 +1,4 @@
-"""`python -m nbdist.worker`: import TensorFlow quietly, then run the worker (main.py).
+"""`python -m nbdist.worker`: import TensorFlow quietly (on its backend only), then run the worker (main.py).
 
 TensorFlow's native libraries log at load time, before absl's logging is initialised, so
 TF_CPP_MIN_LOG_LEVEL does not reach those lines: oneDNN's notice, "Could not find cuda
@@ -72,7 +72,11 @@ def quiet_tensorflow_import() -> None:
 
 
 if __name__ == "__main__":
-    quiet_tensorflow_import()
+    from ..keras_backend import configured_backend
+
+    # KERAS_BACKEND is the notebook's (backends/command.py): a JAX or torch worker never loads TensorFlow.
+    if configured_backend() == "tensorflow":
+        quiet_tensorflow_import()
     from .main import main
 
     code = main()

@@ -10,9 +10,16 @@ log = logging.getLogger("nbdist.worker")
 
 
 def resolve_engine(requested: str | None) -> tuple[str, str | None]:
-    import tensorflow as tf
+    import keras
 
     from ..placement import choose_engine, horovod_import_error
+
+    if keras.backend.backend() != "tensorflow":  # JAX and torch: Gloo only, here (backend_grads.py)
+        if requested in (None, "gloo"):
+            return "gloo", None
+        return "gloo", (f"--engine {requested} is not available on Keras' {keras.backend.backend()} backend "
+                        "yet; the gradients are summed over Gloo.")
+    import tensorflow as tf
 
     has_gpu = bool(tf.config.list_physical_devices("GPU"))
     horovod_error = horovod_import_error() if requested == "horovod" else None
@@ -21,6 +28,8 @@ def resolve_engine(requested: str | None) -> tuple[str, str | None]:
 
 def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
                   lr_factor: float = 1.0) -> None:
+    import keras
+
     from ..fitdata import share_count
     from ..model_io import averaged_optimizer_variables
     from ..strategies.allreduce import (
@@ -32,6 +41,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         wrap_optimizer,
     )
     from ..strategies.averaging import WeightedAverager, batch_sizes
+    from ..strategies.backend_grads import HostGradientAllreduce, wrap_jax_optimizer, wrap_torch_optimizer
     from .blocks import StepBlocks, block_size
     from .callbacks import EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
@@ -63,22 +73,24 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
         totals = step_totals(shard_samples(collective, samples), train.batch_sizes or batch_size)
         steps = len(totals)
-    reducer = GradientAllreduce(collective, model.trainable_variables, engine,
-                                direct_sum_bytes=int(train.direct_sum_bytes),
-                                shared_memory=bool(train.shared_memory),
-                                shared_chunk_bytes=int(train.shared_chunk_bytes))
-    if totals is not None and engine == "gloo" and not model.run_eagerly:
+    backend = keras.backend.backend()
+    host = backend != "tensorflow"  # JAX and torch hand over arrays (backend_grads.py)
+    reducer = (HostGradientAllreduce if host else GradientAllreduce)(
+        collective, model.trainable_variables, engine, direct_sum_bytes=int(train.direct_sum_bytes),
+        shared_memory=bool(train.shared_memory), shared_chunk_bytes=int(train.shared_chunk_bytes))
+    if totals is not None and engine == "gloo" and not host and not model.run_eagerly:
         # Each step finds its share in the graph, so a call may run several (blocks.py).
         reducer.schedule(batch_sizes(samples, batch_size), totals)
-    original_apply = wrap_optimizer(model.optimizer, reducer)
-    if collective.world_size > 1:  # masked losses normalised by the global batch's valid entries
+    wrap = {"jax": wrap_jax_optimizer, "torch": wrap_torch_optimizer}.get(backend, wrap_optimizer)
+    original_apply = wrap(model.optimizer, reducer)
+    if collective.world_size > 1 and not host:  # masked losses normalised by the global batch's valid entries
         from .global_mask import GlobalMaskNormaliser
 
         normaliser = GlobalMaskNormaliser(collective)
         normaliser.install(model)
         reducer.before_pad = normaliser.pad
     non_trainable = floats(model.non_trainable_weights)
-    stats = WeightedAverager(collective, non_trainable, compiled=True) if non_trainable else None
+    stats = WeightedAverager(collective, non_trainable, compiled=not host) if non_trainable else None
 
     phases = EpochPhases(reducer) if phase_times_enabled() else None
     shipper = WeightShipper(link.send, model, bool(job.train.weights_every_epoch)) if rank == 0 else None

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from ..strategies.averaging import WeightedAverager, batch_sizes, sync_after
+from ..strategies.backend_grads import synced_state
 from ..wire.messages import MessageType
 from .blocks import BatchSpan
 
@@ -36,6 +37,8 @@ class AveragingCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         batches = len(self.sizes)
+        if any(sync_after(b, batches, self.k) for b in range(self.span.next, min(batch, batches - 1) + 1)):
+            synced_state(self.model)  # JAX: the variables hold the step's state before they are averaged
         for b in self.span.advance(batch):
             self._pending += self.sizes[b]
             if sync_after(b, batches, self.k):

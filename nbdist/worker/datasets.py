@@ -22,6 +22,8 @@ import logging
 import secrets
 from typing import Any
 
+import numpy as np
+
 from ..data import batches_per_epoch
 from ..wire.messages import JobMessage
 
@@ -75,6 +77,40 @@ def tf_structure(struct: Any) -> Any:
     if isinstance(struct, (list, tuple)):
         return tuple(tf_structure(v) for v in struct)
     return struct
+
+
+def uses_tf_data() -> bool:
+    """Whether this worker feeds Keras through tf.data: on the TensorFlow backend only. A JAX or torch
+    worker never imports TensorFlow (its import alone is seconds of CPU); it reads numpy batches."""
+    import keras
+
+    return keras.backend.backend() == "tensorflow"
+
+
+# -- the pipeline (numpy: the JAX and torch backends) ----------------------------
+def _take(struct: Any, rows: Any) -> Any:
+    """``struct``'s rows ``rows`` (a slice or an index array), nested as it is."""
+    if isinstance(struct, dict):
+        return {k: _take(v, rows) for k, v in struct.items()}
+    if isinstance(struct, (list, tuple)):
+        return type(struct)(_take(v, rows) for v in struct)
+    return struct[rows]
+
+
+def numpy_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int = 0, first_epoch: int = 0,
+                  sample_weight: Any = None) -> Any:
+    """``repeated_batches`` as an infinite generator of numpy batches: the same batches (full ones, then the
+    short one, one pass per epoch); a shuffled epoch ``e`` is permuted by numpy seeded ``(seed, e)``."""
+    n = sample_count(x)
+    parts = (x,) if y is None else (x, y) if sample_weight is None else (x, y, sample_weight)
+    epoch = first_epoch
+    while True:
+        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else None
+        for start in range(0, n, batch_size):
+            rows = slice(start, min(start + batch_size, n)) if order is None else order[start:start + batch_size]
+            batch = tuple(_take(p, rows) for p in parts)
+            yield batch[0] if y is None else batch
+        epoch += 1
 
 
 # -- the pipeline (TensorFlow) -------------------------------------------------
@@ -133,6 +169,24 @@ def validation_batches(x: Any, y: Any, batch_size: int, sample_weight: Any = Non
     return dataset
 
 
+def validation_inputs(validation: tuple[Any, ...], batch_size: int, val_steps: int) -> dict[str, Any]:
+    """``fit``'s validation arguments: the repeated pipeline on TensorFlow; on JAX and torch the arrays
+    themselves, read in order in batches of ``batch_size`` (Keras keeps their iterator across epochs)."""
+    if uses_tf_data():
+        return {"validation_data": validation_batches(validation[0], validation[1], batch_size,
+                                                      validation[2] if len(validation) > 2 else None),
+                "validation_steps": val_steps}
+    data = tuple(v for v in validation if v is not None) if len(validation) > 2 else tuple(validation[:2])
+    return {"validation_data": data, "validation_batch_size": batch_size, "validation_steps": val_steps}
+
+
+def stream_batches(stream: Any) -> Any:
+    """A streamed share's batches as numpy, for the JAX and torch backends: ``(x, y)``, or ``x`` alone."""
+    labelled = stream.signature[1] is not None
+    for batch in stream():
+        yield tuple(batch) if labelled else batch[0]
+
+
 def resident(array: Any) -> Any:
     """``array`` as a non-trainable variable: one copy, which ``tf.data`` reads by reference."""
     import tensorflow as tf
@@ -145,15 +199,14 @@ def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None,
     """Keyword arguments for ``model.fit`` (data, steps_per_epoch and validation), built once per fit."""
     val_samples = sample_count(validation[0]) if validation is not None else 0
     steps, val_steps = fit_steps(sample_count(x), val_samples, batch_size)
+    batches = repeated_batches if uses_tf_data() else numpy_batches
     kwargs: dict[str, Any] = {
-        "x": repeated_batches(x, y, batch_size, shuffle, shuffle_seed(seed, rank), first_epoch, sample_weight),
+        "x": batches(x, y, batch_size, shuffle, shuffle_seed(seed, rank), first_epoch, sample_weight),
         "steps_per_epoch": steps,
         "shuffle": False,  # the pipeline shuffles; Keras would only warn that it ignores the flag
     }
     if val_steps is not None:
-        kwargs["validation_data"] = validation_batches(validation[0], validation[1], batch_size,
-                                                       validation[2] if len(validation) > 2 else None)
-        kwargs["validation_steps"] = val_steps
+        kwargs.update(validation_inputs(validation, batch_size, val_steps))
     log.debug("input pipeline: %d steps per epoch, %s validation steps", steps, val_steps)
     return kwargs
 
@@ -172,11 +225,10 @@ def streamed_inputs(job: JobMessage, validation: tuple[Any, ...] | None) -> tupl
     steps, val_steps = fit_steps(reader.rows, val_samples, batch_size)
     stream = ShardStream(reader, batch_size, bool(train.shuffle), shuffle_seed(train.seed, job.rank),
                          first_pass(job), int(train.stream_buffer_bytes))
-    kwargs: dict[str, Any] = {"x": streamed_batches(stream), "steps_per_epoch": steps, "shuffle": False}
+    batches = streamed_batches(stream) if uses_tf_data() else stream_batches(stream)
+    kwargs: dict[str, Any] = {"x": batches, "steps_per_epoch": steps, "shuffle": False}
     if val_steps is not None:
-        kwargs["validation_data"] = validation_batches(validation[0], validation[1], batch_size,
-                                                       validation[2] if len(validation) > 2 else None)
-        kwargs["validation_steps"] = val_steps
+        kwargs.update(validation_inputs(validation, batch_size, val_steps))
     log.info("streaming %d rows in %d blocks from %s (a shuffle window of %d rows)", reader.rows, reader.blocks,
              reader.path, stream.window)
     return kwargs, reader.rows

@@ -14,12 +14,14 @@ the learning rate for the next epoch), so all workers act on it at the same epoc
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
 import keras
 import numpy as np
 
+from ..strategies.backend_grads import synced_state
 from ..wire.messages import JobMessage, MessageType
 from .validation import KeepValidationIterator, reads_whole_passes
 
@@ -58,6 +60,7 @@ class MetricStateSum:
         if self.collective.world_size == 1:
             return
         t0 = time.perf_counter()
+        synced_state(self.model)  # JAX: the metric variables hold the running fit's or evaluate's values
         variables = self.variables()
         values = [np.asarray(v.numpy()) for v in variables]
         flat = np.concatenate([a.astype(np.float64).reshape(-1) for a in values]) if values else np.zeros(0)
@@ -218,6 +221,10 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
     if phases is not None:
         first, last = phases.callbacks()
         callbacks = [first, *callbacks, last]
+    if keras.backend.backend() == "torch":
+        from ..strategies.backend_grads import SelfDistributionGuard
+
+        callbacks = [SelfDistributionGuard(), *callbacks]
     # After the strategy's rounds or padding steps: metric sums pair up in the same order on every worker.
     extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
     if reads_whole_passes(inputs.get("validation_data")):
@@ -229,6 +236,8 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
         if feed is not None:
             feed.close()
     report = closing_report(decision)
+    report["keras_backend"] = keras.backend.backend()
+    report["tensorflow_loaded"] = "tensorflow" in sys.modules  # never on JAX or torch (keras_backend.py)
     if phases is not None:
         report["phase_times"] = phases.epochs
     if shipper is not None:

@@ -6,6 +6,7 @@ so a backend whose shards come from elsewhere (Spark partitions) can feed it too
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
@@ -80,5 +81,6 @@ def run_inference(link: Any, job: JobMessage) -> None:
                   arrays)
     else:
         raise ValueError(f"unknown job kind {job.kind!r}")
-    link.send({"type": MessageType.DONE, "seconds": time.perf_counter() - started})
+    link.send({"type": MessageType.DONE, "seconds": time.perf_counter() - started,
+               "tensorflow_loaded": "tensorflow" in sys.modules})
     log.info("worker %d %s %d rows in %.2f s", job.rank, job.kind, len(x), time.perf_counter() - started)

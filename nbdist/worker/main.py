@@ -20,6 +20,7 @@ import time
 import traceback
 from typing import Any
 
+from ..errors import NbdistError
 from ..wire import protocol
 from ..wire.messages import MessageType
 
@@ -115,10 +116,13 @@ _GENERIC = ("Graph execution error", "Detected at node", "File ", "Exception enc
 
 
 def summarise(exc: BaseException) -> str:
-    """One informative line: TensorFlow buries the real message under generic headers."""
+    """One informative line: TensorFlow buries the real message under generic headers. nbdist's own
+    errors are sentences for the user, shown as they are."""
     lines = [ln for ln in str(exc).splitlines() if ln.strip()]
     useful = [ln for ln in lines if not ln[0].isspace() and not ln.startswith(_GENERIC)]
     head = (useful or lines or [""])[0].strip()
+    if isinstance(exc, NbdistError) and head:
+        return head
     return f"{type(exc).__name__}: {head}" if head else type(exc).__name__
 
 
@@ -157,14 +161,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _import_for_training() -> None:
-    """What a warm worker imports ahead of its job: the seconds it saves."""
-    import tensorflow  # noqa: F401
+    """What a warm worker imports ahead of its job: the seconds it saves. Keras loads the backend
+    KERAS_BACKEND names (TensorFlow only for its own); one whose package is missing is left for the job
+    to report (``backend_problem``)."""
     import torch.distributed  # noqa: F401
 
     from ..wire.handover import READY
-    from . import allreduce_fit, training  # noqa: F401
 
+    if backend_problem() is None:
+        import keras  # noqa: F401
+
+        from . import allreduce_fit, training  # noqa: F401
     log.info("%s", READY)
+
+
+def backend_problem() -> str | None:
+    """One sentence when this worker cannot run the notebook's Keras backend (its package is absent)."""
+    from ..keras_backend import configured_backend, missing_package
+
+    return missing_package(configured_backend())
 
 
 def _take_job(line: bytes) -> tuple[str, int]:
@@ -278,6 +293,9 @@ def _work(address: str, rank: int, secret: bytes) -> int:
     link = DriverLink(channel)
     link.send({"type": MessageType.HELLO, "rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
     try:
+        problem = backend_problem()
+        if problem is not None:
+            raise NbdistError(problem)
         from .runtime import unpack_job
 
         job = unpack_job(link.expect(MessageType.JOB, timeout=300))

@@ -8,7 +8,12 @@ from ..wire.messages import JobMessage
 
 
 def pin_threads(threads: int) -> None:
-    """Keep N workers on one machine from each using every core."""
+    """Keep N workers on one machine from each using every core (OMP_NUM_THREADS in the worker's
+    environment does it for JAX's and torch's CPU kernels as they load)."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(threads)

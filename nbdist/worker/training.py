@@ -68,8 +68,10 @@ def run_training(link: Any, job: JobMessage) -> None:
     # One step per Keras call unless the averaging path installs its own calls of several (blocks.py):
     # Keras' own would run past an epoch's end on the repeated pipelines.
     model.steps_per_execution = 1
-    if train.strategy == "allreduce":  # the gradient allreduce is a Python op: XLA cannot compile it
+    on_tf = keras.backend.backend() == "tensorflow"
+    if train.strategy == "allreduce" and on_tf:  # the gradient allreduce is a Python op: XLA cannot compile it
         model.jit_compile = False
+
     build_optimizer(model)
     from .fit_sync import fit_and_report, set_initial_learning_rate
 
@@ -96,7 +98,7 @@ def run_training(link: Any, job: JobMessage) -> None:
         variables = [w for w in model.weights if "float" in str(w.dtype)]
         if train.average_optimizer:
             variables += averaged_optimizer_variables(model)
-        averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=True)
+        averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf)
         # One exchange per round: through shared memory when every worker runs on this machine.
         averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
                                              int(train.direct_sum_bytes), int(train.shared_chunk_bytes))
@@ -117,7 +119,7 @@ def run_training(link: Any, job: JobMessage) -> None:
         event = EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, averager),
                               ship, sizes=sizes)
         callbacks = [event] + phase_callbacks(link.send, collective)
-        if feed is None and not model.run_eagerly:  # several steps per call into TensorFlow (blocks.py)
+        if feed is None and on_tf and not model.run_eagerly:  # several steps per call into TensorFlow (blocks.py)
             steps = int(inputs["steps_per_epoch"])
             block = block_size(int(train.averaging_frequency), steps)
             if block > 1:
@@ -125,7 +127,7 @@ def run_training(link: Any, job: JobMessage) -> None:
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
             averaging = AveragingCallback(averager, int(train.averaging_frequency), samples,
                                           batch_size, int(train.rounds_per_epoch), sizes=sizes)
-            if int(train.averaging_frequency) == 1:  # every step one round: masked losses as one local step
+            if int(train.averaging_frequency) == 1 and on_tf:  # every step one round: masked losses as one local step
                 from .global_mask import GlobalMaskNormaliser
 
                 normaliser = GlobalMaskNormaliser(collective)

@@ -1,0 +1,140 @@
+"""The gradient allreduce on Keras' JAX and torch backends, and what their trainers need from nbdist.
+
+TensorFlow's train step hands its gradients to ``GradientAllreduce.reduce`` as graph tensors
+(allreduce.py). The other two backends hand them over as arrays, and the same numpy exchange sums
+them (shared memory, one round of messages, or the ring), weighted by each worker's rows:
+
+- torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
+  ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between.
+- JAX: the train step is one jitted, stateless function that ends in ``optimizer.stateless_apply``.
+  The wrapped ``stateless_apply`` sums the gradients through an ordered ``io_callback``: a host call
+  inside the compiled step, so the step stays jitted (measured against JAX's own CPU collectives,
+  which need ``jax.distributed.initialize`` and a second rendezvous, and have had wrong sums and hangs
+  this year: the host call reuses nbdist's exchange, its timeouts and health checks, for one copy of
+  the gradients each way).
+
+JAX dispatches steps asynchronously, so the host call of step j may run after Python has moved on to
+step j + 1: each step's (rows, total rows) is queued by ``set_weight`` and taken by its own exchange,
+in order. Callbacks that read or write variables in the middle of a JAX fit (averaging, metric sums,
+pad steps) call ``synced_state`` first: Keras' JAX trainer keeps the state outside the variables
+between steps, and re-reads them after such a sync.
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from .allreduce import GradientAllreduce
+from .averaging import synced_state
+
+__all__ = ["HostGradientAllreduce", "SelfDistributionGuard", "synced_state", "wrap_jax_optimizer",
+           "wrap_torch_optimizer"]
+
+
+class SelfDistributionGuard(keras.callbacks.Callback):
+    """``refuse_self_distribution`` once Keras has made its train function, before the first step."""
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        refuse_self_distribution(self.model)
+
+
+def refuse_self_distribution(model: Any) -> None:
+    """Keras' torch trainer on its main branch (3.16.dev) wraps the model in DistributedDataParallel and
+    all-reduces metric variables whenever a torch process group exists, and nbdist's Gloo group is one: its
+    gradients would be synchronised twice and its metrics summed twice. The released Keras (<= 3.15) does
+    neither. Checked where Keras would act: the train function it makes, and the model it trains."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # no torch: no such trainer
+        return
+    if isinstance(model, DistributedDataParallel) or any(
+            isinstance(v, DistributedDataParallel) for v in vars(model).values()):
+        from ..errors import NbdistError
+
+        raise NbdistError(f"Keras {keras.__version__} distributes a torch model by itself when a process group "
+                          "exists, which would synchronise it twice under nbdist; use Keras 3.15 or earlier on "
+                          "the torch backend.")
+
+
+class HostGradientAllreduce(GradientAllreduce):
+    """``GradientAllreduce`` for gradients that arrive as numpy arrays (JAX's host call, torch's ``.grad``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, loss_scaling=False, **kwargs)
+        self.prescaled = False  # scaled by rows while copied into the bucket (``exchange``)
+        self._queued: collections.deque[tuple[float, float | None]] = collections.deque()
+
+    def set_weight(self, samples: float, total: float | None = None) -> None:
+        self._queued.append((float(samples), None if total is None else float(total)))
+
+    def reduce_arrays(self, grads: Sequence[np.ndarray | None]) -> list[np.ndarray | None]:
+        """The step's gradients summed over the workers, each weighted by its rows (None stays None)."""
+        if not self._queued:
+            raise RuntimeError("an allreduce step ran without its rows set (set_weight)")
+        self.weight, self.total = self._queued.popleft()
+        present = [g is not None for g in grads]
+        if self._present is None:
+            self._present = present
+        elif present != self._present:
+            raise RuntimeError("the set of variables with gradients changed between steps")
+        if len(grads) != len(self.shapes):
+            raise RuntimeError(f"{len(grads)} gradients for {len(self.shapes)} trainable variables")
+        dense = [np.zeros(s, np.float32) if g is None else np.asarray(g, dtype=np.float32)
+                 for g, s in zip(grads, self.shapes)]
+        out = self.exchange(*dense)
+        return [None if g is None else o for g, o in zip(grads, out)]
+
+    def pad_step(self, apply: Callable[[list[Any]], Any], total: float | None = None) -> None:
+        """One step with no rows of ours: zeros into the sum, the summed gradients applied (eagerly)."""
+        import keras
+
+        self.set_weight(0.0, total)
+        present = self._present or [True] * len(self.shapes)
+        summed = self.reduce_arrays([np.zeros(s, np.float32) if p else None for s, p in zip(self.shapes, present)])
+        apply([None if g is None else keras.ops.convert_to_tensor(np.array(g)) for g in summed])
+
+
+def wrap_torch_optimizer(optimizer: Any, reducer: HostGradientAllreduce) -> Callable[..., Any]:
+    """Make ``optimizer.apply`` sum the gradients first (between ``backward`` and the update); return the original."""
+    import torch
+
+    original = optimizer.apply
+
+    def apply(grads: Sequence[Any], trainable_variables: Any = None) -> Any:
+        arrays = [None if g is None else g.detach().to("cpu", torch.float32).numpy() for g in grads]
+        summed = reducer.reduce_arrays(arrays)
+        grads = [None if g is None else torch.from_numpy(s).to(device=g.device, dtype=g.dtype)
+                 for g, s in zip(grads, summed)]
+        return original(grads, trainable_variables)
+
+    optimizer.apply = apply  # an instance attribute: Keras' train step and apply_gradients look it up on self
+    return original
+
+
+def wrap_jax_optimizer(optimizer: Any, reducer: HostGradientAllreduce) -> Callable[..., Any]:
+    """Make ``optimizer.stateless_apply`` sum the gradients first, through a host call inside the jitted step;
+    return the original stateful ``apply`` (for pad steps, run between steps on the synced variables)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+
+    original = optimizer.stateless_apply
+
+    def host(*arrays: Any) -> list[np.ndarray]:
+        summed = reducer.reduce_arrays([np.asarray(a) for a in arrays])
+        return [np.array(s, dtype=np.float32) for s in summed]  # copies: the bucket is reused next step
+
+    def stateless_apply(optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+        grads = list(grads)
+        dense = [jnp.asarray(g, jnp.float32) for g in grads]
+        shapes = [jax.ShapeDtypeStruct(g.shape, jnp.float32) for g in dense]
+        summed = io_callback(host, shapes, *dense, ordered=True)
+        grads = [s.astype(g.dtype) for g, s in zip(grads, summed)]
+        return original(optimizer_variables, grads, trainable_variables)
+
+    optimizer.stateless_apply = stateless_apply
+    return optimizer.apply

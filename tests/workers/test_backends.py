@@ -1,0 +1,62 @@
+"""Keras on JAX and torch (issue 25): a notebook on either backend trains, evaluates and predicts with its
+workers on the same backend, with the same meaning as locally. Real worker processes, digits.
+
+Each backend runs in a driver process of its own (``backend_driver.py``: Keras reads KERAS_BACKEND once,
+at its first import), which prints its results; this module checks them. The TensorFlow backend is what
+every other worker test runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nbdist.backends.command import package_root
+
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+DRIVER = Path(__file__).with_name("backend_driver.py")
+
+
+def run_driver(backend: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root(), os.environ.get("PYTHONPATH"))
+                                                       if p)}
+    env.pop("KERAS_BACKEND", None)  # the driver sets its own, as a notebook would before importing Keras
+    done = subprocess.run([sys.executable, str(DRIVER), backend], env=env, capture_output=True, text=True,
+                          timeout=540)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("NBDIST-RESULT ")]
+    assert done.returncode == 0 and lines, f"driver failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    return json.loads(lines[-1].removeprefix("NBDIST-RESULT "))
+
+
+def assert_same_history(got: dict, expected: dict) -> None:
+    assert set(expected) <= set(got), (sorted(expected), sorted(got))
+    for key, values in expected.items():
+        np.testing.assert_allclose(got[key], values, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_a_notebook_on_jax_or_torch_trains_evaluates_and_predicts_as_locally(backend):
+    """C25: %%dist_train with the cell's own fit (allreduce, Adam) and nbdist.train (averaging every step,
+    SGD) equal the local fit on the global batch to 1e-5, history and weights; evaluate's merged metrics
+    equal model.evaluate; predict equals model.predict; the workers ran the notebook's backend and never
+    imported TensorFlow."""
+    result = run_driver(backend)
+    assert result["backend"] == backend
+    for strategy in ("allreduce", "averaging"):
+        run = result[strategy]
+        assert_same_history(run["history"], run["expected"])
+        assert run["weight_gap"] < 1e-5, (strategy, run["weight_gap"])
+    reports = result["averaging"]["reports"]
+    assert len(reports) == 2
+    assert all(r == {"keras_backend": backend, "tensorflow_loaded": False} for r in reports.values()), reports
+    got, expected = result["evaluate"]["got"], result["evaluate"]["expected"]
+    for key in ("loss", "accuracy"):
+        assert abs(got[key] - expected[key]) <= 1e-6 * max(1.0, abs(expected[key])), (key, got, expected)
+    assert result["predict_gap"] < 1e-6
