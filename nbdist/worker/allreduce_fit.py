@@ -21,7 +21,7 @@ def resolve_engine(requested: str | None) -> tuple[str, str | None]:
 
 def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
                   lr_factor: float = 1.0) -> None:
-    from ..fitdata import share_count
+    from ..data import share_count
     from ..model_io import averaged_optimizer_variables
     from ..strategies.allreduce import (
         AllreduceCallback,

@@ -11,21 +11,26 @@ from typing import Any
 
 import numpy as np
 
+from ..data import flatten
 from ..wire.messages import JobMessage, MessageType
+from .datasets import sample_count
 
 log = logging.getLogger("nbdist.worker")
 
 
-def evaluate_shard(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int,
-                   classifier: dict[str, Any] | None) -> tuple[list[str], list[np.ndarray], dict[str, Any]]:
-    """Metric variables after evaluating this shard, plus the classifier's additive counts."""
+def evaluate_shard(model: Any, x: Any, y: Any, batch_size: int, classifier: dict[str, Any] | None,
+                   sample_weight: Any = None) -> tuple[list[str], list[np.ndarray], dict[str, Any]]:
+    """Metric variables after evaluating this shard (``x``, ``y``, ``sample_weight`` as ``model.evaluate``
+    takes them: arrays, or lists or dicts of arrays), plus the classifier's additive counts."""
     from ..metrics import ClassifierSpec, shard_statistics
 
-    model.evaluate(x, y, batch_size=batch_size, verbose=0)
+    model.evaluate(x, y, sample_weight=sample_weight, batch_size=batch_size, verbose=0)
     names = [v.path for v in model.metrics_variables]
     state = [np.asarray(v.numpy()) for v in model.metrics_variables]
-    y_pred_row = model.predict(x[:1], batch_size=1, verbose=0)
-    extra: dict[str, Any] = {"y_row": np.asarray(y[:1]), "y_pred_row": np.asarray(y_pred_row)}
+    extra: dict[str, Any] = {}
+    if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):  # one label row and its prediction (Spark's driver)
+        extra["y_row"] = np.asarray(y[:1])
+        extra["y_pred_row"] = np.asarray(model.predict(x[:1], batch_size=1, verbose=0))
     spec = ClassifierSpec.from_json(classifier)
     if spec is not None:
         # A second pass for the predictions: model.evaluate does not hand them out.
@@ -33,13 +38,18 @@ def evaluate_shard(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int,
     return names, state, extra
 
 
-def predict_shard(model: Any, x: np.ndarray, batch_size: int) -> list[np.ndarray]:
+def predict_shard(model: Any, x: Any, batch_size: int) -> tuple[Any, list[np.ndarray]]:
+    """The predictions as ``model.predict`` returns them, flattened: (their layout, the arrays)."""
     out = model.predict(x, batch_size=batch_size, verbose=0)
-    return [np.asarray(a) for a in (out if isinstance(out, (list, tuple)) else [out])]
+    as_lists = lambda o: [as_lists(v) for v in o] if isinstance(o, (list, tuple)) else \
+        {str(k): as_lists(v) for k, v in o.items()} if isinstance(o, dict) else np.asarray(o)
+    return flatten(as_lists(out))
 
 
-def _fit_input(model: Any, x: np.ndarray) -> np.ndarray:
+def _fit_input(model: Any, x: Any) -> Any:
     """Flat rows from Spark columns reshaped to an image model's input (e.g. 3072 -> 32x32x3)."""
+    if not isinstance(x, np.ndarray):
+        return x
     try:
         shape = tuple(model.inputs[0].shape[1:])
     except (AttributeError, IndexError, ValueError):
@@ -57,28 +67,30 @@ def run_inference(link: Any, job: JobMessage) -> None:
     pin_threads(job.threads)
     model = model_from_spec(job.model)
     x, y, batch_size = job.x, job.y, job.batch_size
+    rows = sample_count(x)
     link.send({"type": MessageType.PROGRESS, "state": job.kind + "ing", "epoch": 0, "batch": 0,
-               "batches": -(-len(x) // batch_size)})
+               "batches": -(-rows // batch_size)})
     started = time.perf_counter()
     x = _fit_input(model, x)
-    if job.kind == "evaluate" and len(x) == 0:  # an empty Spark partition: nothing to add
+    if job.kind == "evaluate" and rows == 0:  # an empty Spark partition: nothing to add
         link.send({"type": MessageType.EVALUATION, "rows": 0, "names": [], "has_stats": False,
                    "has_histogram": False})
     elif job.kind == "predict":
-        outputs = predict_shard(model, x, batch_size)
-        link.send({"type": MessageType.PREDICTIONS, "rows": len(x)}, outputs)
+        layout, outputs = predict_shard(model, x, batch_size)
+        link.send({"type": MessageType.PREDICTIONS, "rows": rows, "layout": layout}, outputs)
     elif job.kind == "evaluate":
-        names, state, extra = evaluate_shard(model, x, y, batch_size, job.classifier)
+        names, state, extra = evaluate_shard(model, x, y, batch_size, job.classifier, job.sample_weight)
         stats = extra.get("stats")
-        arrays = state + [extra["y_row"], extra["y_pred_row"]]
+        # Always two arrays after the state (empty when the driver needs no label row): stats stay in place.
+        arrays = state + [extra.get("y_row", np.zeros(0)), extra.get("y_pred_row", np.zeros(0))]
         if stats is not None:
             arrays.append(stats["confusion"])
             if "histogram" in stats:
                 arrays.append(stats["histogram"])
-        link.send({"type": MessageType.EVALUATION, "rows": len(x), "names": names,
+        link.send({"type": MessageType.EVALUATION, "rows": rows, "names": names,
                    "has_stats": stats is not None, "has_histogram": bool(stats and "histogram" in stats)},
                   arrays)
     else:
         raise ValueError(f"unknown job kind {job.kind!r}")
     link.send({"type": MessageType.DONE, "seconds": time.perf_counter() - started})
-    log.info("worker %d %s %d rows in %.2f s", job.rank, job.kind, len(x), time.perf_counter() - started)
+    log.info("worker %d %s %d rows in %.2f s", job.rank, job.kind, rows, time.perf_counter() - started)

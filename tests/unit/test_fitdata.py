@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from nbdist.errors import NbdistError
-from nbdist.fitdata import (
+from nbdist.data import (
     FitData,
     class_weight_to_sample_weight,
     deal_rows,
@@ -53,7 +53,7 @@ def test_rows_that_do_not_line_up_are_one_sentence():
 def test_py_dataset_shares_are_strided_disjoint_and_cover_every_batch():
     """Worker r of N reads order[r::N]: step j of all workers reads N consecutive batches of the epoch;
     every worker computes the same order from the job seed, shuffled anew each epoch."""
-    from nbdist.fitdata import epoch_order, share_count, share_indices
+    from nbdist.data import epoch_order, share_count, share_indices
 
     assert list(share_indices(epoch_order(7, False, 0, 0), 1, 2)) == [1, 3, 5]
     assert [share_count(7, r, 3) for r in range(3)] == [3, 2, 2]

@@ -20,6 +20,7 @@ def test_a_memory_map_trains_as_the_array_in_memory(digits, tmp_path, strategy, 
     job = nbdist.train(from_file, mapped, y[:1000], **options)
     nbdist.train(in_memory, X[:1000], y[:1000], **options)
     sent = job._job_message(1)  # what worker 1 was sent
-    assert sent.data_source == "file" and sent.x is None and sent.data_file["start"] == 500
+    # its dealt rows of every global batch of 64 (nbdist.train is model.fit(x, y)): 32..63, 96..127, ...
+    assert sent.data_source == "file" and sent.x is None and sent.data_file["deal"] == [1000, 64, 2, 1]
     for a, b in zip(from_file.get_weights(), in_memory.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
