@@ -161,6 +161,15 @@ def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def batch_bounds(n: int, batch_size: int, shards: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of whole batches of ``batch_size`` rows (the last one short), the batches spread
+    as ``shard_bounds`` spreads rows: every worker's batches are batches of one pass over all the rows,
+    so what Keras computes per batch is the same sharded or not. Ranges are empty when there are fewer
+    batches than shards."""
+    return [(min(n, a * batch_size), min(n, b * batch_size))
+            for a, b in shard_bounds(batches_per_epoch(n, batch_size), shards)]
+
+
 def check_workers(n: int, workers: int, what: str = "training data") -> None:
     if workers > n:
         raise NbdistError(
@@ -311,8 +320,13 @@ def make_fit_data(x: Any, y: Any = None, sample_weight: Any = None, what: str = 
         raise NbdistError(f"{what}: x is missing; pass the features, e.g. model.fit(X, y).")
     counts = {len(a) for a in leaves(data.x) + leaves(data.y) + leaves(data.sample_weight)}
     if len(counts) > 1:
-        raise NbdistError(f"{what}: the arrays have different numbers of rows ({', '.join(map(str, sorted(counts)))}); "
-                          "every input, label and weight array needs one row per example.")
+        parts = []
+        for name in ("x", "y", "sample_weight"):
+            rows = sorted({len(a) for a in leaves(getattr(data, name))}, reverse=True)
+            if rows:
+                parts.append(f"{name} has {' and '.join(map(str, rows))} rows")
+        raise NbdistError(f"{what}: {' but '.join(parts)}; every input, label and weight array needs one row "
+                          "per example (pass X and y of the same length).")
     if len(data) == 0:
         raise NbdistError(f"{what} is empty; pass at least one example per worker.")
     for a in leaves(data.x) + leaves(data.y) + leaves(data.sample_weight):

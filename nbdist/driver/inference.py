@@ -18,7 +18,7 @@ import numpy as np
 
 from ..checks import check_text_inputs, input_shape
 from ..config import TrainConfig
-from ..data import FitData, check_workers, make_fit_data, unflatten
+from ..data import FitData, batch_bounds, check_workers, make_fit_data, unflatten
 from ..errors import NbdistError
 from ..metrics import (
     ClassifierSpec,
@@ -140,6 +140,13 @@ class EvaluationJob(InferenceJob):
 
     def _job_message(self, rank: int) -> JobMessage:
         return self._common_job(rank, self.kind, classifier=self.classifier.to_json() if self.classifier else None)
+
+    def _plan_shards(self, backend: Any, world: int) -> list[tuple[int, int]] | None:
+        """Whole batches per worker: Keras' per-output losses under sample weights depend on where batches
+        begin (measured: 2.526 with batches of 64 against 2.426 in one batch), so each worker evaluates
+        batches of the local ``evaluate``'s one pass, and the merged state is the local one."""
+        shards = super()._plan_shards(backend, world)
+        return None if shards is None else batch_bounds(len(self.data), self.config.batch_size, world)
 
     def result(self) -> dict[str, Any]:
         """Merged metrics: the compiled metrics by name, then the classifier report if there is one."""

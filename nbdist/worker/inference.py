@@ -13,7 +13,7 @@ import numpy as np
 
 from ..data import flatten
 from ..wire.messages import JobMessage, MessageType
-from .datasets import sample_count
+from .datasets import sample_count, tf_structure
 
 log = logging.getLogger("nbdist.worker")
 
@@ -24,7 +24,7 @@ def evaluate_shard(model: Any, x: Any, y: Any, batch_size: int, classifier: dict
     takes them: arrays, or lists or dicts of arrays), plus the classifier's additive counts."""
     from ..metrics import ClassifierSpec, shard_statistics
 
-    model.evaluate(x, y, sample_weight=sample_weight, batch_size=batch_size, verbose=0)
+    model.evaluate(_unsized_batches(x, y, sample_weight, batch_size), verbose=0)
     names = [v.path for v in model.metrics_variables]
     state = [np.asarray(v.numpy()) for v in model.metrics_variables]
     extra: dict[str, Any] = {}
@@ -36,6 +36,17 @@ def evaluate_shard(model: Any, x: Any, y: Any, batch_size: int, classifier: dict
         # A second pass for the predictions: model.evaluate does not hand them out.
         extra["stats"] = shard_statistics(y, model.predict(x, batch_size=batch_size, verbose=0), spec)
     return names, state, extra
+
+
+def _unsized_batches(x: Any, y: Any, sample_weight: Any, batch_size: int) -> Any:
+    """The shard in batches whose size the traced step does not know. Keras weighs each batch's
+    per-output loss (``<output>_loss``) by the batch size when the trace knows it and by 1 otherwise:
+    a worker whose batches are all full would weigh them by 64 and another by 1, and their merged
+    state would be neither. With the size unknown every batch weighs 1, as in the notebook's evaluate."""
+    import tensorflow as tf
+
+    parts = tf_structure((x, y) if sample_weight is None else (x, y, sample_weight))
+    return tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
 
 
 def predict_shard(model: Any, x: Any, batch_size: int) -> tuple[Any, list[np.ndarray]]:

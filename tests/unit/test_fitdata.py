@@ -46,7 +46,7 @@ def test_class_weight_and_validation_split_follow_keras():
 
 
 def test_rows_that_do_not_line_up_are_one_sentence():
-    with pytest.raises(NbdistError, match="different numbers of rows"):
+    with pytest.raises(NbdistError, match="x has 5 and 4 rows but y has 4 rows"):
         make_fit_data([np.zeros((4, 2)), np.zeros((5, 2))], np.zeros(4))
 
 

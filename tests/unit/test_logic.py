@@ -66,7 +66,7 @@ def test_bad_options_get_one_sentence(options, fragment):
 
 
 @pytest.mark.parametrize("x, y, fragment", [
-    (np.zeros((5, 2)), np.zeros(4), r"different numbers of rows \(4, 5\)"),
+    (np.zeros((5, 2)), np.zeros(4), "x has 5 rows but y has 4 rows"),
     (np.array([["2020-01-01", "2020-01-02"]], dtype="datetime64[D]"), np.zeros(1), "not numbers"),
     (np.array([["a", 1]], dtype=object), np.zeros(1), "not numbers"),
     (np.array([[1.0, np.nan]]), np.zeros(1), "NaN"),
