@@ -18,7 +18,7 @@ import numpy as np
 
 from ..checks import check_text_inputs, input_shape
 from ..config import TrainConfig
-from ..data import FitData, batch_bounds, check_workers, make_fit_data, unflatten
+from ..data import FitData, batch_bounds, check_workers, is_py_dataset, make_fit_data, unflatten
 from ..errors import NbdistError
 from ..metrics import (
     ClassifierSpec,
@@ -225,6 +225,10 @@ def _prepare(model: Any, x: Any, y: Any, sample_weight: Any, need_labels: bool, 
     config = _config(options)
     check_model(model, name, need_compiled=need_labels)
     what = "evaluation data" if need_labels else "prediction data"
+    if is_py_dataset(x):
+        raise NbdistError(f"the {what} is a keras.utils.PyDataset, which nbdist trains on but does not yet "
+                          "evaluate or predict on; pass the arrays it reads from (numpy, pandas, or a dict or "
+                          "list of them).")
     if need_labels and y is None:
         raise NbdistError("evaluation needs labels; pass them as y (or --data X,y).")
     data = make_fit_data(x, y, sample_weight, what)

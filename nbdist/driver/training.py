@@ -285,8 +285,11 @@ class TrainingJob(Run):
             self.fit.callbacks.end()  # e.g. EarlyStopping restores its best weights into the model
 
     def _fit_epoch_end(self, epoch: int, merged: dict[str, float]) -> None:
-        """The notebook's callbacks see the shared weights and merged logs; their decision goes to every worker."""
-        self._apply_last_weights()
+        """The notebook's callbacks see the shared weights and merged logs; their decision goes to every worker.
+        The weights go into the model only for callbacks that read it: otherwise it stays as it was until the
+        run ends, so a failed run (--data X,y with --checkpoint-dir, say) leaves it untouched."""
+        if self.fit.callbacks.needs_model:
+            self._apply_last_weights()
         try:
             decision = self.fit.callbacks.epoch_end(epoch, merged)
         except Exception as exc:  # the notebook's own callback raised: end the run with its message

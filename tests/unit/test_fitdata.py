@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nbdist.errors import NbdistError
 from nbdist.data import (
     FitData,
     class_weight_to_sample_weight,
@@ -13,6 +12,7 @@ from nbdist.data import (
     rank_batch_sizes,
     split_validation,
 )
+from nbdist.errors import NbdistError
 from nbdist.strategies.averaging import batch_sizes
 
 

@@ -93,7 +93,8 @@ def test_evaluate_and_predict_take_what_keras_takes(ip, digits):
             ip.run_line_magic("dist_predict", "m2 --data Xe --workers 2 --out pe")
             remote = ns["pe"]
         else:
-            ip.run_line_magic("dist_evaluate", "m2 --data Xe,Ye --sample-weight We --workers 2 --batch-size 64 --out ee")
+            line = "m2 --data Xe,Ye --sample-weight We --workers 2 --batch-size 64 --out ee"
+            ip.run_line_magic("dist_evaluate", line)
             got = ns["ee"]
             remote = nbdist.predict(model, xe, workers=2)
         assert set(want) <= set(got) and got["samples"] == 301
