@@ -112,6 +112,11 @@ class InferenceJob(Run):
     def _job_message(self, rank: int) -> JobMessage:
         return self._common_job(rank, self.kind)
 
+    def _file_rows(self, rank: int) -> dict[str, Any] | None:
+        """A memory-mapped .npy stays on disk for local workers: each reads its rows from the file."""
+        source = self._x_file()
+        return None if source is None else source.rows(*self._shards[rank])
+
     def _on_message(self, rank: int, msg: protocol.Message) -> bool:
         if msg.type == self.answer:
             self.answers[rank] = msg

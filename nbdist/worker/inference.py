@@ -34,7 +34,7 @@ def evaluate_shard(model: Any, x: Any, y: Any, batch_size: int, classifier: dict
     spec = ClassifierSpec.from_json(classifier)
     if spec is not None:
         # A second pass for the predictions: model.evaluate does not hand them out.
-        extra["stats"] = shard_statistics(y, model.predict(x, batch_size=batch_size, verbose=0), spec)
+        extra["stats"] = shard_statistics(y, model.predict(x, verbose=0, **_sized(x, batch_size)), spec)
     return names, state, extra
 
 
@@ -45,13 +45,48 @@ def _unsized_batches(x: Any, y: Any, sample_weight: Any, batch_size: int) -> Any
     state would be neither. With the size unknown every batch weighs 1, as in the notebook's evaluate."""
     import tensorflow as tf
 
+    if isinstance(x, tf.data.Dataset):  # a memory-mapped file's batches: the labels and weights beside them
+        rest = tuple(p for p in (y, sample_weight) if p is not None)
+        labels = tf.data.Dataset.from_tensor_slices(tf_structure(rest)).batch(batch_size)
+        return tf.data.Dataset.zip((x, labels)).map(lambda xb, rb: (xb, *rb))
     parts = tf_structure((x, y) if sample_weight is None else (x, y, sample_weight))
     return tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
 
 
+def _sized(x: Any, batch_size: int) -> dict[str, int]:
+    """``batch_size`` for ``predict`` on arrays; a dataset is already in batches."""
+    return {} if hasattr(x, "element_spec") else {"batch_size": batch_size}
+
+
+def file_features(data_file: dict[str, Any], batch_size: int) -> tuple[Any, int]:
+    """This worker's rows of the notebook's memory-mapped .npy (local workers) as batches read from the
+    file a block at a time, never the whole share in memory; and their count."""
+    import tensorflow as tf
+
+    from ..wire.shardfile import NpyRows
+    from .streams import window_batches
+
+    first = NpyRows(data_file, None)
+    rows = first.rows
+    row = first.block(0)[0][:0] if rows else np.zeros((0, *data_file["shape"][1:]), np.float32)
+    first.close()
+
+    def batches() -> Any:
+        reader = NpyRows(data_file, None)
+        try:
+            blocks = ((reader.block(i)[0],) for i in range(reader.blocks))
+            for (xb,) in window_batches(blocks, batch_size, batch_size, False, np.random.default_rng(0)):
+                yield xb
+        finally:
+            reader.close()
+
+    spec = tf.TensorSpec((None, *row.shape[1:]), tf.as_dtype(row.dtype))
+    return tf.data.Dataset.from_generator(batches, output_signature=spec), rows
+
+
 def predict_shard(model: Any, x: Any, batch_size: int) -> tuple[Any, list[np.ndarray]]:
     """The predictions as ``model.predict`` returns them, flattened: (their layout, the arrays)."""
-    out = model.predict(x, batch_size=batch_size, verbose=0)
+    out = model.predict(x, verbose=0, **_sized(x, batch_size))
     as_lists = lambda o: [as_lists(v) for v in o] if isinstance(o, (list, tuple)) else \
         {str(k): as_lists(v) for k, v in o.items()} if isinstance(o, dict) else np.asarray(o)
     return flatten(as_lists(out))
@@ -78,7 +113,10 @@ def run_inference(link: Any, job: JobMessage) -> None:
     pin_threads(job.threads)
     model = model_from_spec(job.model)
     x, y, batch_size = job.x, job.y, job.batch_size
-    rows = sample_count(x)
+    if job.data_source == "file":  # the notebook's memory map: read here, a block at a time
+        x, rows = file_features(job.data_file, batch_size)
+    else:
+        rows = sample_count(x)
     link.send({"type": MessageType.PROGRESS, "state": job.kind + "ing", "epoch": 0, "batch": 0,
                "batches": -(-rows // batch_size)})
     started = time.perf_counter()
