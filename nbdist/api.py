@@ -7,7 +7,7 @@ import numpy as np
 
 from .checks import check_model_fits_data, check_not_stateful, check_text_inputs
 from .config import TrainConfig
-from .data import FitData, is_py_dataset, make_fit_data, make_py_dataset_data
+from .data import FitData, is_py_dataset, make_fit_data, make_py_dataset_data, not_in_memory, pipeline_message
 from .driver.inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
 from .driver.training import TrainingJob
 from .errors import NbdistError
@@ -104,6 +104,10 @@ def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_bat
     """A job for one ``model.fit(...)``'s arguments (driver/fit_call.py), not yet started."""
     from .driver.fit_call import check_fit_arguments, fit_data, prepare_fit_run
 
+    x = fit.get("x")
+    kind = None if is_py_dataset(x) else not_in_memory(x)
+    if kind is not None:  # named first: dropping steps_per_epoch or the like would not make it trainable
+        raise NbdistError(pipeline_message(kind, "training data x"))
     check_fit_arguments(fit)
     check_trainable(model)
     check_not_stateful(model)
