@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import model_graph
+from .data import map_struct
 from .errors import NbdistError
 
 _ITERATION_NAMES = ("iteration", "iterations", "step_counter")
@@ -75,7 +76,8 @@ def ensure_built(model: Any, x: Any, y: Any) -> None:
                               f"({_one_line(exc)}); call it once on real rows before training.") from None
         return
     try:
-        model._symbolic_build(data_batch=(x[:1], None if y is None else y[:1]))
+        first = lambda struct: map_struct(lambda a: a[:1], struct)  # one row of every input and output
+        model._symbolic_build(data_batch=(first(x), first(y)))
     except Exception as exc:
         raise NbdistError(f"the model could not be built on one row of the training data ({_one_line(exc)}); "
                           "check that the data fits the model's call().") from None

@@ -111,3 +111,13 @@ def warm_socket_workers() -> dict[int, Path]:
             out[p.info["pid"]] = Path(cmd[cmd.index("--warm-socket") + 1])
     return out
 
+
+def partition_order(n: int, workers: int, batch: int) -> np.ndarray:
+    """The order of ``n`` rows in which in-memory training trains as Spark tasks holding contiguous equal
+    parts do: in memory every global batch of ``workers * batch`` rows is dealt over the workers
+    (``nbdist.train(model, x, y)`` is ``model.fit``, data.deal_rows), so global batch j is worker 0's
+    batch j of its part, then worker 1's, ..."""
+    parts = np.array_split(np.arange(n), workers)
+    steps = -(-len(parts[0]) // batch)
+    return np.concatenate([p[j * batch:(j + 1) * batch] for j in range(steps) for p in parts])
+

@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import NbdistError
-from ..fitdata import (
+from ..data import (
     FitData,
     PyDatasetData,
     class_weight_to_sample_weight,
@@ -35,6 +34,7 @@ from ..fitdata import (
     split_validation,
     to_struct,
 )
+from ..errors import NbdistError
 from .callbacks import DriverCallbacks
 
 log = logging.getLogger(__name__)

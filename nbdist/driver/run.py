@@ -22,9 +22,8 @@ from typing import Any, Self
 
 from ..backends import Backend, WorkerHandle
 from ..config import TrainConfig
-from ..data import Dataset, batches_per_epoch, check_workers, shard_bounds
+from ..data import FitData, PyDatasetData, batches_per_epoch, check_workers, shard_bounds
 from ..errors import NbdistError, TrainingFailed
-from ..fitdata import FitData, PyDatasetData
 from ..model_io import ModelSpec
 from ..placement import threads_per_worker
 from ..procs import oom_sentence
@@ -90,7 +89,7 @@ class Run:
     spark_data_needs_spark = ("a Spark DataFrame or RDD runs on the Spark backend; use --backend spark "
                               "(or auto with the SparkContext active), or convert it to numpy first.")
 
-    def __init__(self, model: Any, config: TrainConfig, data: Dataset | SparkData,
+    def __init__(self, model: Any, config: TrainConfig, data: FitData | SparkData,
                  namespace: dict[str, Any] | None = None, listeners: list[Listener] | None = None) -> None:
         self.model = model
         self.config = config
@@ -269,7 +268,18 @@ class Run:
         """The data lives on Spark executors: each worker's task writes its shard, none travels."""
         return isinstance(self.data, SparkData)
 
-    def _shard(self, rank: int) -> Dataset | FitData | None:
+    def _file_rows(self, rank: int) -> dict[str, Any] | None:
+        """Where local worker ``rank`` reads its features itself from the notebook's memory-mapped .npy
+        (``data.NpyFile``), else None: they cross the wire."""
+        return None
+
+    def _x_file(self) -> Any:
+        """The notebook's memory-mapped .npy that ``x`` is, when the workers are local (same filesystem)."""
+        if self._backend is None or self._backend.name != "local" or not isinstance(self.data, FitData):
+            return None
+        return self.data.x_file
+
+    def _shard(self, rank: int) -> FitData | None:
         """Rank ``rank``'s rows from the driver's data; None when its Spark task reads them."""
         if self.data_on_tasks:
             return None
@@ -280,11 +290,10 @@ class Run:
         """The job fields every kind of run fills the same way, plus ``fields``."""
         shard = self._shard(rank)
         x, y, weights = data_parts(shard)
-        source, data_file = "task" if shard is None else "wire", None
-        x_file = getattr(shard, "x_file", None)
-        if x_file is not None and kind == "train" and self._backend.name == "local":
-            # The notebook's memory map: the worker reads its rows from the file, none cross the wire.
-            source, data_file, x = "file", x_file.rows(*self._shards[rank]), None
+        data_file = self._file_rows(rank)
+        source = "task" if self.data_on_tasks else "file" if data_file is not None else "wire"
+        if data_file is not None:  # the notebook's memory map: the worker reads its rows, none cross the wire
+            x = None
         return JobMessage(
             kind=kind, rank=rank, world_size=self.world_size, batch_size=self.config.batch_size,
             heartbeat_timeout=self.config.heartbeat_timeout, threads=threads_per_worker(self.world_size),
@@ -567,11 +576,11 @@ class Run:
                 log.exception("progress listener failed")
 
 
-def data_parts(data: Dataset | FitData | None) -> tuple[Any, Any, Any]:
-    """(x, y, sample weights) of a shard: a Dataset has no sample weights, a FitData may."""
+def data_parts(data: FitData | None) -> tuple[Any, Any, Any]:
+    """(x, y, sample weights) of a shard."""
     if data is None or isinstance(data, PyDatasetData):  # a PyDataset travels whole (TrainingJob)
         return None, None, None
-    return data.x, data.y, data.sample_weight if isinstance(data, FitData) else None
+    return data.x, data.y, data.sample_weight
 
 
 @contextlib.contextmanager

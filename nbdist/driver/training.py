@@ -19,9 +19,8 @@ import numpy as np
 
 from ..checks import non_finite, non_finite_message
 from ..config import TrainConfig
-from ..data import Dataset, check_workers, shard_bounds
+from ..data import FitData, PyDatasetData, check_workers, map_struct, shard_bounds, share_count
 from ..errors import NbdistError, TrainingFailed
-from ..fitdata import FitData, PyDatasetData, share_count
 from ..model_io import ModelSpec, apply_state, spec_from_model
 from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
@@ -44,8 +43,8 @@ class TrainingJob(Run):
     spark_data_needs_spark = ("a Spark DataFrame or RDD trains on the Spark backend; use --backend spark "
                               "(or auto with the SparkContext active), or convert it to numpy first.")
 
-    def __init__(self, model: Any, config: TrainConfig, train: Dataset | FitData | SparkData,
-                 validation: Dataset | FitData | None = None, namespace: dict[str, Any] | None = None,
+    def __init__(self, model: Any, config: TrainConfig, train: FitData | PyDatasetData | SparkData,
+                 validation: FitData | PyDatasetData | None = None, namespace: dict[str, Any] | None = None,
                  listeners: list[Callable[[str, RunState, Any], None]] | None = None) -> None:
         super().__init__(model, config, train, namespace, listeners)
         self.validation_data = validation
@@ -98,7 +97,7 @@ class TrainingJob(Run):
             return super()._plan_shards(backend, world)
         if isinstance(self.data, PyDatasetData):
             return self._plan_py_dataset(world)
-        # Every global batch dealt over the workers (fitdata.deal_rows).
+        # Every global batch dealt over the workers (data.deal_rows).
         check_workers(len(self.data), world)
         self._rank_batches, self._rows = self.fit.plan(world, self.config.batch_size)
         self._initial_epoch = self.fit.initial_epoch
@@ -108,7 +107,7 @@ class TrainingJob(Run):
         return [(0, len(rows)) for rows in self._rows]
 
     def _plan_py_dataset(self, world: int) -> list[tuple[int, int]]:
-        """Every worker reads whole batches of the PyDataset, strided (fitdata.share_indices). Its rows per
+        """Every worker reads whole batches of the PyDataset, strided (data.share_indices). Its rows per
         batch are only known as they are read: batch 0's count stands in for progress until then."""
         data: PyDatasetData = self.data
         if data.batches < world:
@@ -122,12 +121,22 @@ class TrainingJob(Run):
     def _batch_sizes(self) -> list[int]:
         return self._rank_batches
 
-    def _shard(self, rank: int) -> Dataset | FitData | PyDatasetData | None:
+    def _shard(self, rank: int) -> FitData | PyDatasetData | None:
         if isinstance(self.data, PyDatasetData):
             return self.data  # the worker reads its own share of it
         if self.fit is not None:
-            return self.data.take(self._rows[rank])
+            rows = self._rows[rank]
+            if self._x_file() is not None:  # the worker reads its features from the file (_file_rows)
+                pick = lambda a: a[rows]
+                return FitData(None, map_struct(pick, self.data.y), map_struct(pick, self.data.sample_weight))
+            return self.data.take(rows)
         return super()._shard(rank)
+
+    def _file_rows(self, rank: int) -> dict[str, Any] | None:
+        source = self._x_file() if self.fit is not None else None
+        if source is None:
+            return None
+        return source.dealt(sum(self._rank_batches), self.world_size, rank)
 
     def _new_state(self, backend: Any) -> RunState:
         return RunState(self.world_size, self.config.epochs, backend=backend.name, strategy=self.config.strategy,
@@ -140,7 +149,7 @@ class TrainingJob(Run):
             if keep < len(self.validation_data):
                 self.validation_data = self.validation_data.slice(0, keep)
         self._val_shards = (shard_bounds(len(self.validation_data), world)
-                            if isinstance(self.validation_data, (Dataset, FitData)) else None)
+                            if isinstance(self.validation_data, FitData) else None)
         if isinstance(self.data, PyDatasetData) or isinstance(self.validation_data, PyDatasetData):
             self._py_datasets = self._pack_py_datasets()
         # Last of the checks (a temporary checkpoint directory is made here and removed by every ending).
@@ -309,8 +318,11 @@ class TrainingJob(Run):
             self.fit.callbacks.end()  # e.g. EarlyStopping restores its best weights into the model
 
     def _fit_epoch_end(self, epoch: int, merged: dict[str, float]) -> None:
-        """The notebook's callbacks see the shared weights and merged logs; their decision goes to every worker."""
-        self._apply_last_weights()
+        """The notebook's callbacks see the shared weights and merged logs; their decision goes to every worker.
+        The weights go into the model only for callbacks that read it: otherwise it stays as it was until the
+        run ends, so a failed run (--data X,y with --checkpoint-dir, say) leaves it untouched."""
+        if self.fit.callbacks.needs_model:
+            self._apply_last_weights()
         try:
             decision = self.fit.callbacks.epoch_end(epoch, merged)
         except Exception as exc:  # the notebook's own callback raised: end the run with its message

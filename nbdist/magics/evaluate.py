@@ -59,6 +59,9 @@ class EvaluateMagics(Magics):
     @_batch
     @_features
     @argument("--label", default=None, metavar="COL", help="Spark DataFrame label column")
+    @argument("--sample-weight", default=None, metavar="W",
+              help="notebook variable holding per-row weights (an array, or a dict or list per output), "
+                   "as model.evaluate's sample_weight")
     @argument("--out", default="evaluation", metavar="NAME",
               help="variable to receive the result dict (default: evaluation)")
     @line_magic
@@ -85,8 +88,15 @@ class EvaluateMagics(Magics):
         args, ns, out, model, (x, y) = self._inputs(self.dist_evaluate, line)
         if y is None and not _is_spark(x):
             raise NbdistError("--data needs features and labels to evaluate; write it as --data X,y.")
-        result = evaluate(model, x, y, namespace=ns, workers=args.workers, backend=args.backend,
-                          batch_size=args.batch_size, features=args.features, label=args.label)
+        weights = None
+        if args.sample_weight is not None:
+            weights, extra = lookup_pair(args.sample_weight, ns, "--sample-weight")
+            if extra is not None:
+                raise NbdistError("--sample-weight names one notebook variable (a dict or list for several "
+                                  "outputs), e.g. --sample-weight w.")
+        result = evaluate(model, x, y, sample_weight=weights, namespace=ns, workers=args.workers,
+                          backend=args.backend, batch_size=args.batch_size, features=args.features,
+                          label=args.label)
         ns[out] = result
         display(EvaluationReport(result))
 

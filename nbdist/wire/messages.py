@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..fitdata import Struct, flatten, unflatten
+from ..data import Struct, flatten, unflatten
 from ..model_io import ModelSpec
 
 # Bump on any change to the job message's fields or their meaning.
@@ -151,11 +151,11 @@ class JobMessage:
     version: int = JOB_VERSION
     # True when the data carries labels; for data_source "task" the body says so, as no arrays come.
     has_y: bool = field(default=False)
-    # A fit on keras.utils.PyDataset(s): cloudpickled {"train", "validation": fitdata.PyDatasetData or None,
+    # A fit on keras.utils.PyDataset(s): cloudpickled {"train", "validation": data.PyDatasetData or None,
     # "order_seed": int}; each worker reads its share of the batches (worker/pydatasets.py).
     py_datasets: bytes | None = None
-    # data_source "file": {"path", "offset", "dtype", "shape", "start", "stop"} of the features' .npy
-    # (data.NpyFile plus this worker's rows); the labels travel in y as usual.
+    # data_source "file": {"path", "offset", "dtype", "shape"} of the features' .npy plus this worker's rows,
+    # "start"/"stop" or "deal" (data.NpyFile, data.file_index); the labels travel in y as usual.
     data_file: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import errno
 import os
 import struct
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -170,27 +169,29 @@ def load_task_data(directory: str | None = None) -> tuple[np.ndarray, np.ndarray
 
 
 class NpyRows:
-    """A local worker's rows of the notebook's memory-mapped .npy (``JobMessage.data_file``), read a
-    block at a time with plain file reads (no memory map: its pages would stay in the worker's RSS),
-    the labels from the job. The same interface as ``ShardReader`` for worker/streams.py."""
+    """A local worker's rows of the notebook's memory-mapped .npy (``JobMessage.data_file``: a range, or
+    its dealt rows of every global batch), read a block at a time with positional file reads (no memory
+    map: its pages would stay in the worker's RSS), the labels from the job (already in that order).
+    The same interface as ``ShardReader`` for worker/streams.py."""
 
     BLOCK_BYTES = 4 * 2**20
 
     def __init__(self, data_file: dict, y: np.ndarray | None) -> None:
+        from ..data import file_index
+
         self.path = str(data_file["path"])
         self.dtype = np.dtype(data_file["dtype"])
         self.row_shape = tuple(int(s) for s in data_file["shape"][1:])
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
         self.offset = int(data_file["offset"])
-        self.start, self.stop = int(data_file["start"]), int(data_file["stop"])
+        self.index = file_index(data_file)
         self.y = y
         self.labels = y is not None
-        self.rows = self.stop - self.start
+        self.rows = len(self.index)
         step = max(1, self.BLOCK_BYTES // max(1, self.row_bytes))
         self._starts = list(range(0, self.rows, step))
         self.block_rows = [min(step, self.rows - a) for a in self._starts]
-        self._file = open(self.path, "rb")  # noqa: SIM115 - read across calls, closed by close()
-        self._lock = threading.Lock()  # the read-ahead thread and the first block's read share the file
+        self._fd = os.open(self.path, os.O_RDONLY)  # closed by close(); pread needs no lock between threads
 
     @property
     def blocks(self) -> int:
@@ -198,14 +199,22 @@ class NpyRows:
 
     def block(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
         a, n = self._starts[i], self.block_rows[i]
-        with self._lock:
-            self._file.seek(self.offset + (self.start + a) * self.row_bytes)
-            x = np.fromfile(self._file, dtype=self.dtype, count=n * self.row_bytes // self.dtype.itemsize)
-        x = x.reshape((n, *self.row_shape))
+        index = self.index[a:a + n]
+        x = np.empty((n, *self.row_shape), dtype=self.dtype)
+        # One read per run of consecutive rows (a dealt share is runs of its batch size).
+        cuts = np.concatenate([[0], np.flatnonzero(np.diff(index) != 1) + 1, [n]])
+        for start, stop in zip(cuts[:-1], cuts[1:]):
+            want = int(stop - start) * self.row_bytes
+            got = os.preadv(self._fd, [memoryview(x[start:stop]).cast("B")],
+                            self.offset + int(index[start]) * self.row_bytes)
+            if got != want:
+                raise OSError(f"{self.path} ended early: read {got} of {want} bytes")
         if x.dtype == np.float64:  # as the wire would have sent it: Keras trains in float32
             x = x.astype(np.float32)
         y = None if self.y is None else self.y[a:a + n]
         return x, y
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

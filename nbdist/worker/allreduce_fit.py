@@ -30,7 +30,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
                   lr_factor: float = 1.0) -> None:
     import keras
 
-    from ..fitdata import share_count
+    from ..data import share_count
     from ..model_io import averaged_optimizer_variables
     from ..strategies.allreduce import (
         AllreduceCallback,

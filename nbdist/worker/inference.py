@@ -12,35 +12,91 @@ from typing import Any
 
 import numpy as np
 
+from ..data import flatten
 from ..wire.messages import JobMessage, MessageType
+from .datasets import sample_count, tf_structure
 
 log = logging.getLogger("nbdist.worker")
 
 
-def evaluate_shard(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int,
-                   classifier: dict[str, Any] | None) -> tuple[list[str], list[np.ndarray], dict[str, Any]]:
-    """Metric variables after evaluating this shard, plus the classifier's additive counts."""
+def evaluate_shard(model: Any, x: Any, y: Any, batch_size: int, classifier: dict[str, Any] | None,
+                   sample_weight: Any = None) -> tuple[list[str], list[np.ndarray], dict[str, Any]]:
+    """Metric variables after evaluating this shard (``x``, ``y``, ``sample_weight`` as ``model.evaluate``
+    takes them: arrays, or lists or dicts of arrays), plus the classifier's additive counts."""
     from ..metrics import ClassifierSpec, shard_statistics
 
-    model.evaluate(x, y, batch_size=batch_size, verbose=0)
+    model.evaluate(_unsized_batches(x, y, sample_weight, batch_size), verbose=0)
     names = [v.path for v in model.metrics_variables]
     state = [np.asarray(v.numpy()) for v in model.metrics_variables]
-    y_pred_row = model.predict(x[:1], batch_size=1, verbose=0)
-    extra: dict[str, Any] = {"y_row": np.asarray(y[:1]), "y_pred_row": np.asarray(y_pred_row)}
+    extra: dict[str, Any] = {}
+    if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):  # one label row and its prediction (Spark's driver)
+        extra["y_row"] = np.asarray(y[:1])
+        extra["y_pred_row"] = np.asarray(model.predict(x[:1], batch_size=1, verbose=0))
     spec = ClassifierSpec.from_json(classifier)
     if spec is not None:
         # A second pass for the predictions: model.evaluate does not hand them out.
-        extra["stats"] = shard_statistics(y, model.predict(x, batch_size=batch_size, verbose=0), spec)
+        extra["stats"] = shard_statistics(y, model.predict(x, verbose=0, **_sized(x, batch_size)), spec)
     return names, state, extra
 
 
-def predict_shard(model: Any, x: np.ndarray, batch_size: int) -> list[np.ndarray]:
-    out = model.predict(x, batch_size=batch_size, verbose=0)
-    return [np.asarray(a) for a in (out if isinstance(out, (list, tuple)) else [out])]
+def _unsized_batches(x: Any, y: Any, sample_weight: Any, batch_size: int) -> Any:
+    """The shard in batches whose size the traced step does not know. Keras weighs each batch's
+    per-output loss (``<output>_loss``) by the batch size when the trace knows it and by 1 otherwise:
+    a worker whose batches are all full would weigh them by 64 and another by 1, and their merged
+    state would be neither. With the size unknown every batch weighs 1, as in the notebook's evaluate."""
+    import tensorflow as tf
+
+    if isinstance(x, tf.data.Dataset):  # a memory-mapped file's batches: the labels and weights beside them
+        rest = tuple(p for p in (y, sample_weight) if p is not None)
+        labels = tf.data.Dataset.from_tensor_slices(tf_structure(rest)).batch(batch_size)
+        return tf.data.Dataset.zip((x, labels)).map(lambda xb, rb: (xb, *rb))
+    parts = tf_structure((x, y) if sample_weight is None else (x, y, sample_weight))
+    return tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
 
 
-def _fit_input(model: Any, x: np.ndarray) -> np.ndarray:
+def _sized(x: Any, batch_size: int) -> dict[str, int]:
+    """``batch_size`` for ``predict`` on arrays; a dataset is already in batches."""
+    return {} if hasattr(x, "element_spec") else {"batch_size": batch_size}
+
+
+def file_features(data_file: dict[str, Any], batch_size: int) -> tuple[Any, int]:
+    """This worker's rows of the notebook's memory-mapped .npy (local workers) as batches read from the
+    file a block at a time, never the whole share in memory; and their count."""
+    import tensorflow as tf
+
+    from ..wire.shardfile import NpyRows
+    from .streams import window_batches
+
+    first = NpyRows(data_file, None)
+    rows = first.rows
+    row = first.block(0)[0][:0] if rows else np.zeros((0, *data_file["shape"][1:]), np.float32)
+    first.close()
+
+    def batches() -> Any:
+        reader = NpyRows(data_file, None)
+        try:
+            blocks = ((reader.block(i)[0],) for i in range(reader.blocks))
+            for (xb,) in window_batches(blocks, batch_size, batch_size, False, np.random.default_rng(0)):
+                yield xb
+        finally:
+            reader.close()
+
+    spec = tf.TensorSpec((None, *row.shape[1:]), tf.as_dtype(row.dtype))
+    return tf.data.Dataset.from_generator(batches, output_signature=spec), rows
+
+
+def predict_shard(model: Any, x: Any, batch_size: int) -> tuple[Any, list[np.ndarray]]:
+    """The predictions as ``model.predict`` returns them, flattened: (their layout, the arrays)."""
+    out = model.predict(x, verbose=0, **_sized(x, batch_size))
+    as_lists = lambda o: [as_lists(v) for v in o] if isinstance(o, (list, tuple)) else \
+        {str(k): as_lists(v) for k, v in o.items()} if isinstance(o, dict) else np.asarray(o)
+    return flatten(as_lists(out))
+
+
+def _fit_input(model: Any, x: Any) -> Any:
     """Flat rows from Spark columns reshaped to an image model's input (e.g. 3072 -> 32x32x3)."""
+    if not isinstance(x, np.ndarray):
+        return x
     try:
         shape = tuple(model.inputs[0].shape[1:])
     except (AttributeError, IndexError, ValueError):
@@ -58,29 +114,34 @@ def run_inference(link: Any, job: JobMessage) -> None:
     pin_threads(job.threads)
     model = model_from_spec(job.model)
     x, y, batch_size = job.x, job.y, job.batch_size
+    if job.data_source == "file":  # the notebook's memory map: read here, a block at a time
+        x, rows = file_features(job.data_file, batch_size)
+    else:
+        rows = sample_count(x)
     link.send({"type": MessageType.PROGRESS, "state": job.kind + "ing", "epoch": 0, "batch": 0,
-               "batches": -(-len(x) // batch_size)})
+               "batches": -(-rows // batch_size)})
     started = time.perf_counter()
     x = _fit_input(model, x)
-    if job.kind == "evaluate" and len(x) == 0:  # an empty Spark partition: nothing to add
+    if job.kind == "evaluate" and rows == 0:  # an empty Spark partition: nothing to add
         link.send({"type": MessageType.EVALUATION, "rows": 0, "names": [], "has_stats": False,
                    "has_histogram": False})
     elif job.kind == "predict":
-        outputs = predict_shard(model, x, batch_size)
-        link.send({"type": MessageType.PREDICTIONS, "rows": len(x)}, outputs)
+        layout, outputs = predict_shard(model, x, batch_size)
+        link.send({"type": MessageType.PREDICTIONS, "rows": rows, "layout": layout}, outputs)
     elif job.kind == "evaluate":
-        names, state, extra = evaluate_shard(model, x, y, batch_size, job.classifier)
+        names, state, extra = evaluate_shard(model, x, y, batch_size, job.classifier, job.sample_weight)
         stats = extra.get("stats")
-        arrays = state + [extra["y_row"], extra["y_pred_row"]]
+        # Always two arrays after the state (empty when the driver needs no label row): stats stay in place.
+        arrays = state + [extra.get("y_row", np.zeros(0)), extra.get("y_pred_row", np.zeros(0))]
         if stats is not None:
             arrays.append(stats["confusion"])
             if "histogram" in stats:
                 arrays.append(stats["histogram"])
-        link.send({"type": MessageType.EVALUATION, "rows": len(x), "names": names,
+        link.send({"type": MessageType.EVALUATION, "rows": rows, "names": names,
                    "has_stats": stats is not None, "has_histogram": bool(stats and "histogram" in stats)},
                   arrays)
     else:
         raise ValueError(f"unknown job kind {job.kind!r}")
     link.send({"type": MessageType.DONE, "seconds": time.perf_counter() - started,
                "tensorflow_loaded": "tensorflow" in sys.modules})
-    log.info("worker %d %s %d rows in %.2f s", job.rank, job.kind, len(x), time.perf_counter() - started)
+    log.info("worker %d %s %d rows in %.2f s", job.rank, job.kind, rows, time.perf_counter() - started)

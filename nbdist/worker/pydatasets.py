@@ -1,7 +1,7 @@
 """A notebook's ``keras.utils.PyDataset`` on a worker: this worker's share of its batches.
 
 What a batch means distributed: the PyDataset's own batch. Worker ``rank`` of ``world`` reads the
-batch indices ``order[rank::world]`` of every epoch (strided, ``fitdata.share_indices``), where
+batch indices ``order[rank::world]`` of every epoch (strided, ``data.share_indices``), where
 ``order`` is ``range(len(ds))``, shuffled by (job seed, epoch) when ``shuffle=True`` as Keras shuffles
 a PyDataset's batch order. So step j of all workers together reads ``world`` consecutive batches of
 the epoch, ``order[j*world:(j+1)*world]``: with 2 workers one step consumes 2 of its batches.
@@ -30,7 +30,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from ..fitdata import (
+from ..data import (
     PyDatasetData,
     batch_rows,
     epoch_order,

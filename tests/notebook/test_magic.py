@@ -66,7 +66,7 @@ def trained_model(ip):
 
 @pytest.mark.parametrize("line, cell, fragment", [
     ("--data nope,y --workers 2", MODEL_CELL, "no variable named 'nope'"),
-    ("--data X,yv --workers 2", MODEL_CELL, "600 rows but labels have 200"),
+    ("--data X,yv --workers 2", MODEL_CELL, "x has 600 rows but y has 200 rows"),
     ("--data X,y --workers 2", "z = 1", "assigned no Keras model"),
     ("--data X,y --workers 2", MODEL_CELL + "\nother = keras.models.clone_model(model)", "--model NAME"),
     ("--data X,y --workers 2", MODEL_CELL.split("model.compile")[0], "not compiled"),

@@ -22,6 +22,7 @@ from ..spark_helpers import (
     accuracy,
     digits,
     need_spark,
+    partition_order,
     small_model,
     wait_until_no_workers,
     wait_warm_ready,
@@ -194,6 +195,7 @@ def test_streamed_over_connect_equals_in_memory_on_the_same_rows(spark, data, no
         streamed, in_memory = small_model(), small_model()
         job = nbdist.train(streamed, df, features="pixels", label="digit", **options)
         assert job.state.backend == "spark" and [w.samples for w in job.state.workers] == [500, 500]
+        order = order[partition_order(len(order), 2, 32)]  # each partition's batches, dealt as Spark's tasks
         nbdist.train(in_memory, X[order], y[order], backend="local", **options)
     finally:
         spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from ..memory_cgroup import join, memory_cgroup, peak_usage
-from ..spark_helpers import accuracy, need_spark, small_model
+from ..spark_helpers import accuracy, need_spark, partition_order, small_model
 
 need_spark()
 
@@ -47,7 +47,8 @@ def test_streamed_equals_in_memory_without_shuffle(frame, strategy, no_leftover_
     streamed, in_memory = small_model(), small_model()
     job = nbdist.train(streamed, df, features="pixels", label="digit", backend="spark", **options)
     assert job.state.backend == "spark" and [w.samples for w in job.state.workers] == [len(X) // 2] * 2
-    nbdist.train(in_memory, X, y, backend="local", **options)
+    order = partition_order(len(X), 2, 32)
+    nbdist.train(in_memory, X[order], y[order], backend="local", **options)
     for a, b in zip(streamed.get_weights(), in_memory.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
 

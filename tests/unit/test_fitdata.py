@@ -4,8 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nbdist.errors import NbdistError
-from nbdist.fitdata import (
+from nbdist.data import (
     FitData,
     class_weight_to_sample_weight,
     deal_rows,
@@ -13,6 +12,7 @@ from nbdist.fitdata import (
     rank_batch_sizes,
     split_validation,
 )
+from nbdist.errors import NbdistError
 from nbdist.strategies.averaging import batch_sizes
 
 
@@ -46,14 +46,14 @@ def test_class_weight_and_validation_split_follow_keras():
 
 
 def test_rows_that_do_not_line_up_are_one_sentence():
-    with pytest.raises(NbdistError, match="different numbers of rows"):
+    with pytest.raises(NbdistError, match="x has 5 and 4 rows but y has 4 rows"):
         make_fit_data([np.zeros((4, 2)), np.zeros((5, 2))], np.zeros(4))
 
 
 def test_py_dataset_shares_are_strided_disjoint_and_cover_every_batch():
     """Worker r of N reads order[r::N]: step j of all workers reads N consecutive batches of the epoch;
     every worker computes the same order from the job seed, shuffled anew each epoch."""
-    from nbdist.fitdata import epoch_order, share_count, share_indices
+    from nbdist.data import epoch_order, share_count, share_indices
 
     assert list(share_indices(epoch_order(7, False, 0, 0), 1, 2)) == [1, 3, 5]
     assert [share_count(7, r, 3) for r in range(3)] == [3, 2, 2]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from nbdist.config import TrainConfig
-from nbdist.data import make_dataset, shard_bounds
+from nbdist.data import make_fit_data, shard_bounds
 from nbdist.driver.state import RunState, merge_epoch_logs
 from nbdist.errors import NbdistError
 from nbdist.strategies.averaging import batch_sizes, rounds_per_epoch, sync_after
@@ -66,7 +66,7 @@ def test_bad_options_get_one_sentence(options, fragment):
 
 
 @pytest.mark.parametrize("x, y, fragment", [
-    (np.zeros((5, 2)), np.zeros(4), "5 rows but labels have 4"),
+    (np.zeros((5, 2)), np.zeros(4), "x has 5 rows but y has 4 rows"),
     (np.array([["2020-01-01", "2020-01-02"]], dtype="datetime64[D]"), np.zeros(1), "not numbers"),
     (np.array([["a", 1]], dtype=object), np.zeros(1), "not numbers"),
     (np.array([[1.0, np.nan]]), np.zeros(1), "NaN"),
@@ -75,14 +75,14 @@ def test_bad_options_get_one_sentence(options, fragment):
 ])
 def test_bad_data_gets_one_sentence(x, y, fragment):
     with pytest.raises(NbdistError, match=fragment):
-        make_dataset(x, y)
+        make_fit_data(x, y)
 
 
 def test_pandas_and_lists_are_accepted():
     pd = pytest.importorskip("pandas")
-    ds = make_dataset(pd.DataFrame({"a": [1.0, 2.0], "b": [3.0, 4.0]}), pd.Series([0, 1]))
+    ds = make_fit_data(pd.DataFrame({"a": [1.0, 2.0], "b": [3.0, 4.0]}), pd.Series([0, 1]))
     assert ds.x.shape == (2, 2) and ds.x.dtype == np.float32 and len(ds) == 2
-    assert make_dataset([[1, 2], [3, 4]], [0, 1]).x.shape == (2, 2)
+    assert make_fit_data([[1, 2], [3, 4]], [0, 1]).x.shape == (2, 2)
 
 
 def test_lr_scaling_keeps_plain_sgd_exact_and_scales_adaptive_optimizers():
@@ -111,10 +111,9 @@ def test_last_traceback_keeps_the_head_of_a_long_traceback() -> None:
                                    np.array(["a", "b"], dtype=object)])
 def test_text_inputs_are_data_as_keras_takes_them(value):
     """Strings for a model's own StringLookup or TextVectorization: fixed-width arrays that cross the wire."""
-    from nbdist.data import to_array
-    from nbdist.fitdata import to_struct
+    from nbdist.data import make_fit_data, to_struct
 
-    for arr in (to_array(value, "x"), to_struct(value, "x")):
+    for arr in (make_fit_data(value).x, to_struct(value, "x")):
         assert arr.dtype.kind in "US" and len(arr) == 2
 
 

@@ -77,14 +77,14 @@ def test_a_small_window_keeps_rows_near_their_block_order():
 
 
 def test_a_whole_npy_memory_map_is_read_by_rows_from_its_file(tmp_path, monkeypatch):
-    from nbdist.data import make_dataset, npy_file
+    from nbdist.data import make_fit_data, npy_file
     from nbdist.wire.shardfile import NpyRows
 
     x = np.arange(40, dtype=np.float64).reshape(10, 2, 2)
     np.save(tmp_path / "x.npy", x)
     mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
     assert npy_file(mapped[2:]) is None and npy_file(np.asarray(x)) is None  # only the file's own rows
-    data = make_dataset(mapped, np.arange(10))
+    data = make_fit_data(mapped, np.arange(10))
     assert data.x_file is not None and data.x_file.shape == (10, 2, 2)
     monkeypatch.setattr(NpyRows, "BLOCK_BYTES", 40)  # 32-byte rows: one a block
     rows = NpyRows(data.x_file.rows(3, 10), np.arange(10)[3:10])
@@ -96,4 +96,4 @@ def test_a_whole_npy_memory_map_is_read_by_rows_from_its_file(tmp_path, monkeypa
     x[9, 1, 1] = np.nan  # found by reading the file, not the map
     np.save(tmp_path / "bad.npy", x)
     with pytest.raises(NbdistError, match="holds 1 NaN"):
-        make_dataset(np.load(tmp_path / "bad.npy", mmap_mode="r"), np.arange(10))
+        make_fit_data(np.load(tmp_path / "bad.npy", mmap_mode="r"), np.arange(10))

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import nbdist
-from nbdist.data import shard_bounds
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,11 +37,9 @@ def compiled(model, optimizer):
 
 
 def global_batches(n, workers, batch_size):
-    """Row indices of each synchronous step: worker 0's batch j, then worker 1's batch j, ..."""
-    per_worker = [[np.arange(i, min(i + batch_size, stop)) for i in range(start, stop, batch_size)]
-                  for start, stop in shard_bounds(n, workers)]
-    steps = max(len(b) for b in per_worker)
-    return [np.concatenate([b[j] for b in per_worker if j < len(b)]) for j in range(steps)]
+    """Row indices of each synchronous step: global batch j, dealt over the workers (data.deal_rows)."""
+    step = workers * batch_size
+    return [np.arange(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 def local_reference(build, optimizer, x, y, workers, batch_size, epochs):

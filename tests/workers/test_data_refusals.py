@@ -56,3 +56,14 @@ def test_a_stream_is_one_sentence_at_every_entry_point(ip, entry, kind):
     assert words in message and "pass the arrays it reads from" in message, message
     assert "dtype object" not in message and "\n" not in message
     assert not worker_processes()
+
+
+def test_a_generator_is_named_before_the_fit_arguments_it_came_with(ip):
+    """``model.fit(gen, steps_per_epoch=4)``: the generator is what cannot train, so it is named first (dropping
+    steps_per_epoch would only lead to this sentence)."""
+    ip.user_ns.update(keras=keras, S=(row for row in np.zeros((8, 64), "float32")))
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("dist_train", "--workers 2 --ui none", CELL + "model.fit(S, steps_per_epoch=4)\n")
+    assert "is a generator or iterator" in str(info.value) and "steps_per_epoch" not in str(info.value)
+    assert not worker_processes()
+

@@ -20,6 +20,31 @@ def test_a_memory_map_trains_as_the_array_in_memory(digits, tmp_path, strategy, 
     job = nbdist.train(from_file, mapped, y[:1000], **options)
     nbdist.train(in_memory, X[:1000], y[:1000], **options)
     sent = job._job_message(1)  # what worker 1 was sent
-    assert sent.data_source == "file" and sent.x is None and sent.data_file["start"] == 500
+    # its dealt rows of every global batch of 64 (nbdist.train is model.fit(x, y)): 32..63, 96..127, ...
+    assert sent.data_source == "file" and sent.x is None and sent.data_file["deal"] == [1000, 64, 2, 1]
     for a, b in zip(from_file.get_weights(), in_memory.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_evaluate_and_predict_read_a_memory_map_from_the_file(digits, tmp_path, no_leftover_workers):
+    """%dist_evaluate / %dist_predict on a memory map: local workers read their rows from the file (none
+    cross the wire), in batches of the whole pass; the results are the local evaluate's and predict's."""
+    from nbdist.driver.inference import EvaluationJob, PredictionJob, _prepare
+
+    X, y = digits
+    np.save(tmp_path / "x.npy", X[:301].astype("float64"))
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    model = mlp()
+    model.fit(X[:300], y[:300], epochs=1, verbose=0)
+    config, data = _prepare(model, mapped, y[:301], None, True, {"workers": 2, "batch_size": 64}, "the model")
+    job = EvaluationJob(model, config, data)
+    got = job.run()
+    sent = job._job_message(1)
+    assert sent.data_source == "file" and sent.x is None
+    assert (sent.data_file["start"], sent.data_file["stop"]) == (192, 301)  # batches 3 and 4 of 64
+    want = model.evaluate(X[:301], y[:301], batch_size=64, verbose=0, return_dict=True)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
+    config, data = _prepare(model, mapped, None, None, False, {"workers": 2, "batch_size": 64}, "the model")
+    predicted = PredictionJob(model, config, data).run()
+    np.testing.assert_allclose(predicted, model.predict(X[:301], verbose=0), rtol=0, atol=1e-5)

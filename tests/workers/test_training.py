@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import nbdist
-from nbdist.data import shard_bounds
+from nbdist.data import deal_rows
 
 from ..conftest import mlp, relative_error
 
@@ -30,10 +30,11 @@ def test_one_worker_equals_local_fit(digits):
 
 
 def interleave_batches(x: np.ndarray, workers: int, batch: int) -> np.ndarray:
-    """The order in which one big-batch local fit sees the examples the workers see together."""
-    shards = [x[a:b] for a, b in shard_bounds(len(x), workers)]
-    steps = max(-(-len(s) // batch) for s in shards)
-    return np.concatenate([s[j * batch:(j + 1) * batch] for j in range(steps) for s in shards])
+    """The order in which one big-batch local fit sees the examples the workers see together: the
+    rows as they are, since every global batch of ``workers * batch`` rows is dealt over the workers
+    in order (data.deal_rows; ``nbdist.train(model, x, y)`` is ``model.fit(x, y)``)."""
+    rows = np.concatenate(deal_rows(len(x), workers * batch, workers))
+    return x[np.sort(rows)]
 
 
 def test_averaging_every_step_with_sgd_equals_local_fit_with_the_combined_batch(digits):
@@ -55,7 +56,7 @@ def rounds_of_local_sgd(model, x, y, workers: int, batch: int, k: int) -> None:
 
     A shard whose batches ran out contributes no rows to the later rounds (nbdist's empty rounds).
     """
-    shards = [(x[a:b], y[a:b]) for a, b in shard_bounds(len(x), workers)]
+    shards = [(x[rows], y[rows]) for rows in deal_rows(len(x), workers * batch, workers)]
     start = model.get_weights()
     rounds = max(-(-len(sx) // (k * batch)) for sx, _ in shards)
     for r in range(rounds):
