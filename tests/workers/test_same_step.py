@@ -286,7 +286,9 @@ def test_averaging_every_k_steps_is_local_adam_then_the_weighted_average_of_weig
     local, remote = sparse_model(keras.optimizers.Adam(0.01)), sparse_model(keras.optimizers.Adam(0.01))
     remote.set_weights(local.get_weights())
     local.optimizer.build(local.trainable_variables)
-    rounds_of_local_adam(local, [(x[:128], y[:128]), (x[128:], y[128:])], batch=16, k=3)
+    # Each global batch of 32 rows is dealt in order: its first 16 rows to worker 0, the next 16 to worker 1.
+    dealt = [np.arange(256).reshape(8, 2, 16)[:, w].ravel() for w in range(2)]
+    rounds_of_local_adam(local, [(x[rows], y[rows]) for rows in dealt], batch=16, k=3)
     job = nbdist.train(remote, x, y, epochs=1, batch_size=16, workers=2, strategy="averaging",
                        averaging_frequency=3, shuffle=False, lr_scaling="none")
     assert job.reports[0]["rounds"] == 3  # 8 batches per worker: after the 3rd, 6th and 8th
