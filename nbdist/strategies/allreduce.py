@@ -203,6 +203,16 @@ class GradientAllreduce:
 
             self._weight_var = tf.Variable(0.0, trainable=False, dtype=tf.float32, name="nbdist_batch_samples")
 
+    def _check_present(self, grads: list[Any]) -> None:
+        """Every step must carry gradients for the same variables, one per trainable variable."""
+        present = [g is not None for g in grads]
+        if self._present is None:
+            self._present = present
+        elif present != self._present:
+            raise RuntimeError("the set of variables with gradients changed between steps")
+        if len(grads) != len(self.shapes):
+            raise RuntimeError(f"{len(grads)} gradients for {len(self.shapes)} trainable variables")
+
     def set_weight(self, samples: float, total: float | None = None) -> None:
         """This worker's samples in the next step and (Gloo) all workers' samples in it."""
         self.weight = float(samples)
@@ -393,13 +403,7 @@ class GradientAllreduce:
             raise RuntimeError("the train step changed between scaling the loss and not scaling it")
 
         grads = list(grads)
-        present = [g is not None for g in grads]
-        if self._present is None:
-            self._present = present
-        elif present != self._present:
-            raise RuntimeError("the set of variables with gradients changed between steps")
-        if len(grads) != len(self.shapes):
-            raise RuntimeError(f"{len(grads)} gradients for {len(self.shapes)} trainable variables")
+        self._check_present(grads)
         # Sparse gradients (an Embedding's tf.IndexedSlices) travel as slices on Gloo (``gather_slices``).
         sparse = [isinstance(g, tf.IndexedSlices) and self.engine == "gloo" for g in grads]
         if self._sparse is None:

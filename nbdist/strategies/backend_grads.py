@@ -76,13 +76,7 @@ class HostGradientAllreduce(GradientAllreduce):
         if not self._queued:
             raise RuntimeError("an allreduce step ran without its rows set (set_weight)")
         self.weight, self.total = self._queued.popleft()
-        present = [g is not None for g in grads]
-        if self._present is None:
-            self._present = present
-        elif present != self._present:
-            raise RuntimeError("the set of variables with gradients changed between steps")
-        if len(grads) != len(self.shapes):
-            raise RuntimeError(f"{len(grads)} gradients for {len(self.shapes)} trainable variables")
+        self._check_present(list(grads))
         dense = [np.zeros(s, np.float32) if g is None else np.asarray(g, dtype=np.float32)
                  for g, s in zip(grads, self.shapes)]
         out = self.exchange(*dense)
