@@ -329,10 +329,12 @@ def make_fit_data(x: Any, y: Any = None, sample_weight: Any = None, what: str = 
                           "per example (pass X and y of the same length).")
     if len(data) == 0:
         raise NbdistError(f"{what} is empty; pass at least one example per worker.")
-    for a in leaves(data.x) + leaves(data.y) + leaves(data.sample_weight):
-        bad = non_finite(a) if a.dtype.kind == "f" else 0
-        if bad:
-            raise NbdistError(f"{what} holds {bad} NaN or infinite values; clean or impute them before training.")
+    for name, part in (("features", data.x), ("labels", data.y), ("sample weights", data.sample_weight)):
+        for a in leaves(part):
+            bad = non_finite(a) if a.dtype.kind == "f" else 0
+            if bad:
+                raise NbdistError(f"{what}: the {name} hold {bad} NaN or infinite values; clean or impute them "
+                                  "before training.")
     return data
 
 

@@ -92,7 +92,7 @@ TRAIN_CASES = [
     # -- data
     ("mismatched-lengths", "--data X_short,y", USE_M0, ["150 rows", "200"]),
     ("strings", "--data X_strings,y", USE_M0, ["dtype", "astype"]),
-    ("object-dtype", "--data X_object,y", USE_M0, ["dtype object"]),
+    ("object-dtype", "--data X_object,y", USE_M0, ["Python objects", "astype"]),
     ("nan-features", "--data X_nan,y", USE_M0, ["NaN", "impute"]),
     ("inf-features", "--data X_inf,y", USE_M0, ["infinite"]),
     ("nan-labels", "--data X,y_nan", USE_M0, ["labels", "NaN"]),
@@ -199,7 +199,8 @@ def test_dist_evaluate_bad_input(ip, line, words):
 API_CASES = [
     ("api-unknown-option", lambda m, x, y: nbdist.train(m, x, y, epoks=3), ["epoks"]),
     ("api-not-a-model", lambda m, x, y: nbdist.train("model", x, y, epochs=1), ["str", "not a Keras model"]),
-    ("api-validation-not-a-pair", lambda m, x, y: nbdist.train(m, x, y, validation_data=(x,)), ["pair"]),
+    ("api-validation-not-a-pair", lambda m, x, y: nbdist.train(m, x, y, validation_data=(x,)),
+     ["(x_val, y_val)"]),
     ("api-epochs-as-text", lambda m, x, y: nbdist.train(m, x, y, epochs="3"), ["epochs", "'3'"]),
     ("api-features-on-numpy", lambda m, x, y: nbdist.train(m, x, y, features="a"), ["Spark DataFrame"]),
 ]

@@ -95,5 +95,5 @@ def test_a_whole_npy_memory_map_is_read_by_rows_from_its_file(tmp_path, monkeypa
     assert np.concatenate([g[1] for g in got]).tolist() == list(range(3, 10))
     x[9, 1, 1] = np.nan  # found by reading the file, not the map
     np.save(tmp_path / "bad.npy", x)
-    with pytest.raises(NbdistError, match="holds 1 NaN"):
+    with pytest.raises(NbdistError, match="the features hold 1 NaN"):
         make_fit_data(np.load(tmp_path / "bad.npy", mmap_mode="r"), np.arange(10))
