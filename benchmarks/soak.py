@@ -52,13 +52,15 @@ class Trial:
 
 
 def worker_processes() -> list[Any]:
-    """nbdist worker processes descended from this process."""
+    """nbdist worker processes descended from this process; not the fork servers they come from, which
+    wait for the next run (backends/warm.py)."""
     import psutil
 
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "nbdist.worker" in " ".join(child.cmdline()):
+            cmdline = " ".join(child.cmdline())
+            if "nbdist.worker" in cmdline and "--fork-server" not in cmdline:
                 out.append(child)
         except psutil.NoSuchProcess:
             continue

@@ -116,7 +116,8 @@ def widget_notebook():
         f"{MODEL}before = [w.copy() for w in model.get_weights()]",
         "import numpy as np, psutil\n"
         "changed = not all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))\n"
-        "workers = [p for p in psutil.Process().children(recursive=True) if 'nbdist.worker' in ' '.join(p.cmdline())]\n"
+        "workers = [p for p in psutil.Process().children(recursive=True)\n"
+        "           if 'nbdist.worker' in ' '.join(p.cmdline()) and '--fork-server' not in p.cmdline()]\n"
         "acc = float((model.predict(X, verbose=0).argmax(1) == y).mean())\n"
         "print('interrupted:', len(hi['loss']), changed, len(workers), round(acc, 3))",
         # Zeppelin's IPython interpreter (no widgets, display updates dropped) is recognised by its
