@@ -3,8 +3,8 @@
 Runs the real magic in an IPython shell with the text renderer and stamps the moment
 the first "Epoch" line is written to the cell's output. As in a notebook, TensorFlow is
 already imported in the kernel. Warm (the default): ``%load_ext nbdist`` has started the
-workers, which import TensorFlow while the user writes the cell, so each repeat first waits
-until they are ready (backends/warm.py); a job starts the next set once it ends. Cold
+fork server, which imports TensorFlow while the user writes the cell, so each repeat first waits
+until it is ready; each job's workers are forked from it (backends/warm.py). Cold
 (``--cold``): warm workers are off and each run starts its own, importing TensorFlow.
 
     PYTHONPATH=. python benchmarks/first_metric.py [--repeats 3]
@@ -61,7 +61,7 @@ def measure(repeats: int = 3, workers: int = 2, epochs: int = 3, warm: bool = Tr
     seconds = []
     for _ in range(repeats):
         if warm:
-            _wait_ready(POOL, workers)
+            wait_warm(POOL)
         real, stream = sys.stdout, StampedStream(sys.stdout)
         sys.stdout = stream
         try:
@@ -76,11 +76,12 @@ def measure(repeats: int = 3, workers: int = 2, epochs: int = 3, warm: bool = Tr
     return seconds
 
 
-def _wait_ready(pool, count: int, timeout: float = 300.0) -> None:
+def wait_warm(pool, timeout: float = 300.0) -> None:
+    """Until the fork server started by ``%load_ext nbdist`` has done its imports (backends/warm.py)."""
     deadline = time.monotonic() + timeout
-    while pool.ready_count() < count:
+    while not (pool.servers() and all(s.ready() for s in pool.servers())):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{count} warm workers were not ready within {timeout:.0f} s")
+            raise RuntimeError(f"the fork server was not ready within {timeout:.0f} s")
         time.sleep(0.2)
 
 

@@ -39,7 +39,7 @@ PLAIN = "keras.utils.set_random_seed(0)\n" + BODY + (
 def measure(repeats: int = 3, epochs: int = 20) -> dict[str, list[float]]:
     import keras
     from epoch_breakdown import digits
-    from first_metric import _wait_ready
+    from first_metric import wait_warm
     from IPython.core.interactiveshell import InteractiveShell
 
     from nbdist.backends.warm import ENV_COUNT, POOL
@@ -53,7 +53,7 @@ def measure(repeats: int = 3, epochs: int = 20) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"ratio": [], "magic": [], "plain": [], "magic_accuracy": [], "plain_accuracy": []}
     try:
         for _ in range(repeats):
-            _wait_ready(POOL, 2)
+            wait_warm(POOL)
             for kind, cell in (("magic", MAGIC.format(epochs=epochs) + BODY), ("plain", PLAIN.format(epochs=epochs))):
                 t0 = time.perf_counter()
                 result = shell.run_cell(cell)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import model_graph
-from .data import map_struct
+from .data import leaves, map_struct
 from .errors import NbdistError
 
 _ITERATION_NAMES = ("iteration", "iterations", "step_counter")
@@ -75,6 +75,8 @@ def ensure_built(model: Any, x: Any, y: Any) -> None:
             raise NbdistError(f"the model could not be built on a zero row of the shape given to build() "
                               f"({_one_line(exc)}); call it once on real rows before training.") from None
         return
+    if any(getattr(leaf, "dtype", None) is not None and leaf.dtype.kind in "USO" for leaf in leaves(x)):
+        return  # text: Keras's symbolic build takes no numpy strings; each worker's fit builds it on its rows
     try:
         first = lambda struct: map_struct(lambda a: a[:1], struct)  # one row of every input and output
         model._symbolic_build(data_batch=(first(x), first(y)))

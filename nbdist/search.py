@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import TrainConfig
-from .driver.run import TERMINAL, interrupts_held
+from .driver.run import TERMINAL, interrupts_deferred, interrupts_held
 from .driver.search_state import SearchState, TrialRow
 from .errors import NbdistError
 from .model_io import is_keras_model
@@ -148,6 +148,7 @@ class Search:
         self.best_model: Any = None
         self.best_number: int | None = None  # the trial best_model comes from
         self._error: str | None = None
+        self._asked: Any = None  # a trial asked of the study and not yet running (told failed if the search stops)
 
     def _seed_best(self) -> None:
         try:
@@ -203,7 +204,8 @@ class Search:
                     self._finish(number)
 
     def _start_next(self) -> None:
-        trial = self.study.ask()
+        with interrupts_deferred():  # a trial asked for is always one this search will tell: running, or failed
+            trial = self._asked = self.study.ask()
         number = trial.number
         row = self.state.trial_started(number, {}, self.config.epochs)
         job = None
@@ -215,16 +217,20 @@ class Search:
             job.listeners.append(self._epoch_listener(tr))
             job.start()
         except BaseException as exc:
-            if job is not None and job.state is not None:  # cut short while launching: end what started
-                with interrupts_held():
+            with interrupts_held():
+                if job is not None and job.state is not None:  # cut short while launching: end what started
                     job.stop("the search stopped")
-            self._tell_failed(trial, f"{type(exc).__name__}: {exc}", interrupted=isinstance(exc, KeyboardInterrupt))
-            self.state.trial_ended(number, "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
-                                   error=str(exc))
-            self._notify("trial", number)
+                self._asked = None
+                self._tell_failed(trial, f"{type(exc).__name__}: {exc}",
+                                  interrupted=isinstance(exc, KeyboardInterrupt))
+                self.state.trial_ended(number, "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
+                                       error=str(exc))
+                self._notify("trial", number)
             raise
-        self.running[number] = tr
-        self.jobs[number] = job
+        with interrupts_deferred():
+            self.running[number] = tr
+            self.jobs[number] = job
+            self._asked = None
         self._notify("trial", number)
 
     def _build_job(self, trial: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -313,6 +319,10 @@ class Search:
 
     # -- endings --------------------------------------------------------
     def _finish(self, number: int) -> None:
+        with interrupts_deferred():  # taken from the running trials and told, or neither
+            self._finish_held(number)
+
+    def _finish_held(self, number: int) -> None:
         tr = self.running.pop(number)
         job, states = tr.job, self._optuna.trial.TrialState
         tr.row.worker_pids = [w.pid for w in job.state.workers if w.pid is not None]
@@ -353,6 +363,10 @@ class Search:
     def _stop_all(self, reason: str) -> None:
         """Every running trial's workers stopped, and the trial told failed (interrupted) in the storage."""
         with interrupts_held():
+            if self._asked is not None:  # asked for, not yet running: told failed all the same
+                trial, self._asked = self._asked, None
+                self._tell_failed(trial, f"stopped: {reason}", interrupted=True)
+                self.state.trial_ended(trial.number, "interrupted", error=reason)
             for number in list(self.running):
                 tr = self.running.pop(number)
                 try:

@@ -606,3 +606,20 @@ def _interrupts_held() -> Iterator[None]:
 
 # Public name for the other runners in the notebook (nbdist.tune stops several runs at once under it).
 interrupts_held = _interrupts_held
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """On the main thread, an interrupt during the block is raised when the block ends: a few steps
+    that must happen together (a search's trial asked for and registered) are never cut between."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
