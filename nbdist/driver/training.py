@@ -56,6 +56,7 @@ class TrainingJob(Run):
         self._rendezvous: dict[str, Any] | None = None  # where rank 0's store listens, once it says
         # (epoch, weights, number of optimizer arrays) from rank 0's last synchronisation
         self._last_weights: tuple[int, list[np.ndarray], int] | None = None
+        self._applied_epoch: int | None = None  # the epoch whose state went into the model during the run
         self._opt_weights: list[np.ndarray] = []
         self._iterations: int | None = None
         self._layout: list[list[int]] = []  # each optimizer's variables among the weights (model_io)
@@ -299,7 +300,11 @@ class TrainingJob(Run):
             self._restart()
 
     def _after_failure(self, message: str) -> str:
-        # A failed run keeps nothing of what the workers trained (a stop keeps the last epoch's).
+        # A failed run keeps nothing of what the workers trained (a stop keeps the last epoch's), unless the
+        # notebook's callbacks read the model: then it holds the epoch they last saw, as after a local fit's error.
+        if self._applied_epoch is not None:
+            return (f"{message.rstrip().rstrip('.')}; the notebook's model holds the weights of epoch "
+                    f"{self._applied_epoch + 1}, the last its callbacks saw.")
         return f"{message.rstrip().rstrip('.')}; the notebook's model was left as it was before the run."
 
     def _intercept_failure(self, rank: int | None, message: str, worker_traceback: str) -> bool:
@@ -323,6 +328,8 @@ class TrainingJob(Run):
         run ends, so a failed run (--data X,y with --checkpoint-dir, say) leaves it untouched."""
         if self.fit.callbacks.needs_model:
             self._apply_last_weights()
+            if self._last_weights is not None:
+                self._applied_epoch = self._last_weights[0]
         try:
             decision = self.fit.callbacks.epoch_end(epoch, merged)
         except Exception as exc:  # the notebook's own callback raised: end the run with its message

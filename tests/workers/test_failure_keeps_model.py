@@ -93,3 +93,28 @@ def test_state_failing_on_its_way_into_the_model_is_rolled_back_and_says_so(digi
     assert "injected failure while writing the state" in str(info.value)
     assert len(calls) == 2  # the half write, then the roll-back
     assert_same_state(model, before)
+
+
+def test_a_failure_after_callbacks_read_the_model_says_which_epoch_it_holds(digits, trained_once):
+    """Callbacks that read the model get the shared weights each epoch, as with local fit; a later failure
+    leaves the model at the last epoch they saw (as a local fit's error does), and the sentence says so."""
+    x, y = digits
+    model, _ = trained_once(60)  # 29 steps per worker and epoch: the third epoch fails
+
+    class Seen(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.weights = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.weights.append([w.copy() for w in self.model.get_weights()])
+
+    seen = Seen()
+    with pytest.raises(TrainingFailed) as info:
+        nbdist.train(model, x, y, epochs=4, batch_size=32, workers=2, backend="local", strategy="allreduce",
+                     callbacks=[seen])
+    message = str(info.value)
+    assert "injected failure in Boom" in message and "left as it was" not in message
+    assert f"holds the weights of epoch {len(seen.weights)}, the last its callbacks saw" in message
+    assert len(seen.weights) == 2
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), seen.weights[-1]))
