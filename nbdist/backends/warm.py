@@ -36,7 +36,7 @@ from .command import fork_server_command, startup_env
 log = logging.getLogger(__name__)
 
 ENV_COUNT = "NBDIST_WARM_WORKERS"
-KEPT = 2  # fork servers kept at once (each holds its imported libraries: ~0.5 GB)
+KEPT = 2  # fork servers kept at once (each holds its imported libraries: 0.6-1 GB resident)
 FORK_TIMEOUT = 300.0  # seconds for a server to import and fork (a cold start's budget)
 
 
