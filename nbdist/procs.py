@@ -123,9 +123,14 @@ def reap(pid: int, oom_kills_before: int | None, block: bool = False) -> ChildEn
     if got == 0:
         return None
     code = os.waitstatus_to_exitcode(status)
+    return ChildEnd(code, usage.ru_maxrss * 1024, oom_killed(code, oom_kills_before))
+
+
+def oom_killed(code: int, oom_kills_before: int | None) -> bool:
+    """Whether a child that ended with ``code`` was the out-of-memory killer's: a SIGKILL while the
+    kernel's count of such kills went up since ``oom_kills_before``."""
     after = oom_kill_count()
-    oom = code == -9 and oom_kills_before is not None and after is not None and after > oom_kills_before
-    return ChildEnd(code, usage.ru_maxrss * 1024, oom)
+    return code == -9 and oom_kills_before is not None and after is not None and after > oom_kills_before
 
 
 def oom_sentence(peak_rss: int | None) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import TrainConfig
-from .driver.run import TERMINAL, interrupts_deferred, interrupts_held
+from .driver.run import TERMINAL, interrupts_held
 from .driver.search_state import SearchState, TrialRow
 from .errors import NbdistError
 from .model_io import is_keras_model
@@ -204,7 +204,7 @@ class Search:
                     self._finish(number)
 
     def _start_next(self) -> None:
-        with interrupts_deferred():  # a trial asked for is always one this search will tell: running, or failed
+        with interrupts_held(defer=True):  # a trial asked for is always one this search will tell: running, or failed
             trial = self._asked = self.study.ask()
         number = trial.number
         row = self.state.trial_started(number, {}, self.config.epochs)
@@ -227,7 +227,7 @@ class Search:
                                        error=str(exc))
                 self._notify("trial", number)
             raise
-        with interrupts_deferred():
+        with interrupts_held(defer=True):
             self.running[number] = tr
             self.jobs[number] = job
             self._asked = None
@@ -319,7 +319,7 @@ class Search:
 
     # -- endings --------------------------------------------------------
     def _finish(self, number: int) -> None:
-        with interrupts_deferred():  # taken from the running trials and told, or neither
+        with interrupts_held(defer=True):  # taken from the running trials and told, or neither
             self._finish_held(number)
 
     def _finish_held(self, number: int) -> None:

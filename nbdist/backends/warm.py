@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..procs import ChildEnd, ProcessId, oom_kill_count, remove_quietly, signal_group
+from ..procs import ChildEnd, ProcessId, oom_killed, remove_quietly, signal_group
 from ..wire.handover import READY
 from .command import fork_server_command, startup_env
 
@@ -87,7 +87,6 @@ class ForkServer:
     """The notebook's side of one fork server: its process, its requests, and its workers' ends."""
 
     def __init__(self, env: dict[str, str], log_dir: Path) -> None:
-        self.env = dict(env)
         self.key = startup_env(env)
         fd, name = tempfile.mkstemp(prefix="fork-server-", suffix=".log", dir=log_dir)
         self.log_path = Path(name)
@@ -235,10 +234,8 @@ class WarmPool:
 def worker_end(proc: Any, oom_kills_before: int | None) -> ChildEnd | None:
     """How a forked worker ended, with the out-of-memory killer's part judged as ``procs.reap`` does."""
     end = proc.end if proc.poll() is not None else None
-    if end is None:
-        return None
-    after = oom_kill_count()
-    end.oom_killed = end.code == -9 and oom_kills_before is not None and after is not None and after > oom_kills_before
+    if end is not None:
+        end.oom_killed = oom_killed(end.code, oom_kills_before)
     return end
 
 

@@ -584,16 +584,19 @@ def data_parts(data: FitData | None) -> tuple[Any, Any, Any]:
 
 
 @contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
+def _interrupts_held(defer: bool = False) -> Iterator[None]:
     """On the main thread, turn SIGINT into a log line for the duration (Python raises
-    KeyboardInterrupt only there, and only its handler can be swapped)."""
+    KeyboardInterrupt only there, and only its handler can be swapped).
+
+    ``defer``: raise it once the block ends instead, so a few steps that must happen together (a
+    search's trial asked for and registered) are never cut between."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     pressed: list[int] = []
 
     def hold(signum: int, frame: Any) -> None:
-        if not pressed:
+        if not pressed and not defer:
             log.warning("still stopping the workers; they will be gone in a few seconds")
         pressed.append(signum)
 
@@ -602,24 +605,9 @@ def _interrupts_held() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+    if defer and pressed:
+        raise KeyboardInterrupt
 
 
 # Public name for the other runners in the notebook (nbdist.tune stops several runs at once under it).
 interrupts_held = _interrupts_held
-
-
-@contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """On the main thread, an interrupt during the block is raised when the block ends: a few steps
-    that must happen together (a search's trial asked for and registered) are never cut between."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield
-        return
-    pressed: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pressed:
-        raise KeyboardInterrupt
