@@ -40,7 +40,7 @@ from ..data import (
 )
 from ..strategies.allreduce import AllreduceCallback
 from ..wire.messages import JobMessage
-from .datasets import tf_structure
+from .datasets import tf_structure, without_autotune
 from .readahead import put_until_stopped
 
 log = logging.getLogger("nbdist.worker")
@@ -147,7 +147,8 @@ class ShareReader:
     def pipeline(self) -> Any:
         import tensorflow as tf
 
-        return tf.data.Dataset.from_generator(self.batches, output_signature=self.signature).prefetch(2)
+        return without_autotune(tf.data.Dataset.from_generator(self.batches, output_signature=self.signature)
+                                .prefetch(2))
 
 
 class ValidationShare:

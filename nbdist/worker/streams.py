@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .datasets import without_autotune
 from .readahead import put_until_stopped
 
 log = logging.getLogger("nbdist.worker")
@@ -165,4 +166,4 @@ def streamed_batches(stream: ShardStream) -> Any:
         for batch in stream():
             yield batch[0] if y0 is None else batch
 
-    return tf.data.Dataset.from_generator(batches, output_signature=signature).prefetch(2)
+    return without_autotune(tf.data.Dataset.from_generator(batches, output_signature=signature).prefetch(2))

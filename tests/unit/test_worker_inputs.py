@@ -153,3 +153,19 @@ def test_validation_batches_are_in_order_every_epoch_and_cheap_to_restart():
         np.testing.assert_array_equal(np.concatenate([bx for bx, _ in epoch]), x)
     graph = tf.compat.v1.GraphDef.FromString(ds._as_serialized_graph().numpy())
     assert not graph.library.function, [f.signature.name for f in graph.library.function]
+
+
+def test_no_worker_pipeline_autotunes(tmp_path):
+    """An autotuned iterator's model thread sleeps up to a minute between optimisations and deleting
+    the iterator waits for it: a worker's fit then returned tens of seconds after its last epoch."""
+    from nbdist.wire.shardfile import ShardReader, ShardWriter
+    from nbdist.worker.datasets import validation_batches
+    from nbdist.worker.streams import ShardStream, streamed_batches
+
+    x, y = np.zeros((10, 3), np.float32), np.arange(10)
+    writer = ShardWriter(str(tmp_path), labels=True)
+    writer.append(x, y)
+    writer.close()
+    stream = ShardStream(ShardReader(str(tmp_path)), 4, False, 0, 0, 1 << 20)
+    for ds in (repeated_batches(x, y, 4, True), validation_batches(x, y, 4), streamed_batches(stream)):
+        assert ds.options().autotune.enabled is False
