@@ -51,6 +51,9 @@ class TrainConfig:
     # shared_chunk_bytes. False: always messages (the ring, Gloo).
     shared_memory: bool = True
     shared_chunk_bytes: int = 2 * 2**20
+    # TensorFlow workers run Keras' Adam and SGD updates as TensorFlow's fused kernels, the same
+    # formula in one pass instead of about ten (strategies/fused_updates.py). False: Keras' own ops.
+    fused_updates: bool = True
     # Spark data: each worker streams its partition from its task's file; this many bytes of rows are
     # held and shuffled together (the shuffle window, worker/streams.py). Its memory for the data is
     # about twice this plus a few blocks, whatever the partition's size.

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..data import batches_per_epoch
 from ..wire.messages import JobMessage
+from .tfdata import without_autotune
 
 log = logging.getLogger("nbdist.worker")
 
@@ -185,21 +186,6 @@ def stream_batches(stream: Any) -> Any:
     labelled = stream.signature[1] is not None
     for batch in stream():
         yield tuple(batch) if labelled else batch[0]
-
-
-def without_autotune(dataset: Any) -> Any:
-    """``dataset`` with tf.data's autotuning off: its fixed prefetch is all a worker needs.
-
-    Why: an autotuned iterator runs a model thread that sleeps between optimisations, the sleep
-    doubling up to a minute, and deleting the iterator waits for that thread to wake. Measured
-    here: a worker's ``fit`` returned 20-45 s after its last epoch on a 25M-parameter model (3-5
-    epochs of ~8 s), stuck in the iterator's destructor; without autotuning it returns at once.
-    """
-    import tensorflow as tf
-
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return dataset.with_options(options)
 
 
 def resident(array: Any) -> Any:

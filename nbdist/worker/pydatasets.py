@@ -40,8 +40,9 @@ from ..data import (
 )
 from ..strategies.allreduce import AllreduceCallback
 from ..wire.messages import JobMessage
-from .datasets import tf_structure, without_autotune
+from .datasets import tf_structure
 from .readahead import put_until_stopped
+from .tfdata import without_autotune
 
 log = logging.getLogger("nbdist.worker")
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .datasets import without_autotune
 from .readahead import put_until_stopped
+from .tfdata import without_autotune
 
 log = logging.getLogger("nbdist.worker")
 
