@@ -43,6 +43,10 @@ def sync_after(batch: int, batches: int, k: int) -> bool:
     return (batch + 1) % k == 0 or batch == batches - 1
 
 
+# Above this many floats a round writes the variables back one by one (FlatBuffer.scatter).
+EAGER_WRITE_FLOATS = 1 << 20
+
+
 class FlatBuffer:
     """Variables packed into one contiguous float32 buffer, so one allreduce moves them all.
 
@@ -51,49 +55,74 @@ class FlatBuffer:
     0.33 ms a round for the quickstart MLP with Adam's slots, against 0.53 + 1.36 ms variable by
     variable, per round, several rounds an epoch. Otherwise variable by variable (anything with
     ``numpy()`` and ``assign()``).
+
+    On a large model each pass over the variables is the cost (300 MB a round for 25M parameters
+    and Adam's two slots): ``parts`` hands a summer that reads arrays where they are the scaled
+    variables as TensorFlow made them, without copying them into the buffer first; ``scatter``
+    writes variables of more than ``EAGER_WRITE_FLOATS`` in all one by one, dividing as it copies
+    (a buffer handed whole to a ``tf.function`` is converted, split and divided: three passes).
     """
 
     def __init__(self, variables: Sequence[Any], extra: int = 0, compiled: bool = False) -> None:
         self.variables = list(variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
-        sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         self.size = int(self.offsets[-1])
         self.buffer = np.zeros(self.size + extra, dtype=np.float32)
         self.values = self.buffer[:self.size]  # the variables' part of the buffer
-        self._read, self._write = (compiled_transfer(self.variables, self.shapes, sizes)
-                                   if compiled and self.variables else (None, None))
+        self.compiled = bool(compiled and self.variables)
+        self._read, self._write = (compiled_transfer(self.variables, self.shapes)
+                                   if self.compiled else (None, None))
+
+    def parts(self, scale: float) -> list[np.ndarray]:
+        """Each variable times ``scale``, flat (compiled only): the buffer's parts, not copied into it."""
+        assert self._read is not None
+        return [t.numpy() for t in self._read(_scalar(scale))]
 
     def gather(self, scale: float = 1.0) -> np.ndarray:
         if self._read is not None:
-            np.copyto(self.values, self._read(np.float32(scale)).numpy())
+            for part, a, b in zip(self._read(_scalar(scale)), self.offsets[:-1], self.offsets[1:]):
+                np.copyto(self.buffer[a:b], part.numpy())
             return self.buffer
         for v, a, b in zip(self.variables, self.offsets[:-1], self.offsets[1:]):
             np.multiply(np.asarray(v.numpy(), dtype=np.float32).reshape(-1), scale, out=self.buffer[a:b])
         return self.buffer
 
-    def scatter(self) -> None:
-        if self._write is not None:
-            self._write(self.values)
+    def scatter(self, total: float = 1.0) -> None:
+        """The variables := the buffer's values / ``total``."""
+        if self._write is not None and self.size < EAGER_WRITE_FLOATS:
+            self._write(self.values, _scalar(total))
             return
         for v, shape, a, b in zip(self.variables, self.shapes, self.offsets[:-1], self.offsets[1:]):
-            v.assign(self.buffer[a:b].reshape(shape))
+            # A fresh array per variable: TensorFlow may adopt an assigned array's memory as the
+            # variable's own, so it must never be the buffer the next round overwrites.
+            v.assign(np.divide(self.buffer[a:b], np.float32(total)).reshape(shape))
 
 
-def compiled_transfer(variables: Sequence[Any], shapes: Sequence[tuple[int, ...]],
-                      sizes: Sequence[int]) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """(read, write): all ``variables`` into one flat float32 tensor times a scale, and back, one call each."""
+def _scalar(value: float) -> Any:
+    """A float32 scalar tensor: a NumPy or Python number would make ``tf.function`` trace again for every value."""
+    import tensorflow as tf
+
+    return tf.constant(value, dtype=tf.float32)
+
+
+def compiled_transfer(variables: Sequence[Any], shapes: Sequence[tuple[int, ...]]
+                      ) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]:
+    """(read, write): every variable flat as float32 times a scale; and the flat buffer back, divided by a
+    total, one call each."""
     import tensorflow as tf
 
     @tf.function(reduce_retracing=True)
     def read(scale: Any) -> Any:
-        flat = [tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float32), [-1]) for v in variables]
-        return tf.concat(flat, 0) * scale
+        return [tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float32), [-1]) * scale for v in variables]
+
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
 
     @tf.function(reduce_retracing=True)
-    def write(flat: Any) -> None:
-        for v, part, shape in zip(variables, tf.split(flat, list(sizes)), shapes):
-            v.assign(tf.cast(tf.reshape(part, shape), v.dtype))
+    def write(flat: Any, total: Any) -> None:
+        for v, part, shape in zip(variables, tf.split(flat, sizes), shapes):
+            v.assign(tf.cast(tf.reshape(part / total, shape), v.dtype))
 
     return read, write
 
@@ -114,6 +143,7 @@ class WeightedAverager:
         self.collective = collective
         self.flat = FlatBuffer(variables, extra=1, compiled=compiled)
         self.summer = summer
+        self._plans: dict[int, Any] = {}
         self.clock = clock  # a PhaseClock told when a shared-memory round waits (it sees no collective call)
         self.seconds = 0.0
         self.rounds = 0
@@ -124,16 +154,23 @@ class WeightedAverager:
             return samples
         t0 = time.perf_counter()
         flat = self.flat
-        if samples:
-            flat.gather(float(samples))
-        else:
-            flat.values.fill(0.0)
+        # A chunked shared-memory sum reads the scaled variables where TensorFlow made them.
+        plan = self._parts_plan()
+        parts = flat.parts(float(samples)) if samples and plan is not None else None
+        if parts is None:
+            if samples:
+                flat.gather(float(samples))
+            else:
+                flat.values.fill(0.0)
         flat.buffer[-1] = samples
         if self.summer is not None:
             if self.clock is not None:
                 self.clock.enter()
             try:
-                self.summer(flat.buffer)
+                if parts is not None:
+                    self.summer.sum_into([*parts, flat.buffer[-1:]], flat.buffer, plan)
+                else:
+                    self.summer(flat.buffer)
             finally:
                 if self.clock is not None:
                     self.clock.leave()
@@ -141,11 +178,19 @@ class WeightedAverager:
             self.collective.allreduce_sum(flat.buffer)
         total = int(round(float(flat.buffer[-1])))
         if total > 0:
-            np.divide(flat.values, np.float32(total), out=flat.values)
-            flat.scatter()
+            flat.scatter(total)
         self.seconds += time.perf_counter() - t0
         self.rounds += 1
         return total
+
+    def _parts_plan(self) -> Any:
+        """A chunked shared-memory summer's layout of the variables' parts, then the count; None for other summers."""
+        plan, flat = getattr(self.summer, "plan", None), self.flat
+        if plan is None or not flat.compiled:
+            return None
+        if id(self.summer) not in self._plans:
+            self._plans[id(self.summer)] = plan([*flat.offsets[:-1], flat.size], [*flat.sizes, 1], flat.size + 1)
+        return self._plans[id(self.summer)]
 
     @property
     def summed_by(self) -> str:

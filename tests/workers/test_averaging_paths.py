@@ -33,3 +33,27 @@ def test_every_summing_path_equals_big_batch_sgd(digits, shared_memory, direct_s
                        shared_memory=shared_memory, direct_sum_bytes=direct_sum_bytes)
     assert [job.reports[r]["summed_by"] for r in range(2)] == [summed_by] * 2
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5
+
+
+def _wide(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16384, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.5), "sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.mark.skipif(not shared.supported_here(), reason="needs x86-64 and /dev/shm")
+def test_a_large_model_averages_from_where_tensorflow_left_it(digits):
+    """2.4M floats a round (weights and momenta): summed chunk by chunk from TensorFlow's own arrays and
+    written back variable by variable (averaging.FlatBuffer), still equal to big-batch SGD with momentum."""
+    x, y = digits[0][:256], digits[1][:256]
+    b = 16
+    local, remote = _wide(5), _wide(5)
+    remote.set_weights(local.get_weights())
+    idx = interleave_batches(np.arange(len(x)), 2, b)
+    local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
+    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False)
+    assert [job.reports[r]["summed_by"] for r in range(2)] == ["shared-chunked"] * 2
+    assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5
+    assert relative_error(remote.optimizer.variables[1:], local.optimizer.variables[1:]) < 1e-5
