@@ -27,6 +27,9 @@ Rows (issue 9):
      workers), MLP 256x2 on 64 features, batch 256 per worker, allreduce     goal >= 0.9
   P9L 4 local workers on a 2 GB memory-mapped .npy: their summed peak RSS (and the notebook's growth)
      above the same run on an array 64x smaller, / the array's size            goal <= 1.3
+  P10 steady epoch of an MLP 2048-4096-4096-10 (25.2M parameters, Adam, 2048 rows), 2 local workers
+     of batch 32 / plain fit with batch 64, the worse of the two strategies    goal <= 1.0 (0.9)
+  P10c the whole 5-epoch call of the same, 2 warm workers / plain fit's call  goal <= 1.2
 Each figure is the median of several runs, with min and max. Every row runs in its own
 process (a clean driver for memory, its own CPU affinity) under a timeout, reusing the
 functions of the single-purpose scripts beside this one. Results go to
@@ -53,7 +56,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9L")
+ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9L", "P10")
 log = logging.getLogger("nbdist.bench")
 
 
@@ -106,6 +109,8 @@ GOALS = {
     "P9M": ("Spark worker peak RSS streaming, 6 GB / 1.5 GB DataFrame", "<= 1.1", "x"),
     "P9S": ("samples/s streamed from Spark / in memory (MLP 256x2)", ">= 0.9", "x"),
     "P9L": ("4 local workers' memory above TF's on a memory map / its size", "<= 1.3", "x"),
+    "P10": ("steady epoch, 25M-param MLP, 2 workers / plain fit", "<= 1.0", "x"),
+    "P10c": ("the whole 5-epoch call, 2 warm workers / plain fit", "<= 1.2", "x"),
 }
 
 
@@ -300,10 +305,27 @@ def row_p9l(quick: bool, workdir: Path) -> Row:
                       f"{big['notebook_growth_mb']:,.0f} MB", extra=m)
 
 
+def row_p10(quick: bool, workdir: Path) -> list[Row]:
+    import big_model
+
+    m = big_model.measure(quick, repeats=1 if quick else 2)
+    med = statistics.median
+    size = m["size"]
+    model = f"MLP {size['features']}-{size['hidden']}-{size['hidden']}-10, {size['rows']} rows, Adam"
+    epoch = {s: med(r["epoch"] for r in m[s]) for s in ("plain", *big_model.STRATEGIES)}
+    call = {s: med(r["call"] for r in m[s]) for s in ("plain", *big_model.STRATEGIES)}
+    steady = [max(a, b) for a, b in zip(*(m[f"{s}_epoch_ratio"] for s in big_model.STRATEGIES))]
+    whole = [max(a, b) for a, b in zip(*(m[f"{s}_call_ratio"] for s in big_model.STRATEGIES))]
+    per = lambda d, unit: "; ".join(f"{s} {d[s]:.2f} {unit}" for s in ("plain", *big_model.STRATEGIES))
+    return [Row("P10", *GOALS["P10"], runs=steady, detail=f"{model}; steady epoch: {per(epoch, 's')}", extra=m),
+            Row("P10c", *GOALS["P10c"], runs=whole,
+                detail=f"{size['epochs']} epochs, the whole call: {per(call, 's')}")]
+
+
 ROW_FUNCS: dict[str, Callable[[bool, Path], Row | list[Row]]] = {
     "P1": row_p1, "P2": row_p2, "P3": row_p3, "P3C": row_p3c, "P4": row_p4, "P4M": row_p4m, "P5": row_p5,
     "P6": row_p6, "P7": row_p7,
-    "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9L": row_p9l}
+    "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9L": row_p9l, "P10": row_p10}
 
 
 # -- the parent: run each row in a child, then print, save and draw -------

@@ -1,0 +1,143 @@
+"""P10 and P10c: a model of real size (an MLP 2048-4096-4096-10, 25.2M parameters, Adam) on 2 local workers.
+
+Plain ``model.fit(batch_size=64)`` in this process against ``nbdist`` with 2 workers of batch 32
+(the same global batch), both strategies, on 2048 random rows. Every run times its epochs from one
+epoch's end to the next (for nbdist: when the driver holds the merged metrics), and the whole call.
+P10 is the steady epoch (median of epochs 3-5) ÷ plain fit's, the worse strategy; P10c the whole
+5-epoch call with warm workers (a fork server already up, as after ``%load_ext nbdist``) ÷ plain
+fit's call. ``--quick`` runs an MLP 512-1024-1024-10 (1.6M parameters) on 512 rows for 3 epochs.
+
+    PYTHONPATH=. python benchmarks/big_model.py [--quick] [--repeats 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SKIP = 2  # epochs left out of the steady median (tracing, warm-up)
+STRATEGIES = ("averaging", "allreduce")
+
+
+def sizes(quick: bool) -> dict[str, Any]:
+    if quick:
+        return {"features": 512, "hidden": 1024, "rows": 512, "epochs": 3}
+    return {"features": 2048, "hidden": 4096, "rows": 2048, "epochs": 5}
+
+
+def build(features: int, hidden: int) -> Any:
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(hidden, activation="relu"),
+                              keras.layers.Dense(hidden, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(keras.optimizers.Adam(1e-4), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def data(features: int, rows: int) -> tuple[Any, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return rng.random((rows, features), dtype=np.float32), rng.integers(0, 10, rows)
+
+
+def steady(ends: list[float]) -> float:
+    gaps = [b - a for a, b in zip(ends, ends[1:])]
+    return statistics.median(gaps[SKIP:] if len(gaps) > SKIP else gaps)
+
+
+def plain(size: dict[str, Any]) -> dict[str, float]:
+    import keras
+
+    x, y = data(size["features"], size["rows"])
+    model = build(size["features"], size["hidden"])
+    ends: list[float] = []
+
+    class Ends(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            ends.append(time.perf_counter())
+
+        def on_epoch_end(self, epoch, logs=None):
+            ends.append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    model.fit(x, y, batch_size=64, epochs=size["epochs"], verbose=0, callbacks=[Ends()])
+    return {"epoch": steady(ends), "call": time.perf_counter() - t0}
+
+
+def distributed(size: dict[str, Any], strategy: str) -> dict[str, float]:
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    x, y = data(size["features"], size["rows"])
+    model = build(size["features"], size["hidden"])
+    cfg = TrainConfig(epochs=size["epochs"], batch_size=32, workers=2, strategy=strategy, backend="local",
+                      ui="none", seed=0)
+    ends: list[float] = []
+
+    def listener(kind: str, state: Any, payload: Any) -> None:
+        if kind == "epoch":
+            ends.append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    job = prepare(model, cfg, x, y, None, listeners=[listener])
+    ends.append(time.perf_counter())
+    job.start()
+    job.wait()
+    return {"epoch": steady(ends), "call": time.perf_counter() - t0}
+
+
+def warm_up() -> None:
+    """Start the fork server and let it import, and run Keras once here, as a notebook has."""
+    from first_metric import wait_warm
+
+    import nbdist
+    from nbdist.backends.warm import POOL
+
+    small = {"features": 16, "hidden": 16, "rows": 128, "epochs": 1}
+    x, y = data(16, 128)
+    nbdist.train(build(16, 16), x, y, epochs=1, workers=2, batch_size=32)
+    plain(small)
+    wait_warm(POOL)
+
+
+def measure(quick: bool = False, repeats: int = 2) -> dict[str, Any]:
+    size = sizes(quick)
+    warm_up()
+    out: dict[str, Any] = {"size": size, "plain": [], **{s: [] for s in STRATEGIES}}
+    for _ in range(repeats):  # each repeat back to back: its ratios compare runs under the same load
+        out["plain"].append(plain(size))
+        for strategy in STRATEGIES:
+            out[strategy].append(distributed(size, strategy))
+    for s in STRATEGIES:
+        out[f"{s}_epoch_ratio"] = [d["epoch"] / p["epoch"] for d, p in zip(out[s], out["plain"])]
+        out[f"{s}_call_ratio"] = [d["call"] / p["call"] for d, p in zip(out[s], out["plain"])]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    m = measure(args.quick, args.repeats)
+    med = statistics.median
+    print(f"plain fit: steady epoch {med(r['epoch'] for r in m['plain']):.2f} s, "
+          f"call {med(r['call'] for r in m['plain']):.1f} s")
+    for s in STRATEGIES:
+        print(f"{s}: steady epoch {med(r['epoch'] for r in m[s]):.2f} s ({med(m[f'{s}_epoch_ratio']):.2f}x), "
+              f"call {med(r['call'] for r in m[s]):.1f} s ({med(m[f'{s}_call_ratio']):.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
