@@ -52,8 +52,10 @@ class TrainConfig:
     shared_memory: bool = True
     shared_chunk_bytes: int = 2 * 2**20
     # TensorFlow workers run Keras' Adam and SGD updates as TensorFlow's fused kernels, the same
-    # formula in one pass instead of about ten (strategies/fused_updates.py). False: Keras' own ops.
-    fused_updates: bool = True
+    # formula in one pass instead of about ten (strategies/fused_updates.py). None: for models of at
+    # least FUSED_MIN_PARAMETERS trainable parameters, where the passes are the cost (smaller models
+    # keep Keras' ops and its last bit); True: always; False: never.
+    fused_updates: bool | None = None
     # Spark data: each worker streams its partition from its task's file; this many bytes of rows are
     # held and shuffled together (the shuffle window, worker/streams.py). Its memory for the data is
     # about twice this plus a few blocks, whatever the partition's size.

@@ -107,7 +107,7 @@ class TrainSettings:
     weights_every_epoch: bool = True
     # Spark data: the bytes of rows a worker holds and shuffles together while streaming (worker/streams.py).
     stream_buffer_bytes: int = 64 * 2**20
-    fused_updates: bool = True  # Adam/SGD updates as TensorFlow's fused kernels (strategies/fused_updates.py)
+    fused_updates: bool | None = None  # Adam/SGD updates as fused kernels (TrainConfig, strategies/fused_updates.py)
 
     @classmethod
     def from_config(cls, config: Any, **run: Any) -> TrainSettings:

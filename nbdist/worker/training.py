@@ -73,10 +73,10 @@ def run_training(link: Any, job: JobMessage) -> None:
         model.jit_compile = False
 
     build_optimizer(model)
-    if on_tf and train.fused_updates:
-        from ..strategies.fused_updates import install_fused_updates
+    if on_tf and train.fused_updates is not False:
+        from ..strategies.fused_updates import FUSED_MIN_PARAMETERS, install_fused_updates
 
-        install_fused_updates(model)
+        install_fused_updates(model, 0 if train.fused_updates else FUSED_MIN_PARAMETERS)
     from .fit_sync import fit_and_report, set_initial_learning_rate
 
     set_initial_learning_rate(model, job)

@@ -58,3 +58,15 @@ def test_what_has_no_fused_kernel_keeps_keras_update():
     assert fused_kind(keras.optimizers.RMSprop()) is None
     assert fused_kind(OwnAdam()) is None
     assert fused_kind(keras.optimizers.AdamW()) == "adam"
+
+
+def test_by_default_only_a_large_model_gets_fused_updates():
+    from nbdist.strategies.fused_updates import FUSED_MIN_PARAMETERS
+
+    small = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    small.compile("adam", "mse")
+    assert install_fused_updates(small, FUSED_MIN_PARAMETERS) == []
+    assert type(small.optimizer).update_step is keras.optimizers.Adam.update_step  # nothing replaced
+    large = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1024)])
+    large.compile("adam", "mse")
+    assert install_fused_updates(large, FUSED_MIN_PARAMETERS) == ["adam"]
