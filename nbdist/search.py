@@ -179,6 +179,7 @@ class Search:
         except ValueError:  # no complete trial yet
             return
         self.state.best_value, self.state.best_number = best.value, best.number
+        self.state.previous_best = best.value
 
     @property
     def best_params(self) -> dict[str, Any]:
