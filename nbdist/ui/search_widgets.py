@@ -26,11 +26,11 @@ STATUS_COLOURS = {"running": "#1f77b4", "done": "#2ca02c", "interrupted": "#7f7f
 class LineChart:
     """One bqplot figure whose lines are replaced by the given ``ChartLine``s on each update."""
 
-    def __init__(self, title: str, xlabel: str, ylabel: str) -> None:
+    def __init__(self, title: str, xlabel: str) -> None:
         self.x_scale = bqplot.LinearScale()
         self.y_scale = bqplot.LinearScale()
         self.x_axis = bqplot.Axis(scale=self.x_scale, label=xlabel, tick_format="d")
-        axes = [self.x_axis, bqplot.Axis(scale=self.y_scale, orientation="vertical", label=ylabel)]
+        axes = [self.x_axis, bqplot.Axis(scale=self.y_scale, orientation="vertical")]  # the title names it
         self.lines: dict[str, bqplot.Lines] = {}
         self.figure = bqplot.Figure(marks=[], axes=axes, title=title,
                                     fig_margin={"top": 40, "bottom": 40, "left": 55, "right": 15},
@@ -66,8 +66,8 @@ class WidgetSearchView:
         self.draws = 0
         self.header = W.HTML()
         self.table = W.HTML()
-        self.best = LineChart("best so far", "trials finished", "objective")
-        self.curves = LineChart("per epoch", "epoch", "objective")
+        self.best = LineChart("best so far", "trials finished")
+        self.curves = LineChart("per epoch", "epoch")
         self.root = W.VBox([self.header, W.HBox([self.best.figure, self.curves.figure],
                                                 layout=W.Layout(flex_flow="row wrap")),
                             W.HTML(legend_html()), self.table])
