@@ -512,7 +512,7 @@ def make_search(build: Callable[[Any], Any], *, trials: int, parallel: int = 2, 
     tracked = wanted(config.mlflow)
     study = open_study(optuna, study=study, storage=storage, study_name=study_name, direction=direction,
                        sampler=sampler, pruner=make_pruner(optuna, pruner), seed=config.seed)
-    from .ui.search import make_search_view
+    from .ui import make_search_view
 
     view = make_search_view(ui)
     mlflow_run = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -228,28 +227,5 @@ class HtmlSearchView:
         self._drawn = time.monotonic()
 
 
-def make_search_view(ui: str, stream: TextIO | None = None) -> Any:
-    """The view for ``--ui`` (auto: as the training dashboard decides)."""
-    if ui == "auto":
-        from . import detect_frontend
-
-        ui = os.environ.get("NBDIST_UI", "").strip().lower() or detect_frontend()
-    if ui == "none":
-        return None
-    if ui == "text":
-        return TextSearchView(stream)
-    if ui == "widgets":
-        try:
-            from .search_widgets import WidgetSearchView
-        except ImportError as exc:
-            from ..errors import NbdistError
-
-            raise NbdistError(f"--ui widgets needs ipywidgets and bqplot ({exc}); pip install ipywidgets bqplot, "
-                              "or use --ui html.") from None
-        return WidgetSearchView()
-    zeppelin = "ZEPPELIN_HOME" in os.environ or "ZEPPELIN_INTERPRETER" in os.environ
-    return HtmlSearchView("append" if zeppelin else "update")
-
-
-__all__ = ["ChartLine", "HtmlSearchView", "SearchCharts", "TextSearchView", "make_search_view", "search_charts",
+__all__ = ["ChartLine", "HtmlSearchView", "SearchCharts", "TextSearchView", "search_charts",
            "search_html", "search_rows", "search_sentence", "search_text", "svg_chart", "table_html"]
