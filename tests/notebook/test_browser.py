@@ -70,8 +70,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    """One JupyterLab server for the module's tests (each opens its own notebook, with its own kernel)."""
+    tmp_path = tmp_path_factory.mktemp("lab")
     if not os.path.exists(CHROMIUM):
         pytest.skip("chromium is not installed; run scripts/install_system_deps.sh as root")
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
