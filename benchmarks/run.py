@@ -30,6 +30,9 @@ Rows (issue 9):
   P10 steady epoch of an MLP 2048-4096-4096-10 (25.2M parameters, Adam, 2048 rows), 2 local workers
      of batch 32 / plain fit with batch 64, the worse of the two strategies    goal <= 1.0 (0.9)
   P10c the whole 5-epoch call of the same, 2 warm workers / plain fit's call  goal <= 1.2
+  P11 a 12-trial digits search, %%dist_tune with 2 trials at once on local workers / the same Optuna
+     search (same trials, epochs, seeds) run sequentially in the notebook with plain fit; beside it,
+     the epochs trained in total with the median pruner                      goal <= 0.6
 Each figure is the median of several runs, with min and max. Every row runs in its own
 process (a clean driver for memory, its own CPU affinity) under a timeout, reusing the
 functions of the single-purpose scripts beside this one. Results go to
@@ -56,7 +59,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9L", "P10")
+ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9L", "P10", "P11")
 log = logging.getLogger("nbdist.bench")
 
 
@@ -111,6 +114,7 @@ GOALS = {
     "P9L": ("4 local workers' memory above TF's on a memory map / its size", "<= 1.3", "x"),
     "P10": ("steady epoch, 25M-param MLP, 2 workers / plain fit", "<= 1.0", "x"),
     "P10c": ("the whole 5-epoch call, 2 warm workers / plain fit", "<= 1.2", "x"),
+    "P11": ("12-trial search, 2 at once / sequential Optuna with plain fit", "<= 0.6", "x"),
 }
 
 
@@ -322,10 +326,24 @@ def row_p10(quick: bool, workdir: Path) -> list[Row]:
                 detail=f"{size['epochs']} epochs, the whole call: {per(call, 's')}")]
 
 
+def row_p11(quick: bool, workdir: Path) -> Row:
+    import tune_search
+
+    trials, epochs = (4, 2) if quick else (12, 5)
+    m = tune_search.measure(trials=trials, epochs=epochs, repeats=1 if quick else 2)
+    return Row("P11", *GOALS["P11"], runs=m["ratio"],
+               detail=f"{statistics.median(m['tune']):.1f} s vs {statistics.median(m['plain']):.1f} s; best "
+                      f"val_accuracy {m['tune_best'][0]:.4f} vs {m['plain_best'][0]:.4f}; with the median pruner "
+                      f"{m['pruned_epochs'][0]} of {m['epochs_unpruned']} epochs trained ({m['pruned_count'][0]} "
+                      f"trials pruned, {m['pruned_seconds'][0]:.1f} s); {trials} trials of {epochs} epochs, batch 32, "
+                      "1 worker each" + (" (--quick: 4 trials of 2 epochs)" if quick else ""),
+               extra=m)
+
+
 ROW_FUNCS: dict[str, Callable[[bool, Path], Row | list[Row]]] = {
     "P1": row_p1, "P2": row_p2, "P3": row_p3, "P3C": row_p3c, "P4": row_p4, "P4M": row_p4m, "P5": row_p5,
     "P6": row_p6, "P7": row_p7,
-    "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9L": row_p9l, "P10": row_p10}
+    "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9L": row_p9l, "P10": row_p10, "P11": row_p11}
 
 
 # -- the parent: run each row in a child, then print, save and draw -------

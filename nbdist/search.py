@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .config import TrainConfig
@@ -38,6 +40,7 @@ PUMP_SLICE = 0.05
 DIRECTIONS = ("maximize", "minimize")
 PRUNERS = ("median", "percentile", "hyperband", "successive-halving", "none")
 INTERRUPTED = "nbdist_interrupted"  # user attribute of a trial an interrupt ended
+MODEL_ATTR = "nbdist_model"  # user attribute of a complete trial: the .keras file of its trained model
 
 
 class FitCaptured(Exception):
@@ -103,6 +106,25 @@ def open_study(optuna: Any, *, study: Any, storage: str | None, study_name: str 
                           "sqlite:///search.db.") from None
 
 
+def models_dir_for(storage: str | None, study_name: str, models_dir: str | os.PathLike | bool | None,
+                   study_given: bool) -> Path | None:
+    """Where complete trials' models are saved: ``models_dir`` when given (False: nowhere); by default
+    beside an SQLite storage's file (``nbdist_tune.db`` -> ``nbdist_tune_models/<study>/``), else
+    ``nbdist_tune_models/<study>/`` in the working directory; nowhere for a study passed in
+    without ``models_dir`` (its storage may live in memory only)."""
+    if models_dir is False:
+        return None
+    if models_dir is not None and models_dir is not True:
+        return Path(models_dir).expanduser().absolute() / study_name
+    if study_given:
+        return None
+    url = storage or DEFAULT_STORAGE
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        db = Path(url[len("sqlite:///"):].split("?", 1)[0])
+        return (db.parent / f"{db.stem}_models").absolute() / study_name
+    return Path("nbdist_tune_models").absolute() / study_name
+
+
 def finished_before(optuna: Any, study: Any) -> int:
     """Trials the study finished earlier: complete, pruned, or failed by themselves (not by an interrupt)."""
     states = optuna.trial.TrialState
@@ -128,8 +150,9 @@ class Search:
                  validation_data: tuple[Any, Any] | None = None, explicit: dict[str, Any] | None = None,
                  lr_scaling_given: bool = False, namespace: dict[str, Any] | None = None,
                  listeners: list[Callable[[str, SearchState, Any], None]] | None = None,
-                 mlflow_run: Any = None) -> None:
+                 mlflow_run: Any = None, models_dir: Path | None = None) -> None:
         self.build = build
+        self.models_dir = models_dir
         self.study = study
         self._optuna = optuna
         self.objective = objective
@@ -156,6 +179,7 @@ class Search:
         except ValueError:  # no complete trial yet
             return
         self.state.best_value, self.state.best_number = best.value, best.number
+        self.state.previous_best = best.value
 
     @property
     def best_params(self) -> dict[str, Any]:
@@ -336,6 +360,7 @@ class Search:
                 self._tell_failed(tr.trial, f"{self.objective} was {value} at the last epoch")
                 self.state.trial_ended(number, "failed", error=f"{self.objective} was {value}")
             else:
+                self._save_model(tr.trial, job.model)
                 self.study.tell(tr.trial, value)
                 previous = self.state.best_number
                 self.state.trial_ended(number, "complete", value)
@@ -378,10 +403,42 @@ class Search:
                 self.state.trial_ended(number, "interrupted", error=reason)
                 self._notify("trial", number)
 
+    def _save_model(self, trial: Any, model: Any) -> None:
+        """The complete trial's trained model as a .keras file, named in its user attributes, so that a
+        resumed search's ``best_model`` is there when the best trial ran in an earlier session."""
+        if self.models_dir is None:
+            return
+        path = self.models_dir / f"trial-{trial.number}.keras"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            model.save(path)
+            trial.set_user_attr(MODEL_ATTR, str(path))
+        except Exception as exc:  # a model Keras cannot save (a custom layer without get_config, a full disk)
+            log.warning("trial %d's model could not be saved to %s (%s: %s); a resumed search will not have it",
+                        trial.number, path, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+
+    def _load_best_model(self) -> None:
+        """The best trial ran in an earlier session: its saved model, if it was saved."""
+        try:
+            best = self.study.best_trial
+        except ValueError:
+            return
+        path = best.user_attrs.get(MODEL_ATTR)
+        if not path:
+            log.info("the best trial (%d) ran in an earlier session without saving its model; best_model is None",
+                     best.number)
+            return
+        import keras
+
+        try:
+            self.best_model, self.best_number = keras.models.load_model(path), best.number
+        except Exception as exc:  # moved or deleted, or a custom object not importable here
+            log.warning("the best trial's (%d) model could not be loaded from %s (%s: %s); best_model is None",
+                        best.number, path, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+
     def _end(self) -> None:
         if self.state.best_number is not None and self.best_model is None:
-            log.info("the best trial (%d) ran in an earlier session; its model is not in memory (best_model is None)",
-                     self.state.best_number)
+            self._load_best_model()
         if self.mlflow_run is not None:
             self.mlflow_run.end(self.state.status, self.state.best_value, self.best_params)
         self._notify("end")
@@ -408,8 +465,12 @@ def tune(build: Callable[[Any], Any], **kwargs: Any) -> Search:
     ``study_name`` in ``storage`` (an RDB URL, default ``sqlite:///nbdist_tune.db``), loaded when it
     exists so that an interrupted search resumes (``trials`` counts the study's finished trials).
     Other options are TrainConfig's (epochs, batch_size, strategy, backend, seed, mlflow, run_name,
-    ...; ``ui`` draws the table of trials, "none" by default). Returns the ``Search``: ``.study``,
-    ``.best_model`` (the best trial's trained model, when it ran in this session), ``.best_params``.
+    ...; ``ui`` draws the table of trials, "none" by default). Each complete trial's trained model is
+    saved as ``trial-<n>.keras`` in ``models_dir`` (default: ``<db>_models/<study>/`` beside an SQLite
+    storage's file, ``nbdist_tune_models/<study>/`` otherwise; False saves none; a passed ``study`` saves
+    only with ``models_dir``), so that a resumed search loads its best model. Returns the ``Search``:
+    ``.study``, ``.best_model`` (the best trial's trained model, loaded from its file when it ran in an
+    earlier session), ``.best_params``.
     """
     return make_search(build, **kwargs).run()
 
@@ -420,9 +481,11 @@ def make_search(build: Callable[[Any], Any], *, trials: int, parallel: int = 2, 
          x: Any = None, y: Any = None, validation_data: tuple[Any, Any] | None = None,
          namespace: dict[str, Any] | None = None,
          listeners: list[Callable[[str, SearchState, Any], None]] | None = None,
-         explicit: dict[str, Any] | None = None, lr_scaling_given: bool = False, **options: Any) -> Search:
+         explicit: dict[str, Any] | None = None, lr_scaling_given: bool = False,
+         models_dir: str | os.PathLike | bool | None = None, **options: Any) -> Search:
     """The search ``tune`` runs, checked and its study opened, not started."""
     optuna = import_optuna()
+    study_given = study is not None
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise NbdistError(f"--trials must be a whole number of at least 1, got {trials!r}; for example --trials 20.")
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
@@ -449,7 +512,7 @@ def make_search(build: Callable[[Any], Any], *, trials: int, parallel: int = 2, 
     tracked = wanted(config.mlflow)
     study = open_study(optuna, study=study, storage=storage, study_name=study_name, direction=direction,
                        sampler=sampler, pruner=make_pruner(optuna, pruner), seed=config.seed)
-    from .ui.search import make_search_view
+    from .ui import make_search_view
 
     view = make_search_view(ui)
     mlflow_run = None
@@ -462,7 +525,8 @@ def make_search(build: Callable[[Any], Any], *, trials: int, parallel: int = 2, 
     return Search(build, study=study, optuna=optuna, n_trials=trials, parallel=parallel, objective=objective,
                     config=config, x=x, y=y, validation_data=validation_data, explicit=explicit,
                     lr_scaling_given=lr_scaling_given, namespace=namespace,
-                  listeners=[*([view] if view else []), *(listeners or [])], mlflow_run=mlflow_run)
+                  listeners=[*([view] if view else []), *(listeners or [])], mlflow_run=mlflow_run,
+                  models_dir=models_dir_for(storage, study.study_name, models_dir, study_given))
 
 
 __all__ = ["FitCaptured", "Search", "make_search", "infer_direction", "make_pruner", "open_study", "tune"]

@@ -47,6 +47,7 @@ class SearchState:
     trials: dict[int, TrialRow] = field(default_factory=dict)
     best_value: float | None = None  # over the whole study, resumed trials included
     best_number: int | None = None
+    previous_best: float | None = None  # the best value of the trials finished before this session
 
     def better(self, a: float, b: float | None) -> bool:
         if b is None or math.isnan(b):
@@ -97,9 +98,10 @@ class SearchState:
         return end - self.started
 
     def best_so_far(self) -> list[tuple[int, float]]:
-        """(trial number, best value among the complete trials up to it), in the order trials ended."""
+        """(trial number, best value among the complete trials up to it, earlier sessions' included), in
+        the order trials ended."""
         out: list[tuple[int, float]] = []
-        best: float | None = None
+        best: float | None = self.previous_best
         for row in sorted((r for r in self.trials.values() if r.ended is not None), key=lambda r: r.ended):
             if row.state == "complete" and row.value is not None and self.better(row.value, best):
                 best = row.value

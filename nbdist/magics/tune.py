@@ -27,6 +27,9 @@ class TuneMagics(Magics):
               help="Optuna's RDB storage of the study (default: sqlite:///nbdist_tune.db); the same URL and "
                    "--study resume an interrupted search")
     @argument("--study", default=None, metavar="NAME", help="the study's name in the storage (default: nbdist-tune)")
+    @argument("--models-dir", default=None, metavar="DIR|none",
+              help="where each complete trial's model is saved (trial-N.keras under DIR/<study>), so that a resumed "
+                   "search has best_model; default: <db>_models/ beside an SQLite storage's file; none: not saved")
     @argument("--pruner", default="median", metavar="NAME",
               help="median (default) | percentile | hyperband | successive-halving | none, or the name of a "
                    "notebook variable holding an Optuna pruner")
@@ -117,7 +120,9 @@ class TuneMagics(Magics):
 
         search = make_search(build, trials=args.trials, parallel=args.parallel, objective=args.objective,
                              direction=args.direction, workers_per_trial=args.workers_per_trial,
-                             storage=args.storage, study_name=args.study, pruner=pruner, sampler=sampler, x=x, y=y,
+                             storage=args.storage, study_name=args.study, pruner=pruner,
+                             models_dir=False if (args.models_dir or "").lower() == "none" else args.models_dir,
+                             sampler=sampler, x=x, y=y,
                              validation_data=validation, namespace=ns, explicit=explicit,
                              lr_scaling_given=args.lr_scaling is not None, **options)
         try:

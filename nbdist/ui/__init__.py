@@ -83,3 +83,26 @@ def make_renderer(ui: str, stream: TextIO | None = None) -> Listener | None:
     from ..errors import NbdistError
 
     raise NbdistError(f"unknown ui {ui!r} (from --ui or NBDIST_UI); use one of: auto, widgets, html, text, none.")
+
+
+def make_search_view(ui: str, stream: TextIO | None = None) -> Any:
+    """The live view of a search (ui/search.py, ui/search_widgets.py) for ``--ui``; auto as ``make_renderer``."""
+    if ui == "auto":
+        ui = os.environ.get("NBDIST_UI", "").strip().lower() or detect_frontend()
+    if ui == "none":
+        return None
+    from .search import HtmlSearchView, TextSearchView
+
+    if ui == "text":
+        return TextSearchView(stream)
+    if ui == "widgets":
+        try:
+            from .search_widgets import WidgetSearchView
+        except ImportError as exc:
+            from ..errors import NbdistError
+
+            raise NbdistError(f"--ui widgets needs ipywidgets and bqplot ({exc}); "
+                              "pip install 'nbdist[widgets]' or use --ui html.") from None
+        return WidgetSearchView()
+    zeppelin = "ZEPPELIN_HOME" in os.environ or "ZEPPELIN_INTERPRETER" in os.environ
+    return HtmlSearchView("append" if zeppelin else "update")

@@ -272,3 +272,25 @@ def test_an_image_without_nbdist_gets_one_sentence_before_any_worker(engine, dig
     left = subprocess.run([engine.path, "ps", "-a", "--format", "{{.Names}}"], capture_output=True,
                           timeout=60).stdout.decode().split()
     assert not [n for n in left if n.startswith("nbdist-")], left
+
+
+def test_search_trials_run_in_containers_each_value_its_runs_merged_metric(engine, split, tmp_path):
+    """A small search on the containers backend: 2 trials at once, one container each; each stored value is its
+    run's merged metric at the last epoch, and no container is left."""
+    optuna = pytest.importorskip("optuna")
+    x_train, x_test, y_train, y_test = split
+
+    def build(trial):
+        model = mlp(seed=trial.number, lr=trial.suggest_float("lr", 3e-3, 3e-2, log=True))
+        model.fit(x_train, y_train, batch_size=64, epochs=1, validation_data=(x_test, y_test), verbose=0)
+
+    search = nbdist.tune(build, trials=2, parallel=2, objective="val_accuracy", backend="containers",
+                         pruner="none", storage=f"sqlite:///{tmp_path / 'containers.db'}", seed=0)
+    trials = search.study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    for t in trials:
+        job = search.jobs[t.number]
+        assert job.state.backend == "containers" and job.status == "done"
+        assert t.value == job.history["val_accuracy"][-1]
+        assert run_containers(engine, job._backend.run_id) == []
+    assert accuracy(search.best_model, x_test, y_test) == pytest.approx(search.study.best_value, abs=1e-6)

@@ -1,8 +1,9 @@
-"""A real browser runs the quickstart notebook in JupyterLab and sees the dashboard finish.
+"""A real browser runs the quickstart notebook in JupyterLab and sees the dashboard finish; and the
+search notebook (07_tune) and sees the search's live view end with its charts and table.
 
 JupyterLab listens on 127.0.0.1 with a token; Debian's chromium (installed by
-scripts/install_system_deps.sh) is driven by Playwright. The screenshot is saved to
-artifacts/dashboard.png.
+scripts/install_system_deps.sh) is driven by Playwright. The screenshots are saved to
+artifacts/dashboard.png and artifacts/search_dashboard.png.
 """
 from __future__ import annotations
 
@@ -69,8 +70,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    """One JupyterLab server for the module's tests (each opens its own notebook, with its own kernel)."""
+    tmp_path = tmp_path_factory.mktemp("lab")
     if not os.path.exists(CHROMIUM):
         pytest.skip("chromium is not installed; run scripts/install_system_deps.sh as root")
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
@@ -86,6 +89,7 @@ def jupyterlab(tmp_path):
     nb["cells"].append({"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
                         "source": BACKGROUND_CELL})
     (work / "quickstart.ipynb").write_text(json.dumps(nb))
+    (work / "tune.ipynb").write_text((ROOT / "notebooks" / "07_tune.ipynb").read_text())
     # No "fetch Jupyter news?" toast over the screenshot, and no update check (nothing leaves the machine).
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
@@ -126,35 +130,44 @@ def jupyterlab(tmp_path):
         log.close()
 
 
-def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
+def launch(p, tmp):
+    # A fresh profile directory (Playwright passes it as --user-data-dir).
+    return p.chromium.launch_persistent_context(
+        str(tmp / "chromium-profile"), executable_path=CHROMIUM, headless=True,
+        viewport={"width": 1400, "height": 1800},
+        args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+
+
+def open_and_run_all(page, base: str, token: str, notebook: str) -> None:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page.goto(f"{base}/lab/tree/{notebook}?token={token}", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    page.wait_for_selector(".jp-Spinner", state="detached", timeout=90_000)
+    # JupyterLab may ask which kernel to use: take the proposed one (Python 3).
+    accept = page.locator(".jp-Dialog .jp-mod-accept")
+    try:
+        accept.wait_for(timeout=15_000)
+        accept.click()
+    except PlaywrightTimeout:
+        pass
+    page.wait_for_selector(".jp-StatusBar-Widget:has-text('Idle')", timeout=90_000)
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+
+
+def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
     from playwright.sync_api import sync_playwright
 
     base, token, tmp = jupyterlab
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        # A fresh profile directory (Playwright passes it as --user-data-dir).
-        browser = p.chromium.launch_persistent_context(
-            str(tmp / "chromium-profile"), executable_path=CHROMIUM, headless=True,
-            viewport={"width": 1400, "height": 1800},
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = launch(p, tmp)
         try:
             page = browser.new_page()
-            page.goto(f"{base}/lab/tree/quickstart.ipynb?token={token}", timeout=60_000)
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-            page.wait_for_selector(".jp-Spinner", state="detached", timeout=90_000)
-            # JupyterLab may ask which kernel to use: take the proposed one (Python 3).
-            accept = page.locator(".jp-Dialog .jp-mod-accept")
-            try:
-                accept.wait_for(timeout=15_000)
-                accept.click()
-            except PlaywrightTimeout:
-                pass
-            page.wait_for_selector(".jp-StatusBar-Widget:has-text('Idle')", timeout=90_000)
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+            open_and_run_all(page, base, token, "quickstart.ipynb")
             # The notebook's last cell prints once training ended and model.predict ran.
             try:
                 page.wait_for_selector(".jp-OutputArea-output:has-text('test accuracy:')", timeout=240_000)
@@ -227,5 +240,40 @@ def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
             assert "stopped" in stopped_text and "/500" in stopped_text, stopped_text
             assert not bg.locator("button", has_text="Stop").is_visible()  # nothing left to stop
             assert took < 20, took
+        finally:
+            browser.close()
+
+
+def test_search_dashboard_in_jupyterlab(jupyterlab):
+    """07_tune's %%dist_tune in JupyterLab draws the widget view: a best-so-far chart with a point per
+    finished trial, each trial's curve with a point per epoch, the table of trials, status done."""
+    from playwright.sync_api import sync_playwright
+
+    base, token, tmp = jupyterlab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = launch(p, tmp)
+        try:
+            page = browser.new_page()
+            open_and_run_all(page, base, token, "tune.ipynb")
+            try:
+                page.wait_for_selector(".jp-OutputArea-output:has-text('best_model test accuracy:')", timeout=240_000)
+            finally:
+                page.screenshot(path=str(ARTIFACTS / "search_notebook.png"), full_page=True)
+            dash = page.locator(".nbdist-search-dashboard").first
+            dash.scroll_into_view_if_needed()
+            page.wait_for_timeout(1000)  # chart transitions land
+            dash.screenshot(path=str(ARTIFACTS / "search_dashboard.png"))
+            (ARTIFACTS / "search_dashboard.html").write_text(dash.evaluate("e => e.outerHTML"))
+            text = dash.inner_text()
+            assert "search done: 4/4 trials finished" in text and "done" in text, text
+            assert dash.locator("table.nbdist-trials tbody tr").count() == 4
+            assert dash.locator("table.nbdist-trials td", has_text="complete").count() == 4
+            titles = dash.locator(".bqplot .mainheading").evaluate_all("els => els.map(e => e.textContent)")
+            assert titles == ["best val_accuracy so far", "val_accuracy per epoch"], titles
+            points = dash.locator(".bqplot").evaluate_all(
+                "figs => figs.map(f => [...f.querySelectorAll('.curve .line')]"
+                ".map(l => l.getAttribute('d').split('L').length))")
+            assert points == [[4], [3, 3, 3, 3]], points  # 4 trials finished; 4 trials of 3 epochs
         finally:
             browser.close()

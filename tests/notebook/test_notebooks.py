@@ -84,3 +84,16 @@ def test_your_keras_cell_notebook_executes():
     val_auc, eval_auc = map(float, re.search(r"val_auc ([0-9.]+), evaluate auc ([0-9.]+)", text).groups())
     assert val_auc == eval_auc and val_auc > 0.95  # merged exactly, not averaged
     assert float(re.search(r"text: test accuracy: ([0-9.]+)", text).group(1)) > 0.8
+
+
+@pytest.mark.usefixtures("no_leftover_workers")
+def test_tune_notebook_executes():
+    """A 4-trial search, 2 at once on local workers: the text view's lines, and best_model scoring the
+    study's best value on the validation split it was measured on."""
+    text = stream_text(execute("07_tune.ipynb"))
+    assert text.count("trial ") >= 4 and "search done: 4/4 trials finished" in text, text[-3000:]
+    assert "best val_accuracy after each finished trial:" in text
+    found = re.search(r"val_accuracy ([0-9.]+)\nbest_model test accuracy: ([0-9.]+)", text)
+    assert found, text[-2000:]
+    assert found.group(1) == found.group(2) and float(found.group(1)) > 0.8
+    assert "trials: 4, states: ['COMPLETE', 'COMPLETE', 'COMPLETE', 'COMPLETE']" in text

@@ -108,3 +108,29 @@ def test_killed_worker_fails_fast_and_leaves_nothing(spark, data):
     # Spark is still usable afterwards: the job group was ended, not the context.
     assert spark.sparkContext.parallelize(range(10), 2).sum() == 45
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))  # failed: model untouched
+
+
+def test_search_runs_two_trials_at_once_on_spark_each_value_its_runs_merged_metric(spark, data, tmp_path):
+    """%%dist_tune's API on local[2]: 3 trials, 2 at once, each trial one worker in a Spark task; every stored
+    value is its run's merged metric at the last epoch, and the best model is the best trial's."""
+    optuna = pytest.importorskip("optuna")
+    Xtr, Xte, ytr, yte = data
+
+    def build(trial):
+        model = small_model(trial.number)
+        model.optimizer.learning_rate = trial.suggest_float("lr", 1e-3, 3e-2, log=True)
+        model.fit(Xtr, ytr, batch_size=64, epochs=2, validation_data=(Xte, yte), verbose=0)
+
+    search = nbdist.tune(build, trials=3, parallel=2, objective="val_accuracy", backend="spark", pruner="none",
+                         storage=f"sqlite:///{tmp_path / 'spark.db'}", seed=0)
+    trials = search.study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    rows = search.state.trials
+    assert rows[1].ready_at < rows[0].ended and rows[0].ready_at < rows[1].ended  # two at once
+    for t in trials:
+        job = search.jobs[t.number]
+        assert job.state.backend == "spark" and job.status == "done"
+        assert t.value == job.history["val_accuracy"][-1]
+        assert not wait_until_no_workers(job)
+    assert search.best_model is search.jobs[search.study.best_trial.number].model
+    assert accuracy(search.best_model, Xte, yte) == pytest.approx(search.study.best_value, abs=1e-6)

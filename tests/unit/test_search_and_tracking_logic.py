@@ -83,6 +83,56 @@ def test_text_view_says_each_ended_trial_and_the_table_at_the_end():
     state.finish("done")
     view("end", state, None)
     lines = out.getvalue().splitlines()
-    assert lines[0] == "trial 0 pruned: units=32; val_loss 0.5 after 1/2 epochs"
+    assert lines[0] == "trial 0 pruned: units=32; val_loss 0.5 after 1/2 epochs (per epoch: 0.5)"
     assert lines[1].startswith("search done: 1/2 trials finished") and "units=32" in lines[-1]
     assert "<td>pruned</td>" in search_html(state)
+
+
+def test_charts_show_the_best_so_far_over_sessions_and_each_trials_curve():
+    """The best-so-far line starts from the earlier sessions' best and counts their trials; every trial with an
+    epoch has its curve, running ones marked; the SVG (HTML/Zeppelin) and text views draw the same points."""
+    from nbdist.ui.search import best_so_far_line, search_charts, search_html, svg_chart
+
+    state = SearchState("val_accuracy", "maximize", n_trials=6, parallel=2, previous=2, previous_best=0.7)
+    for n, curve, end in ((2, [0.5, 0.6], "complete"), (3, [0.8, 0.9], "complete"), (4, [0.4], "pruned"),
+                          (5, [0.3, 0.95], None)):
+        state.trial_started(n, {"lr": 0.01}, epochs=2)
+        for v in curve:
+            state.trial_epoch(n, v)
+        if end:
+            state.trial_ended(n, end)
+    charts = search_charts(state)
+    assert list(zip(charts.best.x, charts.best.y)) == [(3, 0.7), (4, 0.9), (5, 0.9)]  # trial 2 (0.6) < 0.7
+    assert [(c.label, c.y, c.running) for c in charts.curves] == [
+        ("trial 2", [0.5, 0.6], False), ("trial 3", [0.8, 0.9], False), ("trial 4", [0.4], False),
+        ("trial 5", [0.3, 0.95], True)]
+    assert charts.curves[0].x == [1, 2]
+    svg = svg_chart("t", "epoch", charts.curves, width=250, height=140)
+    assert svg.count("<polyline") == 4 and svg.count("<circle") == 7
+    # x from 1 to 2 maps to 50..240, y from 0.3 to 0.95 to 108..24: trial 5's points
+    assert 'data-label="trial 5" fill="none" stroke="#1f77b4" stroke-width="2.5" points="50.0,108.0 240.0,24.0"' in svg
+    assert search_html(state).count("<svg") == 2
+    assert best_so_far_line(state) == "best val_accuracy after each finished trial: 3: 0.7, 4: 0.9, 5: 0.9"
+
+
+def test_widget_view_draws_the_charts_and_table_throttling_epochs():
+    pytest.importorskip("bqplot")
+    from nbdist.ui.search_widgets import WidgetSearchView
+
+    shown = []
+    view = WidgetSearchView(show=shown.append)
+    state = SearchState("val_loss", "minimize", n_trials=2, parallel=2)
+    view("start", state, None)
+    assert shown == [view.root] and view.best.figure.title == "best val_loss so far"
+    state.trial_started(0, {"units": 8}, epochs=3)
+    view("trial", state, 0)
+    state.trial_epoch(0, 0.9)
+    view("epoch", state, 0)  # within REDRAW_SECONDS of the last draw: skipped
+    assert view.draws == 2 and "trial 0" not in view.curves.lines
+    state.trial_epoch(0, 0.5)
+    state.trial_ended(0, "complete")
+    view("trial", state, 0)
+    line = view.curves.lines["trial 0"]
+    assert list(line.x) == [1, 2] and list(line.y) == [0.9, 0.5] and list(line.colors) == ["#2ca02c"]
+    assert list(view.best.lines["best so far"].y) == [0.5]
+    assert "<td>complete</td>" in view.table.value

@@ -71,6 +71,18 @@ def test_trials_run_concurrently_pruned_workers_stop_and_best_model_is_the_best_
     # One worker per trial: its last validation ran on the weights the model now holds.
     accuracy = float((search.best_model.predict(xv, verbose=0).argmax(1) == yv).mean())
     assert accuracy == pytest.approx(best.value, abs=1e-6)
+    # Each complete trial's model was saved beside the storage's file; a pruned one's was not.
+    saved = {n: trials[n].user_attrs.get("nbdist_model") for n in range(4)}
+    assert saved[2] is None and saved[3] is None
+    assert saved[0] == str(tmp_path / "study_models" / "lr" / "trial-0.keras") and os.path.exists(saved[1])
+
+    # Resumed in a "new session" with every trial finished: nothing runs, and best_model is the best trial's
+    # model loaded from its file (the trained weights, not a fresh model).
+    again = nbdist.tune(build, trials=4, parallel=2, objective="val_accuracy", direction="maximize",
+                        storage=storage, study_name="lr", pruner=pruner)
+    assert not again.jobs and again.best_model is not None and again.best_model is not search.best_model
+    np.testing.assert_allclose(again.best_model.predict(xv, verbose=0), search.best_model.predict(xv, verbose=0),
+                               atol=1e-6)
 
 
 def interrupt_when_a_trial_completes(db: str, stop: threading.Event) -> threading.Thread:
@@ -132,11 +144,12 @@ model.fit(X, y, batch_size=64, epochs=3 if trial.number else 1, validation_data=
     assert {n: complete[n] for n in complete_before} == complete_before  # finished trials kept, not rerun
     assert len(after) == len(first) + 3 - len(complete_before)
     assert ip.user_ns["best_params"] == ip.user_ns["study"].best_params
+    # best_model is the best trial's trained model, also when that trial ran before the interrupt (loaded
+    # from the file the search saved beside its storage).
     model = ip.user_ns["best_model"]
-    if model is not None:  # the best trial ran in this session
-        xv, yv = ip.user_ns["Xv"], ip.user_ns["yv"]
-        assert float((model.predict(xv, verbose=0).argmax(1) == yv).mean()) == pytest.approx(
-            ip.user_ns["study"].best_value, abs=1e-6)
+    xv, yv = ip.user_ns["Xv"], ip.user_ns["yv"]
+    assert float((model.predict(xv, verbose=0).argmax(1) == yv).mean()) == pytest.approx(
+        ip.user_ns["study"].best_value, abs=1e-6)
     assert np.isfinite(ip.user_ns["study"].best_value)
 
 
