@@ -196,7 +196,8 @@ class TrainingJob(Run):
         self._weights_every_epoch = self._wants_weights_every_epoch()
         settings = TrainSettings.from_config(
             cfg, rounds_per_epoch=self._rounds, initial_epoch=self._initial_epoch,
-            validation_anywhere=self.validation_data is not None,
+            validation_anywhere=self.validation_data is not None or self._validation_on_tasks(),
+            validation_on_tasks=self._validation_on_tasks(),
             batch_sizes=list(self._rank_batches) if fit is not None else None, learning_rate=self._first_lr,
             epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions),
             validation_freq=fit.validation_freq if fit is not None else 1,
@@ -205,6 +206,10 @@ class TrainingJob(Run):
         x_val, y_val, w_val = data_parts(val)
         return self._common_job(rank, "train", train=settings, placement=placement,
                                 x_val=x_val, y_val=y_val, sample_weight_val=w_val, py_datasets=self._py_datasets)
+
+    def _validation_on_tasks(self) -> bool:
+        """A validation DataFrame: the Spark tasks write each worker's share of it (spark/backend.py)."""
+        return isinstance(self.data, SparkData) and self.data.validation is not None
 
     def _check_restored_start(self, start: int) -> None:
         if start >= self.config.epochs:

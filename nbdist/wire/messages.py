@@ -107,6 +107,8 @@ class TrainSettings:
     weights_every_epoch: bool = True
     # Spark data: the bytes of rows a worker holds and shuffles together while streaming (worker/streams.py).
     stream_buffer_bytes: int = 64 * 2**20
+    # A validation DataFrame: each task wrote this worker's share of it beside its training rows, streamed too.
+    validation_on_tasks: bool = False
 
     @classmethod
     def from_config(cls, config: Any, **run: Any) -> TrainSettings:

@@ -24,6 +24,7 @@ import numpy as np
 
 DATA_ENV = "NBDIST_DATA_DIR"  # tells the worker where its task wrote the shard
 SHARD_FILE = "shard.arrow"
+VALIDATION_DIR = "validation"  # beside the training shard: the task's share of a validation DataFrame
 ROWS_FILE = "shard.rows"  # int64 row count of every block, written last: the reader sizes epochs from it
 NPY_HEADER_SIZE = 128  # fixed, so the shape can be written after streaming the rows
 
