@@ -130,14 +130,21 @@ class TrainingJob(Run):
             if self._x_file() is not None:  # the worker reads its features from the file (_file_rows)
                 pick = lambda a: a[rows]
                 return FitData(None, map_struct(pick, self.data.y), map_struct(pick, self.data.sample_weight))
+            files = self._x_leaves()
+            if files:  # memory-mapped inputs of several: read from their files, never taken here
+                return self.data.without_x_leaves(files).take(rows)
             return self.data.take(rows)
         return super()._shard(rank)
 
     def _file_rows(self, rank: int) -> dict[str, Any] | None:
-        source = self._x_file() if self.fit is not None else None
-        if source is None:
+        if self.fit is None:
             return None
-        return source.dealt(sum(self._rank_batches), self.world_size, rank)
+        deal = (sum(self._rank_batches), self.world_size, rank)
+        source = self._x_file()
+        if source is not None:
+            return source.dealt(*deal)
+        files = self._x_leaves()
+        return {"leaves": {str(i): f.dealt(*deal) for i, f in files.items()}} if files else None
 
     def _new_state(self, backend: Any) -> RunState:
         return RunState(self.world_size, self.config.epochs, backend=backend.name, strategy=self.config.strategy,
