@@ -100,6 +100,39 @@ def test_a_validation_dataframe_of_other_column_types_is_one_sentence(spark, fra
     assert "\n" not in str(info.value)
 
 
+def test_a_relaunched_run_writes_and_streams_every_partition_afresh(spark, frame, data, no_leftover_workers):
+    """A worker killed mid-run with max_restarts: the relaunch's Spark tasks write their partitions (training
+    and validation) again and the workers stream them; the run ends with every row and exact validation."""
+    import os
+    import signal
+
+    import pandas as pd
+
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    df, X, _ = frame
+    _, Xte, _, yte = data
+    val = spark.createDataFrame(pd.DataFrame({"pixels": list(Xte.astype("float64")), "digit": yte.astype("int64")}))
+    killed: list[int] = []
+
+    def kill(kind, state, payload):
+        if kind == "epoch" and not killed:
+            killed.append(state.workers[1].pid)
+            os.kill(killed[0], signal.SIGKILL)
+
+    model = small_model()
+    config = TrainConfig(epochs=3, batch_size=32, workers=2, strategy="allreduce", backend="spark", max_restarts=1,
+                         ui="none", stream_buffer_bytes=WINDOW_BYTES)
+    job = prepare(model, config, df, None, val, features="pixels", label="digit", listeners=[kill])
+    job.start()
+    job.wait(timeout=600)
+    assert killed and job.status == "done" and job.state.restarts == 1
+    assert sum(w.samples for w in job.state.workers) == len(X) and len(job.history["val_loss"]) == 3
+    want = model.evaluate(Xte, yte, batch_size=256, verbose=0, return_dict=True)
+    assert abs(job.history["val_loss"][-1] - want["loss"]) < 1e-5, (job.history, want)
+
+
 @pytest.mark.parametrize("where", ["x", "validation_data"])
 def test_spark_data_in_model_fit_is_one_sentence_naming_the_way(spark, frame, where):
     """The cell's own model.fit (and nbdist.train's in-memory path) has no arguments naming columns."""
