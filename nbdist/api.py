@@ -12,7 +12,7 @@ from .driver.inference import evaluate, predict  # noqa: F401 - the API under %d
 from .driver.training import TrainingJob
 from .errors import NbdistError
 from .model_io import check_trainable, ensure_built
-from .spark.data import is_spark_data, spark_dataset
+from .spark.data import is_spark_data, spark_dataset, spark_validation
 from .tracking import track
 from .ui import make_renderer
 
@@ -29,7 +29,9 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
     training ends unless ``background=True``; returns the ``TrainingJob`` either way.
     The API is silent by default (``ui="none"``). ``x`` may be a Spark DataFrame (name its
     columns with ``features`` and ``label``) or an RDD of (features, label) pairs: each Spark
-    task then reads its own partition on its executor.
+    task then reads its own partition on its executor. With a training DataFrame,
+    ``validation_data`` may be a DataFrame with the same columns: each task writes its share of
+    it too, and the workers stream it as they stream their training rows.
 
     Otherwise this is ``model.fit(x, y, ...)`` on the workers (the same data path, data.py):
     ``x``/``y`` as arrays, pandas, dicts or lists of them, or a ``keras.utils.PyDataset``;
@@ -84,12 +86,14 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
         return prepare_fit(model, config, fit, None, namespace, listeners)
     train_set = spark_dataset(x, y, features, label)
     val_set = None
-    if validation_data is not None:
+    if is_spark_data(validation_data) or (isinstance(validation_data, (tuple, list)) and validation_data
+                                          and is_spark_data(validation_data[0])):
+        # Streamed as the training data is: each task writes its share beside its partition.
+        train_set.validation = spark_validation(train_set, validation_data)
+    elif validation_data is not None:
         if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
-            raise NbdistError("validation_data must be (x_val, y_val) or (x_val, y_val, val_sample_weight).")
-        if is_spark_data(validation_data[0]):
-            raise NbdistError("validation data must be numpy or pandas (a Spark DataFrame is not supported "
-                              "for validation yet); collect a small sample, e.g. df.limit(1000).toPandas().")
+            raise NbdistError("validation_data must be (x_val, y_val), (x_val, y_val, val_sample_weight) or, "
+                              "with a training DataFrame, a Spark DataFrame with the same columns.")
         val_set = make_fit_data(*validation_data, what="validation data")
     check_not_stateful(model)
     if getattr(model, "compiled", False):
@@ -105,6 +109,7 @@ def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_bat
     from .driver.fit_call import check_fit_arguments, fit_data, prepare_fit_run
 
     x = fit.get("x")
+    spark_in_fit(x, fit.get("validation_data"))
     kind = None if is_py_dataset(x) else not_in_memory(x)
     if kind is not None:  # named first: dropping steps_per_epoch or the like would not make it trainable
         raise NbdistError(pipeline_message(kind, "training data x"))
@@ -115,6 +120,20 @@ def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_bat
     check_fits_model(model, train_set, val_set)
     run = prepare_fit_run(model, fit, config.epochs, global_batch, len(train_set))
     return _job(model, config, train_set, val_set, namespace, listeners, fit, run)
+
+
+def spark_in_fit(x: Any, validation_data: Any) -> None:
+    """Spark data where ``model.fit``'s in-memory data goes: one sentence naming the way that takes it.
+    Keras' fit has no arguments that name a DataFrame's columns, so Spark data is named on the magic line."""
+    val = validation_data[0] if isinstance(validation_data, (tuple, list)) and validation_data else validation_data
+    if is_spark_data(x):
+        raise NbdistError("model.fit(...) takes in-memory data; a Spark DataFrame or RDD trains where it lies with "
+                          "--data df --features COLS --label COL on the magic line (the cell only builds and "
+                          "compiles the model), or nbdist.train(model, df, features=..., label=...).")
+    if is_spark_data(val):
+        raise NbdistError("a Spark DataFrame as validation data needs a training DataFrame (both are streamed "
+                          "from the executors); with in-memory training data pass in-memory validation data, "
+                          "e.g. val_df.toPandas() for a small one.")
 
 
 def _job(model: Any, config: TrainConfig, train_set: Any, val_set: Any, namespace: dict[str, Any] | None,

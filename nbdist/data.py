@@ -244,6 +244,23 @@ def leaves(struct: Struct) -> list[np.ndarray]:
     return [struct]
 
 
+def fill_leaves(struct: Struct, values: dict[int, Any]) -> Struct:
+    """``struct`` (a dict or list) with its leaves at places ``values`` (their order in ``leaves``; a leaf
+    left out as None keeps its place) replaced by those values."""
+    place = 0
+
+    def put(node: Any) -> Any:
+        nonlocal place
+        if isinstance(node, dict):
+            return {k: put(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [put(v) for v in node]
+        place += 1
+        return values.get(place - 1, node)
+
+    return put(struct)
+
+
 def map_struct(fn: Any, struct: Struct) -> Struct:
     if struct is None:
         return None
@@ -292,6 +309,17 @@ class FitData:
     def x_file(self) -> NpyFile | None:
         """The .npy file ``x`` is the whole-file memory map of (``npy_file``), else None."""
         return npy_file(self.x)
+
+    @property
+    def x_leaves(self) -> dict[int, NpyFile]:
+        """Inputs of a dict or list ``x`` that are whole-file memory maps, by their place in ``leaves(x)``."""
+        if not isinstance(self.x, (dict, list)):
+            return {}
+        return {i: f for i, a in enumerate(leaves(self.x)) if (f := npy_file(a)) is not None}
+
+    def without_x_leaves(self, drop: Any) -> FitData:
+        """This data with the inputs at places ``drop`` left out (None): the workers read them from their files."""
+        return FitData(fill_leaves(self.x, {int(i): None for i in drop}), self.y, self.sample_weight)
 
     def take(self, index: np.ndarray | slice) -> FitData:
         pick = lambda a: a[index]

@@ -114,8 +114,10 @@ class InferenceJob(Run):
 
     def _file_rows(self, rank: int) -> dict[str, Any] | None:
         """A memory-mapped .npy stays on disk for local workers: each reads its rows from the file."""
-        source = self._x_file()
-        return None if source is None else source.rows(*self._shards[rank])
+        source, files = self._x_file(), self._x_leaves()
+        if source is not None:
+            return source.rows(*self._shards[rank])
+        return {"leaves": {str(i): f.rows(*self._shards[rank]) for i, f in files.items()}} if files else None
 
     def _on_message(self, rank: int, msg: protocol.Message) -> bool:
         if msg.type == self.answer:

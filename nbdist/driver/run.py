@@ -279,20 +279,29 @@ class Run:
             return None
         return self.data.x_file
 
+    def _x_leaves(self) -> dict[int, Any]:
+        """The inputs of a dict or list ``x`` that are memory-mapped .npy files, when the workers are local:
+        each worker reads its rows of them from the file (``leaves_rows``); the other inputs cross the wire."""
+        if self._backend is None or self._backend.name != "local" or not isinstance(self.data, FitData):
+            return {}
+        return self.data.x_leaves
+
     def _shard(self, rank: int) -> FitData | None:
         """Rank ``rank``'s rows from the driver's data; None when its Spark task reads them."""
         if self.data_on_tasks:
             return None
         a, b = self._shards[rank]
-        return self.data.slice(a, b)
+        files = self._x_leaves()
+        return self.data.slice(a, b).without_x_leaves(files) if files else self.data.slice(a, b)
 
     def _common_job(self, rank: int, kind: str, **fields: Any) -> JobMessage:
         """The job fields every kind of run fills the same way, plus ``fields``."""
         shard = self._shard(rank)
         x, y, weights = data_parts(shard)
         data_file = self._file_rows(rank)
-        source = "task" if self.data_on_tasks else "file" if data_file is not None else "wire"
-        if data_file is not None:  # the notebook's memory map: the worker reads its rows, none cross the wire
+        some_inputs = data_file is not None and "leaves" in data_file  # the rest of x crosses the wire
+        source = "task" if self.data_on_tasks else "file" if data_file is not None and not some_inputs else "wire"
+        if data_file is not None and not some_inputs:  # the notebook's memory map: the worker reads its rows
             x = None
         return JobMessage(
             kind=kind, rank=rank, world_size=self.world_size, batch_size=self.config.batch_size,

@@ -130,14 +130,21 @@ class TrainingJob(Run):
             if self._x_file() is not None:  # the worker reads its features from the file (_file_rows)
                 pick = lambda a: a[rows]
                 return FitData(None, map_struct(pick, self.data.y), map_struct(pick, self.data.sample_weight))
+            files = self._x_leaves()
+            if files:  # memory-mapped inputs of several: read from their files, never taken here
+                return self.data.without_x_leaves(files).take(rows)
             return self.data.take(rows)
         return super()._shard(rank)
 
     def _file_rows(self, rank: int) -> dict[str, Any] | None:
-        source = self._x_file() if self.fit is not None else None
-        if source is None:
+        if self.fit is None:
             return None
-        return source.dealt(sum(self._rank_batches), self.world_size, rank)
+        deal = (sum(self._rank_batches), self.world_size, rank)
+        source = self._x_file()
+        if source is not None:
+            return source.dealt(*deal)
+        files = self._x_leaves()
+        return {"leaves": {str(i): f.dealt(*deal) for i, f in files.items()}} if files else None
 
     def _new_state(self, backend: Any) -> RunState:
         return RunState(self.world_size, self.config.epochs, backend=backend.name, strategy=self.config.strategy,
@@ -196,7 +203,8 @@ class TrainingJob(Run):
         self._weights_every_epoch = self._wants_weights_every_epoch()
         settings = TrainSettings.from_config(
             cfg, rounds_per_epoch=self._rounds, initial_epoch=self._initial_epoch,
-            validation_anywhere=self.validation_data is not None,
+            validation_anywhere=self.validation_data is not None or self._validation_on_tasks(),
+            validation_on_tasks=self._validation_on_tasks(),
             batch_sizes=list(self._rank_batches) if fit is not None else None, learning_rate=self._first_lr,
             epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions),
             validation_freq=fit.validation_freq if fit is not None else 1,
@@ -205,6 +213,10 @@ class TrainingJob(Run):
         x_val, y_val, w_val = data_parts(val)
         return self._common_job(rank, "train", train=settings, placement=placement,
                                 x_val=x_val, y_val=y_val, sample_weight_val=w_val, py_datasets=self._py_datasets)
+
+    def _validation_on_tasks(self) -> bool:
+        """A validation DataFrame: the Spark tasks write each worker's share of it (spark/backend.py)."""
+        return isinstance(self.data, SparkData) and self.data.validation is not None
 
     def _check_restored_start(self, start: int) -> None:
         if start >= self.config.epochs:

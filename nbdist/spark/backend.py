@@ -38,7 +38,7 @@ from ..wire import protocol
 from ..wire.messages import MessageType
 from . import cluster
 from .data import SparkData, barrier_safe
-from .task import RESULT_SCHEMA, TaskSpec, arrow_task, run_task
+from .task import RESULT_SCHEMA, VALIDATION_COLUMN, TaskSpec, arrow_task, run_task
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,8 @@ class SparkBackend:
         spec = TaskSpec(address=tuple(address), status_address=status_address, secret_hex=secret.hex(),
                         threads=threads_per_worker, layout=None if data is None else data.layout,
                         warm=warm_enabled(),  # NBDIST_WARM_WORKERS=0 turns executors' warm workers off
-                        keras_backend=notebook_backend())
+                        keras_backend=notebook_backend(),
+                        validation=data is not None and data.validation is not None)
         stage = self._stage(world_size, data, spec)
         self._thread = threading.Thread(target=self._run, args=(stage,), name="nbdist-spark-job", daemon=True)
         self._thread.start()
@@ -283,6 +284,14 @@ class SparkBackend:
             return rdd.barrier().mapPartitions(functools.partial(run_task, spec)).collect
         if data is None:  # numpy/pandas data travels over the wire; the tasks only host the workers
             df = self.session.range(world_size, numPartitions=world_size)
+        elif data.validation is not None:
+            # One barrier stage reads both DataFrames: their union, each row marked, dealt round-robin
+            # over the tasks (one shuffle), and every task writes its share of each (task.py).
+            from pyspark.sql import functions as F
+
+            marked = [frame.withColumn(VALIDATION_COLUMN, F.lit(flag))
+                      for frame, flag in ((data.dataframe, False), (data.validation, True))]
+            df = marked[0].unionByName(marked[1]).repartition(world_size)
         else:
             df = data.dataframe
             # Classic: keep the DataFrame's own partitions when they fit a barrier stage as they are.

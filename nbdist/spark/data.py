@@ -52,6 +52,8 @@ class SparkData:
         self.rdd = rdd  # an RDD of (features, label) pairs (classic sessions), else None
         self.layout = layout
         self.dataframe = dataframe  # the selected columns, when the source is a DataFrame
+        # A validation DataFrame with the same columns (spark_validation): each task writes its share too.
+        self.validation: Any = None
 
 
 def barrier_safe(jrdd: Any) -> bool:
@@ -116,6 +118,31 @@ def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: s
         raise NbdistError(f"label column {label!r} is {fields[label].simpleString()}, not a number; "
                           "index it first (e.g. pyspark.ml.feature.StringIndexer).")
     return SparkData(None, Layout(cols, label), dataframe=x.select(*cols, label))
+
+
+def spark_validation(train: SparkData, validation: Any) -> Any:
+    """``validation_data`` given as a Spark DataFrame (alone, or as ``(df,)``/``(df, None)`` from
+    ``--validation-data df``), checked against the training DataFrame: the same named columns of the
+    same types, so each task can write its share beside its training rows. Its selected columns."""
+    if isinstance(validation, (tuple, list)):
+        if not validation or not is_spark_data(validation[0]) or any(v is not None for v in validation[1:]):
+            raise NbdistError("a Spark DataFrame as validation data goes alone, labels included: "
+                              "validation_data=val_df (--validation-data val_df), its columns named as the "
+                              "training DataFrame's by --features and --label.")
+        validation = validation[0]
+    if train.dataframe is None or not is_spark_dataframe(validation):
+        raise NbdistError("validation data as Spark data needs a Spark DataFrame for both training and "
+                          "validation (an RDD cannot be streamed beside another); pass DataFrames, or numpy "
+                          "validation data.")
+    layout = train.layout
+    checked = spark_dataset(validation, None, list(layout.features), layout.label)
+    want = {f.name: f.dataType for f in train.dataframe.schema.fields}
+    for f in checked.dataframe.schema.fields:
+        if f.dataType != want[f.name]:
+            raise NbdistError(f"validation DataFrame column {f.name!r} is {f.dataType.simpleString()} but the "
+                              f"training DataFrame's is {want[f.name].simpleString()}; cast one to the other "
+                              f"(e.g. val_df.withColumn({f.name!r}, F.col({f.name!r}).cast(...))).")
+    return checked.dataframe
 
 
 def sql_types() -> Any:

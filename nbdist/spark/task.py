@@ -25,11 +25,13 @@ import numpy as np
 from ..backends.command import job_command, worker_env
 from ..procs import ChildEnd, ProcessId, oom_kill_count, read_log_tail, reap, signal_group
 from ..wire.messages import MessageType
-from ..wire.shardfile import DATA_ENV, DiskFull, ShardWriter
+from ..wire.shardfile import DATA_ENV, VALIDATION_DIR, DiskFull, ShardWriter
 
 log = logging.getLogger(__name__)
 
 CHUNK_ROWS = 4096
+# With a validation DataFrame the barrier stage reads the union of both, each row marked by this column.
+VALIDATION_COLUMN = "__nbdist_validation"
 
 
 # -- pure helpers ---------------------------------------------------------
@@ -168,17 +170,43 @@ def arrow_label(column: Any, name: str) -> np.ndarray:
 def write_batches(batches: Iterable[Any], layout: Layout, directory: str) -> int:
     """Stream a partition's Arrow record batches into ``directory``'s shard file, one block per batch
     (Spark's ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows at most); the row count."""
-    writer = ShardWriter(directory, labels=layout.label is not None)
+    return write_split_batches(batches, layout, directory, validation=False)[0]
+
+
+def write_split_batches(batches: Iterable[Any], layout: Layout, directory: str,
+                        validation: bool) -> tuple[int, int]:
+    """``write_batches``; with ``validation`` the batches also hold validation rows, marked by
+    ``VALIDATION_COLUMN``, which go to the shard file under ``directory``/validation. (rows, validation rows)."""
+    import pyarrow.compute as pc
+
+    train = ShardWriter(directory, labels=layout.label is not None)
+    val = None
+    if validation:
+        os.makedirs(os.path.join(directory, VALIDATION_DIR), exist_ok=True)
+        val = ShardWriter(os.path.join(directory, VALIDATION_DIR), labels=layout.label is not None)
     try:
         for batch in batches:
             if batch.num_rows == 0:
                 continue
-            blocks = [arrow_features(batch.column(name), name) for name in layout.features]
-            y = arrow_label(batch.column(layout.label), layout.label) if layout.label is not None else None
-            writer.append(blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1), y)
+            if val is None:
+                _append_batch(train, batch, layout)
+                continue
+            marked = batch.column(VALIDATION_COLUMN)
+            _append_batch(train, batch.filter(pc.invert(marked)), layout)
+            _append_batch(val, batch.filter(marked), layout, "the validation features")
     finally:
-        writer.close()
-    return writer.rows
+        train.close()
+        if val is not None:
+            val.close()
+    return train.rows, (val.rows if val is not None else 0)
+
+
+def _append_batch(writer: ShardWriter, batch: Any, layout: Layout, what: str = "the features") -> None:
+    if batch.num_rows == 0:
+        return
+    blocks = [arrow_features(batch.column(name), name) for name in layout.features]
+    y = arrow_label(batch.column(layout.label), layout.label) if layout.label is not None else None
+    writer.append(blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1), y, what)
 
 
 def _write_block(block: list[Any], layout: Layout, writer: ShardWriter) -> None:
@@ -196,6 +224,7 @@ class TaskSpec:
     layout: Layout | None = None  # None: the data comes over the wire from the driver
     warm: bool = False  # take a warm worker if one waits, and leave one for the next job (spark_warm.py)
     keras_backend: str | None = None  # the notebook's (keras_backend.py): the worker runs it, whatever the executor's
+    validation: bool = False  # the partition also holds validation rows (VALIDATION_COLUMN true)
 
 
 class _Reporter:
@@ -277,7 +306,8 @@ def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
-    write = None if spec.layout is None else (lambda d: write_batches(batches, spec.layout, d))
+    write = None if spec.layout is None else (
+        lambda d: write_split_batches(batches, spec.layout, d, spec.validation))
     result = task_body(spec, ctx.partitionId(), ctx.resources(), write)
     if write is None:
         for _ in batches:  # spark.range's rows: nothing to read, but the input is consumed
@@ -317,10 +347,11 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
             pool = spark_warm.pool_dir(executor)
         job_env = {}
         if write is not None:
-            rows = write(workdir)
+            written = write(workdir)
+            rows, val_rows = written if isinstance(written, tuple) else (written, 0)
             # The driver sizes every worker's epoch from these counts: no separate count pass, whose
             # partitions could differ from the ones read here (an uncached, recomputed DataFrame).
-            reporter.send({"type": MessageType.TASK_ROWS, "rank": rank, "rows": rows})
+            reporter.send({"type": MessageType.TASK_ROWS, "rank": rank, "rows": rows, "val_rows": val_rows})
             job_env[DATA_ENV] = workdir
         if pool is not None:
             proc = spark_warm.claim(pool, env, job_line(spec.address, rank, job_env), secret)

@@ -108,6 +108,8 @@ class TrainSettings:
     # Spark data: the bytes of rows a worker holds and shuffles together while streaming (worker/streams.py).
     stream_buffer_bytes: int = 64 * 2**20
     fused_updates: bool | None = None  # Adam/SGD updates as fused kernels (TrainConfig, strategies/fused_updates.py)
+    # A validation DataFrame: each task wrote this worker's share of it beside its training rows, streamed too.
+    validation_on_tasks: bool = False
 
     @classmethod
     def from_config(cls, config: Any, **run: Any) -> TrainSettings:

@@ -24,6 +24,7 @@ import numpy as np
 
 DATA_ENV = "NBDIST_DATA_DIR"  # tells the worker where its task wrote the shard
 SHARD_FILE = "shard.arrow"
+VALIDATION_DIR = "validation"  # beside the training shard: the task's share of a validation DataFrame
 ROWS_FILE = "shard.rows"  # int64 row count of every block, written last: the reader sizes epochs from it
 NPY_HEADER_SIZE = 128  # fixed, so the shape can be written after streaming the rows
 
@@ -218,3 +219,20 @@ class NpyRows:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def read_rows(data_file: dict) -> np.ndarray:
+    """A local worker's rows of one memory-mapped input (an ``NpyRows`` data file), read from the file into
+    one array: an input among several, which the worker holds as it would hold them from the wire."""
+    reader = NpyRows(data_file, None)
+    try:
+        out = np.empty((reader.rows, *reader.row_shape), dtype=np.float32 if reader.dtype == np.float64
+                       else reader.dtype)
+        at = 0
+        for i in range(reader.blocks):
+            block = reader.block(i)[0]
+            out[at:at + len(block)] = block
+            at += len(block)
+        return out
+    finally:
+        reader.close()

@@ -212,27 +212,53 @@ def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None,
     return kwargs
 
 
-def streamed_inputs(job: JobMessage, validation: tuple[Any, ...] | None) -> tuple[dict[str, Any], int]:
+def streamed_inputs(job: JobMessage, validation: tuple[Any, ...] | None) -> tuple[dict[str, Any], int, int]:
     """``fit`` arguments streaming the share the Spark task wrote next to this worker, or its rows of the
-    notebook's memory-mapped .npy (streams.py); its row count. Validation data, which comes over the
-    wire, is held as for arrays."""
+    notebook's memory-mapped .npy (streams.py); its row and validation row counts. Validation data that
+    comes over the wire is held as for arrays; a task's share of a validation DataFrame is streamed too."""
     from ..wire.shardfile import NpyRows, ShardReader
     from .streams import ShardStream, streamed_batches
 
     train = job.train
     reader = NpyRows(job.data_file, job.y) if job.data_source == "file" else ShardReader()
     batch_size = rank_batch_size(job)
-    val_samples = sample_count(validation[0]) if validation is not None else 0
+    val_reader = ShardReader(validation_dir()) if train.validation_on_tasks else None
+    val_samples = val_reader.rows if val_reader is not None else \
+        sample_count(validation[0]) if validation is not None else 0
     steps, val_steps = fit_steps(reader.rows, val_samples, batch_size)
     stream = ShardStream(reader, batch_size, bool(train.shuffle), shuffle_seed(train.seed, job.rank),
                          first_pass(job), int(train.stream_buffer_bytes))
     batches = streamed_batches(stream) if uses_tf_data() else stream_batches(stream)
     kwargs: dict[str, Any] = {"x": batches, "steps_per_epoch": steps, "shuffle": False}
-    if val_steps is not None:
+    if val_steps is not None and val_reader is not None:
+        kwargs.update(streamed_validation(val_reader, batch_size, val_steps, int(train.stream_buffer_bytes)))
+    elif val_steps is not None:
         kwargs.update(validation_inputs(validation, batch_size, val_steps))
-    log.info("streaming %d rows in %d blocks from %s (a shuffle window of %d rows)", reader.rows, reader.blocks,
-             reader.path, stream.window)
-    return kwargs, reader.rows
+    log.info("streaming %d rows in %d blocks from %s (a shuffle window of %d rows)%s", reader.rows, reader.blocks,
+             reader.path, stream.window, f", and {val_samples} validation rows" if val_reader is not None else "")
+    return kwargs, reader.rows, val_samples
+
+
+def validation_dir() -> str:
+    """Where this worker's task wrote its share of a validation DataFrame (spark/task.py)."""
+    import os
+
+    from ..wire.shardfile import DATA_ENV, VALIDATION_DIR
+
+    return os.path.join(os.environ.get(DATA_ENV, ""), VALIDATION_DIR)
+
+
+def streamed_validation(reader: Any, batch_size: int, val_steps: int, buffer_bytes: int) -> dict[str, Any]:
+    """``fit``'s validation arguments streaming a task's validation share: in order, a whole pass per
+    validation (``val_steps`` batches, the short one last), read block by block like the training share."""
+    from .streams import ShardStream, streamed_batches
+
+    stream = ShardStream(reader, batch_size, False, 0, 0, buffer_bytes)
+    if not uses_tf_data():
+        return {"validation_data": stream_batches(stream), "validation_steps": val_steps}
+    dataset = streamed_batches(stream)
+    dataset.nbdist_one_pass_per_validation = True  # whole passes: one kept iterator reads them all (validation.py)
+    return {"validation_data": dataset, "validation_steps": val_steps}
 
 
 def job_inputs(job: JobMessage) -> tuple[dict[str, Any], int, int]:
@@ -246,9 +272,9 @@ def job_inputs(job: JobMessage) -> tuple[dict[str, Any], int, int]:
         validation = None
         if job.x_val is not None and sample_count(job.x_val) > 0:
             validation = (job.x_val, job.y_val, job.sample_weight_val)
-        inputs, samples = streamed_inputs(job, validation)
+        inputs, samples, val_samples = streamed_inputs(job, validation)
         job.y = job.x_val = job.y_val = job.sample_weight_val = None
-        return inputs, epoch_window(job, inputs, samples), sample_count(validation[0]) if validation is not None else 0
+        return inputs, epoch_window(job, inputs, samples), val_samples
     validation = None
     if job.x_val is not None and sample_count(job.x_val) > 0:
         validation = (job.x_val, job.y_val, job.sample_weight_val)

@@ -29,4 +29,9 @@ def unpack_job(msg: Any) -> JobMessage:
         from ..wire.shardfile import load_task_data
 
         job.x, job.y = load_task_data()
+    if job.data_file is not None and "leaves" in job.data_file:  # memory-mapped inputs of several
+        from ..data import fill_leaves
+        from ..wire.shardfile import read_rows
+
+        job.x = fill_leaves(job.x, {int(i): read_rows(where) for i, where in job.data_file["leaves"].items()})
     return job

@@ -203,6 +203,18 @@ def test_streamed_over_connect_equals_in_memory_on_the_same_rows(spark, data, no
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_validation_dataframe_streams_over_connect_with_exact_metrics(spark, data, test_frame, no_leftover_workers):
+    Xtr, Xte, ytr, yte = data
+    model = small_model()
+    job = nbdist.train(model, _frame(spark, Xtr[:600], ytr[:600]), features="pixels", label="digit",
+                       validation_data=test_frame, epochs=1, batch_size=32, workers=2, strategy="allreduce",
+                       ui="none")
+    assert job.state.backend == "spark" and sum(w.samples for w in job.state.workers) == 600
+    want = model.evaluate(Xte, yte, batch_size=256, verbose=0, return_dict=True)
+    assert abs(job.history["val_loss"][-1] - want["loss"]) < 1e-5, (job.history, want)
+    assert abs(job.history["val_accuracy"][-1] - want["accuracy"]) < 1e-5, (job.history, want)
+
+
 def _started(spark, data, **options):
     """A long DataFrame training run over Connect, once its first epoch is done."""
     Xtr, _, ytr, _ = data

@@ -64,6 +64,94 @@ def test_streamed_shuffle_trains_as_well_as_in_memory(frame, data, no_leftover_w
     assert accuracy(streamed, Xte, yte) >= accuracy(in_memory, Xte, yte) - 0.01
 
 
+def test_validation_dataframe_on_the_magic_line_streams_with_exact_metrics(spark, frame, data, no_leftover_workers):
+    """``--validation-data val_df`` beside ``--data df``: each task writes its share of both, the workers
+    stream both, and the merged validation metrics are Keras' own on every validation row."""
+    import pandas as pd
+
+    from ..conftest import ipython_shell
+
+    df, _, _ = frame
+    _, Xte, _, yte = data
+    val = spark.createDataFrame(pd.DataFrame({"pixels": list(Xte.astype("float64")), "digit": yte.astype("int64")}))
+    shell = ipython_shell()
+    shell.user_ns.update(df=df, val_df=val, small_model=small_model)
+    shell.run_cell_magic("dist_train", "--data df --features pixels --label digit --validation-data val_df "
+                         "--backend spark --workers 2 --strategy allreduce --epochs 1 --batch-size 32 "
+                         "--stream-buffer 1 --ui none --out vhist",
+                         "model = small_model()")
+    job, model = shell.user_ns["vhist_job"], shell.user_ns["model"]
+    assert job.status == "done" and job.state.backend == "spark"
+    want = model.evaluate(Xte, yte, batch_size=256, verbose=0, return_dict=True)
+    got = shell.user_ns["vhist"]
+    assert abs(got["val_loss"][-1] - want["loss"]) < 1e-5, (got, want)
+    assert abs(got["val_accuracy"][-1] - want["accuracy"]) < 1e-5, (got, want)
+
+
+def test_a_validation_dataframe_of_other_column_types_is_one_sentence(spark, frame):
+    from pyspark.sql import functions as F
+
+    from nbdist.errors import NbdistError
+
+    df, _, _ = frame
+    val = df.withColumn("digit", F.col("digit").cast("double"))
+    with pytest.raises(NbdistError, match="validation DataFrame column 'digit' is double") as info:
+        nbdist.train(small_model(), df, features="pixels", label="digit", validation_data=val, backend="spark")
+    assert "\n" not in str(info.value)
+
+
+def test_a_relaunched_run_writes_and_streams_every_partition_afresh(spark, frame, data, no_leftover_workers):
+    """A worker killed mid-run with max_restarts: the relaunch's Spark tasks write their partitions (training
+    and validation) again and the workers stream them; the run ends with every row and exact validation."""
+    import os
+    import signal
+
+    import pandas as pd
+
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    df, X, _ = frame
+    _, Xte, _, yte = data
+    val = spark.createDataFrame(pd.DataFrame({"pixels": list(Xte.astype("float64")), "digit": yte.astype("int64")}))
+    killed: list[int] = []
+
+    def kill(kind, state, payload):
+        if kind == "epoch" and not killed:
+            killed.append(state.workers[1].pid)
+            os.kill(killed[0], signal.SIGKILL)
+
+    model = small_model()
+    config = TrainConfig(epochs=3, batch_size=32, workers=2, strategy="allreduce", backend="spark", max_restarts=1,
+                         ui="none", stream_buffer_bytes=WINDOW_BYTES)
+    job = prepare(model, config, df, None, val, features="pixels", label="digit", listeners=[kill])
+    job.start()
+    job.wait(timeout=600)
+    assert killed and job.status == "done" and job.state.restarts == 1
+    assert sum(w.samples for w in job.state.workers) == len(X) and len(job.history["val_loss"]) == 3
+    want = model.evaluate(Xte, yte, batch_size=256, verbose=0, return_dict=True)
+    assert abs(job.history["val_loss"][-1] - want["loss"]) < 1e-5, (job.history, want)
+
+
+@pytest.mark.parametrize("where", ["x", "validation_data"])
+def test_spark_data_in_model_fit_is_one_sentence_naming_the_way(spark, frame, where):
+    """The cell's own model.fit (and nbdist.train's in-memory path) has no arguments naming columns."""
+    from nbdist.api import fit_arguments, prepare_fit
+    from nbdist.config import TrainConfig
+    from nbdist.errors import NbdistError
+
+    df, X, y = frame
+    given = {"x": df, "y": None} if where == "x" else {"x": X, "y": y, "validation_data": df}
+    fit = {**fit_arguments(given.pop("x"), given.pop("y"), TrainConfig(), **given), "given": {}}
+    model = small_model()
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(NbdistError, match="--data df --features" if where == "x" else "needs a training DataFrame") \
+            as info:
+        prepare_fit(model, TrainConfig(), fit, None)
+    assert "\n" not in str(info.value)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
 CAP_BYTES = 800 * 2**20  # charged here: a worker starts at ~400 MB; whole-file loading adds ~2.6x the share
 CAP_ROWS = 1_200_000  # 64 float32 features and a label: a 312 MB share for the one worker
 

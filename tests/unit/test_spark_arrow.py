@@ -6,8 +6,8 @@ import pyarrow as pa
 import pytest
 
 from nbdist.spark.backend import ADVERTISE_ENV, connect_slots, session_hosts
-from nbdist.spark.task import Layout, unreachable, write_batches
-from nbdist.wire.shardfile import load_task_data
+from nbdist.spark.task import VALIDATION_COLUMN, Layout, unreachable, write_batches, write_split_batches
+from nbdist.wire.shardfile import VALIDATION_DIR, ShardReader, load_task_data
 
 VECTOR = pa.struct([("type", pa.int8()), ("size", pa.int32()), ("indices", pa.list_(pa.int32())),
                     ("values", pa.list_(pa.float64()))])
@@ -29,6 +29,22 @@ def test_arrow_batches_become_the_shard(tmp_path):
     assert rows == 2
     np.testing.assert_array_equal(x, np.array([[0, 1, 4, 6], [2, 3, 5, 7]], np.float32))
     assert y.dtype == np.int64 and y.tolist() == [1, 0]
+
+
+def test_marked_validation_rows_go_to_their_own_shard(tmp_path):
+    def batch(xs, marks):
+        return pa.RecordBatch.from_pydict({"px": pa.array(xs, pa.float64()), "y": pa.array([int(v) for v in xs]),
+                                           VALIDATION_COLUMN: pa.array(marks)})
+
+    batches = [batch([0.0, 1.0, 2.0], [False, True, False]), batch([3.0, 4.0], [True, True]),
+               batch([5.0], [False])]
+    rows = write_split_batches(iter(batches), Layout(("px",), "y"), str(tmp_path), validation=True)
+    assert rows == (3, 3)
+    x, y = load_task_data(str(tmp_path))
+    assert x.ravel().tolist() == [0, 2, 5] and y.tolist() == [0, 2, 5]
+    val = ShardReader(str(tmp_path / VALIDATION_DIR))
+    assert val.block_rows == [1, 2]  # one block per batch that holds validation rows
+    assert val.read_all()[0].ravel().tolist() == [1, 3, 4]
 
 
 def test_ragged_or_null_columns_are_one_sentence(tmp_path):

@@ -16,6 +16,13 @@ STREAMS = {
                 "is a tf.data.Dataset"),
     "generator": (lambda: (row for row in np.zeros((8, 64), "float32")), "is a generator or iterator"),
 }
+try:  # the JAX/torch extra: a torch DataLoader is refused as the other streams
+    import torch.utils.data
+
+    STREAMS["torch DataLoader"] = (lambda: torch.utils.data.DataLoader(np.zeros((8, 64), "float32"), batch_size=4),
+                                   "is a torch DataLoader")
+except ImportError:
+    pass
 CELL = ("model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation='softmax')])\n"
         "model.compile('sgd', 'sparse_categorical_crossentropy')\n")
 
@@ -67,3 +74,21 @@ def test_a_generator_is_named_before_the_fit_arguments_it_came_with(ip):
     assert "is a generator or iterator" in str(info.value) and "steps_per_epoch" not in str(info.value)
     assert not worker_processes()
 
+
+
+class _Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return np.zeros((4, 64), "float32"), np.zeros(4, "int64")
+
+
+@pytest.mark.parametrize("entry", [_evaluate, _predict], ids=["%dist_evaluate", "%dist_predict"])
+def test_a_py_dataset_to_evaluate_or_predict_is_one_sentence(ip, entry):
+    """Training takes a PyDataset; evaluation and prediction on one are not built (yet): one sentence saying so."""
+    with pytest.raises((NbdistError, UsageError)) as info:
+        entry(ip, _Batches())
+    message = str(info.value)
+    assert "is a keras.utils.PyDataset" in message and "pass the arrays it reads from" in message, message
+    assert "\n" not in message and not worker_processes()

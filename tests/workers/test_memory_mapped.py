@@ -48,3 +48,42 @@ def test_evaluate_and_predict_read_a_memory_map_from_the_file(digits, tmp_path, 
     config, data = _prepare(model, mapped, None, None, False, {"workers": 2, "batch_size": 64}, "the model")
     predicted = PredictionJob(model, config, data).run()
     np.testing.assert_allclose(predicted, model.predict(X[:301], verbose=0), rtol=0, atol=1e-5)
+
+
+def two_input_model():
+    import keras
+
+    keras.utils.set_random_seed(3)
+    pixels, half = keras.Input((64,), name="pixels"), keras.Input((32,), name="half")
+    h = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([pixels, half]))
+    model = keras.Model({"pixels": pixels, "half": half}, keras.layers.Dense(10, activation="softmax")(h))
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_a_memory_map_among_several_inputs_is_read_from_its_file(digits, tmp_path, no_leftover_workers):
+    """A dict of inputs with one memory-mapped .npy: local workers read their rows of it from the file (none
+    cross the wire or pass through the notebook), the other input travels; training and evaluation are those
+    of the arrays in memory."""
+    from nbdist.driver.inference import EvaluationJob, _prepare
+
+    X, y = digits
+    X, y = X[:600], y[:600]
+    np.save(tmp_path / "pixels.npy", X)
+    inputs = {"pixels": np.load(tmp_path / "pixels.npy", mmap_mode="r"), "half": X[:, :32].copy()}
+    options = dict(epochs=2, batch_size=32, workers=2, strategy="allreduce", shuffle=False, ui="none")
+    from_file, in_memory = two_input_model(), two_input_model()
+    job = nbdist.train(from_file, inputs, y, **options)
+    nbdist.train(in_memory, {"pixels": X, "half": X[:, :32].copy()}, y, **options)
+    sent = job._job_message(1)
+    assert sent.data_source == "wire" and sent.x["pixels"] is None and len(sent.x["half"]) == 300
+    assert sent.data_file["leaves"]["0"]["deal"] == [600, 64, 2, 1]
+    for a, b in zip(from_file.get_weights(), in_memory.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    config, data = _prepare(from_file, inputs, y, None, True, {"workers": 2, "batch_size": 64}, "the model")
+    evaluation = EvaluationJob(from_file, config, data)
+    got = evaluation.run()
+    assert evaluation._job_message(0).x["pixels"] is None
+    want = from_file.evaluate({"pixels": X, "half": X[:, :32]}, y, batch_size=64, verbose=0, return_dict=True)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
