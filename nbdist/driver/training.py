@@ -136,6 +136,13 @@ class TrainingJob(Run):
             return self.data.take(rows)
         return super()._shard(rank)
 
+    def _x_file(self) -> Any:
+        """As for every run, but never with sample weights (or class weights, which become them): a worker
+        streams a file's features with their labels only, so weighted rows cross the wire with their weights."""
+        if isinstance(self.data, FitData) and self.data.sample_weight is not None:
+            return None
+        return super()._x_file()
+
     def _file_rows(self, rank: int) -> dict[str, Any] | None:
         if self.fit is None:
             return None

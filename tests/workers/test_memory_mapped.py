@@ -87,3 +87,25 @@ def test_a_memory_map_among_several_inputs_is_read_from_its_file(digits, tmp_pat
     want = from_file.evaluate({"pixels": X, "half": X[:, :32]}, y, batch_size=64, verbose=0, return_dict=True)
     for name, value in want.items():
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
+
+
+def test_sample_weights_with_a_memory_map_weigh_as_in_memory(digits, tmp_path, no_leftover_workers):
+    """The file path streams features and labels; sample weights must still weigh every row (training
+    and evaluation), as they do for the same array in memory."""
+    from nbdist.driver.inference import EvaluationJob, _prepare
+
+    X, y = digits
+    X, y = X[:512], y[:512]
+    w = np.where(y < 5, 3.0, 0.1).astype("float32")
+    np.save(tmp_path / "x.npy", X)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    options = dict(epochs=1, batch_size=32, workers=2, strategy="allreduce", shuffle=False, ui="none")
+    from_file, in_memory = mlp(), mlp()
+    nbdist.train(from_file, mapped, y, sample_weight=w, **options)
+    nbdist.train(in_memory, X, y, sample_weight=w, **options)
+    for a, b in zip(from_file.get_weights(), in_memory.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    config, data = _prepare(in_memory, mapped, y, w, True, {"workers": 2, "batch_size": 64}, "the model")
+    got = EvaluationJob(in_memory, config, data).run()
+    want = in_memory.evaluate(X, y, sample_weight=w, batch_size=64, verbose=0, return_dict=True)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
