@@ -121,14 +121,21 @@ def step_totals(samples_per_worker: Sequence[int], batch_size: int | Sequence[in
     return [sum(b[j] for b in per_worker if j < len(b)) for j in range(steps)]
 
 
-def broadcast_state(collective: Collective, variables: Sequence[Any]) -> None:
-    """Give every worker rank 0's values (weights and optimizer state) in one broadcast."""
+def broadcast_state(collective: Collective, variables: Sequence[Any], compiled: bool = False) -> None:
+    """Give every worker rank 0's values (weights and optimizer state) in one broadcast.
+
+    Only rank 0 reads its variables and only the others write theirs: on a 25M-parameter model with
+    Adam's slots (300 MB) each of those passes took seconds of a run's start when every worker did both.
+    ``compiled``: TensorFlow variables, read by one ``tf.function`` (``FlatBuffer``).
+    """
     if collective.world_size == 1 or not variables:
         return
-    flat = FlatBuffer(variables)
-    flat.gather()
+    flat = FlatBuffer(variables, compiled=compiled)
+    if collective.rank == 0:
+        flat.gather()
     collective.broadcast(flat.buffer, root=0)
-    flat.scatter()
+    if collective.rank != 0:
+        flat.scatter()
 
 
 class GradientAllreduce:

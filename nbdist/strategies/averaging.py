@@ -78,12 +78,12 @@ class FlatBuffer:
     def parts(self, scale: float) -> list[np.ndarray]:
         """Each variable times ``scale``, flat (compiled only): the buffer's parts, not copied into it."""
         assert self._read is not None
-        return [t.numpy() for t in self._read(_scalar(scale))]
+        return [_view(t) for t in self._read(_scalar(scale))]
 
     def gather(self, scale: float = 1.0) -> np.ndarray:
         if self._read is not None:
             for part, a, b in zip(self._read(_scalar(scale)), self.offsets[:-1], self.offsets[1:]):
-                np.copyto(self.buffer[a:b], part.numpy())
+                np.copyto(self.buffer[a:b], _view(part))
             return self.buffer
         for v, a, b in zip(self.variables, self.offsets[:-1], self.offsets[1:]):
             np.multiply(np.asarray(v.numpy(), dtype=np.float32).reshape(-1), scale, out=self.buffer[a:b])
@@ -98,6 +98,12 @@ class FlatBuffer:
             # A fresh array per variable: TensorFlow may adopt an assigned array's memory as the
             # variable's own, so it must never be the buffer the next round overwrites.
             v.assign(np.divide(self.buffer[a:b], np.float32(total)).reshape(shape))
+
+
+def _view(tensor: Any) -> np.ndarray:
+    """A NumPy view of an eager tensor's memory: ``numpy()`` copies it (300 MB a round, seconds on a loaded
+    core). Read only, and only while the tensor lives (the view holds it)."""
+    return tensor._numpy()
 
 
 def _scalar(value: float) -> Any:

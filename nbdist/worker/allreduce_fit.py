@@ -58,7 +58,8 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
 
     floats = lambda vs: [v for v in vs if "float" in str(v.dtype)]
     # Rank 0's weights and optimizer state are everyone's starting point.
-    broadcast_state(collective, floats(model.weights) + averaged_optimizer_variables(model))
+    broadcast_state(collective, floats(model.weights) + averaged_optimizer_variables(model),
+                    compiled=keras.backend.backend() == "tensorflow")
 
     batch_size = rank_batch_size(job)
     # A PyDataset: this worker's share of its batches (pydatasets.py); arrays: one repeated
