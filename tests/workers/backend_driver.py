@@ -216,8 +216,8 @@ def more() -> dict[str, object]:
     model = binary()
     binary_y, binary_y_test = (y == 0).astype("float32"), (y_test == 0).astype("float32")
     model.fit(x, binary_y, epochs=1, verbose=0, batch_size=64)
-    out["evaluate_auc"] = {"got": {k: float(v) for k, v in nbdist.evaluate(model, x_test, binary_y_test,
-                                                                            workers=2).items()},
+    got = nbdist.evaluate(model, x_test, binary_y_test, workers=2)
+    out["evaluate_auc"] = {"got": {k: float(got[k]) for k in ("loss", "accuracy", "auc")},
                            "expected": model.evaluate(x_test, binary_y_test, verbose=0, return_dict=True)}
 
     # Checkpoints: worker 1 killed after epoch 2 of 4, --max-restarts 1 resumes from the checkpoint; then
@@ -265,6 +265,38 @@ def more() -> dict[str, object]:
     return out
 
 
+def on_spark() -> dict[str, object]:
+    """Spark: a local[2] session of this process, or (argument 3) a Connect server's URL; allreduce with Adam
+    equals the local fit, evaluate equals model.evaluate, the executors' workers ran the notebook's backend."""
+    from tests.spark_helpers import spark_session
+
+    if len(sys.argv) > 3:
+        from pyspark.sql import SparkSession
+
+        session = SparkSession.builder.remote(sys.argv[3]).getOrCreate()
+    else:
+        session = spark_session("local[2]")
+    try:
+        features, labels = load_digits(return_X_y=True)
+        features = (features / 16).astype("float32")
+        x, y = features[:ROWS], labels[:ROWS].astype("int64")
+        x_test, y_test = features[ROWS:ROWS + 300], labels[ROWS:ROWS + 300].astype("int64")
+        plain = {"batch_size": GLOBAL_BATCH, "shuffle": False, "epochs": 2}
+        local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
+        expected = local.fit(x, y, verbose=0, **plain).history
+        job = nbdist.train(remote, x, y, backend="spark", workers=2, strategy="allreduce", lr_scaling="none",
+                           ui="none", **plain)
+        got = nbdist.evaluate(remote, x_test, y_test, backend="spark", workers=2)
+        return {"backend": keras.backend.backend(), "history": job.fit_history.history, "expected": expected,
+                "weight_gap": weight_gap(remote, local),
+                "reports": [job.reports[r].get("keras_backend") for r in sorted(job.reports)],
+                "evaluate": {"got": {k: float(got[k]) for k in ("loss", "accuracy")},
+                             "expected": remote.evaluate(x_test, y_test, verbose=0, return_dict=True)},
+                "driver_tensorflow_end": "tensorflow" in sys.modules}
+    finally:
+        session.stop()
+
+
 if __name__ == "__main__":
-    result = main() if PHASE == "core" else more()
+    result = {"core": main, "more": more, "spark": on_spark}[PHASE]()
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)

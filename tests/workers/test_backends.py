@@ -23,15 +23,26 @@ pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 DRIVER = Path(__file__).with_name("backend_driver.py")
 
 
-def run_driver(backend: str, phase: str = "core") -> dict:
+def run_driver(backend: str, phase: str = "core", *more: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root(), os.environ.get("PYTHONPATH"))
                                                        if p)}
     env.pop("KERAS_BACKEND", None)  # the driver sets its own, as a notebook would before importing Keras
-    done = subprocess.run([sys.executable, str(DRIVER), backend, phase], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(DRIVER), backend, phase, *more], env=env, capture_output=True, text=True,
                           timeout=540)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("NBDIST-RESULT ")]
     assert done.returncode == 0 and lines, f"driver failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return json.loads(lines[-1].removeprefix("NBDIST-RESULT "))
+
+
+def assert_spark_run(result: dict, backend: str) -> None:
+    """A ``spark`` phase: allreduce equal to the local fit, evaluate to model.evaluate, the backend everywhere."""
+    assert result["backend"] == backend and result["reports"] == [backend, backend], result["reports"]
+    assert_same_history(result["history"], result["expected"])
+    assert result["weight_gap"] < 1e-5, result["weight_gap"]
+    got, expected = result["evaluate"]["got"], result["evaluate"]["expected"]
+    for key in ("loss", "accuracy"):
+        assert abs(got[key] - expected[key]) <= 1e-6 * max(1.0, abs(expected[key])), (key, got, expected)
+    assert not result["driver_tensorflow_end"]
 
 
 def assert_same_history(got: dict, expected: dict) -> None:
