@@ -29,10 +29,15 @@ import nbdist  # noqa: E402
 ROWS, GLOBAL_BATCH, EPOCHS = 512, 64, 2
 
 
+def seeded(seed: int) -> dict[str, object]:
+    """The same initial weights in every model built with it. Not keras.utils.set_random_seed: that imports
+    TensorFlow whenever it is installed (to seed it too), which would hide whether nbdist does."""
+    return {"kernel_initializer": keras.initializers.GlorotUniform(seed)}
+
+
 def mlp(optimizer: object) -> keras.Model:
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu", **seeded(0)),
+                              keras.layers.Dense(10, activation="softmax", **seeded(1))])
     model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
@@ -99,17 +104,15 @@ class Batches(keras.utils.PyDataset):
 
 
 def cnn() -> keras.Model:
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
-                              keras.layers.Flatten(), keras.layers.Dense(10, activation="softmax")])
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu", **seeded(2)),
+                              keras.layers.Flatten(), keras.layers.Dense(10, activation="softmax", **seeded(3))])
     model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
 
 def binary() -> keras.Model:
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(1, activation="sigmoid")])
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu", **seeded(4)),
+                              keras.layers.Dense(1, activation="sigmoid", **seeded(5))])
     model.compile(keras.optimizers.Adam(0.01), "binary_crossentropy",
                   metrics=["accuracy", keras.metrics.AUC(name="auc")])
     return model
@@ -121,12 +124,12 @@ class OwnStep(keras.Model):
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(32, activation="relu")
-        self.out = keras.layers.Dense(10, activation="softmax")
+        self.hidden = keras.layers.Dense(32, activation="relu", **seeded(6))
+        self.out = keras.layers.Dense(10, activation="softmax", **seeded(7))
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy()
         self.loss_tracker = keras.metrics.Mean(name="loss")
 
-    def call(self, x: object) -> object:
+    def call(self, x: object, training: object = None) -> object:
         return self.out(self.hidden(x))
 
     @property
@@ -166,7 +169,6 @@ class OwnStep(keras.Model):
 
 
 def own_step() -> keras.Model:
-    keras.utils.set_random_seed(4)
     model = OwnStep()
     model(np.zeros((1, 64), "float32"))
     model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
@@ -183,24 +185,29 @@ def more() -> dict[str, object]:
     x_test, y_test = features[ROWS:ROWS + 300], labels[ROWS:ROWS + 300].astype("int64")
     out: dict[str, object] = {"backend": keras.backend.backend()}
     plain = {"batch_size": GLOBAL_BATCH, "shuffle": False}
+    per_worker = {"batch_size": GLOBAL_BATCH // 2}  # nbdist.train's batch_size is each worker's
+    tensorflow = out.setdefault("tensorflow_after", {})
 
     # One worker is the local fit.
     local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
     expected = local.fit(x, y, epochs=2, verbose=0, **plain).history
     job = nbdist.train(remote, x, y, workers=1, epochs=2, lr_scaling="none", ui="none", **plain)
+    tensorflow["one_worker"] = "tensorflow" in sys.modules
     out["one_worker"] = {"history": job.fit_history.history, "expected": expected,
                          "weight_gap": weight_gap(remote, local)}
 
     # A small CNN under allreduce, and EarlyStopping(restore_best_weights=True) in the notebook.
     def stopper() -> keras.callbacks.EarlyStopping:
-        return keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, restore_best_weights=True)
+        return keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=0.05, patience=1,
+                                             restore_best_weights=True)
 
     images, images_test = x.reshape(-1, 8, 8, 1), x_test.reshape(-1, 8, 8, 1)
     fit_cnn = {**plain, "epochs": 8, "validation_data": (images_test, y_test)}
     local, remote = cnn(), cnn()
     expected = local.fit(images, y, verbose=0, callbacks=[stopper()], **fit_cnn).history
     job = nbdist.train(remote, images, y, workers=2, strategy="allreduce", lr_scaling="none", ui="none",
-                       callbacks=[stopper()], **fit_cnn)
+                       callbacks=[stopper()], **{**fit_cnn, **per_worker})
+    tensorflow["cnn"] = "tensorflow" in sys.modules
     out["cnn"] = {"history": job.fit_history.history, "expected": expected, "weight_gap": weight_gap(remote, local),
                   "accuracy": float(remote.evaluate(images_test, y_test, verbose=0)[1]),
                   "local_accuracy": float(local.evaluate(images_test, y_test, verbose=0)[1])}
@@ -208,7 +215,9 @@ def more() -> dict[str, object]:
     # A subclassed model with its own train_step for this backend, under allreduce.
     local, remote = own_step(), own_step()
     expected = local.fit(x, y, epochs=2, verbose=0, **plain).history
-    job = nbdist.train(remote, x, y, workers=2, strategy="allreduce", epochs=2, lr_scaling="none", ui="none", **plain)
+    job = nbdist.train(remote, x, y, workers=2, strategy="allreduce", epochs=2, lr_scaling="none", ui="none",
+                       **{**plain, **per_worker})
+    tensorflow["own_step"] = "tensorflow" in sys.modules
     out["own_step"] = {"history": job.fit_history.history, "expected": expected,
                        "weight_gap": weight_gap(remote, local)}
 
@@ -217,6 +226,7 @@ def more() -> dict[str, object]:
     binary_y, binary_y_test = (y == 0).astype("float32"), (y_test == 0).astype("float32")
     model.fit(x, binary_y, epochs=1, verbose=0, batch_size=64)
     got = nbdist.evaluate(model, x_test, binary_y_test, workers=2)
+    tensorflow["evaluate_auc"] = "tensorflow" in sys.modules
     out["evaluate_auc"] = {"got": {k: float(got[k]) for k in ("loss", "accuracy", "auc")},
                            "expected": model.evaluate(x_test, binary_y_test, verbose=0, return_dict=True)}
 
@@ -236,16 +246,18 @@ def more() -> dict[str, object]:
     with tempfile.TemporaryDirectory() as ckpt:
         remote = mlp(keras.optimizers.Adam(0.01))
         options = {"workers": 2, "strategy": "allreduce", "lr_scaling": "none", "ui": "none", "checkpoint_dir": ckpt,
-                   **plain}
+                   **plain, **per_worker}
         job = prepare(remote, TrainConfig(epochs=4, max_restarts=1, **options), x, y, None, listeners=[kill_after_two])
         job.start()
         job.run_in_background()
         job.wait(timeout=300)
         restarted = {"status": job.status, "restarts": job.state.restarts, "killed": len(killed),
                      "weight_gap": max(float(np.abs(a - b).max()) for a, b in zip(remote.get_weights(), after_four))}
-        resumed_model = mlp(keras.optimizers.Adam(0.5))  # a fresh cell: its weights and slots are replaced
+        resumed_model = mlp(keras.optimizers.Adam(0.01))  # a fresh cell: its weights and slots are replaced
+        resumed_model.set_weights([w + 1 for w in resumed_model.get_weights()])
         resumed = nbdist.train(resumed_model, x, y, epochs=5, resume=True, **options)
-        out["restart"] = {**restarted, "resumed_initial_epoch": resumed.state.initial_epoch,
+        tensorflow["restart"] = "tensorflow" in sys.modules
+    out["restart"] = {**restarted, "resumed_initial_epoch": resumed.state.initial_epoch,
                           "resumed_epochs": resumed.state.epochs_done,
                           "resumed_gap": weight_gap(resumed_model, local)}
 
@@ -259,6 +271,7 @@ def more() -> dict[str, object]:
     shell.run_cell_magic("dist_train", "--workers 2 --strategy allreduce --lr-scaling none --ui none",
                          "model = mlp(keras.optimizers.SGD(0.1))\n"
                          "history = model.fit(Batches(X, y, 32), epochs=2, shuffle=False)\n")
+    tensorflow["py_dataset"] = "tensorflow" in sys.modules
     out["py_dataset"] = {"history": shell.user_ns["history"].history, "expected": expected,
                          "weight_gap": weight_gap(shell.user_ns["model"], local)}
     out["driver_tensorflow_end"] = "tensorflow" in sys.modules
