@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ..spark_helpers import need_spark
-from ..workers.test_backends import assert_spark_run, run_driver
+from ..workers.test_backends import assert_remote_run, run_driver
 
 need_spark()
 
@@ -16,4 +16,4 @@ need_spark()
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_a_jax_or_torch_notebook_trains_on_spark_as_locally(backend, no_leftover_workers):
-    assert_spark_run(run_driver(backend, "spark"), backend)
+    assert_remote_run(run_driver(backend, "spark"), backend)

@@ -28,7 +28,7 @@ from ..spark_helpers import (
     wait_warm_ready,
     warm_socket_workers,
 )
-from ..workers.test_backends import assert_spark_run, run_driver
+from ..workers.test_backends import assert_remote_run, run_driver
 
 need_spark()
 for _module in ("grpc", "grpc_status", "google.rpc", "zstandard"):  # the `spark` extra's Connect client
@@ -160,7 +160,7 @@ def test_predict_equals_model_predict(spark, data, test_frame):
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_a_jax_or_torch_notebook_trains_over_connect_as_locally(spark, backend, no_leftover_workers):
     """Issue 25: a notebook of its own on that backend, a client of this module's server."""
-    assert_spark_run(run_driver(backend, "spark", CONNECT_URL[0]), backend)
+    assert_remote_run(run_driver(backend, "spark", CONNECT_URL[0]), backend)
 
 
 def test_unreachable_notebook_is_one_sentence_within_30_s(spark, data, monkeypatch, no_leftover_workers):

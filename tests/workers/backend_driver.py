@@ -278,9 +278,29 @@ def more() -> dict[str, object]:
     return out
 
 
+def same_as_local(where: str) -> dict[str, object]:
+    """On ``--backend where``: allreduce with Adam equals the local fit, evaluate equals model.evaluate,
+    and every worker ran the notebook's backend."""
+    features, labels = load_digits(return_X_y=True)
+    features = (features / 16).astype("float32")
+    x, y = features[:ROWS], labels[:ROWS].astype("int64")
+    x_test, y_test = features[ROWS:ROWS + 300], labels[ROWS:ROWS + 300].astype("int64")
+    plain = {"shuffle": False, "epochs": 2}
+    local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
+    expected = local.fit(x, y, verbose=0, batch_size=GLOBAL_BATCH, **plain).history
+    job = nbdist.train(remote, x, y, backend=where, workers=2, strategy="allreduce", lr_scaling="none",
+                       ui="none", batch_size=GLOBAL_BATCH // 2, **plain)
+    got = nbdist.evaluate(remote, x_test, y_test, backend=where, workers=2)
+    return {"backend": keras.backend.backend(), "history": job.fit_history.history, "expected": expected,
+            "weight_gap": weight_gap(remote, local),
+            "reports": [job.reports[r].get("keras_backend") for r in sorted(job.reports)],
+            "evaluate": {"got": {k: float(got[k]) for k in ("loss", "accuracy")},
+                         "expected": remote.evaluate(x_test, y_test, verbose=0, return_dict=True)},
+            "driver_tensorflow_end": "tensorflow" in sys.modules}
+
+
 def on_spark() -> dict[str, object]:
-    """Spark: a local[2] session of this process, or (argument 3) a Connect server's URL; allreduce with Adam
-    equals the local fit, evaluate equals model.evaluate, the executors' workers ran the notebook's backend."""
+    """A local[2] Spark session of this process, or (argument 3) a Connect server's URL."""
     from tests.spark_helpers import spark_session
 
     if len(sys.argv) > 3:
@@ -290,26 +310,12 @@ def on_spark() -> dict[str, object]:
     else:
         session = spark_session("local[2]")
     try:
-        features, labels = load_digits(return_X_y=True)
-        features = (features / 16).astype("float32")
-        x, y = features[:ROWS], labels[:ROWS].astype("int64")
-        x_test, y_test = features[ROWS:ROWS + 300], labels[ROWS:ROWS + 300].astype("int64")
-        plain = {"batch_size": GLOBAL_BATCH, "shuffle": False, "epochs": 2}
-        local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
-        expected = local.fit(x, y, verbose=0, **plain).history
-        job = nbdist.train(remote, x, y, backend="spark", workers=2, strategy="allreduce", lr_scaling="none",
-                           ui="none", **plain)
-        got = nbdist.evaluate(remote, x_test, y_test, backend="spark", workers=2)
-        return {"backend": keras.backend.backend(), "history": job.fit_history.history, "expected": expected,
-                "weight_gap": weight_gap(remote, local),
-                "reports": [job.reports[r].get("keras_backend") for r in sorted(job.reports)],
-                "evaluate": {"got": {k: float(got[k]) for k in ("loss", "accuracy")},
-                             "expected": remote.evaluate(x_test, y_test, verbose=0, return_dict=True)},
-                "driver_tensorflow_end": "tensorflow" in sys.modules}
+        return same_as_local("spark")
     finally:
         session.stop()
 
 
 if __name__ == "__main__":
-    result = {"core": main, "more": more, "spark": on_spark}[PHASE]()
+    phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers")}
+    result = phases[PHASE]()
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)

@@ -34,8 +34,9 @@ def run_driver(backend: str, phase: str = "core", *more: str) -> dict:
     return json.loads(lines[-1].removeprefix("NBDIST-RESULT "))
 
 
-def assert_spark_run(result: dict, backend: str) -> None:
-    """A ``spark`` phase: allreduce equal to the local fit, evaluate to model.evaluate, the backend everywhere."""
+def assert_remote_run(result: dict, backend: str) -> None:
+    """A ``spark`` or ``containers`` phase: allreduce equal to the local fit, evaluate to model.evaluate,
+    the notebook's backend on every worker."""
     assert result["backend"] == backend and result["reports"] == [backend, backend], result["reports"]
     assert_same_history(result["history"], result["expected"])
     assert result["weight_gap"] < 1e-5, result["weight_gap"]
