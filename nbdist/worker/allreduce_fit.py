@@ -21,8 +21,8 @@ def unavailable_engine(requested: str, backend: str) -> str:
     """Why ``--engine requested`` does not run on Keras' JAX or torch backend, in one sentence."""
     if requested == "horovod":
         why = ("Horovod 0.28.1, its last release, has no JAX support" if backend == "jax" else
-               "Horovod 0.28.1's PyTorch extension does not build against torch 2.13 (it compiles as C++14 and "
-               "torch's headers need C++17)")
+               "Horovod 0.28.1's PyTorch extension does not build against torch 2.13 as released (it compiles as "
+               "C++14 and torch's headers need C++17), and nbdist does not drive it there")
         return f"--engine horovod is not available on Keras' {backend} backend: {why}; the gradients are summed " \
                "over Gloo."
     return (f"--engine {requested} is not available on Keras' {backend} backend (only Gloo is wired there, and it "
