@@ -121,7 +121,7 @@ class DistMagics(Magics):
         JAX 0.10.2 and torch 2.13 (CPU; on torch Keras <= 3.15 only). What differs on JAX and torch:
         one step per call into the backend, a masked loss normalised by each worker's share rather
         than the global batch, and only Gloo sums the gradients (``--engine nccl`` or ``horovod`` is
-        said in one warning and runs over Gloo; Horovod 0.28.1 does not build against torch 2.13).
+        said in one warning and runs over Gloo; Horovod 0.28.1 as released does not build against torch 2.13).
         See the README's "Keras backends".
 
         Every run's ``TrainingJob`` is stored in the notebook as ``<out>_job``
