@@ -53,7 +53,7 @@ def check_text_inputs(model: Any, x: Any, what: str = "training data") -> None:
 
 def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what: str = "training data") -> None:
     """One sentence if ``x`` cannot feed the model or ``y`` cannot be the target of its loss."""
-    from .metrics import check_labels, classifier_spec, labels_are_classes
+    from .metrics import check_labels, classifier_spec, compiled_loss, labels_are_classes
 
     check_text_inputs(model, x, what)
     expected = input_shape(model)
@@ -63,7 +63,7 @@ def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what:
     out = _output_shape(model)
     if y is None or out is None:
         return
-    loss = (model.get_compile_config() or {}).get("loss") if hasattr(model, "get_compile_config") else None
+    loss = compiled_loss(model)
     check_labels(y.shape, out, loss, f"the {what} labels")
     spec = classifier_spec(loss, out)
     if spec is not None and spec.kind == "multiclass" and spec.sparse_labels and not labels_are_classes(y, spec):

@@ -47,6 +47,33 @@ class ClassifierSpec:
 
 
 # -- what kind of model is this ----------------------------------------------
+def compiled_loss(model: Any) -> Any:
+    """The loss ``model.compile`` was given, described as ``model.get_compile_config()["loss"]`` describes it
+    (a name, or a dict with module, class_name and config), without Keras' serializer: that imports
+    TensorFlow whenever it is installed (it checks for TensorFlow types), even on the JAX and torch backends."""
+    compiled = getattr(model, "_compile_config", None)
+    config = getattr(compiled, "config", None)
+    if not isinstance(config, dict):  # not compiled, or a Keras without this attribute: its own answer
+        get = getattr(model, "get_compile_config", None)
+        return (get() or {}).get("loss") if callable(get) else None
+    return _describe_loss(config.get("loss"))
+
+
+def _describe_loss(loss: Any) -> Any:
+    if loss is None or isinstance(loss, str):
+        return loss
+    if isinstance(loss, (list, tuple)):
+        return [_describe_loss(item) for item in loss]
+    if isinstance(loss, dict):
+        return {key: _describe_loss(item) for key, item in loss.items()}
+    if callable(loss) and not hasattr(loss, "get_config"):  # a plain function, as Keras writes one
+        return {"module": "builtins", "class_name": "function", "config": getattr(loss, "__name__", "")}
+    fn_kwargs = getattr(loss, "_fn_kwargs", None) or {}  # Keras' loss classes keep from_logits there
+    return {"module": type(loss).__module__, "class_name": type(loss).__name__,
+            "config": {"name": getattr(loss, "name", None),
+                       "from_logits": bool(fn_kwargs.get("from_logits", getattr(loss, "from_logits", False)))}}
+
+
 def loss_identity(loss: Any) -> tuple[str | None, bool]:
     """Normalised loss name and from_logits flag, from a compile config's ``loss`` entry."""
     if isinstance(loss, str):

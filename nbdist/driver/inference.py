@@ -24,6 +24,7 @@ from ..metrics import (
     ClassifierSpec,
     check_labels,
     classifier_spec,
+    compiled_loss,
     labels_are_classes,
     merge_classifier_stats,
     sum_states,
@@ -280,7 +281,7 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None,
     config, data = _prepare(model, x, y, sample_weight, True, dict(options), "the model")
     if not isinstance(data.y, np.ndarray) or _outputs(model) != 1:  # several outputs: Keras' metrics only
         return EvaluationJob(model, config, data, namespace).run()
-    loss = (model.get_compile_config() or {}).get("loss")
+    loss = compiled_loss(model)
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
     if output_shape:
         check_labels(data.y.shape, output_shape, loss)
@@ -319,7 +320,7 @@ def evaluate_spark(model: Any, x: Any, y: Any, features: str | Sequence[str] | N
     _single_output_on_spark(model, "evaluated")
     data = spark_dataset(x, y, features, label)
     check_width(model, data)
-    loss = (model.get_compile_config() or {}).get("loss")
+    loss = compiled_loss(model)
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
     classifier = classifier_spec(loss, output_shape)
     if data.dataframe is not None:  # a numeric label column: one value per row

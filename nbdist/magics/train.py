@@ -115,8 +115,14 @@ class DistMagics(Magics):
         ``--out``) holds the per-epoch metrics.
 
         Keras backends: the workers run the notebook's (``KERAS_BACKEND`` = tensorflow, jax or
-        torch, set before ``import keras``); a JAX or torch worker never imports TensorFlow.
-        Both strategies give the local step on every backend (see the README's "Keras backends").
+        torch, set before ``import keras``); on JAX or torch neither the workers nor nbdist in the
+        notebook import TensorFlow. Both strategies give the local step on every backend, locally,
+        on Spark (classic and Connect) and in containers; tested with Keras 3.15.1 on TensorFlow 2.21,
+        JAX 0.10.2 and torch 2.13 (CPU; on torch Keras <= 3.15 only). What differs on JAX and torch:
+        one step per call into the backend, a masked loss normalised by each worker's share rather
+        than the global batch, and only Gloo sums the gradients (``--engine nccl`` or ``horovod`` is
+        said in one warning and runs over Gloo; Horovod 0.28.1 as released does not build against torch 2.13).
+        See the README's "Keras backends".
 
         Every run's ``TrainingJob`` is stored in the notebook as ``<out>_job``
         (``history_job`` by default): after a failure, ``job.error`` and

@@ -9,16 +9,34 @@ from ..wire.messages import JobMessage, MessageType
 log = logging.getLogger("nbdist.worker")
 
 
+def host_engine(requested: str | None, backend: str) -> tuple[str, str | None]:
+    """The engine on Keras' JAX or torch backend: Gloo, the only one wired there (backend_grads.py); any
+    other request is said once in a warning sentence, and the run goes on over Gloo."""
+    if requested in (None, "gloo"):
+        return "gloo", None
+    return "gloo", unavailable_engine(requested, backend)
+
+
+def unavailable_engine(requested: str, backend: str) -> str:
+    """Why ``--engine requested`` does not run on Keras' JAX or torch backend, in one sentence."""
+    if requested == "horovod":
+        why = ("Horovod 0.28.1, its last release, has no JAX support" if backend == "jax" else
+               "Horovod 0.28.1's PyTorch extension does not build against torch 2.13 as released (it compiles as "
+               "C++14 and torch's headers need C++17), and nbdist does not drive it there")
+        return f"--engine horovod is not available on Keras' {backend} backend: {why}; the gradients are summed " \
+               "over Gloo."
+    return (f"--engine {requested} is not available on Keras' {backend} backend (only Gloo is wired there, and it "
+            "has not run on a GPU); the gradients are summed over Gloo.")
+
+
 def resolve_engine(requested: str | None) -> tuple[str, str | None]:
     import keras
 
     from ..placement import choose_engine, horovod_import_error
 
-    if keras.backend.backend() != "tensorflow":  # JAX and torch: Gloo only, here (backend_grads.py)
-        if requested in (None, "gloo"):
-            return "gloo", None
-        return "gloo", (f"--engine {requested} is not available on Keras' {keras.backend.backend()} backend "
-                        "yet; the gradients are summed over Gloo.")
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        return host_engine(requested, backend)
     import tensorflow as tf
 
     has_gpu = bool(tf.config.list_physical_devices("GPU"))

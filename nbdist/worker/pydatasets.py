@@ -40,7 +40,7 @@ from ..data import (
 )
 from ..strategies.allreduce import AllreduceCallback
 from ..wire.messages import JobMessage
-from .datasets import tf_structure
+from .datasets import tf_structure, uses_tf_data
 from .readahead import put_until_stopped
 from .tfdata import without_autotune
 
@@ -82,7 +82,7 @@ class ShareReader:
         self.dataset.on_epoch_begin()
         indices = self.indices(first_epoch)
         self._peeked = [self._read(first_epoch, j, i) for j, i in enumerate(indices[:PEEK])]
-        self.signature = signature(self._peeked)
+        self.signature = signature(self._peeked) if uses_tf_data() else None
         self._thread = threading.Thread(target=self._run, name="nbdist-pydataset", daemon=True)
         self._thread.start()
 
@@ -146,6 +146,9 @@ class ShareReader:
         self._stop.set()
 
     def pipeline(self) -> Any:
+        """tf.data on TensorFlow; on JAX and torch the numpy batches themselves (no TensorFlow import)."""
+        if not uses_tf_data():
+            return self.batches()
         import tensorflow as tf
 
         return without_autotune(tf.data.Dataset.from_generator(self.batches, output_signature=self.signature)
@@ -163,7 +166,7 @@ class ValidationShare:
         self._passes = 0
         self.dataset.on_epoch_begin()
         self._peeked = [tf_structure(standardize_batch(dataset[int(i)])) for i in self.indices[:PEEK]]
-        self.signature = signature(self._peeked) if self._peeked else None
+        self.signature = signature(self._peeked) if self._peeked and uses_tf_data() else None
 
     def passes(self) -> Iterator[Any]:
         if self._passes:
@@ -178,7 +181,15 @@ class ValidationShare:
             self.last_pass_rows = rows
             yield batch
 
+    def endless(self) -> Iterator[Any]:
+        while True:
+            yield from self.passes()
+
     def pipeline(self) -> Any:
+        """tf.data (one pass per iterator) on TensorFlow; on JAX and torch one generator of all passes in
+        turn: Keras keeps the validation iterator across epochs there and reads ``count`` batches a pass."""
+        if not uses_tf_data():
+            return self.endless()
         import tensorflow as tf
 
         return tf.data.Dataset.from_generator(self.passes, output_signature=self.signature)

@@ -17,6 +17,7 @@ from ..models_and_fit import (
     check_subclassed_run,
     notebook_subclassed_model,
 )
+from ..workers.test_backends import assert_remote_run, run_driver
 
 EPOCHS = 12
 
@@ -45,3 +46,11 @@ def test_notebook_loss_and_subclassed_model_train_in_containers(engine, digits_s
 
 def test_intercepted_fit_with_callbacks_and_class_weight(engine, ip, tmp_path):
     check_intercepted_fit(ip, "--workers 2 --backend containers --strategy allreduce --ui none", tmp_path)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_a_jax_or_torch_notebook_trains_in_containers_as_locally(engine, backend):
+    """Issue 25: the default image mounts this machine's Python, so its JAX and torch; a notebook of its own
+    on that backend (Keras reads KERAS_BACKEND once per process)."""
+    assert_remote_run(run_driver(backend, "containers"), backend)

@@ -28,6 +28,7 @@ from ..spark_helpers import (
     wait_warm_ready,
     warm_socket_workers,
 )
+from ..workers.test_backends import assert_remote_run, run_driver
 
 need_spark()
 for _module in ("grpc", "grpc_status", "google.rpc", "zstandard"):  # the `spark` extra's Connect client
@@ -39,6 +40,7 @@ from nbdist.config import TrainConfig  # noqa: E402
 from nbdist.errors import NbdistError, TrainingFailed  # noqa: E402
 
 EPOCHS = 20
+CONNECT_URL: list[str] = []  # the module's server, while it runs
 
 
 def _free_port() -> int:
@@ -79,7 +81,9 @@ def spark(tmp_path_factory):
             except OSError:
                 time.sleep(0.5)
         session = SparkSession.builder.remote(f"sc://127.0.0.1:{port}").getOrCreate()
+        CONNECT_URL.append(f"sc://127.0.0.1:{port}")  # for notebooks of other backends (their own processes)
         yield session
+        CONNECT_URL.clear()
         session.stop()
     finally:
         # remote() leaves SPARK_CONNECT_MODE_ENABLED (and friends) in os.environ, which turns every later
@@ -150,6 +154,13 @@ def test_predict_equals_model_predict(spark, data, test_frame):
     X = np.stack(rows["pixels"].to_numpy()).astype("float32")
     got = np.stack(rows["prediction"].to_numpy())
     np.testing.assert_allclose(got, model.predict(X, verbose=0), atol=1e-6)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_a_jax_or_torch_notebook_trains_over_connect_as_locally(spark, backend, no_leftover_workers):
+    """Issue 25: a notebook of its own on that backend, a client of this module's server."""
+    assert_remote_run(run_driver(backend, "spark", CONNECT_URL[0]), backend)
 
 
 def test_unreachable_notebook_is_one_sentence_within_30_s(spark, data, monkeypatch, no_leftover_workers):

@@ -63,3 +63,18 @@ def test_config_engine_and_strategy():
         TrainConfig(strategy="allreduce", engine="mpi")
     with pytest.raises(NbdistError, match="applies to --strategy allreduce"):
         TrainConfig(strategy="averaging", engine="gloo")
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_engine_on_jax_and_torch_is_gloo_and_any_other_request_is_one_sentence(backend):
+    """Issue 25: only Gloo is wired on these backends (no GPU here, NCCL on torch is not built); --engine
+    nccl or horovod is said once and the run goes on over Gloo, never silently."""
+    from nbdist.worker.allreduce_fit import host_engine
+
+    assert host_engine(None, backend) == ("gloo", None)
+    assert host_engine("gloo", backend) == ("gloo", None)
+    for requested in ("nccl", "horovod"):
+        engine, warning = host_engine(requested, backend)
+        assert engine == "gloo" and warning.startswith(f"--engine {requested} is not available on Keras' {backend}")
+        assert warning.endswith("the gradients are summed over Gloo.") and warning.count(". ") == 0
+    assert "C++17" in host_engine("horovod", "torch")[1] and "no JAX support" in host_engine("horovod", "jax")[1]

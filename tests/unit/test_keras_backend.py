@@ -53,3 +53,26 @@ def test_a_process_on_another_backend_refuses_the_model_in_one_sentence():
     other = "jax" if keras.backend.backend() != "jax" else "torch"
     with pytest.raises(NbdistError, match=f"KERAS_BACKEND={other}"):
         apply_settings({**settings, "backend": other})
+
+
+def test_the_compiled_loss_is_described_as_keras_serializer_describes_it():
+    """nbdist reads the compiled loss without ``get_compile_config()`` (it imports TensorFlow on any backend);
+    what the checks and the classifier report read from it is the same as from Keras' own description."""
+    import keras
+
+    from nbdist.metrics import _keras_loss, compiled_loss, loss_identity
+
+    def my_loss(y_true, y_pred):
+        return keras.losses.mean_squared_error(y_true, y_pred)
+
+    losses = ["sparse_categorical_crossentropy", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              keras.losses.binary_crossentropy, keras.losses.BinaryCrossentropy(), keras.losses.MeanSquaredError(),
+              my_loss, None]
+    for loss in losses:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile("sgd", loss)
+        ours, keras_own = compiled_loss(model), model.get_compile_config()["loss"]
+        assert loss_identity(ours) == loss_identity(keras_own), loss
+        assert _keras_loss(ours) == _keras_loss(keras_own), loss
+    assert loss_identity(compiled_loss(model)) == (None, False)
+    assert loss_identity(compiled_loss(keras.Sequential([keras.Input((4,))]))) == (None, False)  # not compiled

@@ -13,7 +13,11 @@ import os
 import sys
 
 BACKEND = sys.argv[1]
+PHASE = sys.argv[2] if len(sys.argv) > 2 else "core"
 os.environ["KERAS_BACKEND"] = BACKEND
+
+import signal  # noqa: E402
+import tempfile  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -25,10 +29,15 @@ import nbdist  # noqa: E402
 ROWS, GLOBAL_BATCH, EPOCHS = 512, 64, 2
 
 
+def seeded(seed: int) -> dict[str, object]:
+    """The same initial weights in every model built with it. Not keras.utils.set_random_seed: that imports
+    TensorFlow whenever it is installed (to seed it too), which would hide whether nbdist does."""
+    return {"kernel_initializer": keras.initializers.GlorotUniform(seed)}
+
+
 def mlp(optimizer: object) -> keras.Model:
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu", **seeded(0)),
+                              keras.layers.Dense(10, activation="softmax", **seeded(1))])
     model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
@@ -76,9 +85,237 @@ def main() -> dict[str, object]:
                        "expected": model.evaluate(x_test, y_test, verbose=0, return_dict=True)}
     predicted = nbdist.predict(model, x_test, workers=2)
     out["predict_gap"] = float(np.abs(np.asarray(predicted) - model.predict(x_test, verbose=0)).max())
+    out["driver_tensorflow_end"] = "tensorflow" in sys.modules  # train, evaluate, predict never imported it
     return out
 
 
+# -- the second run per backend: the code paths that differ per backend, beyond the plain fit --------------
+BATCHES_CELL = """
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.batch = x, y, batch
+    def __len__(self):
+        return len(self.x) // self.batch
+    def __getitem__(self, i):
+        s = slice(i * self.batch, (i + 1) * self.batch)
+        return self.x[s], self.y[s]
+"""
+
+
+def cnn() -> keras.Model:
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu", **seeded(2)),
+                              keras.layers.Flatten(), keras.layers.Dense(10, activation="softmax", **seeded(3))])
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def binary() -> keras.Model:
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu", **seeded(4)),
+                              keras.layers.Dense(1, activation="sigmoid", **seeded(5))])
+    model.compile(keras.optimizers.Adam(0.01), "binary_crossentropy",
+                  metrics=["accuracy", keras.metrics.AUC(name="auc")])
+    return model
+
+
+class OwnStep(keras.Model):
+    """A subclassed model whose train_step is written for the notebook's backend, as Keras' guides write it:
+    torch: backward, then optimizer.apply; JAX: stateless, jax.value_and_grad then optimizer.stateless_apply."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(32, activation="relu", **seeded(6))
+        self.out = keras.layers.Dense(10, activation="softmax", **seeded(7))
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy()
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, x: object, training: object = None) -> object:
+        return self.out(self.hidden(x))
+
+    @property
+    def metrics(self) -> list:
+        return [self.loss_tracker]
+
+    if BACKEND == "torch":
+        def train_step(self, data: object) -> dict:
+            import torch
+
+            x, y = data
+            self.zero_grad()
+            loss = self.loss_fn(y, self(x, training=True))
+            loss.backward()
+            variables = list(self.trainable_weights)
+            with torch.no_grad():
+                self.optimizer.apply([v.value.grad for v in variables], variables)
+            self.loss_tracker.update_state(loss)
+            return {"loss": self.loss_tracker.result()}
+
+    elif BACKEND == "jax":
+        def loss_and_updates(self, trainable, non_trainable, x, y):
+            y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x, training=True)
+            return self.loss_fn(y, y_pred), non_trainable
+
+        def train_step(self, state, data):
+            import jax
+
+            trainable, non_trainable, optimizer_vars, metric_vars = state
+            x, y = data
+            (loss, non_trainable), grads = jax.value_and_grad(self.loss_and_updates, has_aux=True)(
+                trainable, non_trainable, x, y)
+            trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+            metric_vars = self.loss_tracker.stateless_update_state(metric_vars, loss)
+            logs = {"loss": self.loss_tracker.stateless_result(metric_vars)}
+            return logs, (trainable, non_trainable, optimizer_vars, metric_vars)
+
+
+def own_step() -> keras.Model:
+    model = OwnStep()
+    model(np.zeros((1, 64), "float32"))
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    return model
+
+
+def more() -> dict[str, object]:
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    features, labels = load_digits(return_X_y=True)
+    features = (features / 16).astype("float32")
+    x, y = features[:ROWS], labels[:ROWS].astype("int64")
+    x_test, y_test = features[ROWS:ROWS + 300], labels[ROWS:ROWS + 300].astype("int64")
+    out: dict[str, object] = {"backend": keras.backend.backend()}
+    plain = {"batch_size": GLOBAL_BATCH, "shuffle": False}
+    per_worker = {"batch_size": GLOBAL_BATCH // 2}  # nbdist.train's batch_size is each worker's
+    tensorflow = out.setdefault("tensorflow_after", {})
+
+    # One worker is the local fit.
+    local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
+    expected = local.fit(x, y, epochs=2, verbose=0, **plain).history
+    job = nbdist.train(remote, x, y, workers=1, epochs=2, lr_scaling="none", ui="none", **plain)
+    tensorflow["one_worker"] = "tensorflow" in sys.modules
+    out["one_worker"] = {"history": job.fit_history.history, "expected": expected,
+                         "weight_gap": weight_gap(remote, local)}
+
+    # A small CNN under allreduce, and EarlyStopping(restore_best_weights=True) in the notebook.
+    def stopper() -> keras.callbacks.EarlyStopping:
+        return keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=0.05, patience=1,
+                                             restore_best_weights=True)
+
+    images, images_test = x.reshape(-1, 8, 8, 1), x_test.reshape(-1, 8, 8, 1)
+    fit_cnn = {**plain, "epochs": 8, "validation_data": (images_test, y_test)}
+    local, remote = cnn(), cnn()
+    expected = local.fit(images, y, verbose=0, callbacks=[stopper()], **fit_cnn).history
+    job = nbdist.train(remote, images, y, workers=2, strategy="allreduce", lr_scaling="none", ui="none",
+                       callbacks=[stopper()], **{**fit_cnn, **per_worker})
+    tensorflow["cnn"] = "tensorflow" in sys.modules
+    out["cnn"] = {"history": job.fit_history.history, "expected": expected, "weight_gap": weight_gap(remote, local),
+                  "accuracy": float(remote.evaluate(images_test, y_test, verbose=0)[1]),
+                  "local_accuracy": float(local.evaluate(images_test, y_test, verbose=0)[1])}
+
+    # A subclassed model with its own train_step for this backend, under allreduce.
+    local, remote = own_step(), own_step()
+    expected = local.fit(x, y, epochs=2, verbose=0, **plain).history
+    job = nbdist.train(remote, x, y, workers=2, strategy="allreduce", epochs=2, lr_scaling="none", ui="none",
+                       **{**plain, **per_worker})
+    tensorflow["own_step"] = "tensorflow" in sys.modules
+    out["own_step"] = {"history": job.fit_history.history, "expected": expected,
+                       "weight_gap": weight_gap(remote, local)}
+
+    # Evaluation with AUC (merged thresholds' counts), loss and accuracy.
+    model = binary()
+    binary_y, binary_y_test = (y == 0).astype("float32"), (y_test == 0).astype("float32")
+    model.fit(x, binary_y, epochs=1, verbose=0, batch_size=64)
+    got = nbdist.evaluate(model, x_test, binary_y_test, workers=2)
+    tensorflow["evaluate_auc"] = "tensorflow" in sys.modules
+    out["evaluate_auc"] = {"got": {k: float(got[k]) for k in ("loss", "accuracy", "auc")},
+                           "expected": model.evaluate(x_test, binary_y_test, verbose=0, return_dict=True)}
+
+    # Checkpoints: worker 1 killed after epoch 2 of 4, --max-restarts 1 resumes from the checkpoint; then
+    # --resume continues the saved run to epoch 5. Allreduce with Adam: both end at the local fit's weights.
+    local = mlp(keras.optimizers.Adam(0.01))
+    local.fit(x, y, epochs=4, verbose=0, **plain)
+    after_four = local.get_weights()
+    local.fit(x, y, epochs=5, initial_epoch=4, verbose=0, **plain)
+    killed: list[int] = []
+
+    def kill_after_two(kind: str, state: object, payload: object) -> None:
+        if kind == "epoch" and not killed and state.initial_epoch + state.epochs_done >= 2:
+            killed.append(state.workers[1].pid)
+            os.kill(killed[0], signal.SIGKILL)
+
+    with tempfile.TemporaryDirectory() as ckpt:
+        remote = mlp(keras.optimizers.Adam(0.01))
+        options = {"workers": 2, "strategy": "allreduce", "lr_scaling": "none", "ui": "none", "checkpoint_dir": ckpt,
+                   **plain, **per_worker}
+        job = prepare(remote, TrainConfig(epochs=4, max_restarts=1, **options), x, y, None, listeners=[kill_after_two])
+        job.start()
+        job.run_in_background()
+        job.wait(timeout=300)
+        restarted = {"status": job.status, "restarts": job.state.restarts, "killed": len(killed),
+                     "weight_gap": max(float(np.abs(a - b).max()) for a, b in zip(remote.get_weights(), after_four))}
+        resumed_model = mlp(keras.optimizers.Adam(0.01))  # a fresh cell: its weights and slots are replaced
+        resumed_model.set_weights([w + 1 for w in resumed_model.get_weights()])
+        resumed = nbdist.train(resumed_model, x, y, epochs=5, resume=True, **options)
+        tensorflow["restart"] = "tensorflow" in sys.modules
+    out["restart"] = {**restarted, "resumed_initial_epoch": resumed.state.initial_epoch,
+                          "resumed_epochs": resumed.state.epochs_done,
+                          "resumed_gap": weight_gap(resumed_model, local)}
+
+    # A PyDataset in the cell's own fit: each worker reads every other batch of 32, one step joins two.
+    local = mlp(keras.optimizers.SGD(0.1))
+    expected = local.fit(x, y, epochs=2, verbose=0, **plain).history
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbdist")
+    shell.user_ns.update(X=x, y=y, mlp=mlp, keras=keras)
+    shell.run_cell(BATCHES_CELL)
+    shell.run_cell_magic("dist_train", "--workers 2 --strategy allreduce --lr-scaling none --ui none",
+                         "model = mlp(keras.optimizers.SGD(0.1))\n"
+                         "history = model.fit(Batches(X, y, 32), epochs=2, shuffle=False)\n")
+    tensorflow["py_dataset"] = "tensorflow" in sys.modules
+    out["py_dataset"] = {"history": shell.user_ns["history"].history, "expected": expected,
+                         "weight_gap": weight_gap(shell.user_ns["model"], local)}
+    out["driver_tensorflow_end"] = "tensorflow" in sys.modules
+    return out
+
+
+def same_as_local(where: str) -> dict[str, object]:
+    """On ``--backend where``: allreduce with Adam equals the local fit, evaluate equals model.evaluate,
+    and every worker ran the notebook's backend."""
+    features, labels = load_digits(return_X_y=True)
+    features = (features / 16).astype("float32")
+    x, y = features[:ROWS], labels[:ROWS].astype("int64")
+    x_test, y_test = features[ROWS:ROWS + 300], labels[ROWS:ROWS + 300].astype("int64")
+    plain = {"shuffle": False, "epochs": 2}
+    local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
+    expected = local.fit(x, y, verbose=0, batch_size=GLOBAL_BATCH, **plain).history
+    job = nbdist.train(remote, x, y, backend=where, workers=2, strategy="allreduce", lr_scaling="none",
+                       ui="none", batch_size=GLOBAL_BATCH // 2, **plain)
+    got = nbdist.evaluate(remote, x_test, y_test, backend=where, workers=2)
+    return {"backend": keras.backend.backend(), "history": job.fit_history.history, "expected": expected,
+            "weight_gap": weight_gap(remote, local),
+            "reports": [job.reports[r].get("keras_backend") for r in sorted(job.reports)],
+            "evaluate": {"got": {k: float(got[k]) for k in ("loss", "accuracy")},
+                         "expected": remote.evaluate(x_test, y_test, verbose=0, return_dict=True)},
+            "driver_tensorflow_end": "tensorflow" in sys.modules}
+
+
+def on_spark() -> dict[str, object]:
+    """A local[2] Spark session of this process, or (argument 3) a Connect server's URL."""
+    from tests.spark_helpers import spark_session
+
+    if len(sys.argv) > 3:
+        from pyspark.sql import SparkSession
+
+        session = SparkSession.builder.remote(sys.argv[3]).getOrCreate()
+    else:
+        session = spark_session("local[2]")
+    try:
+        return same_as_local("spark")
+    finally:
+        session.stop()
+
+
 if __name__ == "__main__":
-    result = main()
+    phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers")}
+    result = phases[PHASE]()
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)

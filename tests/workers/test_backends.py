@@ -23,15 +23,27 @@ pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 DRIVER = Path(__file__).with_name("backend_driver.py")
 
 
-def run_driver(backend: str) -> dict:
+def run_driver(backend: str, phase: str = "core", *more: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root(), os.environ.get("PYTHONPATH"))
                                                        if p)}
     env.pop("KERAS_BACKEND", None)  # the driver sets its own, as a notebook would before importing Keras
-    done = subprocess.run([sys.executable, str(DRIVER), backend], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(DRIVER), backend, phase, *more], env=env, capture_output=True, text=True,
                           timeout=540)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("NBDIST-RESULT ")]
     assert done.returncode == 0 and lines, f"driver failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return json.loads(lines[-1].removeprefix("NBDIST-RESULT "))
+
+
+def assert_remote_run(result: dict, backend: str) -> None:
+    """A ``spark`` or ``containers`` phase: allreduce equal to the local fit, evaluate to model.evaluate,
+    the notebook's backend on every worker."""
+    assert result["backend"] == backend and result["reports"] == [backend, backend], result["reports"]
+    assert_same_history(result["history"], result["expected"])
+    assert result["weight_gap"] < 1e-5, result["weight_gap"]
+    got, expected = result["evaluate"]["got"], result["evaluate"]["expected"]
+    for key in ("loss", "accuracy"):
+        assert abs(got[key] - expected[key]) <= 1e-6 * max(1.0, abs(expected[key])), (key, got, expected)
+    assert not result["driver_tensorflow_end"]
 
 
 def assert_same_history(got: dict, expected: dict) -> None:
@@ -60,3 +72,34 @@ def test_a_notebook_on_jax_or_torch_trains_evaluates_and_predicts_as_locally(bac
     for key in ("loss", "accuracy"):
         assert abs(got[key] - expected[key]) <= 1e-6 * max(1.0, abs(expected[key])), (key, got, expected)
     assert result["predict_gap"] < 1e-6
+    assert not result["driver_tensorflow_end"]  # the notebook's own process never imported TensorFlow either
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_the_paths_that_differ_per_backend(backend):
+    """C25, one run per backend: 1 worker equals the local fit; a small CNN under allreduce with
+    EarlyStopping(restore_best_weights=True) stops where the local fit stops, with its weights; a subclassed
+    model with its own train_step for the backend (torch: backward then optimizer.apply; JAX: stateless,
+    value_and_grad then stateless_apply) under allreduce equals the local fit; evaluate's loss, accuracy
+    and AUC equal model.evaluate to 1e-6; worker 1 killed after epoch 2 with --max-restarts 1 resumes
+    from the checkpoint and --resume continues it, both where the local fit is; a PyDataset in the
+    cell's fit equals the local fit of joined batches; the notebook never imported TensorFlow."""
+    result = run_driver(backend, "more")
+    assert result["backend"] == backend
+    for case in ("one_worker", "cnn", "own_step", "py_dataset"):
+        run = result[case]
+        assert_same_history(run["history"], run["expected"])
+        assert run["weight_gap"] < 1e-5, (case, run["weight_gap"])
+    cnn = result["cnn"]
+    assert len(cnn["expected"]["loss"]) < 8  # EarlyStopping did stop (the history equality says when)
+    assert abs(cnn["accuracy"] - cnn["local_accuracy"]) <= 0.01
+    got, expected = result["evaluate_auc"]["got"], result["evaluate_auc"]["expected"]
+    for key in ("loss", "accuracy", "auc"):
+        assert abs(got[key] - expected[key]) <= 1e-6 * max(1.0, abs(expected[key])), (key, got, expected)
+    restart = result["restart"]
+    assert restart["status"] == "done" and restart["restarts"] == 1 and restart["killed"] == 1, restart
+    assert restart["weight_gap"] < 1e-4, restart
+    assert restart["resumed_initial_epoch"] == 4 and restart["resumed_epochs"] == 1, restart
+    assert restart["resumed_gap"] < 1e-4, restart
+    assert not result["driver_tensorflow_end"]
