@@ -72,6 +72,11 @@ class TrainConfig:
     mlflow: bool | None = None
     run_name: str | None = None
     mlflow_active: str = "nest"
+    # Local workers of this many runs share the machine at once (a search's parallel trials): each
+    # run's workers get cores // (local_share * workers) threads and, where the cores go round,
+    # their own cores, those of share number local_slot (0 .. local_share - 1). 1: the run has it all.
+    local_share: int = 1
+    local_slot: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -108,6 +113,11 @@ class TrainConfig:
                               f"{self.stream_buffer_bytes!r}; for example --stream-buffer 64 (MiB).")
         if not isinstance(self.shared_memory, bool):
             raise NbdistError(f"shared_memory must be True or False, got {self.shared_memory!r}.")
+        _positive_int("local_share", self.local_share, "local_share=2")
+        if isinstance(self.local_slot, bool) or not isinstance(self.local_slot, int) \
+                or not 0 <= self.local_slot < self.local_share:
+            raise NbdistError(f"local_slot must be a whole number from 0 to local_share - 1 ({self.local_share - 1}), "
+                              f"got {self.local_slot!r}.")
         _validate_checkpointing(self)
         if self.engine is not None:
             if self.engine not in ENGINES:

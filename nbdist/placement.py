@@ -99,6 +99,17 @@ def core_slices(cores: list[int] | set[int] | tuple[int, ...], world: int, threa
     return [set(ordered[r * per:(r + 1) * per]) for r in range(world)]
 
 
+def shared_core_slices(cores: list[int] | set[int] | tuple[int, ...], world: int, threads: int, share: int = 1,
+                       slot: int = 0) -> list[set[int]] | None:
+    """``core_slices`` for the ``world`` workers of one of ``share`` runs using the machine at once (a
+    search's parallel trials), the one numbered ``slot``: its workers' cores are none of the others'.
+    None when the runs' workers together outnumber the cores (the scheduler shares them)."""
+    if not 0 <= slot < share:
+        raise ValueError("slot must be in 0 .. share - 1")
+    slices = core_slices(cores, world * share, threads)
+    return None if slices is None else slices[slot * world:(slot + 1) * world]
+
+
 def choose_engine(requested: str | None, has_gpu: bool, horovod_error: str | None) -> tuple[str, str | None]:
     """Resolve ``--engine`` on a worker: (engine to use, warning sentence or None).
 

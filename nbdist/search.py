@@ -138,6 +138,7 @@ class TrialRun:
     trial: Any
     job: Any
     row: TrialRow
+    slot: int  # its share of the machine's cores while it runs (TrainConfig.local_slot)
     fit: dict[str, Any] | None = None  # the cell's model.fit arguments (None: trained on --data)
     prune: bool = False
 
@@ -194,6 +195,7 @@ class Search:
         (KeyboardInterrupt after stopping every trial's workers, NbdistError for a bad cell)."""
         self._notify("start")
         try:
+            self._warm_trials()
             self._loop()
         except BaseException as exc:
             interrupted = isinstance(exc, KeyboardInterrupt)
@@ -209,6 +211,21 @@ class Search:
     def _remaining(self) -> int:
         done = self.state.previous + sum(self.state.count(s) for s in ("complete", "pruned", "failed"))
         return self.state.n_trials - done - len(self.running)
+
+    def _warm_trials(self) -> None:
+        """Local trials fork their workers from a fork server started (or kept) now with their own
+        startup environment, the thread budget of ``parallel`` trials sharing the machine, so that
+        none of them waits for TensorFlow's import (backends/warm.py)."""
+        from .driver.resolve import runs_locally
+
+        if runs_locally(self.config):
+            from .backends.local import start_warm_workers
+
+            start_warm_workers(self.state.parallel * (self.config.workers or 1))
+
+    def _free_slot(self) -> int:
+        """The lowest share of the machine no running trial holds."""
+        return min(set(range(self.state.parallel)) - {tr.slot for tr in self.running.values()})
 
     def _loop(self) -> None:
         while True:
@@ -233,10 +250,11 @@ class Search:
         number = trial.number
         row = self.state.trial_started(number, {}, self.config.epochs)
         job = None
+        slot = self._free_slot()
         try:
-            job, fit = self._build_job(trial)
+            job, fit = self._build_job(trial, slot)
             row.params, row.epochs = dict(trial.params), job.config.epochs
-            tr = TrialRun(trial, job, row, fit)
+            tr = TrialRun(trial, job, row, slot, fit)
             self._track(tr)  # the MLflow run logs each epoch before the pruner may end the trial on it
             job.listeners.append(self._epoch_listener(tr))
             job.start()
@@ -257,7 +275,7 @@ class Search:
             self._asked = None
         self._notify("trial", number)
 
-    def _build_job(self, trial: Any) -> tuple[Any, dict[str, Any] | None]:
+    def _build_job(self, trial: Any, slot: int) -> tuple[Any, dict[str, Any] | None]:
         """Run the trial's cell (or function) up to its model.fit, and make the job it asks for."""
         from .driver.fit_call import intercept_fit
 
@@ -276,14 +294,16 @@ class Search:
             raise errors[0]
         if captured:
             model, fit = captured[0]
-            return self._fit_job(model, fit), fit
-        return self._data_job(model), None
+            return self._fit_job(model, fit, slot), fit
+        return self._data_job(model, slot), None
 
-    def _trial_config(self, **changes: Any) -> TrainConfig:
+    def _trial_config(self, slot: int, **changes: Any) -> TrainConfig:
         # Trials draw nothing themselves and log through the search's MLflow run (tracking below).
-        return self.config.replace(ui="none", background=False, mlflow=False, **changes)
+        # Local trials running at once split the machine: each its own cores and thread budget.
+        return self.config.replace(ui="none", background=False, mlflow=False, local_share=self.state.parallel,
+                                   local_slot=slot, **changes)
 
-    def _fit_job(self, model: Any, fit: dict[str, Any]) -> Any:
+    def _fit_job(self, model: Any, fit: dict[str, Any], slot: int) -> Any:
         from .api import prepare_fit
         from .driver.fit_call import reconcile
 
@@ -293,9 +313,10 @@ class Search:
             changes["lr_scaling"] = "none"  # the global batch is the local one: no rescaling
         if "batch_size" in agreed:
             changes["batch_size"] = agreed["batch_size"]
-        return prepare_fit(model, self._trial_config(**changes), fit, agreed["global_batch"], namespace=self.namespace)
+        return prepare_fit(model, self._trial_config(slot, **changes), fit, agreed["global_batch"],
+                           namespace=self.namespace)
 
-    def _data_job(self, model: Any) -> Any:
+    def _data_job(self, model: Any, slot: int) -> Any:
         from .api import prepare
 
         if not is_keras_model(model):
@@ -304,7 +325,7 @@ class Search:
         if self.x is None:
             raise NbdistError("the trial's cell calls no model.fit(...), so name the data to train on: --data X,y "
                               "(the API: x=..., y=...).")
-        return prepare(model, self._trial_config(), self.x, self.y, self.validation_data, namespace=self.namespace)
+        return prepare(model, self._trial_config(slot), self.x, self.y, self.validation_data, namespace=self.namespace)
 
     def _epoch_listener(self, tr: TrialRun) -> Callable[[str, Any, Any], None]:
         from .tracking import metric_step

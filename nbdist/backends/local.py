@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import placement
 from ..config import default_local_workers
-from ..placement import core_slices, count_host_gpus, local_gpu_env, usable_cores
+from ..placement import count_host_gpus, local_gpu_env, shared_core_slices, usable_cores
 from ..procs import ChildEnd, oom_kill_count, pin_to_cores, read_log_tail, reap, signal_group
 from ..wire.secret import hand_over
 from .command import job_command, worker_env
@@ -21,15 +21,18 @@ from .warm import POOL, ForkedWorker, warm_enabled, worker_end
 log = logging.getLogger(__name__)
 
 
-def start_warm_workers() -> bool:
-    """Start the fork server a default local job's workers will come from (backends/warm.py).
+def start_warm_workers(workers: int | None = None) -> bool:
+    """Start the fork server the workers of local jobs will come from (backends/warm.py), when
+    ``workers`` of them share the machine: a default job's by default, a search's parallel trials'
+    (parallel x workers per trial) when it starts. A live one for them is kept, not started again.
 
     Not with GPUs: a worker's device is chosen before TensorFlow starts. (Nor with Spark active:
     the extension loader does not call this then.) False when none starts.
     """
     if not warm_enabled() or count_host_gpus() > 0:
         return False
-    return POOL.server(worker_env(placement.threads_per_worker(default_local_workers()))) is not None
+    threads = placement.threads_per_worker(workers or default_local_workers())
+    return POOL.server(worker_env(threads)) is not None
 
 
 class LocalWorker:
@@ -66,7 +69,10 @@ class LocalBackend:
     store_on_link = False
     unreachable_hint = ""  # the coordinator listens on this machine's loopback
 
-    def __init__(self) -> None:
+    def __init__(self, share: int = 1, slot: int = 0) -> None:
+        # This run is one of ``share`` using the machine at once, the one numbered ``slot``
+        # (TrainConfig.local_share / local_slot): its workers are pinned to that share's cores.
+        self.share, self.slot = share, slot
         self.workers: list[LocalWorker] = []
         self.run_dir: Path | None = None
 
@@ -79,7 +85,7 @@ class LocalBackend:
         self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-run-"))
         env = worker_env(threads_per_worker)
         cores = usable_cores()
-        slices = core_slices(cores, world_size, threads_per_worker) if cores else None
+        slices = shared_core_slices(cores, world_size, threads_per_worker, self.share, self.slot) if cores else None
         # Not with GPUs: each worker's device is chosen before TensorFlow starts.
         server = POOL.server(env) if count_host_gpus() == 0 else None
         forked = 0

@@ -7,6 +7,15 @@ from ..config import TrainConfig
 from ..errors import NbdistError
 
 
+def runs_locally(config: TrainConfig) -> bool:
+    """Whether ``resolve_backend`` gives local processes, without making the backend."""
+    if config.backend != "auto":
+        return config.backend == "local"
+    from ..spark.backend import active_spark_session
+
+    return active_spark_session() is None
+
+
 def resolve_backend(config: TrainConfig) -> Backend:
     name = config.backend
     if name in ("auto", "spark"):
@@ -21,7 +30,7 @@ def resolve_backend(config: TrainConfig) -> Backend:
     if name == "local":
         from ..backends.local import LocalBackend
 
-        return LocalBackend()
+        return LocalBackend(config.local_share, config.local_slot)
     from ..backends.containers import ContainerBackend  # the one name left: TrainConfig allows no other
 
     return ContainerBackend(config)

@@ -257,11 +257,17 @@ class Run:
         self._launched_at = time.monotonic()
         data = self.data if self.data_on_tasks else None
         try:
-            self._handles = backend.launch(world, self._coordinator.address, secret, threads_per_worker(world),
+            self._handles = backend.launch(world, self._coordinator.address, secret, self._threads(),
                                            data=data)
         except Exception:
             self._shutdown()
             raise
+
+    def _threads(self) -> int:
+        """Each worker's thread budget: its share of this machine's cores, which local workers split
+        with the other runs sharing it (``local_share``: a search's parallel trials)."""
+        local = self._backend is not None and self._backend.name == "local"
+        return threads_per_worker(self.world_size * (self.config.local_share if local else 1))
 
     @property
     def data_on_tasks(self) -> bool:
@@ -305,7 +311,7 @@ class Run:
             x = None
         return JobMessage(
             kind=kind, rank=rank, world_size=self.world_size, batch_size=self.config.batch_size,
-            heartbeat_timeout=self.config.heartbeat_timeout, threads=threads_per_worker(self.world_size),
+            heartbeat_timeout=self.config.heartbeat_timeout, threads=self._threads(),
             model=self._spec, x=x, y=y, sample_weight=weights, data_source=source, data_file=data_file,
             has_y=shard is None or y is not None, **fields)
 

@@ -58,6 +58,8 @@ def test_run_state_builds_history_once_every_worker_reported():
     ({"seed": -3}, "seed"),
     ({"direct_sum_bytes": -1}, "direct_sum_bytes must be a non-negative number of bytes"),
     ({"shared_memory": "yes"}, "shared_memory must be True or False"),
+    ({"local_share": 0}, "local_share must be a whole number of at least 1"),
+    ({"local_share": 2, "local_slot": 2}, r"local_slot must be a whole number from 0 to local_share - 1 \(1\)"),
 ])
 def test_bad_options_get_one_sentence(options, fragment):
     with pytest.raises(NbdistError, match=fragment) as info:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nbdist.placement import core_slices
+from nbdist.placement import core_slices, shared_core_slices
 from nbdist.strategies.averaging import batch_sizes
 from nbdist.worker.datasets import epoch_steps, fit_inputs, fit_steps, repeated_batches, sample_count, shuffle_seed
 
@@ -133,6 +133,15 @@ def test_core_slices_bind_each_worker_to_its_own_cores():
     assert core_slices({4}, 1, 1) == [{4}]
     with pytest.raises(ValueError):
         core_slices({0, 1}, 0, 1)
+
+
+def test_runs_sharing_the_machine_get_cores_none_of_the_others_have():
+    """A search's trials running at once (local_share): each slot's workers on cores of their own."""
+    assert shared_core_slices({0, 1}, 1, 1, share=2, slot=0) == [{0}]
+    assert shared_core_slices({0, 1}, 1, 1, share=2, slot=1) == [{1}]
+    assert shared_core_slices(range(8), 2, 2, share=2, slot=1) == [{4, 5}, {6, 7}]
+    assert shared_core_slices({0, 1}, 1, 1, share=3, slot=2) is None  # more workers than cores
+    assert shared_core_slices({0, 1}, 1, 2) == [{0, 1}]  # a lone run: as core_slices
 
 
 def test_validation_batches_are_in_order_every_epoch_and_cheap_to_restart():

@@ -210,3 +210,46 @@ def test_an_objective_the_runs_do_not_log_is_one_sentence_and_stops_every_trial(
                     x=x[:400], y=y[:400], validation_data=(x[400:600], y[400:600]), epochs=3)
     stored = optuna.load_study(storage=storage, study_name="nbdist-tune").get_trials()
     assert stored and all(t.state == optuna.trial.TrialState.FAIL for t in stored)
+
+
+def test_trials_at_once_split_the_cores_and_fork_from_a_server_warmed_with_their_environment(digits, tmp_path):
+    """Two trials of one local worker each run at once: each pinned to its own cores with its share of the
+    thread budget (1 thread each on 2 cores), forked from a fork server the search started before the first
+    trial with the trials' own environment, so no trial waits for TensorFlow's import."""
+    from nbdist.backends.warm import POOL
+    from nbdist.search import make_search
+
+    from ..conftest import mlp
+
+    x, y = digits
+    cores = os.sched_getaffinity(0)
+    threads = str(max(1, len(cores) // 2))
+    servers_at_first_cell: list[list[str]] = []
+    seen: dict[int, tuple[set[int], str, int]] = {}  # trial -> its worker's cores, OMP_NUM_THREADS, parent pid
+
+    def build(trial):
+        if trial.number == 0:
+            servers_at_first_cell.extend(s.key.get("OMP_NUM_THREADS", "") for s in POOL.servers())
+        return mlp(trial.number)
+
+    def on_epoch(kind, state, number):
+        if kind == "epoch" and number not in seen:
+            proc = psutil.Process(search.jobs[number].state.workers[0].pid)
+            seen[number] = (set(proc.cpu_affinity()), proc.environ().get("OMP_NUM_THREADS", ""), proc.ppid())
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    search = make_search(build, trials=2, parallel=2, objective="val_accuracy", storage=storage, x=x[:400], y=y[:400],
+                         validation_data=(x[400:600], y[400:600]), epochs=2,
+                         listeners=[on_epoch], models_dir=False)
+    search.run()
+
+    rows = search.state.trials
+    assert rows[1].ready_at < rows[0].ended and rows[0].ready_at < rows[1].ended  # they did run at once
+    assert threads in servers_at_first_cell  # warmed before any trial, with the trials' thread budget
+    servers = {s.proc.pid: s.key.get("OMP_NUM_THREADS") for s in POOL.servers()}
+    for affinity, omp, parent in seen.values():
+        assert servers.get(parent) == threads and omp == threads, (seen, servers)
+        if len(cores) >= 2:
+            assert len(affinity) == int(threads)
+    if len(cores) >= 2:
+        assert not seen[0][0] & seen[1][0], seen  # each trial on cores of its own
