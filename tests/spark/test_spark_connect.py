@@ -290,3 +290,26 @@ def test_both_strategies_match_local_fit_and_warm_workers_serve_the_second_run(s
     for strategy, (got, _) in runs.items():
         assert got >= want - 0.01, (strategy, got, want)
     assert runs["averaging"][1] == [False, False] and runs["allreduce"][1] == [True, True], runs
+
+
+def test_a_search_runs_its_trials_over_connect(spark, data, tmp_path, no_leftover_workers):
+    """%%dist_tune's API with a Spark Connect session: 2 trials at once, each a run of one Spark task's
+    worker; each stored value is its run's merged metric, and the best model is the best trial's."""
+    optuna = pytest.importorskip("optuna")
+    Xtr, Xte, ytr, yte = data
+
+    def build(trial):
+        model = small_model(trial.number)
+        model.optimizer.learning_rate = trial.suggest_float("lr", 1e-3, 3e-2, log=True)
+        model.fit(Xtr, ytr, batch_size=64, epochs=1, validation_data=(Xte, yte), verbose=0)
+
+    search = nbdist.tune(build, trials=2, parallel=2, objective="val_accuracy", backend="spark", pruner="none",
+                         storage=f"sqlite:///{tmp_path / 'connect.db'}", seed=0)
+    trials = search.study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    for t in trials:
+        job = search.jobs[t.number]
+        assert job.state.backend == "spark" and job.status == "done"
+        assert t.value == job.history["val_accuracy"][-1]
+        assert not wait_until_no_workers(job)
+    assert accuracy(search.best_model, Xte, yte) == pytest.approx(search.study.best_value, abs=1e-6)

@@ -110,27 +110,35 @@ def test_killed_worker_fails_fast_and_leaves_nothing(spark, data):
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))  # failed: model untouched
 
 
-def test_search_runs_two_trials_at_once_on_spark_each_value_its_runs_merged_metric(spark, data, tmp_path):
-    """%%dist_tune's API on local[2]: 3 trials, 2 at once, each trial one worker in a Spark task; every stored
-    value is its run's merged metric at the last epoch, and the best model is the best trial's."""
+def test_search_runs_two_trials_at_once_on_spark_prunes_and_stores_merged_metrics(spark, data, tmp_path):
+    """%%dist_tune's API on local[2]: 4 trials, 2 at once, each trial one worker in a Spark task. The two that
+    learn complete with their run's merged metric at the last epoch; the two that cannot are pruned by the
+    median pruner before their last epoch, their Spark workers gone; the best model is the best trial's."""
     optuna = pytest.importorskip("optuna")
     Xtr, Xte, ytr, yte = data
+    storage = f"sqlite:///{tmp_path / 'spark.db'}"
+    study = optuna.create_study(storage=storage, study_name="lr", direction="maximize")
+    for lr in (0.01, 0.02, 1e-6, 1e-6):
+        study.enqueue_trial({"lr": lr})
 
     def build(trial):
         model = small_model(trial.number)
-        model.optimizer.learning_rate = trial.suggest_float("lr", 1e-3, 3e-2, log=True)
-        model.fit(Xtr, ytr, batch_size=64, epochs=2, validation_data=(Xte, yte), verbose=0)
+        model.optimizer.learning_rate = trial.suggest_float("lr", 1e-6, 0.1, log=True)
+        model.fit(Xtr, ytr, batch_size=64, epochs=3, validation_data=(Xte, yte), verbose=0)
 
-    search = nbdist.tune(build, trials=3, parallel=2, objective="val_accuracy", backend="spark", pruner="none",
-                         storage=f"sqlite:///{tmp_path / 'spark.db'}", seed=0)
-    trials = search.study.get_trials()
-    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    search = nbdist.tune(build, trials=4, parallel=2, objective="val_accuracy", backend="spark", storage=storage,
+                         study_name="lr", pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0))
+    trials = {t.number: t for t in search.study.get_trials()}
+    states = optuna.trial.TrialState
+    assert [trials[n].state for n in range(4)] == [states.COMPLETE, states.COMPLETE, states.PRUNED, states.PRUNED]
     rows = search.state.trials
     assert rows[1].ready_at < rows[0].ended and rows[0].ready_at < rows[1].ended  # two at once
-    for t in trials:
-        job = search.jobs[t.number]
-        assert job.state.backend == "spark" and job.status == "done"
-        assert t.value == job.history["val_accuracy"][-1]
-        assert not wait_until_no_workers(job)
+    for n in range(4):
+        job = search.jobs[n]
+        assert job.state.backend == "spark" and not wait_until_no_workers(job)
+        if n < 2:
+            assert job.status == "done" and trials[n].value == job.history["val_accuracy"][-1]
+        else:
+            assert job.status == "stopped" and rows[n].epochs_done < 3
     assert search.best_model is search.jobs[search.study.best_trial.number].model
     assert accuracy(search.best_model, Xte, yte) == pytest.approx(search.study.best_value, abs=1e-6)
