@@ -228,9 +228,14 @@ def test_trials_at_once_split_the_cores_and_fork_from_a_server_warmed_with_their
     seen: dict[int, tuple[set[int], str, int]] = {}  # trial -> its worker's cores, OMP_NUM_THREADS, parent pid
 
     def build(trial):
+        import keras
+
         if trial.number == 0:
             servers_at_first_cell.extend(s.key.get("OMP_NUM_THREADS", "") for s in POOL.servers())
-        return mlp(trial.number)
+        # A notebook callback: the workers wait for the notebook at each epoch's end, so each one is still
+        # there when its first merged epoch reaches the listener (13 steps an epoch end in milliseconds).
+        mlp(trial.number).fit(x[:400], y[:400], epochs=3, validation_data=(x[400:600], y[400:600]),
+                              callbacks=[keras.callbacks.LambdaCallback()], verbose=0)
 
     def on_epoch(kind, state, number):
         if kind == "epoch" and number not in seen:
@@ -238,8 +243,7 @@ def test_trials_at_once_split_the_cores_and_fork_from_a_server_warmed_with_their
             seen[number] = (set(proc.cpu_affinity()), proc.environ().get("OMP_NUM_THREADS", ""), proc.ppid())
 
     storage = f"sqlite:///{tmp_path / 's.db'}"
-    search = make_search(build, trials=2, parallel=2, objective="val_accuracy", storage=storage, x=x[:400], y=y[:400],
-                         validation_data=(x[400:600], y[400:600]), epochs=2,
+    search = make_search(build, trials=2, parallel=2, objective="val_accuracy", storage=storage,
                          listeners=[on_epoch], models_dir=False)
     search.run()
 
