@@ -56,21 +56,13 @@ def steady(ends: list[float]) -> float:
 
 
 def plain(size: dict[str, Any]) -> dict[str, float]:
-    import keras
+    from epoch_breakdown import epoch_ends
 
     x, y = data(size["features"], size["rows"])
     model = build(size["features"], size["hidden"])
     ends: list[float] = []
-
-    class Ends(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            ends.append(time.perf_counter())
-
-        def on_epoch_end(self, epoch, logs=None):
-            ends.append(time.perf_counter())
-
     t0 = time.perf_counter()
-    model.fit(x, y, batch_size=64, epochs=size["epochs"], verbose=0, callbacks=[Ends()])
+    model.fit(x, y, batch_size=64, epochs=size["epochs"], verbose=0, callbacks=[epoch_ends(ends)])
     return {"epoch": steady(ends), "call": time.perf_counter() - t0}
 
 

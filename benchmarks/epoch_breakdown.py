@@ -56,14 +56,9 @@ def median_phases(epochs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(e[k] for e in use) for k in use[0]} if use else {}
 
 
-def plain_fit(epochs: int, batch: int = 64) -> dict[str, Any]:
-    """Plain ``fit``: epoch-end-to-epoch-end seconds and the same phase breakdown as a worker's."""
+def epoch_ends(ends: list[float]) -> Any:
+    """A callback appending the time at training's start and at each epoch's end to ``ends``."""
     import keras
-
-    from nbdist.worker.phases import EpochPhases
-
-    x, xv, y, yv = digits()
-    ends: list[float] = []
 
     class Ends(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -72,10 +67,20 @@ def plain_fit(epochs: int, batch: int = 64) -> dict[str, Any]:
         def on_epoch_end(self, epoch, logs=None):
             ends.append(time.perf_counter())
 
+    return Ends()
+
+
+def plain_fit(epochs: int, batch: int = 64) -> dict[str, Any]:
+    """Plain ``fit``: epoch-end-to-epoch-end seconds and the same phase breakdown as a worker's."""
+
+    from nbdist.worker.phases import EpochPhases
+
+    x, xv, y, yv = digits()
+    ends: list[float] = []
     phases = EpochPhases(None)
     first, last = phases.callbacks()
     quickstart_model().fit(x, y, batch_size=batch, epochs=epochs, validation_data=(xv, yv), verbose=0,
-                           callbacks=[first, Ends(), last])
+                           callbacks=[first, epoch_ends(ends), last])
     gaps = [b - a for a, b in zip(ends, ends[1:])]
     return {"epoch": steady(gaps), "epochs": gaps, "phases": median_phases(phases.epochs)}
 

@@ -75,14 +75,18 @@ def make_renderer(ui: str, stream: TextIO | None = None) -> Listener | None:
         try:
             from .widgets import WidgetDashboard
         except ImportError as exc:
-            from ..errors import NbdistError
-
-            raise NbdistError(f"--ui widgets needs ipywidgets and bqplot ({exc}); "
-                              "pip install 'nbdist[widgets]' or use --ui html.") from None
+            raise _no_widgets(exc) from None
         return WidgetDashboard()
     from ..errors import NbdistError
 
     raise NbdistError(f"unknown ui {ui!r} (from --ui or NBDIST_UI); use one of: auto, widgets, html, text, none.")
+
+
+def _no_widgets(exc: ImportError) -> Exception:
+    from ..errors import NbdistError
+
+    return NbdistError(f"--ui widgets needs ipywidgets and bqplot ({exc}); pip install 'nbdist[widgets]' or use "
+                       "--ui html.")
 
 
 def make_search_view(ui: str, stream: TextIO | None = None) -> Any:
@@ -99,10 +103,7 @@ def make_search_view(ui: str, stream: TextIO | None = None) -> Any:
         try:
             from .search_widgets import WidgetSearchView
         except ImportError as exc:
-            from ..errors import NbdistError
-
-            raise NbdistError(f"--ui widgets needs ipywidgets and bqplot ({exc}); "
-                              "pip install 'nbdist[widgets]' or use --ui html.") from None
+            raise _no_widgets(exc) from None
         return WidgetSearchView()
     zeppelin = "ZEPPELIN_HOME" in os.environ or "ZEPPELIN_INTERPRETER" in os.environ
     return HtmlSearchView("append" if zeppelin else "update")

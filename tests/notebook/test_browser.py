@@ -139,6 +139,23 @@ def launch(p, tmp):
               "--disable-background-networking", "--disable-component-update", "--disable-sync"])
 
 
+def run_to_its_dashboard(page, base: str, token: str, notebook: str, last_output: str, selector: str,
+                         page_shot: str, dash_shot: str):
+    """Run ``notebook`` to the cell output ``last_output``; its dashboard (``selector``), screenshot and saved
+    as HTML in the artifacts, with a screenshot of the page (also when the output never came)."""
+    open_and_run_all(page, base, token, notebook)
+    try:
+        page.wait_for_selector(f".jp-OutputArea-output:has-text('{last_output}')", timeout=240_000)
+    finally:
+        page.screenshot(path=str(ARTIFACTS / f"{page_shot}.png"), full_page=True)
+    dash = page.locator(selector).first
+    dash.scroll_into_view_if_needed()
+    page.wait_for_timeout(1000)  # let the last throttled redraw and chart transitions land
+    dash.screenshot(path=str(ARTIFACTS / f"{dash_shot}.png"))
+    (ARTIFACTS / f"{dash_shot}.html").write_text(dash.evaluate("e => e.outerHTML"))  # to look into
+    return dash
+
+
 def open_and_run_all(page, base: str, token: str, notebook: str) -> None:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
@@ -167,20 +184,10 @@ def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
         browser = launch(p, tmp)
         try:
             page = browser.new_page()
-            open_and_run_all(page, base, token, "quickstart.ipynb")
             # The notebook's last cell prints once training ended and model.predict ran.
-            try:
-                page.wait_for_selector(".jp-OutputArea-output:has-text('test accuracy:')", timeout=240_000)
-            finally:
-                page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+            dash = run_to_its_dashboard(page, base, token, "quickstart.ipynb", "test accuracy:", ".nbdist-dashboard",
+                                        "notebook", "dashboard")
             page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
-            dash = page.locator(".nbdist-dashboard").first
-            dash.scroll_into_view_if_needed()
-            page.wait_for_timeout(1000)  # let the last throttled redraw and chart transitions land
-            dash.screenshot(path=str(ARTIFACTS / "dashboard.png"))
-            page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
-
-            (ARTIFACTS / "dashboard.html").write_text(dash.evaluate("e => e.outerHTML"))  # to look into
             text = dash.inner_text()
             assert f"Epoch {EPOCHS}/{EPOCHS}" in text, text
             assert text.count("done") >= 3, text  # the run and both workers
@@ -255,16 +262,8 @@ def test_search_dashboard_in_jupyterlab(jupyterlab):
         browser = launch(p, tmp)
         try:
             page = browser.new_page()
-            open_and_run_all(page, base, token, "tune.ipynb")
-            try:
-                page.wait_for_selector(".jp-OutputArea-output:has-text('best_model test accuracy:')", timeout=240_000)
-            finally:
-                page.screenshot(path=str(ARTIFACTS / "search_notebook.png"), full_page=True)
-            dash = page.locator(".nbdist-search-dashboard").first
-            dash.scroll_into_view_if_needed()
-            page.wait_for_timeout(1000)  # chart transitions land
-            dash.screenshot(path=str(ARTIFACTS / "search_dashboard.png"))
-            (ARTIFACTS / "search_dashboard.html").write_text(dash.evaluate("e => e.outerHTML"))
+            dash = run_to_its_dashboard(page, base, token, "tune.ipynb", "best_model test accuracy:",
+                                        ".nbdist-search-dashboard", "search_notebook", "search_dashboard")
             text = dash.inner_text()
             assert "search done: 4/4 trials finished" in text and "done" in text, text
             assert dash.locator("table.nbdist-trials tbody tr").count() == 4
