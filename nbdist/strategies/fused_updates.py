@@ -80,7 +80,7 @@ def _dense_only(fused: Any, keras_step: Any) -> Any:
     def update_step(self: Any, gradient: Any, variable: Any, learning_rate: Any) -> Any:
         import tensorflow as tf
 
-        if isinstance(gradient, tf.IndexedSlices) or not variable.dtype.is_floating:
+        if isinstance(gradient, tf.IndexedSlices) or not tf.as_dtype(variable.dtype).is_floating:
             return keras_step(gradient, variable, learning_rate)
         return fused(self, gradient, variable, learning_rate)
 
