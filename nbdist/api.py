@@ -86,8 +86,7 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
         return prepare_fit(model, config, fit, None, namespace, listeners)
     train_set = spark_dataset(x, y, features, label)
     val_set = None
-    if is_spark_data(validation_data) or (isinstance(validation_data, (tuple, list)) and validation_data
-                                          and is_spark_data(validation_data[0])):
+    if spark_validation_data(validation_data):
         # Streamed as the training data is: each task writes its share beside its partition.
         train_set.validation = spark_validation(train_set, validation_data)
     elif validation_data is not None:
@@ -122,15 +121,20 @@ def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_bat
     return _job(model, config, train_set, val_set, namespace, listeners, fit, run)
 
 
+def spark_validation_data(validation_data: Any) -> bool:
+    """Whether ``validation_data`` is a Spark DataFrame or RDD, alone or first in a tuple."""
+    first = validation_data[0] if isinstance(validation_data, (tuple, list)) and validation_data else validation_data
+    return is_spark_data(first)
+
+
 def spark_in_fit(x: Any, validation_data: Any) -> None:
     """Spark data where ``model.fit``'s in-memory data goes: one sentence naming the way that takes it.
     Keras' fit has no arguments that name a DataFrame's columns, so Spark data is named on the magic line."""
-    val = validation_data[0] if isinstance(validation_data, (tuple, list)) and validation_data else validation_data
     if is_spark_data(x):
         raise NbdistError("model.fit(...) takes in-memory data; a Spark DataFrame or RDD trains where it lies with "
                           "--data df --features COLS --label COL on the magic line (the cell only builds and "
                           "compiles the model), or nbdist.train(model, df, features=..., label=...).")
-    if is_spark_data(val):
+    if spark_validation_data(validation_data):
         raise NbdistError("a Spark DataFrame as validation data needs a training DataFrame (both are streamed "
                           "from the executors); with in-memory training data pass in-memory validation data, "
                           "e.g. val_df.toPandas() for a small one.")

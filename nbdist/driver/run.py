@@ -266,8 +266,12 @@ class Run:
     def _threads(self) -> int:
         """Each worker's thread budget: its share of this machine's cores, which local workers split
         with the other runs sharing it (``local_share``: a search's parallel trials)."""
-        local = self._backend is not None and self._backend.name == "local"
-        return threads_per_worker(self.world_size * (self.config.local_share if local else 1))
+        return threads_per_worker(self.world_size * (self.config.local_share if self._local else 1))
+
+    @property
+    def _local(self) -> bool:
+        """The workers are local processes: they share this machine's cores and filesystem."""
+        return self._backend is not None and self._backend.name == "local"
 
     @property
     def data_on_tasks(self) -> bool:
@@ -281,16 +285,12 @@ class Run:
 
     def _x_file(self) -> Any:
         """The notebook's memory-mapped .npy that ``x`` is, when the workers are local (same filesystem)."""
-        if self._backend is None or self._backend.name != "local" or not isinstance(self.data, FitData):
-            return None
-        return self.data.x_file
+        return self.data.x_file if self._local and isinstance(self.data, FitData) else None
 
     def _x_leaves(self) -> dict[int, Any]:
         """The inputs of a dict or list ``x`` that are memory-mapped .npy files, when the workers are local:
         each worker reads its rows of them from the file (``leaves_rows``); the other inputs cross the wire."""
-        if self._backend is None or self._backend.name != "local" or not isinstance(self.data, FitData):
-            return {}
-        return self.data.x_leaves
+        return self.data.x_leaves if self._local and isinstance(self.data, FitData) else {}
 
     def _shard(self, rank: int) -> FitData | None:
         """Rank ``rank``'s rows from the driver's data; None when its Spark task reads them."""

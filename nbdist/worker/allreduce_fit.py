@@ -76,8 +76,9 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
 
     floats = lambda vs: [v for v in vs if "float" in str(v.dtype)]
     # Rank 0's weights and optimizer state are everyone's starting point.
-    broadcast_state(collective, floats(model.weights) + averaged_optimizer_variables(model),
-                    compiled=keras.backend.backend() == "tensorflow")
+    backend = keras.backend.backend()
+    host = backend != "tensorflow"  # JAX and torch hand over arrays (backend_grads.py)
+    broadcast_state(collective, floats(model.weights) + averaged_optimizer_variables(model), compiled=not host)
 
     batch_size = rank_batch_size(job)
     # A PyDataset: this worker's share of its batches (pydatasets.py); arrays: one repeated
@@ -92,8 +93,6 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
         totals = step_totals(shard_samples(collective, samples), train.batch_sizes or batch_size)
         steps = len(totals)
-    backend = keras.backend.backend()
-    host = backend != "tensorflow"  # JAX and torch hand over arrays (backend_grads.py)
     reducer = (HostGradientAllreduce if host else GradientAllreduce)(
         collective, model.trainable_variables, engine, direct_sum_bytes=int(train.direct_sum_bytes),
         shared_memory=bool(train.shared_memory), shared_chunk_bytes=int(train.shared_chunk_bytes))
