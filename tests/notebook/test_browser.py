@@ -7,6 +7,7 @@ artifacts/dashboard.png and artifacts/search_dashboard.png.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -130,13 +131,23 @@ def jupyterlab(tmp_path_factory):
         log.close()
 
 
-def launch(p, tmp):
-    # A fresh profile directory (Playwright passes it as --user-data-dir).
-    return p.chromium.launch_persistent_context(
-        str(tmp / "chromium-profile"), executable_path=CHROMIUM, headless=True,
-        viewport={"width": 1400, "height": 1800},
-        args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+@contextlib.contextmanager
+def lab_page(tmp):
+    """A page of a headless chromium, closed afterwards; the artifacts folder made."""
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        # A fresh profile directory (Playwright passes it as --user-data-dir).
+        browser = p.chromium.launch_persistent_context(
+            str(tmp / "chromium-profile"), executable_path=CHROMIUM, headless=True,
+            viewport={"width": 1400, "height": 1800},
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            yield browser.new_page()
+        finally:
+            browser.close()
 
 
 def run_to_its_dashboard(page, base: str, token: str, notebook: str, last_output: str, selector: str,
@@ -176,103 +187,87 @@ def open_and_run_all(page, base: str, token: str, notebook: str) -> None:
 
 
 def test_quickstart_dashboard_in_jupyterlab(jupyterlab):
-    from playwright.sync_api import sync_playwright
-
     base, token, tmp = jupyterlab
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = launch(p, tmp)
-        try:
-            page = browser.new_page()
-            # The notebook's last cell prints once training ended and model.predict ran.
-            dash = run_to_its_dashboard(page, base, token, "quickstart.ipynb", "test accuracy:", ".nbdist-dashboard",
-                                        "notebook", "dashboard")
-            page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
-            text = dash.inner_text()
-            assert f"Epoch {EPOCHS}/{EPOCHS}" in text, text
-            assert text.count("done") >= 3, text  # the run and both workers
-            bars = dash.locator(".progress-bar")
-            assert bars.count() == 3  # epochs + 2 workers
-            for i in range(3):
-                style = bars.nth(i).get_attribute("style") or ""
-                assert "width: 100%" in style, style
-            # bqplot drew the metric charts: one SVG path per line, EPOCHS markers per line.
-            titles = dash.locator(".bqplot .mainheading").evaluate_all(
-                "els => els.map(e => e.textContent)")
-            assert {"loss", "accuracy", "time per phase"} <= set(titles), titles
-            # Every line holds every epoch, up to the final one: EPOCHS markers per line, and the
-            # x axes end at the final epoch.
-            # (The legend draws small .line icons too; the data lines are inside .curve.)
-            per_line = dash.locator(".bqplot .curve .line").evaluate_all(
-                "els => els.map(e => e.getAttribute('d').split('L').length)")
-            assert per_line == [EPOCHS] * 4, per_line
-            last_ticks = dash.locator(".bqplot").evaluate_all(
-                "figs => figs.map(f => [...f.querySelectorAll('.axis .tick text')].map(t => t.textContent))")
-            assert sum(str(EPOCHS) in ticks for ticks in last_ticks) >= 2, last_ticks
-            # The phase view: a compute and a synchronisation bar per worker, with a legend.
-            # and the timeline: one stacked bar per epoch.
-            assert dash.locator(".bqplot .bargroup").count() == 2 + EPOCHS
-            # Worker rows name their share of time spent synchronising.
-            assert text.count("sync ") >= 2, text
-            # The static summary (HTML table + PNG) sits below the dashboard.
-            summary = page.locator(".nbdist-summary").first
-            assert summary.locator("img.nbdist-chart").count() == 1
-            # The charts end at the final values: read each line's last point back through its y axis
-            # and compare with the summary table's last row.
-            table = summary.locator("table.nbdist-metrics")
-            header = table.locator("thead th").all_inner_texts()
-            final = dict(zip(header, table.locator("tbody tr").last.locator("td").all_inner_texts()))
-            assert final["epoch"] == str(EPOCHS), final
-            drawn = dash.locator(".bqplot").evaluate_all(LAST_POINTS_JS)
-            for title, split, key in [("loss", "train", "loss"), ("loss", "validation", "val_loss"),
-                                      ("accuracy", "train", "accuracy"), ("accuracy", "validation", "val_accuracy")]:
-                value, span = drawn[title][split]
-                assert abs(value - float(final[key])) < 0.02 * span, (title, split, value, final[key])
+    with lab_page(tmp) as page:
+        # The notebook's last cell prints once training ended and model.predict ran.
+        dash = run_to_its_dashboard(page, base, token, "quickstart.ipynb", "test accuracy:", ".nbdist-dashboard",
+                                    "notebook", "dashboard")
+        page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+        text = dash.inner_text()
+        assert f"Epoch {EPOCHS}/{EPOCHS}" in text, text
+        assert text.count("done") >= 3, text  # the run and both workers
+        bars = dash.locator(".progress-bar")
+        assert bars.count() == 3  # epochs + 2 workers
+        for i in range(3):
+            style = bars.nth(i).get_attribute("style") or ""
+            assert "width: 100%" in style, style
+        # bqplot drew the metric charts: one SVG path per line, EPOCHS markers per line.
+        titles = dash.locator(".bqplot .mainheading").evaluate_all(
+            "els => els.map(e => e.textContent)")
+        assert {"loss", "accuracy", "time per phase"} <= set(titles), titles
+        # Every line holds every epoch, up to the final one: EPOCHS markers per line, and the
+        # x axes end at the final epoch.
+        # (The legend draws small .line icons too; the data lines are inside .curve.)
+        per_line = dash.locator(".bqplot .curve .line").evaluate_all(
+            "els => els.map(e => e.getAttribute('d').split('L').length)")
+        assert per_line == [EPOCHS] * 4, per_line
+        last_ticks = dash.locator(".bqplot").evaluate_all(
+            "figs => figs.map(f => [...f.querySelectorAll('.axis .tick text')].map(t => t.textContent))")
+        assert sum(str(EPOCHS) in ticks for ticks in last_ticks) >= 2, last_ticks
+        # The phase view: a compute and a synchronisation bar per worker, with a legend.
+        # and the timeline: one stacked bar per epoch.
+        assert dash.locator(".bqplot .bargroup").count() == 2 + EPOCHS
+        # Worker rows name their share of time spent synchronising.
+        assert text.count("sync ") >= 2, text
+        # The static summary (HTML table + PNG) sits below the dashboard.
+        summary = page.locator(".nbdist-summary").first
+        assert summary.locator("img.nbdist-chart").count() == 1
+        # The charts end at the final values: read each line's last point back through its y axis
+        # and compare with the summary table's last row.
+        table = summary.locator("table.nbdist-metrics")
+        header = table.locator("thead th").all_inner_texts()
+        final = dict(zip(header, table.locator("tbody tr").last.locator("td").all_inner_texts()))
+        assert final["epoch"] == str(EPOCHS), final
+        drawn = dash.locator(".bqplot").evaluate_all(LAST_POINTS_JS)
+        for title, split, key in [("loss", "train", "loss"), ("loss", "validation", "val_loss"),
+                                  ("accuracy", "train", "accuracy"), ("accuracy", "validation", "val_accuracy")]:
+            value, span = drawn[title][split]
+            assert abs(value - float(final[key])) < 0.02 * span, (title, split, value, final[key])
 
-            # The background run's dashboard: click Stop once an epoch is shown; the run ends cleanly.
-            bg = page.locator(".nbdist-dashboard").nth(1)
-            bg.scroll_into_view_if_needed()
-            page.wait_for_function(
-                "() => /Epoch [1-9]\\d*\\/500/.test(document.querySelectorAll('.nbdist-dashboard')[1].innerText)",
-                timeout=120_000)
-            stop = bg.locator("button", has_text="Stop")
-            assert stop.is_enabled()
-            clicked = time.monotonic()
-            stop.click()
-            bg.locator(".nbdist-status", has_text="stopped").wait_for(timeout=30_000)
-            took = time.monotonic() - clicked
-            page.locator(".nbdist-summary", has_text="Stopped (stopped from the dashboard)").wait_for(timeout=15_000)
-            bg.screenshot(path=str(ARTIFACTS / "dashboard_stopped.png"))
-            stopped_text = bg.inner_text()
-            assert "stopped" in stopped_text and "/500" in stopped_text, stopped_text
-            assert not bg.locator("button", has_text="Stop").is_visible()  # nothing left to stop
-            assert took < 20, took
-        finally:
-            browser.close()
+        # The background run's dashboard: click Stop once an epoch is shown; the run ends cleanly.
+        bg = page.locator(".nbdist-dashboard").nth(1)
+        bg.scroll_into_view_if_needed()
+        page.wait_for_function(
+            "() => /Epoch [1-9]\\d*\\/500/.test(document.querySelectorAll('.nbdist-dashboard')[1].innerText)",
+            timeout=120_000)
+        stop = bg.locator("button", has_text="Stop")
+        assert stop.is_enabled()
+        clicked = time.monotonic()
+        stop.click()
+        bg.locator(".nbdist-status", has_text="stopped").wait_for(timeout=30_000)
+        took = time.monotonic() - clicked
+        page.locator(".nbdist-summary", has_text="Stopped (stopped from the dashboard)").wait_for(timeout=15_000)
+        bg.screenshot(path=str(ARTIFACTS / "dashboard_stopped.png"))
+        stopped_text = bg.inner_text()
+        assert "stopped" in stopped_text and "/500" in stopped_text, stopped_text
+        assert not bg.locator("button", has_text="Stop").is_visible()  # nothing left to stop
+        assert took < 20, took
 
 
 def test_search_dashboard_in_jupyterlab(jupyterlab):
     """07_tune's %%dist_tune in JupyterLab draws the widget view: a best-so-far chart with a point per
     finished trial, each trial's curve with a point per epoch, the table of trials, status done."""
-    from playwright.sync_api import sync_playwright
-
     base, token, tmp = jupyterlab
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = launch(p, tmp)
-        try:
-            page = browser.new_page()
-            dash = run_to_its_dashboard(page, base, token, "tune.ipynb", "best_model test accuracy:",
-                                        ".nbdist-search-dashboard", "search_notebook", "search_dashboard")
-            text = dash.inner_text()
-            assert "search done: 4/4 trials finished" in text and "done" in text, text
-            assert dash.locator("table.nbdist-trials tbody tr").count() == 4
-            assert dash.locator("table.nbdist-trials td", has_text="complete").count() == 4
-            titles = dash.locator(".bqplot .mainheading").evaluate_all("els => els.map(e => e.textContent)")
-            assert titles == ["best val_accuracy so far", "val_accuracy per epoch"], titles
-            points = dash.locator(".bqplot").evaluate_all(
-                "figs => figs.map(f => [...f.querySelectorAll('.curve .line')]"
-                ".map(l => l.getAttribute('d').split('L').length))")
-            assert points == [[4], [3, 3, 3, 3]], points  # 4 trials finished; 4 trials of 3 epochs
-        finally:
-            browser.close()
+    with lab_page(tmp) as page:
+        dash = run_to_its_dashboard(page, base, token, "tune.ipynb", "best_model test accuracy:",
+                                    ".nbdist-search-dashboard", "search_notebook", "search_dashboard")
+        text = dash.inner_text()
+        assert "search done: 4/4 trials finished" in text and "done" in text, text
+        assert dash.locator("table.nbdist-trials tbody tr").count() == 4
+        assert dash.locator("table.nbdist-trials td", has_text="complete").count() == 4
+        titles = dash.locator(".bqplot .mainheading").evaluate_all("els => els.map(e => e.textContent)")
+        assert titles == ["best val_accuracy so far", "val_accuracy per epoch"], titles
+        points = dash.locator(".bqplot").evaluate_all(
+            "figs => figs.map(f => [...f.querySelectorAll('.curve .line')]"
+            ".map(l => l.getAttribute('d').split('L').length))")
+        assert points == [[4], [3, 3, 3, 3]], points  # 4 trials finished; 4 trials of 3 epochs
