@@ -9,13 +9,15 @@ starts validation -- with identical weights.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from .collective import Collective
+from .ring import aligned_offsets
 
 
 def synced_state(model: Any) -> None:
@@ -106,6 +108,39 @@ def _view(tensor: Any) -> np.ndarray:
     return tensor._numpy()
 
 
+def variable_views(variables: Sequence[Any]) -> list[tuple[np.ndarray, bool]] | None:
+    """Each TensorFlow variable's memory as a flat, writable float32 array, and whether it is the variable's
+    own memory; None unless every variable is float32 in host memory. Writing into its own memory is an
+    assign without a copy: TensorFlow reads a variable's buffer when an op runs, and between steps no op
+    holds it. Drop the views before the next step (TensorFlow copies a variable it updates while a view
+    of it lives).
+
+    A variable updated by a sparse op (``scatter_*``: an Embedding's rows under Keras' optimizers) is in
+    TensorFlow's copy-on-read mode: every read is a fresh copy, so a write into it would be lost; its
+    view is marked not its own, to be assigned back. Two reads at one address tell the variable's own.
+    """
+    import keras
+    import tensorflow as tf
+
+    out = []
+    for v in variables:
+        if isinstance(v, keras.Variable):
+            v = v.value  # a Keras variable wraps a tf.Variable
+        if not isinstance(v, tf.Variable) or v.dtype != tf.float32:
+            return None
+        tensor = v.value()
+        if not tensor.device.endswith("CPU:0"):  # a GPU's memory: _numpy() would be a copy
+            return None
+        view = _view(tensor)
+        own = view.size == 0 or _address(view) == _address(_view(v.value()))
+        out.append((view.reshape(-1), own))
+    return out
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
 def _scalar(value: float) -> Any:
     """A float32 scalar tensor: a NumPy or Python number would make ``tf.function`` trace again for every value."""
     import tensorflow as tf
@@ -149,7 +184,8 @@ class WeightedAverager:
         self.collective = collective
         self.flat = FlatBuffer(variables, extra=1, compiled=compiled)
         self.summer = summer
-        self._plans: dict[int, Any] = {}
+        self._plans: dict[Any, Any] = {}
+        self._one = np.ones(1, dtype=np.float32)  # the weight's slot in an in-place round
         self.clock = clock  # a PhaseClock told when a shared-memory round waits (it sees no collective call)
         self.seconds = 0.0
         self.rounds = 0
@@ -159,6 +195,31 @@ class WeightedAverager:
         if self.collective.world_size == 1:
             return samples
         t0 = time.perf_counter()
+        in_place = self._in_place_plan()
+        if in_place is not None:
+            total = self._average_in_place(samples, in_place)
+        else:
+            total = self._average_through_buffer(samples)
+        self.seconds += time.perf_counter() - t0
+        self.rounds += 1
+        return total
+
+    def _average_in_place(self, samples: int, plan: Any) -> int:
+        """A large model on one machine: each variable's memory into the shared segment and the average back
+        into it, chunk by chunk (``SharedChunkedSum.average_in_place``): two passes, where a round through
+        the buffer made eight (TensorFlow's scaled copy, the bucket, a divided copy, the assign's copy)."""
+        views = variable_views(self.flat.variables)
+        assert views is not None, "the variables were float32 in host memory when the plan was made"
+        with self._waiting():
+            total = self.summer.average_in_place([self._one, *(a for a, _ in views)], float(samples), plan)
+        if total > 0:
+            for v, shape, (array, own) in zip(self.flat.variables, self.flat.shapes, views):
+                if not own:  # a copy-on-read variable: the average went into a copy of it
+                    v.assign(array.reshape(shape))
+        del views  # TensorFlow copies a variable it updates while a view of it lives
+        return int(total)
+
+    def _average_through_buffer(self, samples: int) -> int:
         flat = self.flat
         # A chunked shared-memory sum reads the scaled variables where TensorFlow made them.
         plan = self._parts_plan()
@@ -170,33 +231,51 @@ class WeightedAverager:
                 flat.values.fill(0.0)
         flat.buffer[-1] = samples
         if self.summer is not None:
-            if self.clock is not None:
-                self.clock.enter()
-            try:
+            with self._waiting():
                 if parts is not None:
                     self.summer.sum_into([*parts, flat.buffer[-1:]], flat.buffer, plan)
                 else:
                     self.summer(flat.buffer)
-            finally:
-                if self.clock is not None:
-                    self.clock.leave()
         else:
             self.collective.allreduce_sum(flat.buffer)
         total = int(round(float(flat.buffer[-1])))
         if total > 0:
             flat.scatter(total)
-        self.seconds += time.perf_counter() - t0
-        self.rounds += 1
         return total
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Tell the clock the worker is in a shared-memory exchange (it sees no collective call)."""
+        if self.clock is not None:
+            self.clock.enter()
+        try:
+            yield
+        finally:
+            if self.clock is not None:
+                self.clock.leave()
 
     def _parts_plan(self) -> Any:
         """A chunked shared-memory summer's layout of the variables' parts, then the count; None for other summers."""
         plan, flat = getattr(self.summer, "plan", None), self.flat
         if plan is None or not flat.compiled:
             return None
-        if id(self.summer) not in self._plans:
-            self._plans[id(self.summer)] = plan([*flat.offsets[:-1], flat.size], [*flat.sizes, 1], flat.size + 1)
-        return self._plans[id(self.summer)]
+        key = ("parts", id(self.summer))
+        if key not in self._plans:
+            self._plans[key] = plan([*flat.offsets[:-1], flat.size], [*flat.sizes, 1], flat.size + 1)
+        return self._plans[key]
+
+    def _in_place_plan(self) -> Any:
+        """The layout of an in-place round (the weight, then each variable, aligned), or None when a round
+        goes through the buffer: not a chunked shared-memory sum, or a variable not float32 in host memory."""
+        key = ("in place", id(self.summer))
+        if key not in self._plans:
+            plan = None
+            if (getattr(self.summer, "average_in_place", None) is not None and self.flat.compiled
+                    and variable_views(self.flat.variables) is not None):
+                offsets = aligned_offsets([1, *self.flat.sizes])
+                plan = self.summer.plan([int(o) for o in offsets[:-1]], [1, *self.flat.sizes], int(offsets[-1]))
+            self._plans[key] = plan
+        return self._plans[key]
 
     @property
     def summed_by(self) -> str:

@@ -214,12 +214,15 @@ class SharedMemorySum(_Segment):
         self._slots = None  # type: ignore[assignment]
 
 
+Pieces = list[tuple[int, int, int, int]]  # (array, from, to, bucket position), ring.pieces
+
+
 @dataclass
 class ChunkPlan:
     """Where a bucket's chunks come from: for each chunk its bounds, the arrays' parts in it and this worker's slice."""
 
     length: int
-    chunks: list[tuple[int, int, list[tuple[int, int, int, int]], int, int]]  # (a, b, pieces, slice lo, slice hi)
+    chunks: list[tuple[int, int, Pieces, int, int]]  # (a, b, pieces, slice lo, slice hi)
 
 
 def chunk_plan(offsets: Sequence[int], sizes: Sequence[int], length: int, chunk: int, rank: int,
@@ -270,6 +273,46 @@ class SharedChunkedSum(_Segment):
 
         ``out`` may be the one array itself (in place): each chunk of it is read before it is written.
         """
+        def put(row: np.ndarray, a: int, parts: Pieces) -> None:
+            for k, lo, hi, pos in parts:
+                np.copyto(row[pos - a:pos - a + hi - lo], arrays[k][lo:hi])
+
+        def take(summed: np.ndarray, a: int, b: int, parts: Pieces) -> None:
+            np.copyto(out[a:b], summed)
+
+        self._exchange(plan, put, take)
+
+    def average_in_place(self, arrays: Sequence[np.ndarray], weight: float, plan: ChunkPlan) -> float:
+        """Every array := the ``weight``-weighted average over workers of that array, in place; the summed weight.
+
+        ``arrays[0]`` must be ``[1.0]`` at position 0 of the plan: its sum, the total weight, is in the
+        first chunk summed, so every chunk is divided as it comes back, straight into the arrays
+        (one pass in, one out, no bucket). A total of 0 (nobody trained) writes nothing.
+        """
+        w, total = np.float32(weight), [np.float32(0.0)]
+
+        def put(row: np.ndarray, a: int, parts: Pieces) -> None:
+            for k, lo, hi, pos in parts:
+                if w:
+                    np.multiply(arrays[k][lo:hi], w, out=row[pos - a:pos - a + hi - lo])
+                else:  # not a product: 0 x inf would be NaN where this worker adds nothing
+                    row[pos - a:pos - a + hi - lo] = 0.0
+
+        def take(summed: np.ndarray, a: int, b: int, parts: Pieces) -> None:
+            if a == 0:
+                total[0] = np.float32(round(float(summed[0])))
+            if total[0] > 0:
+                for k, lo, hi, pos in parts:
+                    if k:
+                        np.divide(summed[pos - a:pos - a + hi - lo], total[0], out=arrays[k][lo:hi])
+
+        assert plan.chunks and plan.chunks[0][2][:1] == [(0, 0, 1, 0)], "the weight comes first"
+        self._exchange(plan, put, take)
+        return float(total[0])
+
+    def _exchange(self, plan: ChunkPlan, put: Any, take: Any) -> None:
+        """The phases of a chunked sum: in phase i this worker puts chunk i into its row, adds its slice of
+        chunk i - 1 and hands chunk i - 2, summed by everyone, to ``take``; peers move in lockstep."""
         rank, world, chunks = self.rank, self.world, plan.chunks
         g = self._phase
         with np.errstate(all="ignore"):  # alignment gaps hold stale floats: their sums mean nothing
@@ -278,13 +321,11 @@ class SharedChunkedSum(_Segment):
                 self._wait_all(phase - 1)
                 slot, last = self._slots[phase % 2], self._slots[(phase - 1) % 2]
                 if i >= 2:  # chunk i - 2, summed by everyone in the last phase
-                    a, b = chunks[i - 2][0], chunks[i - 2][1]
-                    np.copyto(out[a:b], slot[world, :b - a])
+                    a, b, parts, _, _ = chunks[i - 2]
+                    take(slot[world, :b - a], a, b, parts)
                 if i < len(chunks):
                     a, _, parts, _, _ = chunks[i]
-                    row = slot[rank]
-                    for k, lo, hi, pos in parts:
-                        np.copyto(row[pos - a:pos - a + hi - lo], arrays[k][lo:hi])
+                    put(slot[rank], a, parts)
                 if 1 <= i <= len(chunks):  # this worker's slice of chunk i - 1
                     _, _, _, lo, hi = chunks[i - 1]
                     if lo < hi:

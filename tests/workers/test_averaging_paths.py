@@ -57,3 +57,27 @@ def test_a_large_model_averages_from_where_tensorflow_left_it(digits):
     assert [job.reports[r]["summed_by"] for r in range(2)] == ["shared-chunked"] * 2
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5
     assert relative_error(remote.optimizer.variables[1:], local.optimizer.variables[1:]) < 1e-5
+
+
+def _embedding(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((64,), dtype="int32"), keras.layers.Embedding(17 * 64, 1024),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10, activation="softmax")])
+    model.compile(keras.optimizers.SGD(0.5), "sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.mark.skipif(not shared.supported_here(), reason="needs x86-64 and /dev/shm")
+def test_a_large_embedding_updated_by_sparse_ops_is_averaged_too(digits):
+    """SGD applies an Embedding's gradient with ``scatter_sub``, which puts its variable in TensorFlow's
+    copy-on-read mode: a round that writes the average into the variables' memory must still reach it."""
+    x, y = digits[0][:256], digits[1][:256]
+    tokens = (np.rint(x * 16).astype("int32") + 17 * np.arange(64, dtype="int32"))  # a token per pixel and value
+    b = 16
+    local, remote = _embedding(6), _embedding(6)
+    remote.set_weights(local.get_weights())
+    idx = interleave_batches(np.arange(len(x)), 2, b)
+    local.fit(tokens[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
+    job = nbdist.train(remote, tokens, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False)
+    assert [job.reports[r]["summed_by"] for r in range(2)] == ["shared-chunked"] * 2
+    assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5
