@@ -7,7 +7,7 @@ optimizer's state (slots, step counters, loss scale, EMA, accumulators) beside i
 arrays, so a checkpoint or a restart can replace them; lookup vocabularies travel as the
 layers' own assets. A worker unpickles the model only after the connection has been
 authenticated (see wire/protocol.py). What comes back from rank 0 is the same state in the
-same order (``state_values``), applied to the notebook's model all at once or not at all
+same order (worker/callbacks.py ``weights_and_optimizer``), applied to the notebook's model all at once or not at all
 (``apply_state``).
 """
 from __future__ import annotations
@@ -247,12 +247,6 @@ def model_from_spec(spec: ModelSpec, *, weights: bool = True) -> Any:
     if spec.iterations:  # Adam's bias correction and learning-rate schedules continue, not restart
         step_counter(model.optimizer).assign(int(spec.iterations))
     return model
-
-
-def state_values(model: Any) -> tuple[list[np.ndarray], list[np.ndarray], list[list[int]]]:
-    """A worker's trained state as it goes back: weights, every optimizer's state, the layout."""
-    return ([np.asarray(w.numpy()) for w in model.weights],
-            [np.asarray(v.numpy()) for v in optimizer_state_variables(model)], optimizer_layout(model))
 
 
 def set_values(variables: list[Any], values: list[np.ndarray], what: str) -> None:

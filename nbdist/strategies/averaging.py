@@ -80,12 +80,12 @@ class FlatBuffer:
     def parts(self, scale: float) -> list[np.ndarray]:
         """Each variable times ``scale``, flat (compiled only): the buffer's parts, not copied into it."""
         assert self._read is not None
-        return [_view(t) for t in self._read(_scalar(scale))]
+        return [view_of(t) for t in self._read(_scalar(scale))]
 
     def gather(self, scale: float = 1.0) -> np.ndarray:
         if self._read is not None:
             for part, a, b in zip(self._read(_scalar(scale)), self.offsets[:-1], self.offsets[1:]):
-                np.copyto(self.buffer[a:b], _view(part))
+                np.copyto(self.buffer[a:b], view_of(part))
             return self.buffer
         for v, a, b in zip(self.variables, self.offsets[:-1], self.offsets[1:]):
             np.multiply(np.asarray(v.numpy(), dtype=np.float32).reshape(-1), scale, out=self.buffer[a:b])
@@ -102,7 +102,7 @@ class FlatBuffer:
             v.assign(np.divide(self.buffer[a:b], np.float32(total)).reshape(shape))
 
 
-def _view(tensor: Any) -> np.ndarray:
+def view_of(tensor: Any) -> np.ndarray:
     """A NumPy view of an eager tensor's memory: ``numpy()`` copies it (300 MB a round, seconds on a loaded
     core). Read only, and only while the tensor lives (the view holds it)."""
     return tensor._numpy()
@@ -131,8 +131,8 @@ def variable_views(variables: Sequence[Any]) -> list[tuple[np.ndarray, bool]] | 
         tensor = v.value()
         if not tensor.device.endswith("CPU:0"):  # a GPU's memory: _numpy() would be a copy
             return None
-        view = _view(tensor)
-        own = view.size == 0 or _address(view) == _address(_view(v.value()))
+        view = view_of(tensor)
+        own = view.size == 0 or _address(view) == _address(view_of(v.value()))
         out.append((view.reshape(-1), own))
     return out
 

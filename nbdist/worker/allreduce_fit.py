@@ -111,7 +111,8 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     stats = WeightedAverager(collective, non_trainable, compiled=not host) if non_trainable else None
 
     phases = EpochPhases(reducer) if phase_times_enabled() else None
-    shipper = WeightShipper(link.send, model, bool(job.train.weights_every_epoch)) if rank == 0 else None
+    shipper = (WeightShipper(link.send, model, bool(train.weights_every_epoch), int(train.epochs))
+               if rank == 0 else None)
     link.on_stop = shipper.on_stop if shipper is not None else None
     ship = shipper
     if phases is not None:

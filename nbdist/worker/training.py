@@ -114,7 +114,8 @@ def run_training(link: Any, job: JobMessage) -> None:
         sizes = feed.sizes if feed else None
 
         phases = EpochPhases(averager) if phase_times_enabled() else None
-        shipper = WeightShipper(link.send, model, bool(job.train.weights_every_epoch)) if rank == 0 else None
+        shipper = (WeightShipper(link.send, model, bool(train.weights_every_epoch), int(train.epochs))
+                   if rank == 0 else None)
         link.on_stop = shipper.on_stop if shipper is not None else None
         ship = shipper
         if phases is not None:
