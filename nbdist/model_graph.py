@@ -108,8 +108,47 @@ def dump_graph(model: Any, values_apart: cabc.Iterable[Any] = ()) -> bytes:
     pickler = _GraphPickler(buf, protocol=5)
     pickler.apart = {id(v) for v in values_apart}
     pickler.var_keys = _var_keys(model)
-    pickler.dump(model)
+    _deep(lambda: pickler.dump(model), levels=_PICKLE_LEVELS_PER_LAYER * len(model._flatten_layers()))
     return buf.getvalue()
+
+
+# Pickling recurses through the layer graph (a layer, its nodes, the layers before it, ...): about 20
+# levels per layer. Python's default limit of 1000 stops at ~50 layers deep; MobileNetV2 needs 2,000,
+# DenseNet121 8,000.
+_PICKLE_LEVELS_PER_LAYER = 40
+_DEEP_STACK_BYTES = 512 * 2**20  # address space reserved for the pickling thread; only what it touches is used
+
+
+def _deep(work: cabc.Callable[[], Any], levels: int) -> Any:
+    """``work()`` with room for ``levels`` of recursion: in a thread whose C stack is large enough for them
+    (the interpreter's own can be 8 MB), with the recursion limit raised while it runs."""
+    import threading
+
+    if levels + 1000 <= sys.getrecursionlimit():
+        return work()
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = work()
+        except BaseException as exc:  # re-raised in the caller's thread
+            result["error"] = exc
+
+    old_limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(levels + 1000)  # per interpreter: restored when the thread ends
+    try:
+        old_stack = threading.stack_size(_DEEP_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="nbdist-deep-pickle", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(old_stack)
+        thread.join()
+    finally:
+        sys.setrecursionlimit(old_limit)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def load_graph(data: bytes) -> Any:
