@@ -101,7 +101,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         reducer.schedule(batch_sizes(samples, batch_size), totals)
     wrap = {"jax": wrap_jax_optimizer, "torch": wrap_torch_optimizer}.get(backend, wrap_optimizer)
     original_apply = wrap(model.optimizer, reducer)
-    if collective.world_size > 1 and not host:  # masked losses normalised by the global batch's valid entries
+    if collective.world_size > 1:  # masked losses normalised by the global batch's valid entries
         from .global_mask import GlobalMaskNormaliser
 
         normaliser = GlobalMaskNormaliser(collective)
