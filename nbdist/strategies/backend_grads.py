@@ -135,14 +135,17 @@ class TorchNcclSum:
     group on the same store (``new_group``): Gloo keeps the small sums (rows, metrics, masks, averaging).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cuda", backend: str = "nccl") -> None:
+        """``device`` and ``backend`` are the GPU's and NCCL's; only a unit test, with no GPU here, stands the
+        CPU and Gloo in for them."""
         import torch
         import torch.distributed as dist
 
-        torch.cuda.set_device(0)
+        if device == "cuda":
+            torch.cuda.set_device(0)
         self._torch, self._dist = torch, dist
-        self.device = torch.device("cuda", 0)
-        self.group = dist.new_group(backend="nccl")  # every worker calls it: each chose NCCL from the same flags
+        self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
+        self.group = dist.new_group(backend=backend)  # every worker calls it: each chose NCCL from the same flags
 
     def zeros(self, shapes: Sequence[tuple[int, ...]], present: Sequence[bool]) -> list[Any]:
         """A pad step's gradients: zeros on the device (None where no gradient comes)."""
