@@ -8,6 +8,7 @@ they select have never run (see strategies/allreduce.py).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import NbdistError
@@ -128,6 +129,33 @@ def choose_engine(requested: str | None, has_gpu: bool, horovod_error: str | Non
     if requested == "horovod" and horovod_error is not None:
         return default, (f"--engine horovod: Horovod cannot be imported on this worker ({horovod_error}), "
                          f"so nbdist uses its default engine, {default}.")
+    return requested, None
+
+
+def choose_torch_engine(requested: str | None, gpus: Sequence[bool]) -> tuple[str, str | None]:
+    """Resolve ``--engine`` under allreduce on Keras' torch backend: (engine to use, warning sentence or None).
+
+    ``gpus``: whether each worker, by rank, sees a GPU (summed over the workers first, so every worker
+    makes the same choice: an NCCL group needs all of them). NCCL when every worker has one, else Gloo;
+    ``--engine nccl`` with a worker lacking one is refused with the fix. Horovod is not driven on torch
+    (README, "Keras backends"): said once, and the default engine sums.
+    """
+    every = bool(gpus) and all(gpus)
+    default = "nccl" if every else "gloo"
+    if requested is None:
+        return default, None
+    if requested not in ENGINES:
+        raise NbdistError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}.")
+    if requested == "nccl" and not every:
+        lacking = [str(rank) for rank, gpu in enumerate(gpus) if not gpu]
+        which = f"worker {lacking[0]} has" if len(lacking) == 1 else f"workers {', '.join(lacking)} have"
+        raise NbdistError(f"--engine nccl needs a GPU on every worker and {which} none; "
+                          "use --engine gloo (the default when a worker has no GPU).")
+    if requested == "horovod":
+        return default, ("--engine horovod is not available on Keras' torch backend: Horovod 0.28.1's PyTorch "
+                         "extension does not build against torch 2.13 as released (it compiles as C++14 and "
+                         "torch's headers need C++17), and nbdist does not drive it there; the gradients are "
+                         f"summed over {'NCCL' if every else 'Gloo'}.")
     return requested, None
 
 

@@ -199,16 +199,17 @@ class GradientAllreduce:
         # Called at a pad step before its exchange: joins the sums other workers run inside their step
         # (worker/global_mask.py).
         self.before_pad: Callable[[], None] | None = None
-        self._weight_var = None
-        self._engine_impl: Any = None
-        if engine == "nccl":
-            self._engine_impl = _NcclEngine()
-        elif engine == "horovod":
-            self._engine_impl = _HorovodEngine()
-        if engine != "gloo":
-            import tensorflow as tf
+        self._engine_impl, self._weight_var = self._open_engine(engine)
 
-            self._weight_var = tf.Variable(0.0, trainable=False, dtype=tf.float32, name="nbdist_batch_samples")
+    def _open_engine(self, engine: str) -> tuple[Any, Any]:
+        """TensorFlow's NCCL or Horovod engine and the variable that carries the step's samples into it
+        (Gloo: neither; it sums through the exchanges below)."""
+        if engine == "gloo":
+            return None, None
+        import tensorflow as tf
+
+        impl = _NcclEngine() if engine == "nccl" else _HorovodEngine()
+        return impl, tf.Variable(0.0, trainable=False, dtype=tf.float32, name="nbdist_batch_samples")
 
     def _check_present(self, grads: list[Any]) -> None:
         """Every step must carry gradients for the same variables, one per trainable variable."""

@@ -5,7 +5,8 @@ TensorFlow's train step hands its gradients to ``GradientAllreduce.reduce`` as g
 them (shared memory, one round of messages, or the ring), weighted by each worker's rows:
 
 - torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
-  ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between.
+  ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between. When every
+  worker has a GPU they are summed there instead, over NCCL (``TorchNcclSum``, NOT VERIFIED ON A GPU).
 - JAX: the train step is one jitted, stateless function that ends in ``optimizer.stateless_apply``.
   The wrapped ``stateless_apply`` sums the gradients through an ordered ``io_callback``: a host call
   inside the compiled step, so the step stays jitted (measured against JAX's own CPU collectives,
@@ -22,6 +23,7 @@ between steps, and re-reads them after such a sync.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,8 +33,8 @@ import numpy as np
 from .allreduce import GradientAllreduce
 from .averaging import synced_state
 
-__all__ = ["HostGradientAllreduce", "SelfDistributionGuard", "synced_state", "wrap_jax_optimizer",
-           "wrap_torch_optimizer"]
+__all__ = ["HostGradientAllreduce", "SelfDistributionGuard", "TorchNcclSum", "synced_state", "worker_gpus",
+           "wrap_jax_optimizer", "wrap_torch_optimizer"]
 
 
 class SelfDistributionGuard(keras.callbacks.Callback):
@@ -61,49 +63,133 @@ def refuse_self_distribution(model: Any) -> None:
 
 
 class HostGradientAllreduce(GradientAllreduce):
-    """``GradientAllreduce`` for gradients that arrive as numpy arrays (JAX's host call, torch's ``.grad``)."""
+    """``GradientAllreduce`` for gradients that arrive as numpy arrays (JAX's host call, torch's ``.grad``), or,
+    on torch with engine ``nccl``, as tensors on the GPU, summed there (``TorchNcclSum``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, loss_scaling=False, **kwargs)
         self.prescaled = False  # scaled by rows while copied into the bucket (``exchange``)
         self._queued: collections.deque[tuple[float, float | None]] = collections.deque()
 
+    def _open_engine(self, engine: str) -> tuple[Any, Any]:
+        if engine == "gloo":
+            return None, None
+        if engine == "nccl" and keras.backend.backend() == "torch":
+            return TorchNcclSum(), None
+        raise ValueError(f"engine {engine!r} is not wired on Keras' {keras.backend.backend()} backend")
+
     def set_weight(self, samples: float, total: float | None = None) -> None:
         self._queued.append((float(samples), None if total is None else float(total)))
 
-    def reduce_arrays(self, grads: Sequence[np.ndarray | None]) -> list[np.ndarray | None]:
-        """The step's gradients summed over the workers, each weighted by its rows (None stays None)."""
+    def _take_weight(self) -> None:
+        """This step's (rows, total rows), queued by ``set_weight`` (JAX may run a step's host call late)."""
         if not self._queued:
             raise RuntimeError("an allreduce step ran without its rows set (set_weight)")
         self.weight, self.total = self._queued.popleft()
+
+    def reduce_arrays(self, grads: Sequence[np.ndarray | None]) -> list[np.ndarray | None]:
+        """The step's gradients summed over the workers, each weighted by its rows (None stays None)."""
+        self._take_weight()
         self._check_present(list(grads))
         dense = [np.zeros(s, np.float32) if g is None else np.asarray(g, dtype=np.float32)
                  for g, s in zip(grads, self.shapes)]
         out = self.exchange(*dense)
         return [None if g is None else o for g, o in zip(grads, out)]
 
+    def reduce_torch(self, grads: Sequence[Any]) -> list[Any]:
+        """torch's gradients summed, each weighted by its worker's rows: on the GPU over NCCL, else through the
+        numpy exchange (a copy to the host and back; none on a CPU, where the tensor shares the array)."""
+        import torch
+
+        if self._engine_impl is not None:
+            self._take_weight()
+            self._check_present(list(grads))
+            return self._engine_impl.reduce(self, list(grads))
+        arrays = [None if g is None else g.detach().to("cpu", torch.float32).numpy() for g in grads]
+        summed = self.reduce_arrays(arrays)
+        return [None if g is None else torch.from_numpy(s).to(device=g.device, dtype=g.dtype)
+                for g, s in zip(grads, summed)]
+
     def pad_step(self, apply: Callable[[list[Any]], Any], total: float | None = None) -> None:
         """One step with no rows of ours: zeros into the sum, the summed gradients applied (eagerly)."""
         import keras
 
         self.set_weight(0.0, total)
+        if self.before_pad is not None:  # the sums the other workers run inside this step (worker/global_mask.py)
+            self.before_pad()
         present = self._present or [True] * len(self.shapes)
+        if self._engine_impl is not None:  # NCCL: the zeros are made on the GPU
+            apply(self.reduce_torch(self._engine_impl.zeros(self.shapes, present)))
+            return
         summed = self.reduce_arrays([np.zeros(s, np.float32) if p else None for s, p in zip(self.shapes, present)])
         apply([None if g is None else keras.ops.convert_to_tensor(np.array(g)) for g in summed])
 
 
-def wrap_torch_optimizer(optimizer: Any, reducer: HostGradientAllreduce) -> Callable[..., Any]:
-    """Make ``optimizer.apply`` sum the gradients first (between ``backward`` and the update); return the original."""
+class TorchNcclSum:
+    """NCCL on Keras' torch backend: the step's gradients summed on the GPU. NOT VERIFIED ON A GPU: written
+    without one (there is none here), to the shape of ``_NcclEngine`` (allreduce.py), TensorFlow's.
+
+    Chosen only when every worker sees a GPU (``placement.choose_torch_engine``). A worker sees exactly one
+    (CUDA_VISIBLE_DEVICES per worker, from its rank or its Spark task's resources), so it is device 0, where
+    Keras' torch backend keeps the variables and their ``.grad``. The NCCL group is made beside nbdist's Gloo
+    group on the same store (``new_group``): Gloo keeps the small sums (rows, metrics, masks, averaging).
+    """
+
+    def __init__(self, device: str = "cuda", backend: str = "nccl") -> None:
+        """``device`` and ``backend`` are the GPU's and NCCL's; only a unit test, with no GPU here, stands the
+        CPU and Gloo in for them."""
+        import torch
+        import torch.distributed as dist
+
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        self._torch, self._dist = torch, dist
+        self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
+        self.group = dist.new_group(backend=backend)  # every worker calls it: each chose NCCL from the same flags
+
+    def zeros(self, shapes: Sequence[tuple[int, ...]], present: Sequence[bool]) -> list[Any]:
+        """A pad step's gradients: zeros on the device (None where no gradient comes)."""
+        return [self._torch.zeros(s, dtype=self._torch.float32, device=self.device) if p else None
+                for s, p in zip(shapes, present)]
+
+    def reduce(self, owner: HostGradientAllreduce, grads: list[Any]) -> list[Any]:
+        """sum_w (n_w / total) g_w in one flat NCCL allreduce, with n_w in its last slot (the summed rows check
+        that every worker agreed on the step's total, as the Gloo exchange checks)."""
+        torch = self._torch
+        t0 = time.perf_counter()
+        n, total = owner.weight, owner._check_total()
+        with torch.no_grad():
+            parts = [torch.zeros(size, dtype=torch.float32, device=self.device) if g is None
+                     else g.detach().reshape(-1).to(self.device, torch.float32) * (n / total)
+                     for g, size in zip(grads, owner.sizes)]
+            flat = torch.cat(parts + [torch.tensor([n], dtype=torch.float32, device=self.device)])
+            self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
+            summed = float(flat[-1])  # waits for the sum on the device
+            if summed != total:
+                raise RuntimeError(f"workers disagree on this step's samples: {summed:g} summed, {total:g} expected")
+            out = torch.split(flat[:-1], owner.sizes)
+        owner.seconds += time.perf_counter() - t0
+        owner.steps += 1
+        return [None if g is None else o.view(g.shape).to(g.dtype) for g, o in zip(grads, out)]
+
+
+def worker_gpus(collective: Any) -> list[bool]:
+    """Whether each worker, by rank, sees a GPU: one tiny sum, so that every worker makes the same engine
+    choice from the same flags (``placement.choose_torch_engine``)."""
     import torch
 
+    flags = np.zeros(collective.world_size, dtype=np.float64)
+    flags[collective.rank] = float(torch.cuda.is_available())
+    collective.allreduce_sum(flags)
+    return [bool(f) for f in flags]
+
+
+def wrap_torch_optimizer(optimizer: Any, reducer: HostGradientAllreduce) -> Callable[..., Any]:
+    """Make ``optimizer.apply`` sum the gradients first (between ``backward`` and the update); return the original."""
     original = optimizer.apply
 
     def apply(grads: Sequence[Any], trainable_variables: Any = None) -> Any:
-        arrays = [None if g is None else g.detach().to("cpu", torch.float32).numpy() for g in grads]
-        summed = reducer.reduce_arrays(arrays)
-        grads = [None if g is None else torch.from_numpy(s).to(device=g.device, dtype=g.dtype)
-                 for g, s in zip(grads, summed)]
-        return original(grads, trainable_variables)
+        return original(reducer.reduce_torch(grads), trainable_variables)
 
     optimizer.apply = apply  # an instance attribute: Keras' train step and apply_gradients look it up on self
     return original

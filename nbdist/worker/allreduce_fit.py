@@ -9,34 +9,36 @@ from ..wire.messages import JobMessage, MessageType
 log = logging.getLogger("nbdist.worker")
 
 
-def host_engine(requested: str | None, backend: str) -> tuple[str, str | None]:
-    """The engine on Keras' JAX or torch backend: Gloo, the only one wired there (backend_grads.py); any
-    other request is said once in a warning sentence, and the run goes on over Gloo."""
+def jax_engine(requested: str | None) -> tuple[str, str | None]:
+    """The engine on Keras' JAX backend: Gloo. Its gradients leave the jitted step through a host call
+    (backend_grads.py), so they are in host memory already, where nbdist's exchange sums them; summing
+    on the device would take JAX's own collectives, which need ``jax.distributed``'s rendezvous beside
+    nbdist's. Any other request is said once in a warning sentence, and the run goes on over Gloo."""
     if requested in (None, "gloo"):
         return "gloo", None
-    return "gloo", unavailable_engine(requested, backend)
-
-
-def unavailable_engine(requested: str, backend: str) -> str:
-    """Why ``--engine requested`` does not run on Keras' JAX or torch backend, in one sentence."""
     if requested == "horovod":
-        why = ("Horovod 0.28.1, its last release, has no JAX support" if backend == "jax" else
-               "Horovod 0.28.1's PyTorch extension does not build against torch 2.13 as released (it compiles as "
-               "C++14 and torch's headers need C++17), and nbdist does not drive it there")
-        return f"--engine horovod is not available on Keras' {backend} backend: {why}; the gradients are summed " \
-               "over Gloo."
-    return (f"--engine {requested} is not available on Keras' {backend} backend (only Gloo is wired there, and it "
-            "has not run on a GPU); the gradients are summed over Gloo.")
+        why = "Horovod 0.28.1, its last release, has no JAX support"
+    else:
+        why = ("the gradients leave the jitted step through a host call, already in host memory, and a sum on the "
+               "GPU would take JAX's own collectives, which need jax.distributed's rendezvous beside nbdist's")
+    return "gloo", f"--engine {requested} is not available on Keras' jax backend: {why}; the gradients are summed " \
+        "over Gloo."
 
 
-def resolve_engine(requested: str | None) -> tuple[str, str | None]:
+def resolve_engine(requested: str | None, collective: Any) -> tuple[str, str | None]:
     import keras
 
-    from ..placement import choose_engine, horovod_import_error
+    from ..placement import choose_engine, choose_torch_engine, horovod_import_error
 
     backend = keras.backend.backend()
-    if backend != "tensorflow":
-        return host_engine(requested, backend)
+    if backend == "jax":
+        return jax_engine(requested)
+    if backend == "torch":
+        if collective.world_size == 1:  # nothing crosses, so no NCCL group to make: Gloo's path, a no-op sum
+            return choose_torch_engine("horovod" if requested == "horovod" else None, [False])
+        from ..strategies.backend_grads import worker_gpus
+
+        return choose_torch_engine(requested, worker_gpus(collective))
     import tensorflow as tf
 
     has_gpu = bool(tf.config.list_physical_devices("GPU"))
@@ -68,7 +70,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     from .pydatasets import ShareAllreduceCallback, job_feed
 
     rank, train = job.rank, job.train
-    engine, warning = resolve_engine(train.engine)
+    engine, warning = resolve_engine(train.engine, collective)
     if warning:
         log.warning("%s", warning)
         link.send({"type": MessageType.WARNING, "message": warning})
@@ -101,7 +103,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         reducer.schedule(batch_sizes(samples, batch_size), totals)
     wrap = {"jax": wrap_jax_optimizer, "torch": wrap_torch_optimizer}.get(backend, wrap_optimizer)
     original_apply = wrap(model.optimizer, reducer)
-    if collective.world_size > 1 and not host:  # masked losses normalised by the global batch's valid entries
+    if collective.world_size > 1:  # masked losses normalised by the global batch's valid entries
         from .global_mask import GlobalMaskNormaliser
 
         normaliser = GlobalMaskNormaliser(collective)

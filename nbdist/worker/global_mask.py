@@ -10,7 +10,8 @@ numbers of valid entries.
 Here the weight becomes ``total / valid`` of the GLOBAL batch (both summed over the workers inside
 the train step, one tiny sum per masked loss): the worker's loss is then ``(N / n_w) * S_w / V``, and
 weighted by n_w / N, as gradients, logged losses and averaged weights are, the workers' shares add
-up to ``S / V``, the local step's. Only training steps change (validation keeps Keras' own
+up to ``S / V``, the local step's. The same on Keras' three backends, each summing where its step runs
+(``global_weight``). Only training steps change (validation keeps Keras' own
 normalisation per batch); unmasked losses and the ``sum``/``none`` reductions are untouched.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _patch_keras_once() -> None:
                 or reduction not in ("mean", "sum_over_batch_size")):
             return original(sample_weight, mask, dtype, reduction)
         weights = original(sample_weight, mask, dtype, "sum")  # sample weight x 0/1 mask
-        return weights * normaliser.global_weight(mask, weights.dtype)
+        return weights * normaliser.global_weight(mask, dtype)
 
     apply_mask.nbdist_original = original  # type: ignore[attr-defined]
     loss_module.apply_mask = apply_mask
@@ -63,10 +64,11 @@ class GlobalMaskNormaliser:
         _active = self
         original_step = model.train_step
 
-        def train_step(data: Any) -> Any:
+        # Any signature: TensorFlow's and torch's ``train_step(data)``, JAX's stateless ``train_step(state, data)``.
+        def train_step(*args: Any, **kwargs: Any) -> Any:
             self.tracing, self._calls, self._last = True, 0, None
             try:
-                return original_step(data)
+                return original_step(*args, **kwargs)
             finally:
                 self.tracing = False
                 self.calls_per_step = self._calls
@@ -74,7 +76,22 @@ class GlobalMaskNormaliser:
         model.train_step = train_step  # an instance attribute: Keras' train function calls self.train_step
 
     def global_weight(self, mask: Any, dtype: Any) -> Any:
-        """``total / valid`` of the global batch (0 where nothing is valid), a tensor of ``dtype``."""
+        """``total / valid`` of the global batch (0 where nothing is valid), a tensor of ``dtype``.
+
+        Each backend sums the counts where its step runs: TensorFlow in a graph op, JAX in an ordered host
+        call inside the jitted step (ordered with the gradients' own, so every worker runs the same sums in
+        the same order), torch eagerly."""
+        import keras
+
+        self._calls += 1
+        backend = keras.backend.backend()
+        if backend == "tensorflow":
+            return self._tensorflow_weight(mask, dtype)
+        if backend == "jax":
+            return self._jax_weight(mask, dtype)
+        return self._eager_weight(mask, dtype)
+
+    def _tensorflow_weight(self, mask: Any, dtype: Any) -> Any:
         import tensorflow as tf
 
         local = tf.stack([tf.reduce_sum(tf.cast(mask, tf.float64)), tf.cast(tf.size(mask), tf.float64)])
@@ -84,9 +101,37 @@ class GlobalMaskNormaliser:
                                        name="nbdist_global_mask_counts")
         summed.set_shape([2])
         self._last = summed
-        self._calls += 1
         valid, total = summed[0], summed[1]
         return tf.cast(tf.math.divide_no_nan(total, valid), dtype)
+
+    def _jax_weight(self, mask: Any, dtype: Any) -> Any:
+        import jax
+        import jax.numpy as jnp
+        from jax.experimental import io_callback
+
+        # Counts, not a function of the weights: no gradient flows into the host call. float32 counts
+        # are exact up to 2**24 entries per global batch (JAX has no float64 unless x64 is enabled).
+        ones = jax.lax.stop_gradient(jnp.asarray(mask).astype(jnp.float32))
+        local = jnp.stack([jnp.sum(ones), jnp.float32(ones.size)])
+        summed = io_callback(lambda counts: self.sum_counts(counts).astype(np.float32),
+                             jax.ShapeDtypeStruct((2,), jnp.float32), local, ordered=True)
+        return self._divide(summed[0], summed[1], dtype)
+
+    def _eager_weight(self, mask: Any, dtype: Any) -> Any:
+        import keras
+
+        ones = keras.ops.cast(mask, "float32")
+        local = np.array([float(keras.ops.convert_to_numpy(keras.ops.sum(ones))), float(np.prod(ones.shape))])
+        valid, total = self.sum_counts(local)
+        return self._divide(keras.ops.convert_to_tensor(np.float32(valid)),
+                            keras.ops.convert_to_tensor(np.float32(total)), dtype)
+
+    @staticmethod
+    def _divide(valid: Any, total: Any, dtype: Any) -> Any:
+        """As Keras' ``apply_mask`` divides (in ``dtype``), so one worker equals the local step bit for bit."""
+        import keras
+
+        return keras.ops.divide_no_nan(keras.ops.cast(total, dtype), keras.ops.cast(valid, dtype))
 
     def sum_counts(self, local: np.ndarray) -> np.ndarray:
         counts = np.array(local, dtype=np.float64)

@@ -132,7 +132,7 @@ def run_training(link: Any, job: JobMessage) -> None:
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch
             averaging = AveragingCallback(averager, int(train.averaging_frequency), samples,
                                           batch_size, int(train.rounds_per_epoch), sizes=sizes)
-            if int(train.averaging_frequency) == 1 and on_tf:  # every step one round: masked losses as one local step
+            if int(train.averaging_frequency) == 1:  # every step one round: masked losses as one local step
                 from .global_mask import GlobalMaskNormaliser
 
                 normaliser = GlobalMaskNormaliser(collective)

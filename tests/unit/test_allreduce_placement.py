@@ -65,16 +65,39 @@ def test_config_engine_and_strategy():
         TrainConfig(strategy="averaging", engine="gloo")
 
 
-@pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_engine_on_jax_and_torch_is_gloo_and_any_other_request_is_one_sentence(backend):
-    """Issue 25: only Gloo is wired on these backends (no GPU here, NCCL on torch is not built); --engine
-    nccl or horovod is said once and the run goes on over Gloo, never silently."""
-    from nbdist.worker.allreduce_fit import host_engine
+def test_engine_on_jax_is_gloo_and_any_other_request_is_one_sentence_saying_why():
+    """Issue 25: JAX's gradients leave its jitted step through a host call, so only Gloo is wired there;
+    --engine nccl or horovod is said once, with the reason, and the run goes on over Gloo, never silently."""
+    from nbdist.worker.allreduce_fit import jax_engine
 
-    assert host_engine(None, backend) == ("gloo", None)
-    assert host_engine("gloo", backend) == ("gloo", None)
+    assert jax_engine(None) == ("gloo", None)
+    assert jax_engine("gloo") == ("gloo", None)
     for requested in ("nccl", "horovod"):
-        engine, warning = host_engine(requested, backend)
-        assert engine == "gloo" and warning.startswith(f"--engine {requested} is not available on Keras' {backend}")
+        engine, warning = jax_engine(requested)
+        assert engine == "gloo" and warning.startswith(f"--engine {requested} is not available on Keras' jax backend")
         assert warning.endswith("the gradients are summed over Gloo.") and warning.count(". ") == 0
-    assert "C++17" in host_engine("horovod", "torch")[1] and "no JAX support" in host_engine("horovod", "jax")[1]
+    assert "host call" in jax_engine("nccl")[1] and "no JAX support" in jax_engine("horovod")[1]
+
+
+def test_engine_on_torch_is_nccl_when_every_worker_has_a_gpu():
+    """Issue 25, torch backend: allreduce picks NCCL when every worker sees a GPU, Gloo when one lacks one;
+    --engine nccl then is one sentence naming the worker; Horovod is said once and the default sums. The
+    flags stand for what each worker's torch.cuda reports (no GPU here: NCCL itself has not run)."""
+    from nbdist.placement import choose_torch_engine
+
+    assert choose_torch_engine(None, [True, True]) == ("nccl", None)
+    assert choose_torch_engine(None, [True, False]) == ("gloo", None)
+    assert choose_torch_engine(None, [False, False]) == ("gloo", None)
+    assert choose_torch_engine("nccl", [True, True, True]) == ("nccl", None)
+    assert choose_torch_engine("gloo", [True, True]) == ("gloo", None)  # asked for: the host path, on GPUs too
+    with pytest.raises(NbdistError, match=r"^--engine nccl needs a GPU on every worker and worker 1 has none; "
+                                          r"use --engine gloo \(the default when a worker has no GPU\)\.$"):
+        choose_torch_engine("nccl", [True, False])
+    with pytest.raises(NbdistError, match="and workers 0, 2 have none"):
+        choose_torch_engine("nccl", [False, True, False])
+    for gpus, summed_by in (([True, True], "NCCL"), ([False, True], "Gloo")):
+        engine, warning = choose_torch_engine("horovod", gpus)
+        assert engine == summed_by.lower() and warning.startswith("--engine horovod is not available on Keras' torch")
+        assert "C++17" in warning and warning.endswith(f"summed over {summed_by}.") and warning.count(". ") == 0
+    with pytest.raises(NbdistError, match="unknown engine"):
+        choose_torch_engine("mpi", [True, True])

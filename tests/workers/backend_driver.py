@@ -175,6 +175,44 @@ def own_step() -> keras.Model:
     return model
 
 
+SEQ, VOCAB = 10, 40
+
+
+def masked_sequences() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Padded sequences of random lengths: each worker's half of a global batch holds its own number of
+    valid timesteps, so normalising by a half's valid entries differs from the global batch's."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, VOCAB, (ROWS // 2, SEQ))
+    ids[np.arange(SEQ)[None, :] >= rng.integers(1, SEQ + 1, ROWS // 2)[:, None]] = 0  # mask_zero's padding
+    floats = rng.normal(size=(ROWS // 2, SEQ, 3)).astype("float32")
+    floats[np.arange(SEQ)[None, :] >= rng.integers(1, SEQ + 1, ROWS // 2)[:, None]] = 0.0  # Masking's padding
+    x = {"ids": ids.astype("int32"), "fl": floats}
+    y = {"seq": (ids % 3).astype("int32"), "mk": rng.normal(size=(ROWS // 2, SEQ, 1)).astype("float32")}
+    return x, y
+
+
+def masked_model() -> keras.Model:
+    """Two masked losses per step (Embedding(mask_zero=True), then Masking): two sums per step, in order."""
+    ids, fl = keras.Input((SEQ,), dtype="int32", name="ids"), keras.Input((SEQ, 3), name="fl")
+    embedded = keras.layers.Embedding(VOCAB, 6, mask_zero=True,
+                                      embeddings_initializer=keras.initializers.RandomUniform(seed=8))(ids)
+    seq = keras.layers.Dense(3, activation="softmax", name="seq", **seeded(9))(embedded)
+    mk = keras.layers.Dense(1, name="mk", **seeded(10))(keras.layers.Masking(0.0)(fl))
+    model = keras.Model({"ids": ids, "fl": fl}, {"seq": seq, "mk": mk})
+    model.compile(keras.optimizers.Adam(0.01), loss={"seq": "sparse_categorical_crossentropy", "mk": "mse"})
+    return model
+
+
+def masked() -> dict[str, object]:
+    """A masked loss under allreduce is normalised by the valid entries of the global batch, as the local step's."""
+    x, y = masked_sequences()
+    local, remote = masked_model(), masked_model()
+    expected = local.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+    job = nbdist.train(remote, x, y, workers=2, strategy="allreduce", batch_size=GLOBAL_BATCH // 2, epochs=EPOCHS,
+                       shuffle=False, lr_scaling="none", ui="none")
+    return {"history": job.fit_history.history, "expected": expected, "weight_gap": weight_gap(remote, local)}
+
+
 def more() -> dict[str, object]:
     from nbdist.api import prepare
     from nbdist.config import TrainConfig
@@ -274,6 +312,9 @@ def more() -> dict[str, object]:
     tensorflow["py_dataset"] = "tensorflow" in sys.modules
     out["py_dataset"] = {"history": shell.user_ns["history"].history, "expected": expected,
                          "weight_gap": weight_gap(shell.user_ns["model"], local)}
+
+    out["masked"] = masked()
+    tensorflow["masked"] = "tensorflow" in sys.modules
     out["driver_tensorflow_end"] = "tensorflow" in sys.modules
     return out
 
