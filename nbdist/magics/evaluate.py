@@ -8,6 +8,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..data import is_py_dataset
 from ..errors import NbdistError, TrainingFailed
 from .args import apply, data_arguments, lookup_pair, worker_arguments
 
@@ -86,7 +87,7 @@ class EvaluateMagics(Magics):
         from ..ui.report import EvaluationReport
 
         args, ns, out, model, (x, y) = self._inputs(self.dist_evaluate, line)
-        if y is None and not _is_spark(x):
+        if y is None and not _is_spark(x) and not is_py_dataset(x):  # a PyDataset's batches hold the labels
             raise NbdistError("--data needs features and labels to evaluate; write it as --data X,y.")
         weights = None
         if args.sample_weight is not None:
