@@ -77,6 +77,7 @@ class EvaluateMagics(Magics):
 
             %dist_evaluate model --data X_test,y_test --workers 2
             %dist_evaluate model --data test_df --features pixels --label digit
+            %dist_evaluate model --data ds      # a keras.utils.PyDataset of (x, y) batches
         """
         _run(lambda: self._evaluate(line))
 
@@ -119,6 +120,7 @@ class EvaluateMagics(Magics):
 
             %dist_predict model --data X_new --out y_pred
             %dist_predict model --data new_df --features pixels --out scored_df
+            %dist_predict model --data ds --out y_pred   # a keras.utils.PyDataset, rows in its order
 
         A Spark DataFrame gets a new DataFrame with a prediction column, computed
         lazily on the executors (rows never reach the notebook).
