@@ -431,6 +431,9 @@ class PyDatasetData:
     batches: int  # len(dataset): batches per epoch
     first_rows: int  # rows of batch 0: the driver's estimate of every batch's rows (progress only)
     class_weight: dict[int, float] | None = None
+    # Batch 0's first row, (x,), (x, y) or (x, y, sample_weight): what the driver checks the model's
+    # inputs against and builds its copy's metric variables from, without reading the dataset again.
+    first_row: tuple[Any, ...] = ()
 
     def __len__(self) -> int:
         return self.batches
@@ -454,6 +457,13 @@ def share_indices(order: np.ndarray, rank: int, world: int) -> np.ndarray:
     """Worker ``rank``'s batches of an epoch, strided: step j of all workers reads
     ``order[j*world : (j+1)*world]``, so one step consumes ``world`` consecutive batches of the epoch."""
     return order[rank::world]
+
+
+def strided_batches(shares: list[list[Any]]) -> list[Any]:
+    """The batches of one unshuffled pass in the dataset's order, from each worker's share of them in
+    its order (``share_indices``): batch i is worker ``i % world``'s batch ``i // world``."""
+    world = len(shares)
+    return [shares[i % world][i // world] for i in range(sum(len(s) for s in shares))]
 
 
 def standardize_batch(batch: Any, class_weight: dict[int, float] | None = None) -> tuple[Any, ...]:
@@ -501,7 +511,8 @@ def make_py_dataset_data(dataset: Any, what: str, class_weight: dict[Any, float]
         if not isinstance(class_weight, dict):
             class_weight_to_sample_weight(None, class_weight)  # its sentence
         table = {int(k): float(v) for k, v in class_weight.items()}
-    rows = batch_rows(standardize_batch(first, table))
+    parts = standardize_batch(first, table)
+    rows = batch_rows(parts)
     import cloudpickle
 
     try:
@@ -509,4 +520,5 @@ def make_py_dataset_data(dataset: Any, what: str, class_weight: dict[Any, float]
     except Exception as exc:
         raise NbdistError(f"{what}: the PyDataset cannot be sent to the workers ({type(exc).__name__}: {exc}); "
                           "keep arrays, file paths and plain values in it, not open files or connections.") from None
-    return PyDatasetData(payload, int(batches), rows, table)
+    first_row = tuple(map_struct(lambda a: a[:1], part) for part in parts)
+    return PyDatasetData(payload, int(batches), rows, table, first_row)

@@ -18,7 +18,18 @@ import numpy as np
 
 from ..checks import check_text_inputs, input_shape
 from ..config import TrainConfig
-from ..data import FitData, batch_bounds, check_workers, is_py_dataset, make_fit_data, unflatten
+from ..data import (
+    FitData,
+    PyDatasetData,
+    batch_bounds,
+    check_workers,
+    is_py_dataset,
+    make_fit_data,
+    make_py_dataset_data,
+    share_count,
+    strided_batches,
+    unflatten,
+)
 from ..errors import NbdistError
 from ..metrics import (
     ClassifierSpec,
@@ -102,16 +113,39 @@ class InferenceJob(Run):
     kind = "inference"
     answer = ""  # the message type that carries a worker's result
 
-    def __init__(self, model: Any, config: TrainConfig, data: FitData | SparkData,
+    def __init__(self, model: Any, config: TrainConfig, data: FitData | PyDatasetData | SparkData,
                  namespace: dict[str, Any] | None = None, listeners: list[Listener] | None = None) -> None:
         super().__init__(model, config, data, namespace, listeners)
         self.answers: dict[int, protocol.Message] = {}
+        self._py_dataset: bytes | None = None  # a PyDataset: what every worker gets, by value (_prepare)
 
     def _make_spec(self) -> ModelSpec:
         return inference_spec(self.model)
 
-    def _job_message(self, rank: int) -> JobMessage:
-        return self._common_job(rank, self.kind)
+    def _job_message(self, rank: int, **fields: Any) -> JobMessage:
+        return self._common_job(rank, self.kind, py_datasets=self._py_dataset, **fields)
+
+    def _plan_shards(self, backend: Any, world: int) -> list[tuple[int, int]] | None:
+        """A PyDataset: every worker reads whole batches of it, strided as training reads them
+        (``data.share_indices``); a worker left without one (fewer batches than workers) answers with
+        no rows. Rows per batch are known only once read: batch 0's stand in for progress."""
+        if not isinstance(self.data, PyDatasetData):
+            return super()._plan_shards(backend, world)
+        return [(0, share_count(self.data.batches, r, world) * self.data.first_rows) for r in range(world)]
+
+    def _batch_sizes(self) -> list[int]:
+        if isinstance(self.data, PyDatasetData):
+            return [self.data.first_rows] * self.world_size
+        return super()._batch_sizes()
+
+    def _shard(self, rank: int) -> FitData | None:
+        return None if isinstance(self.data, PyDatasetData) else super()._shard(rank)
+
+    def _prepare(self) -> None:
+        if isinstance(self.data, PyDatasetData):
+            import cloudpickle
+
+            self._py_dataset = cloudpickle.dumps({"inference": self.data})
 
     def _file_rows(self, rank: int) -> dict[str, Any] | None:
         """A memory-mapped .npy stays on disk for local workers: each reads its rows from the file."""
@@ -147,14 +181,16 @@ class EvaluationJob(InferenceJob):
         self.classifier = classifier
 
     def _job_message(self, rank: int) -> JobMessage:
-        return self._common_job(rank, self.kind, classifier=self.classifier.to_json() if self.classifier else None)
+        return super()._job_message(rank, classifier=self.classifier.to_json() if self.classifier else None)
 
     def _plan_shards(self, backend: Any, world: int) -> list[tuple[int, int]] | None:
         """Whole batches per worker: Keras' per-output losses under sample weights depend on where batches
         begin (measured: 2.526 with batches of 64 against 2.426 in one batch), so each worker evaluates
         batches of the local ``evaluate``'s one pass, and the merged state is the local one."""
         shards = super()._plan_shards(backend, world)
-        return None if shards is None else batch_bounds(len(self.data), self.config.batch_size, world)
+        if shards is None or isinstance(self.data, PyDatasetData):  # a PyDataset's batches are its own
+            return shards
+        return batch_bounds(len(self.data), self.config.batch_size, world)
 
     def result(self) -> dict[str, Any]:
         """Merged metrics: the compiled metrics by name, then the classifier report if there is one."""
@@ -170,6 +206,9 @@ class EvaluationJob(InferenceJob):
         if isinstance(self.data, FitData):  # the driver's copy runs Keras' evaluate on one of the rows
             first = self.data.slice(0, 1)
             build = lambda m: m.evaluate(first.x, first.y, sample_weight=first.sample_weight, verbose=0)
+        elif isinstance(self.data, PyDatasetData):  # the row the driver read of the PyDataset's batch 0
+            x1, y1, w1 = (*self.data.first_row, None)[:3]
+            build = lambda m: m.evaluate(x1, y1, sample_weight=w1, verbose=0)
         else:  # Spark: the rows are on the executors; a worker sent one label row and its prediction
             y_row, y_pred_row = answers[0].arrays[n_state], answers[0].arrays[n_state + 1]
             build = lambda m: m.compute_metrics(None, y_row, y_pred_row)
@@ -199,9 +238,23 @@ class PredictionJob(InferenceJob):
     def result(self) -> Any:
         """Every worker's rows, in input order (shards are contiguous and in rank order), shaped as
         ``model.predict`` returns them: one array, or a list or dict of arrays for several outputs."""
+        if isinstance(self.data, PyDatasetData):
+            return self._py_dataset_result()
         parts = [self.answers[r].arrays for r in range(self.world_size)]
         outputs = [np.concatenate([p[i] for p in parts], axis=0) for i in range(len(parts[0]))]
         return unflatten(self.answers[0].body.get("layout", "array"), iter(outputs))
+
+    def _py_dataset_result(self) -> Any:
+        """A PyDataset's predictions in its order: each worker's batches split by their rows, then put back
+        in the order the workers' strided shares were dealt from (``data.strided_batches``)."""
+        answers = [self.answers[r] for r in range(self.world_size)]
+        layout = next(a.body["layout"] for a in answers if a.body["rows"] > 0)
+        outputs = []
+        for i in range(len(next(a.arrays for a in answers if a.body["rows"] > 0))):
+            shares = [np.split(a.arrays[i], np.cumsum(a.body["batch_rows"])[:-1]) if a.body["rows"] > 0 else []
+                      for a in answers]
+            outputs.append(np.concatenate(strided_batches(shares), axis=0))
+        return unflatten(layout, iter(outputs))
 
 
 def keras_results(spec: ModelSpec, names: list[str], state: list[np.ndarray], build: Any) -> dict[str, Any]:
@@ -229,14 +282,12 @@ def keras_results(spec: ModelSpec, names: list[str], state: list[np.ndarray], bu
 
 # -- the API -------------------------------------------------------------------
 def _prepare(model: Any, x: Any, y: Any, sample_weight: Any, need_labels: bool, options: dict[str, Any],
-             name: str) -> tuple[TrainConfig, FitData]:
+             name: str) -> tuple[TrainConfig, FitData | PyDatasetData]:
     config = _config(options)
     check_model(model, name, need_compiled=need_labels)
     what = "evaluation data" if need_labels else "prediction data"
-    if is_py_dataset(x):
-        raise NbdistError(f"the {what} is a keras.utils.PyDataset, which nbdist trains on but does not yet "
-                          "evaluate or predict on; pass the arrays it reads from (numpy, pandas, or a dict or "
-                          "list of them).")
+    if is_py_dataset(x):  # fewer batches than workers is fine: a worker without one adds nothing
+        return config, _py_dataset(model, x, y, sample_weight, need_labels, what, name)
     if need_labels and y is None:
         raise NbdistError("evaluation needs labels; pass them as y (or --data X,y).")
     data = make_fit_data(x, y, sample_weight, what)
@@ -248,6 +299,27 @@ def _prepare(model: Any, x: Any, y: Any, sample_weight: Any, need_labels: bool, 
     if config.workers is not None:
         check_workers(len(data), config.workers, what)
     return config, data
+
+
+def _py_dataset(model: Any, dataset: Any, y: Any, sample_weight: Any, need_labels: bool, what: str,
+                name: str) -> PyDatasetData:
+    """A PyDataset as ``model.evaluate`` / ``model.predict`` take it: its batches hold the labels and weights."""
+    for arg, value in (("y", y), ("sample_weight", sample_weight)):
+        if value is not None:
+            raise NbdistError(f"the {what} is a keras.utils.PyDataset and {arg} was given too; drop {arg}: the "
+                              "PyDataset's batches hold the labels and weights, (x, y) or (x, y, sample_weight), "
+                              "as in model.evaluate(dataset).")
+    data = make_py_dataset_data(dataset, f"the {what}")
+    if need_labels and len(data.first_row) < 2:
+        raise NbdistError(f"the {what} is a PyDataset whose batches hold no labels; return (x, y) or "
+                          "(x, y, sample_weight) from its __getitem__ to evaluate on it.")
+    first_x = data.first_row[0]
+    in_shape = input_shape(model)
+    if in_shape is not None and isinstance(first_x, np.ndarray) and tuple(first_x.shape[1:]) != in_shape:
+        raise NbdistError(f"the PyDataset's batches have features of shape {tuple(first_x.shape[1:])} per row but "
+                          f"{name} expects {in_shape}; return batches shaped like the training data.")
+    check_text_inputs(model, first_x, what)
+    return data
 
 
 def _no_columns(features: Any, label: Any) -> None:
@@ -270,7 +342,9 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None,
     F1, and for a binary classifier the positive class's precision/recall/F1 and
     the exact ROC AUC). Options: workers, backend, batch_size (default 256).
     ``x`` may be a Spark DataFrame (name its columns with ``features`` and ``label``) or an
-    RDD of (features, label) pairs: each Spark task then evaluates its partition in place.
+    RDD of (features, label) pairs: each Spark task then evaluates its partition in place. ``x`` may
+    be a ``keras.utils.PyDataset`` of (x, y) or (x, y, sample_weight) batches (no ``y`` beside it):
+    each worker evaluates batches rank, rank + workers, ...; Keras' metrics only, no classifier report.
     """
     if is_spark_data(x):
         if sample_weight is not None:
@@ -279,6 +353,8 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None,
         return evaluate_spark(model, x, y, features, label, namespace, options)
     _no_columns(features, label)
     config, data = _prepare(model, x, y, sample_weight, True, dict(options), "the model")
+    if isinstance(data, PyDatasetData):  # Keras' metrics only: the labels stay in the dataset's batches
+        return EvaluationJob(model, config, data, namespace).run()
     if not isinstance(data.y, np.ndarray) or _outputs(model) != 1:  # several outputs: Keras' metrics only
         return EvaluationJob(model, config, data, namespace).run()
     loss = compiled_loss(model)
@@ -298,7 +374,8 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None,
 def predict(model: Any, x: Any, *, namespace: dict[str, Any] | None = None,
             features: str | list[str] | None = None, prediction_col: str = "prediction", **options: Any) -> Any:
     """``model.predict(x)`` sharded over workers; rows come back in input order, as ``model.predict``
-    returns them (one array, or a list or dict of arrays for a model with several outputs).
+    returns them (one array, or a list or dict of arrays for a model with several outputs). A
+    ``keras.utils.PyDataset`` is predicted batch by batch as ``model.predict(ds)`` reads it, rows in its order.
 
     For a Spark DataFrame (``features`` names its columns) it returns a new DataFrame with
     ``prediction_col`` added, computed lazily on the executors; no row visits the driver.

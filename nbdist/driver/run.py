@@ -42,12 +42,19 @@ EXIT_GRACE = 2.0
 
 Listener = Callable[[str, RunState, Any], None]
 
+# Spark aborts a failed barrier ResultStage rather than retrying it ("Could not recover from a failed barrier
+# ResultStage"), whatever spark.task.maxFailures allows; nbdist's own relaunch writes every partition afresh.
+LOST_TASK = ("was lost with its Spark task (its Python process or executor died; Spark does not retry a barrier "
+             "stage, so rerun, or pass --max-restarts N to relaunch the run from its last epoch)")
+
 
 def _describe_exit(code: int, handle: Any = None) -> str:
     """How a worker ended, in words; the out-of-memory killer named when its handle knows it was that."""
     end = getattr(handle, "end", None)
     if end is not None and end.oom_killed:
         return oom_sentence(end.peak_rss)
+    if getattr(handle, "lost", False):  # a Spark task that died without reporting (spark/backend.py)
+        return LOST_TASK
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -473,7 +480,8 @@ class Run:
             for h in self._handles:
                 code = h.exit_status()
                 # Exit code 1: that worker raised and reported its own error; it is not the cause.
-                if h.rank != rank and h.rank not in self._done and code is not None and code not in (0, 1):
+                lost = getattr(h, "lost", False)  # a lost Spark task's worker: the job's failure set its code 1
+                if h.rank != rank and h.rank not in self._done and code is not None and (code not in (0, 1) or lost):
                     return h
             if time.monotonic() >= deadline:
                 return None

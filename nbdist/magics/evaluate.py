@@ -8,6 +8,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..data import is_py_dataset
 from ..errors import NbdistError, TrainingFailed
 from .args import apply, data_arguments, lookup_pair, worker_arguments
 
@@ -76,6 +77,7 @@ class EvaluateMagics(Magics):
 
             %dist_evaluate model --data X_test,y_test --workers 2
             %dist_evaluate model --data test_df --features pixels --label digit
+            %dist_evaluate model --data ds      # a keras.utils.PyDataset of (x, y) batches
         """
         _run(lambda: self._evaluate(line))
 
@@ -86,7 +88,7 @@ class EvaluateMagics(Magics):
         from ..ui.report import EvaluationReport
 
         args, ns, out, model, (x, y) = self._inputs(self.dist_evaluate, line)
-        if y is None and not _is_spark(x):
+        if y is None and not _is_spark(x) and not is_py_dataset(x):  # a PyDataset's batches hold the labels
             raise NbdistError("--data needs features and labels to evaluate; write it as --data X,y.")
         weights = None
         if args.sample_weight is not None:
@@ -118,6 +120,7 @@ class EvaluateMagics(Magics):
 
             %dist_predict model --data X_new --out y_pred
             %dist_predict model --data new_df --features pixels --out scored_df
+            %dist_predict model --data ds --out y_pred   # a keras.utils.PyDataset, rows in its order
 
         A Spark DataFrame gets a new DataFrame with a prediction column, computed
         lazily on the executors (rows never reach the notebook).

@@ -197,13 +197,16 @@ class SparkTaskWorker:
         self.error = ""  # the task's own sentence, e.g. that it cannot reach the notebook
         self.rows: int | None = None  # the rows of its partition, as the task counted them
         self.end: ChildEnd | None = None  # its exit, peak memory and whether the OOM killer ended it
+        # Its task ended without reporting while the Spark job failed (its Python process or executor died):
+        # Spark never retries a barrier ResultStage, so the run ends here unless it relaunches (--max-restarts).
+        self.lost = False
 
     def exit_status(self) -> int | None:
         return self.code
 
     def describe(self) -> str:
         where = f", pid {self.pid} on {self.host}" if self.pid else ""
-        why = f"; its Spark job failed: {self.spark_error}" if self.spark_error else ""
+        why = f"; its Spark job failed: {self.spark_error}" if self.spark_error and not self.lost else ""
         why = f": {self.error}" if self.error else why
         return f"worker {self.rank} (Spark task {self.rank}{where}{why})"
 
@@ -315,6 +318,7 @@ class SparkBackend:
                 log.warning("Spark job %s failed: %s", self.group, self.job_error)
             for w in self.workers:
                 if w.code is None:  # the task ended without reporting: its process went with it
+                    w.lost = not self._closed.is_set()  # not cancelled by this run's own ending
                     w.spark_error = self.job_error
                     w.log = (w.log + "\n" if w.log else "") + f"Spark job failed: {self.job_error}"
                     w.code = 1

@@ -25,7 +25,7 @@ from ..data import Struct, flatten, unflatten
 from ..model_io import ModelSpec
 
 # Bump on any change to the job message's fields or their meaning.
-JOB_VERSION = 3
+JOB_VERSION = 4
 
 JOB_KINDS = ("train", "evaluate", "predict")
 # The shard came in the job's arrays / the Spark task wrote it to a file / the worker reads its rows of
@@ -155,7 +155,8 @@ class JobMessage:
     # True when the data carries labels; for data_source "task" the body says so, as no arrays come.
     has_y: bool = field(default=False)
     # A fit on keras.utils.PyDataset(s): cloudpickled {"train", "validation": data.PyDatasetData or None,
-    # "order_seed": int}; each worker reads its share of the batches (worker/pydatasets.py).
+    # "order_seed": int}; evaluation or prediction on one: {"inference": data.PyDatasetData}. Each worker
+    # reads its share of the batches (worker/pydatasets.py).
     py_datasets: bytes | None = None
     # data_source "file": {"path", "offset", "dtype", "shape"} of the features' .npy plus this worker's rows,
     # "start"/"stop" or "deal" (data.NpyFile, data.file_index); the labels travel in y as usual.

@@ -72,11 +72,13 @@ def quiet_tensorflow_import() -> None:
 
 
 if __name__ == "__main__":
-    from ..keras_backend import configured_backend
+    from ..keras_backend import configured_backend, optional_packages_hidden
 
     # KERAS_BACKEND is the notebook's (backends/command.py): a JAX or torch worker never loads TensorFlow.
     if configured_backend() == "tensorflow":
-        quiet_tensorflow_import()
+        with optional_packages_hidden("tensorflow"):  # and Keras with it: both try jax, pandas, sklearn
+            quiet_tensorflow_import()
+            import keras  # noqa: F401
     from .main import main
 
     code = main()

@@ -21,6 +21,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from ..keras_backend import OPTIONAL_AT_IMPORT
 from ..strategies.backend_grads import synced_state
 from ..wire.messages import JobMessage, MessageType
 from .validation import KeepValidationIterator, reads_whole_passes
@@ -238,6 +239,8 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
     report = closing_report(decision)
     report["keras_backend"] = keras.backend.backend()
     report["tensorflow_loaded"] = "tensorflow" in sys.modules  # never on JAX or torch (keras_backend.py)
+    # Installed packages Keras and TensorFlow would have loaded for nothing (keras_backend.OPTIONAL_AT_IMPORT).
+    report["optional_imports"] = sorted(m for m in OPTIONAL_AT_IMPORT if m in sys.modules)
     if phases is not None:
         report["phase_times"] = phases.epochs
     if shipper is not None:

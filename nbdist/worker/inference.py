@@ -87,7 +87,50 @@ def file_features(data_file: dict[str, Any], batch_size: int) -> tuple[Any, int]
 
 def predict_shard(model: Any, x: Any, batch_size: int) -> tuple[Any, list[np.ndarray]]:
     """The predictions as ``model.predict`` returns them, flattened: (their layout, the arrays)."""
-    out = model.predict(x, verbose=0, **_sized(x, batch_size))
+    return _flat_predictions(model.predict(x, verbose=0, **_sized(x, batch_size)))
+
+
+def py_dataset_share(job: JobMessage) -> Any:
+    """This worker's share of a notebook's PyDataset (batches rank, rank + world, ... in order), read by
+    the training path's reader of validation shares (worker/pydatasets.py); None for other data."""
+    if job.py_datasets is None:
+        return None
+    import cloudpickle  # only reached on an authenticated channel
+
+    from .pydatasets import ValidationShare
+
+    data = cloudpickle.loads(job.py_datasets)["inference"]
+    return ValidationShare(data, cloudpickle.loads(data.payload), job.rank, job.world_size)
+
+
+def _run_share(link: Any, job: JobMessage, model: Any, share: Any) -> int:
+    """Evaluate or predict on this worker's PyDataset share, one pass in order; answer; its rows.
+
+    The pass's batches keep their own sizes, unknown to the traced step (the reader's signature leaves the
+    batch dimension open, as Keras' own PyDataset adapter does), so per-batch means merge as the local
+    ``evaluate`` computes them. A worker with no batch (fewer batches than workers) answers with no rows."""
+    if job.kind == "evaluate":
+        if not share.count:
+            link.send({"type": MessageType.EVALUATION, "rows": 0, "names": [], "has_stats": False,
+                       "has_histogram": False})
+            return 0
+        model.evaluate(share.pipeline(), steps=share.count, verbose=0)
+        state = [np.asarray(v.numpy()) for v in model.metrics_variables]
+        # Always two (empty) arrays after the state, as evaluate_shard's answer has: the driver builds its
+        # metric variables from the dataset's first row itself.
+        link.send({"type": MessageType.EVALUATION, "rows": share.last_pass_rows,
+                   "names": [v.path for v in model.metrics_variables], "has_stats": False, "has_histogram": False},
+                  state + [np.zeros(0), np.zeros(0)])
+        return share.last_pass_rows
+    layout, outputs = _flat_predictions(model.predict(share.pipeline(), steps=share.count, verbose=0)) \
+        if share.count else (None, [])
+    # Each batch's rows: the driver puts the workers' strided batches back in the dataset's order.
+    link.send({"type": MessageType.PREDICTIONS, "rows": share.last_pass_rows, "layout": layout,
+               "batch_rows": share.last_pass_batch_rows}, outputs)
+    return share.last_pass_rows
+
+
+def _flat_predictions(out: Any) -> tuple[Any, list[np.ndarray]]:
     as_lists = lambda o: [as_lists(v) for v in o] if isinstance(o, (list, tuple)) else \
         {str(k): as_lists(v) for k, v in o.items()} if isinstance(o, dict) else np.asarray(o)
     return flatten(as_lists(out))
@@ -114,6 +157,17 @@ def run_inference(link: Any, job: JobMessage) -> None:
     pin_threads(job.threads)
     model = model_from_spec(job.model)
     x, y, batch_size = job.x, job.y, job.batch_size
+    share = py_dataset_share(job)
+    if share is not None:
+        link.send({"type": MessageType.PROGRESS, "state": job.kind + "ing", "epoch": 0, "batch": 0,
+                   "batches": share.count})
+        started = time.perf_counter()
+        rows = _run_share(link, job, model, share)
+        link.send({"type": MessageType.DONE, "seconds": time.perf_counter() - started,
+                   "tensorflow_loaded": "tensorflow" in sys.modules})
+        log.info("worker %d %s %d rows of a PyDataset in %.2f s", job.rank, job.kind, rows,
+                 time.perf_counter() - started)
+        return
     if job.data_source == "file":  # the notebook's memory map: read here, a block at a time
         x, rows = file_features(job.data_file, batch_size)
     else:

@@ -169,8 +169,9 @@ def _import_for_training() -> None:
     from ..wire.handover import READY
 
     if backend_problem() is None:
-        import keras  # noqa: F401
+        from .runtime import import_keras
 
+        import_keras()
         from . import allreduce_fit, training  # noqa: F401
     log.info("%s", READY)
 
@@ -296,7 +297,9 @@ def _work(address: str, rank: int, secret: bytes) -> int:
         problem = backend_problem()
         if problem is not None:
             raise NbdistError(problem)
-        from .runtime import unpack_job
+        from .runtime import import_keras, unpack_job
+
+        import_keras()  # first, before anything imports Keras with its optional packages
 
         job = unpack_job(link.expect(MessageType.JOB, timeout=300))
         if job.kind == "train":

@@ -156,13 +156,15 @@ class ShareReader:
 
 
 class ValidationShare:
-    """This worker's share of a validation PyDataset, in order: one self-contained pass per iterator."""
+    """This worker's share of a validation PyDataset, in order: one self-contained pass per iterator.
+    Evaluation and prediction on a PyDataset (worker/inference.py) read their share through it too."""
 
     def __init__(self, data: PyDatasetData, dataset: Any, rank: int, world: int) -> None:
         self.data, self.dataset = data, dataset
         self.indices = share_indices(epoch_order(data.batches, False, 0, 0), rank, world)
         self.count = len(self.indices)
         self.last_pass_rows = 0
+        self.last_pass_batch_rows: list[int] = []  # rows of each batch of the last pass (prediction's order)
         self._passes = 0
         self.dataset.on_epoch_begin()
         self._peeked = [tf_structure(standardize_batch(dataset[int(i)])) for i in self.indices[:PEEK]]
@@ -175,10 +177,12 @@ class ValidationShare:
         self._passes += 1
         peeked, self._peeked = self._peeked, []  # the first pass reuses the batches read for the signature
         rows = 0
+        self.last_pass_batch_rows = []
         for j, index in enumerate(self.indices):
             batch = peeked[j] if j < len(peeked) else tf_structure(standardize_batch(self.dataset[int(index)]))
             rows += batch_rows(batch)
             self.last_pass_rows = rows
+            self.last_pass_batch_rows.append(batch_rows(batch))
             yield batch
 
     def endless(self) -> Iterator[Any]:

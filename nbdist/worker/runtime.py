@@ -3,8 +3,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..keras_backend import configured_backend, optional_packages_hidden
 from ..placement import interop_threads
 from ..wire.messages import JobMessage
+
+
+def import_keras() -> None:
+    """Import Keras and its backend (TensorFlow's whole API for its own) without the packages they would
+    load for nothing (keras_backend.OPTIONAL_AT_IMPORT); a no-op once __main__ has imported them so."""
+    backend = configured_backend()
+    with optional_packages_hidden(backend):
+        import keras  # noqa: F401
+
+        if backend == "tensorflow":
+            import tensorflow  # noqa: F401
 
 
 def pin_threads(threads: int) -> None:

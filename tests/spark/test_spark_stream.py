@@ -101,8 +101,12 @@ def test_a_validation_dataframe_of_other_column_types_is_one_sentence(spark, fra
 
 
 def test_a_relaunched_run_writes_and_streams_every_partition_afresh(spark, frame, data, no_leftover_workers):
-    """A worker killed mid-run with max_restarts: the relaunch's Spark tasks write their partitions (training
-    and validation) again and the workers stream them; the run ends with every row and exact validation."""
+    """The Python process of worker 1's Spark task killed mid-run (its worker dies with it), as a lost executor
+    takes it: Spark never retries a failed barrier ResultStage (it aborts the job, "Could not recover from a
+    failed barrier ResultStage", whatever spark.task.maxFailures allows; tried with local[2,3] too), so the
+    cause names the lost task in one sentence, and with max_restarts nbdist relaunches a new barrier stage
+    whose tasks write their partitions (training and validation) afresh and whose workers stream them: the
+    run ends with every row and exact validation."""
     import os
     import signal
 
@@ -114,20 +118,28 @@ def test_a_relaunched_run_writes_and_streams_every_partition_afresh(spark, frame
     df, X, _ = frame
     _, Xte, _, yte = data
     val = spark.createDataFrame(pd.DataFrame({"pixels": list(Xte.astype("float64")), "digit": yte.astype("int64")}))
-    killed: list[int] = []
+    tasks: list[str] = []  # the killed task process's command line
+    causes: list[str] = []
 
     def kill(kind, state, payload):
-        if kind == "epoch" and not killed:
-            killed.append(state.workers[1].pid)
-            os.kill(killed[0], signal.SIGKILL)
+        if kind == "restart":
+            causes.append(str(payload))
+        if kind == "epoch" and not tasks:
+            task = psutil.Process(state.workers[1].pid).parent()  # the task's pyspark worker process
+            tasks.append(" ".join(task.cmdline()))
+            os.kill(task.pid, signal.SIGKILL)
 
     model = small_model()
+    # Three epochs: the workers run ahead of the driver's epoch events, and must still be training when killed.
     config = TrainConfig(epochs=3, batch_size=32, workers=2, strategy="allreduce", backend="spark", max_restarts=1,
                          ui="none", stream_buffer_bytes=WINDOW_BYTES)
     job = prepare(model, config, df, None, val, features="pixels", label="digit", listeners=[kill])
     job.start()
     job.wait(timeout=600)
-    assert killed and job.status == "done" and job.state.restarts == 1
+    assert tasks and "pyspark" in tasks[0], tasks
+    assert len(causes) == 1 and "worker 1 (Spark task 1" in causes[0] and "was lost with its Spark task" in causes[0] \
+        and "\n" not in causes[0], causes
+    assert job.status == "done" and job.state.restarts == 1
     assert sum(w.samples for w in job.state.workers) == len(X) and len(job.history["val_loss"]) == 3
     want = model.evaluate(Xte, yte, batch_size=256, verbose=0, return_dict=True)
     assert abs(job.history["val_loss"][-1] - want["loss"]) < 1e-5, (job.history, want)

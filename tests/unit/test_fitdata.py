@@ -63,3 +63,12 @@ def test_py_dataset_shares_are_strided_disjoint_and_cover_every_batch():
         assert sorted(sum(shares, [])) == list(range(11))
         assert list(order) == list(epoch_order(11, True, 42, epoch))  # the same on every worker
     assert list(epoch_order(11, True, 42, 0)) != list(epoch_order(11, True, 42, 1))
+
+
+@pytest.mark.parametrize("batches,world", [(8, 3), (2, 3), (5, 1)])
+def test_strided_shares_go_back_in_the_datasets_order(batches, world):
+    """Prediction on a PyDataset: each worker's batches in its order (share_indices) put back as one pass."""
+    from nbdist.data import epoch_order, share_indices, strided_batches
+
+    shares = [list(share_indices(epoch_order(batches, False, 0, 0), r, world)) for r in range(world)]
+    assert strided_batches(shares) == list(range(batches))

@@ -75,20 +75,41 @@ def test_a_generator_is_named_before_the_fit_arguments_it_came_with(ip):
     assert not worker_processes()
 
 
-
 class _Batches(keras.utils.PyDataset):
+    """Two batches of (x, y) of 4 digits-sized rows, or x alone (``labels=False``), ``width`` features wide."""
+
+    def __init__(self, labels: bool = True, width: int = 64) -> None:
+        super().__init__()
+        self.labels, self.width = labels, width
+
     def __len__(self):
         return 2
 
     def __getitem__(self, i):
-        return np.zeros((4, 64), "float32"), np.zeros(4, "int64")
+        x = np.zeros((4, self.width), "float32")
+        return (x, np.zeros(4, "int64")) if self.labels else x
 
 
-@pytest.mark.parametrize("entry", [_evaluate, _predict], ids=["%dist_evaluate", "%dist_predict"])
-def test_a_py_dataset_to_evaluate_or_predict_is_one_sentence(ip, entry):
-    """Training takes a PyDataset; evaluation and prediction on one are not built (yet): one sentence saying so."""
+def _evaluate_weighted(ip, x):
+    nbdist.evaluate(mlp(), x, sample_weight=np.ones(8, "float32"), workers=2)
+
+
+# Evaluation and prediction take a PyDataset as model.evaluate / model.predict do (test_inference_pydataset.py);
+# what those refuse beside one is refused in one sentence, before any worker starts.
+PY_DATASET_REFUSALS = {
+    "y beside it": (_evaluate, _Batches(), "was given too; drop y"),
+    "sample_weight beside it": (_evaluate_weighted, _Batches(), "was given too; drop sample_weight"),
+    "no labels to evaluate": (lambda ip, x: nbdist.evaluate(mlp(), x, workers=2), _Batches(labels=False),
+                              "whose batches hold no labels"),
+    "features of another width": (_predict, _Batches(width=32), "features of shape (32,) per row"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PY_DATASET_REFUSALS))
+def test_what_keras_refuses_beside_a_py_dataset_is_one_sentence(ip, case):
+    entry, dataset, words = PY_DATASET_REFUSALS[case]
     with pytest.raises((NbdistError, UsageError)) as info:
-        entry(ip, _Batches())
+        entry(ip, dataset)
     message = str(info.value)
-    assert "is a keras.utils.PyDataset" in message and "pass the arrays it reads from" in message, message
-    assert "\n" not in message and not worker_processes()
+    assert words in message and "\n" not in message, message
+    assert not worker_processes()

@@ -88,3 +88,29 @@ def test_a_worker_starts_without_tensorflows_load_time_noise():
         assert noise not in err, err
     if not os.path.exists("/proc/driver/nvidia"):
         assert "cuInit" not in err, err
+
+
+def test_a_worker_imports_keras_without_the_packages_it_never_uses(digits, no_leftover_workers):
+    """TensorFlow and Keras import jax, pandas (and pyarrow) and scikit-learn whenever they are installed
+    (TF Lite's JAX conversion, Keras' pandas slicing and sklearn wrappers): ~300 MB of a worker's 1.2 GB.
+    Installed here, yet a TensorFlow worker has none of them."""
+    import importlib.util
+
+    import keras
+
+    import nbdist
+    from nbdist.keras_backend import OPTIONAL_AT_IMPORT
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the TensorFlow backend's workers")
+    installed = [m for m in OPTIONAL_AT_IMPORT if importlib.util.find_spec(m) is not None]
+    if not installed:
+        pytest.skip("none of the optional packages is installed: nothing to leave out")
+    x, y = digits
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    # Forked from the warm fork server (the tests' default); a cold worker and a Spark task's run the same
+    # __main__, which imports Keras this way before anything else.
+    job = nbdist.train(model, x[:256], y[:256], epochs=1, batch_size=64, workers=2, backend="local", ui="none")
+    loaded = {r: report["optional_imports"] for r, report in job.reports.items()}
+    assert loaded == {0: [], 1: []}, (installed, loaded)
