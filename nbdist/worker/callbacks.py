@@ -9,7 +9,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from ..strategies.averaging import WeightedAverager, batch_sizes, sync_after, view_of
+from ..strategies.averaging import WeightedAverager, batch_sizes, host_array, sync_after
 from ..strategies.backend_grads import synced_state
 from ..wire.messages import MessageType
 from .blocks import BatchSpan
@@ -125,24 +125,12 @@ class EventCallback(keras.callbacks.Callback):
 
 
 def weights_and_optimizer(model: Any) -> tuple[list[np.ndarray], list[list[int]]]:
-    """The whole trained state (weights, then every optimizer's), and where each optimizer's variables are.
-
-    Read where it lies when it can be (TensorFlow variables in host memory: no copy of 300 MB for a
-    25M-parameter model with Adam): valid until the next step changes the variables, so send it at once
-    or copy it (``WeightShipper``)."""
+    """The whole trained state (weights, then every optimizer's), and where each optimizer's variables are:
+    read where it lies when it can be (``host_array``), so send it at once or copy it (``WeightShipper``)."""
     from ..model_io import optimizer_layout, optimizer_state_variables
 
     variables = [*model.weights, *optimizer_state_variables(model)]
-    return [_read(v) for v in variables], optimizer_layout(model)
-
-
-def _read(variable: Any) -> np.ndarray:
-    value = getattr(variable, "value", None)  # a Keras variable's backend variable
-    if keras.backend.backend() == "tensorflow" and hasattr(value, "value"):
-        tensor = value.value()
-        if tensor.device.endswith("CPU:0"):
-            return view_of(tensor)  # a later step writes a new buffer while this view holds the old one
-    return np.asarray(variable.numpy())
+    return [host_array(v) for v in variables], optimizer_layout(model)
 
 
 class WeightShipper:

@@ -166,3 +166,29 @@ def test_a_bucket_kept_by_a_variable_is_never_refilled():
         step([tf.fill(s, fill) for s in SHAPES], False)
         assert (v.numpy() == 2.0).all()  # the variable's value survives later steps
     assert len(reducer._buckets) == 2
+
+
+def _broadcast_main(rank, world, port):
+    import keras
+
+    from nbdist.strategies.allreduce import broadcast_state
+    from nbdist.strategies.collective import GlooCollective
+
+    gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
+    variables = [keras.Variable(np.arange(12, dtype=np.float32).reshape(3, 4)),
+                 keras.Variable(np.linspace(0, 1, 5, dtype=np.float32))]
+    sent = [broadcast_state(gloo, variables, compiled=True)]
+    if rank == 1:
+        variables[1][3].assign(variables[1][3] + 1e-6)  # one element, one rounding step: another start
+    sent.append(broadcast_state(gloo, variables, compiled=True))
+    print(json.dumps({"sent": sent, "values": [np.asarray(v.numpy()).tolist() for v in variables]}), flush=True)
+    gloo.close()
+
+
+def test_the_start_is_broadcast_only_when_a_worker_holds_other_values():
+    """Workers build the model from one job, so their start is compared by checksum and sent only if it
+    differs: then every worker takes rank 0's values (under allreduce nothing would reconcile them later)."""
+    reports = run_ranks("tests.workers.test_allreduce_sync:_broadcast_main", 2, timeout=90)
+    assert [r["sent"] for r in reports] == [[False, True], [False, True]]
+    assert reports[0]["values"] == reports[1]["values"]
+    assert reports[0]["values"][1][3] == pytest.approx(0.75)  # rank 0's
