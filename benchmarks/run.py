@@ -20,9 +20,12 @@ Rows (issue 9):
   P7 steady epoch of the digits MLP, 2 local workers / plain model.fit with the same global batch,
      the worse of the two strategies (each, and 4 workers on 2 cores, in the detail)   goal <= 0.6
   P8 the quickstart cell, start to return: 2 warm local workers / the cell without the magic  goal <= 1.0
-  P9M each Spark worker's peak RSS streaming one epoch of a 6 GB Parquet DataFrame (2 workers) / the
-     same on a 1.5 GB one; the detail gives the peak against a quarter of the worker's share
-     (the data is written once under NBDIST_BENCH_CACHE, ~/.cache/nbdist-bench)  goal <= 1.1
+  P9M each Spark worker's peak RSS streaming one epoch of a 12 GB Parquet DataFrame (2 workers) / the
+     same on a 3 GB one; the detail gives the peak against a quarter of the worker's share. 12 GB,
+     not the issue's minimum of 6: the quarter is a test of the data path, and a TensorFlow worker's
+     own ~1 GB is below a quarter of the share only from shares of >4 GB (a 6 GB DataFrame's is
+     2.9 GB). The data is written once under NBDIST_BENCH_CACHE, ~/.cache/nbdist-bench (15 GB of
+     Parquet, and the tasks' shard files as much again while a run lasts)  goal <= 1.1
   P9S samples/s streamed from the Spark tasks' files / the same rows in memory (numpy, local
      workers), MLP 256x2 on 64 features, batch 256 per worker, allreduce     goal >= 0.9
   P9L 4 local workers on a 2 GB memory-mapped .npy: their summed peak RSS (and the notebook's growth)
@@ -109,7 +112,7 @@ GOALS = {
     "P6": ("driver RSS growth, >= 1 GB DataFrame", "< 100", "MB"),
     "P7": ("steady epoch, 2 workers / plain fit (digits MLP)", "<= 0.6", "x"),
     "P8": ("quickstart cell, 2 warm workers / no magic", "<= 1.0", "x"),
-    "P9M": ("Spark worker peak RSS streaming, 6 GB / 1.5 GB DataFrame", "<= 1.1", "x"),
+    "P9M": ("Spark worker peak RSS streaming, 12 GB / 3 GB DataFrame", "<= 1.1", "x"),
     "P9S": ("samples/s streamed from Spark / in memory (MLP 256x2)", ">= 0.9", "x"),
     "P9L": ("4 local workers' memory above TF's on a memory map / its size", "<= 1.3", "x"),
     "P10": ("steady epoch, 25M-param MLP, 2 workers / plain fit", "<= 1.0", "x"),
@@ -267,7 +270,9 @@ def row_p8(quick: bool, workdir: Path) -> Row:
 def row_p9m(quick: bool, workdir: Path) -> Row:
     import stream_memory as sm
 
-    big, small = (0.2, 0.05) if quick else (6.0, 1.5)
+    # 12 GB, twice the issue's minimum: a TensorFlow worker alone is ~1 GB of RSS, so a peak below a
+    # quarter of the share (the data path's criterion) can only be judged on shares of more than 4 GB.
+    big, small = (0.2, 0.05) if quick else (12.0, 3.0)
     spark = sm.start_spark(2)
     try:
         ms = {gb: sm.measure_memory(spark, gb) for gb in (small, big)}
