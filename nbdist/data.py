@@ -522,3 +522,12 @@ def make_py_dataset_data(dataset: Any, what: str, class_weight: dict[Any, float]
                           "keep arrays, file paths and plain values in it, not open files or connections.") from None
     first_row = tuple(map_struct(lambda a: a[:1], part) for part in parts)
     return PyDatasetData(payload, int(batches), rows, table, first_row)
+
+
+def all_zero(a: np.ndarray, min_bytes: int = 0) -> bool:
+    """Whether a numeric array (of ``min_bytes`` or more) holds only zeros, as a fresh optimizer's slots do:
+    a sparse sample first, so an array of data is rarely read whole for it."""
+    if a.nbytes < max(min_bytes, 1) or a.dtype.kind not in "biuf":
+        return False
+    flat = a.reshape(-1)
+    return not flat[::max(1, flat.size // 256)].any() and not flat.any()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import model_graph
-from .data import leaves, map_struct
+from .data import all_zero, leaves, map_struct
 from .errors import NbdistError
 
 _ITERATION_NAMES = ("iteration", "iterations", "step_counter")
@@ -225,11 +225,38 @@ def travelling_model(model: Any, *, optimizer: bool = True) -> ModelSpec:
     except Exception as exc:
         raise NbdistError(f"a layer's assets (its vocabulary) could not be saved ({_one_line(exc)}); "
                           "adapt or set its vocabulary again and rerun.") from None
-    spec = ModelSpec(graph, [np.asarray(w.numpy()) for w in weights],
-                     [np.asarray(v.numpy()) for v in opt_vars] if optimizer else None,
+    spec = ModelSpec(graph, [snapshot(w) for w in weights], [snapshot(v) for v in opt_vars] if optimizer else None,
                      optimizer_steps(model) if optimizer else None, assets,
                      optimizer_layout(model) if optimizer else [], keras_settings())
     return spec
+
+
+def view_of(tensor: Any) -> np.ndarray:
+    """A NumPy view of an eager tensor's memory: ``numpy()`` copies it (300 MB a round, seconds on a loaded
+    core). Read only, and only while the tensor lives (the view holds it)."""
+    return tensor._numpy()
+
+
+def host_array(variable: Any) -> np.ndarray:
+    """A Keras variable's value as a NumPy array, read where TensorFlow holds it in host memory (``numpy()``
+    copies it: 300 MB for a 25M-parameter model with Adam's slots). Valid until a step changes the
+    variable: a later update writes a new buffer while this view holds the old one (a round in place,
+    strategies/averaging.py ``variable_views``, does not): send it at once or copy it."""
+    import keras
+
+    value = getattr(variable, "value", None)  # a Keras variable's backend variable
+    if keras.backend.backend() == "tensorflow" and hasattr(value, "value"):
+        tensor = value.value()
+        if tensor.device.endswith("CPU:0"):
+            return view_of(tensor)
+    return np.asarray(variable.numpy())
+
+
+def snapshot(variable: Any) -> np.ndarray:
+    """A copy of a variable's value; an all-zero one (a fresh optimizer's slot) as zeros the kernel has not
+    yet given pages to, instead of a copy of hundreds of MB of them."""
+    value = host_array(variable)
+    return np.zeros(value.shape, dtype=value.dtype) if all_zero(value) else np.array(value)
 
 
 # -- worker: spec -> model -----------------------------------------------------

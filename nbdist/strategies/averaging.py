@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..model_io import host_array, view_of
 from .collective import Collective
 from .ring import aligned_offsets
 
@@ -100,27 +101,6 @@ class FlatBuffer:
             # A fresh array per variable: TensorFlow may adopt an assigned array's memory as the
             # variable's own, so it must never be the buffer the next round overwrites.
             v.assign(np.divide(self.buffer[a:b], np.float32(total)).reshape(shape))
-
-
-def view_of(tensor: Any) -> np.ndarray:
-    """A NumPy view of an eager tensor's memory: ``numpy()`` copies it (300 MB a round, seconds on a loaded
-    core). Read only, and only while the tensor lives (the view holds it)."""
-    return tensor._numpy()
-
-
-def host_array(variable: Any) -> np.ndarray:
-    """A Keras variable's value as a NumPy array, read where TensorFlow holds it in host memory (``numpy()``
-    copies it: 300 MB for a 25M-parameter model with Adam's slots). Valid until a step changes the
-    variable: a later update writes a new buffer while this view holds the old one (a round in place,
-    ``variable_views``, does not): send it at once or copy it."""
-    import keras
-
-    value = getattr(variable, "value", None)  # a Keras variable's backend variable
-    if keras.backend.backend() == "tensorflow" and hasattr(value, "value"):
-        tensor = value.value()
-        if tensor.device.endswith("CPU:0"):
-            return view_of(tensor)
-    return np.asarray(variable.numpy())
 
 
 def state_digest(variables: Sequence[Any]) -> int:

@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+from ..data import all_zero
+
+PROTOCOL_VERSION = 2  # 2: an all-zero array travels as its description alone
 MAGIC = b"NBDS"
 HEADER = struct.Struct("!4sBBQI")  # magic, version, kind, sequence, payload length
 MAC_SIZE = 32
@@ -56,23 +58,27 @@ def new_secret() -> bytes:
     return os.urandom(32)
 
 
-def _mac(key: bytes, direction: bytes, header: bytes, payload: bytes) -> bytes:
+def _mac(key: bytes, direction: bytes, header: bytes | bytearray, payload: bytes | bytearray | memoryview) -> bytes:
     h = hmac.new(key, direction, hashlib.sha256)
     h.update(header)
     h.update(payload)
     return h.digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+    _recv_into(sock, memoryview(buf))
+    return buf
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket: array data lands where the array lives, with no copy after it."""
+    got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionClosed("connection closed by peer")
         got += k
-    return bytes(buf)
 
 
 @dataclass
@@ -101,7 +107,7 @@ class Channel:
         self.closed = False
 
     # -- frames ---------------------------------------------------------
-    def _send_frame(self, kind: int, payload: bytes) -> None:
+    def _send_frame(self, kind: int, payload: bytes | memoryview) -> None:
         if len(payload) > MAX_PAYLOAD:
             raise ProtocolError(f"frame of {len(payload)} bytes exceeds the {MAX_PAYLOAD}-byte limit")
         header = HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, self._send_seq, len(payload))
@@ -114,7 +120,25 @@ class Channel:
             self.sock.sendall(mac)
         self._send_seq += 1
 
-    def _recv_frame(self) -> tuple[int, bytes]:
+    def _recv_frame(self) -> tuple[int, bytearray]:
+        header, kind, length = self._recv_header()
+        payload = _recv_exact(self.sock, length)
+        self._check_mac(header, payload)
+        return kind, payload
+
+    def _recv_blob_into(self, view: memoryview) -> int:
+        """The next frame, which must be array data, read into ``view``; its length. Not to be used before
+        the MAC is checked: a forged frame raises here, and the message it belonged to is dropped whole."""
+        header, kind, length = self._recv_header()
+        if kind != KIND_BLOB:
+            raise ProtocolError("expected array data, got a message header")
+        if length > len(view):
+            raise ProtocolError("array data longer than announced")
+        _recv_into(self.sock, view[:length])
+        self._check_mac(header, view[:length])
+        return length
+
+    def _recv_header(self) -> tuple[bytearray, int, int]:
         header = _recv_exact(self.sock, HEADER.size)
         magic, version, kind, seq, length = HEADER.unpack(header)
         if magic != MAGIC:
@@ -125,34 +149,40 @@ class Channel:
             raise ProtocolError(f"unknown frame kind {kind}")
         if length > MAX_PAYLOAD:
             raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
-        payload = _recv_exact(self.sock, length)
+        if seq != self._recv_seq:
+            raise ProtocolError(f"frame out of sequence (got {seq}, expected {self._recv_seq})")
+        return header, kind, length
+
+    def _check_mac(self, header: bytes | bytearray, payload: bytes | bytearray | memoryview) -> None:
         mac = _recv_exact(self.sock, MAC_SIZE)
         if not hmac.compare_digest(mac, _mac(self._key, self._in_dir, header, payload)):
             raise ProtocolError("frame failed authentication")
-        if seq != self._recv_seq:
-            raise ProtocolError(f"frame out of sequence (got {seq}, expected {self._recv_seq})")
         self._recv_seq += 1
-        return kind, payload
 
     # -- messages -------------------------------------------------------
     def send(self, body: dict[str, Any], arrays: list[np.ndarray] | tuple = ()) -> None:
-        """Send a JSON body and, after it, the raw bytes of each array."""
+        """Send a JSON body and, after it, the raw bytes of each array (none for an all-zero one: a fresh
+        optimizer's slots are 200 MB of zeros for a 25M-parameter model under Adam)."""
         arrays = [np.asarray(a, order="C") for a in arrays]  # not ascontiguousarray: it makes 0-d 1-d
         meta = []
         for a in arrays:
             if a.dtype.kind not in _ALLOWED_DTYPE_KINDS:
                 raise ProtocolError(f"cannot send an array of dtype {a.dtype}; only numeric and text arrays")
             meta.append({"dtype": a.dtype.str, "shape": list(a.shape)})
+            if all_zero(a, min_bytes=65536):  # a small one costs less sent than checked
+                meta[-1]["zeros"] = True
         full = dict(body)
         if meta:
             full["_arrays"] = meta
         data = json.dumps(full, separators=(",", ":")).encode()
         with self._send_lock:
             self._send_frame(KIND_JSON, data)
-            for a in arrays:
+            for a, m in zip(arrays, meta):
+                if m.get("zeros"):
+                    continue
                 raw = memoryview(a).cast("B") if a.size else memoryview(b"")
                 for start in range(0, max(len(raw), 1), CHUNK):
-                    self._send_frame(KIND_BLOB, bytes(raw[start:start + CHUNK]))
+                    self._send_frame(KIND_BLOB, raw[start:start + CHUNK])  # a view: no copy of the data
 
     def recv(self) -> Message:
         kind, payload = self._recv_frame()
@@ -169,22 +199,18 @@ class Channel:
         arrays = [self._recv_array(m) for m in _array_meta(body.pop("_arrays", []))]
         return Message(body, arrays)
 
-    def _recv_array(self, meta: tuple[np.dtype, tuple[int, ...]]) -> np.ndarray:
-        dtype, shape = meta
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        buf = bytearray(nbytes)
+    def _recv_array(self, meta: tuple[np.dtype, tuple[int, ...], bool]) -> np.ndarray:
+        dtype, shape, zeros = meta
+        if zeros:
+            return np.zeros(shape, dtype=dtype)  # the pages are the kernel's zeros until written
+        out = np.empty(shape, dtype=dtype)
+        view = memoryview(out.reshape(-1)).cast("B") if out.size else memoryview(bytearray(0))
         got = 0
-        while True:
-            kind, payload = self._recv_frame()
-            if kind != KIND_BLOB:
-                raise ProtocolError("expected array data, got a message header")
-            if got + len(payload) > nbytes:
-                raise ProtocolError("array data longer than announced")
-            buf[got:got + len(payload)] = payload
-            got += len(payload)
-            if got >= nbytes:
+        while True:  # an empty array still has its one empty frame
+            got += self._recv_blob_into(view[got:])
+            if got >= len(view):
                 break
-        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+        return out
 
     def close(self) -> None:
         self.closed = True
@@ -195,7 +221,7 @@ class Channel:
         self.sock.close()
 
 
-def _array_meta(items: Any) -> list[tuple[np.dtype, tuple[int, ...]]]:
+def _array_meta(items: Any) -> list[tuple[np.dtype, tuple[int, ...], bool]]:
     if not isinstance(items, list):
         raise ProtocolError("bad array list")
     out = []
@@ -209,7 +235,7 @@ def _array_meta(items: Any) -> list[tuple[np.dtype, tuple[int, ...]]]:
             raise ProtocolError("array of a forbidden dtype or shape")
         if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize > 1 << 40:
             raise ProtocolError("array too large")
-        out.append((dtype, shape))
+        out.append((dtype, shape, m.get("zeros") is True))
     return out
 
 

@@ -9,7 +9,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from ..strategies.averaging import WeightedAverager, batch_sizes, host_array, sync_after
+from ..model_io import host_array
+from ..strategies.averaging import WeightedAverager, batch_sizes, sync_after
 from ..strategies.backend_grads import synced_state
 from ..wire.messages import MessageType
 from .blocks import BatchSpan

@@ -136,3 +136,48 @@ def test_garbage_instead_of_handshake():
     b.sendall(b"GET / HTTP/1.1\r\n" + b"x" * 100)
     with pytest.raises((protocol.ProtocolError, struct.error)):
         protocol.server_handshake(a, b"s" * 32, timeout=2)
+
+
+def test_zero_arrays_travel_as_their_description_and_large_ones_across_frames():
+    """A fresh optimizer's slots are all zero: no bytes of theirs are sent. An array longer than a frame is
+    read in place across several frames, each authenticated."""
+    secret = protocol.new_secret()
+    server, client = pair(secret, secret)
+    recorder = Recorder(client.sock)
+    client.sock = recorder
+    zeros = np.zeros((300, 300), dtype=np.float32)  # 360 KB, above the 64 KiB threshold
+    big = np.arange(protocol.CHUNK // 4 + 1000, dtype=np.float32)  # two frames
+    small_zeros = np.zeros(10, dtype=np.float32)  # below it: sent as bytes
+    nearly = np.zeros(100_000, dtype=np.float64)
+    nearly[-1] = 1.0  # one nonzero element the sample misses: its bytes go
+    sender = threading.Thread(target=client.send, args=({"type": "state"}, [zeros, big, small_zeros, nearly]))
+    sender.start()
+    msg = server.recv()
+    sender.join(10)
+    got_zeros, got_big, got_small, got_nearly = msg.arrays
+    assert got_zeros.shape == zeros.shape and got_zeros.dtype == zeros.dtype and not got_zeros.any()
+    np.testing.assert_array_equal(got_big, big)
+    np.testing.assert_array_equal(got_small, small_zeros)
+    np.testing.assert_array_equal(got_nearly, nearly)
+    sent = sum(len(b) for b in recorder.sent)
+    assert big.nbytes + nearly.nbytes < sent < big.nbytes + nearly.nbytes + 4096  # no byte of the zero array
+    got_big[0] = 7.0  # the received array is writable memory of its own
+
+
+def test_a_tampered_array_frame_is_refused():
+    secret = protocol.new_secret()
+    server, client = pair(secret, secret)
+    data = np.arange(100_000, dtype=np.float32)  # large: its payload goes in a sendall of its own
+    real = client.sock
+
+    class Flip(Recorder):
+        def sendall(self, data_) -> None:
+            raw = bytearray(data_)
+            if len(raw) == data.nbytes:  # the array's frame: one bit flipped on the way
+                raw[100] ^= 1
+            real.sendall(bytes(raw))
+
+    client.sock = Flip(real)
+    threading.Thread(target=client.send, args=({"type": "state"}, [data])).start()
+    with pytest.raises(protocol.ProtocolError, match="authentication"):
+        server.recv()
