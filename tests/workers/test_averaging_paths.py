@@ -43,22 +43,6 @@ def _wide(seed: int) -> keras.Model:
     return model
 
 
-@pytest.mark.skipif(not shared.supported_here(), reason="needs x86-64 and /dev/shm")
-def test_a_large_model_averages_from_where_tensorflow_left_it(digits):
-    """2.4M floats a round (weights and momenta): summed chunk by chunk from TensorFlow's own arrays and
-    written back variable by variable (averaging.FlatBuffer), still equal to big-batch SGD with momentum."""
-    x, y = digits[0][:256], digits[1][:256]
-    b = 16
-    local, remote = _wide(5), _wide(5)
-    remote.set_weights(local.get_weights())
-    idx = interleave_batches(np.arange(len(x)), 2, b)
-    local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
-    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False)
-    assert [job.reports[r]["summed_by"] for r in range(2)] == ["shared-chunked"] * 2
-    assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5
-    assert relative_error(remote.optimizer.variables[1:], local.optimizer.variables[1:]) < 1e-5
-
-
 def _embedding(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((64,), dtype="int32"), keras.layers.Embedding(17 * 64, 1024),
@@ -67,17 +51,25 @@ def _embedding(seed: int) -> keras.Model:
     return model
 
 
+def _tokens(x: np.ndarray) -> np.ndarray:
+    return np.rint(x * 16).astype("int32") + 17 * np.arange(64, dtype="int32")  # a token per pixel and value
+
+
 @pytest.mark.skipif(not shared.supported_here(), reason="needs x86-64 and /dev/shm")
-def test_a_large_embedding_updated_by_sparse_ops_is_averaged_too(digits):
-    """SGD applies an Embedding's gradient with ``scatter_sub``, which puts its variable in TensorFlow's
-    copy-on-read mode: a round that writes the average into the variables' memory must still reach it."""
-    x, y = digits[0][:256], digits[1][:256]
-    tokens = (np.rint(x * 16).astype("int32") + 17 * np.arange(64, dtype="int32"))  # a token per pixel and value
+@pytest.mark.parametrize("build,inputs", [(_wide, np.asarray), (_embedding, _tokens)],
+                         ids=["dense-momentum", "embedding-by-scatter"])
+def test_a_large_model_averages_in_place_as_big_batch_sgd(digits, build, inputs):
+    """Over 1M floats a round (weights and momenta) go through the shared segment from the variables' own
+    memory and back into it (averaging.variable_views), still equal to big-batch SGD. SGD applies an
+    Embedding's gradient with ``scatter_sub``, which puts its variable in TensorFlow's copy-on-read mode:
+    a write into what a read returns would not reach it, so it is assigned back."""
+    x, y = inputs(digits[0][:256]), digits[1][:256]
     b = 16
-    local, remote = _embedding(6), _embedding(6)
+    local, remote = build(5), build(5)
     remote.set_weights(local.get_weights())
     idx = interleave_batches(np.arange(len(x)), 2, b)
-    local.fit(tokens[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
-    job = nbdist.train(remote, tokens, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False)
+    local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
+    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False)
     assert [job.reports[r]["summed_by"] for r in range(2)] == ["shared-chunked"] * 2
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5
+    assert relative_error(remote.optimizer.variables[1:], local.optimizer.variables[1:]) < 1e-5
