@@ -110,8 +110,23 @@ def _rank_main(rank: int, world: int, port: int, direct_sum_bytes: int, shared_m
         errors.append(max(float(np.abs(o - w).max()) for o, w in zip(out, want)))
     print(json.dumps({"errors": errors, "chunks": len(reducer.chunks), "busy_after": clock.busy_for(),
                       "steps": reducer.steps, "seconds": reducer.seconds,
-                      "small_sum": type(reducer._direct).__name__}), flush=True)
+                      "small_sum": type(reducer._direct).__name__, **_broadcast_start(gloo, rank)}), flush=True)
     gloo.close()
+
+
+def _broadcast_start(gloo, rank: int) -> dict:
+    """The start of a run (broadcast_state) in the same two processes: whether each call sent the values."""
+    import keras
+
+    from nbdist.strategies.allreduce import broadcast_state
+
+    variables = [keras.Variable(np.arange(12, dtype=np.float32).reshape(3, 4)),
+                 keras.Variable(np.linspace(0, 1, 5, dtype=np.float32))]
+    sent = [broadcast_state(gloo, variables, compiled=True)]
+    if rank == 1:
+        variables[1][3].assign(variables[1][3] + 1e-6)  # one element, one rounding step: another start
+    sent.append(broadcast_state(gloo, variables, compiled=True))
+    return {"broadcast_sent": sent, "broadcast_values": [np.asarray(v.numpy()).tolist() for v in variables]}
 
 
 @pytest.mark.parametrize("direct_sum_bytes,shared_memory,small_sum",
@@ -124,6 +139,11 @@ def test_two_process_exchange_equals_the_weighted_average(direct_sum_bytes, shar
         assert report["chunks"] > 4 and report["steps"] == len(STEPS) and report["seconds"] > 0
         assert max(report["errors"]) < 1e-6, report
         assert report["busy_after"] == 0.0  # the phase clock saw the exchange end
+    # A run's start: compared by checksum and broadcast only when a worker holds other values, then rank 0's
+    # everywhere (under allreduce nothing would reconcile differing replicas later).
+    assert [r["broadcast_sent"] for r in reports] == [[False, True], [False, True]]
+    assert reports[0]["broadcast_values"] == reports[1]["broadcast_values"]
+    assert reports[0]["broadcast_values"][1][3] == pytest.approx(0.75)  # rank 0's
 
 
 def test_tensorflow_adopts_the_averaged_gradients_without_a_copy():
@@ -167,28 +187,3 @@ def test_a_bucket_kept_by_a_variable_is_never_refilled():
         assert (v.numpy() == 2.0).all()  # the variable's value survives later steps
     assert len(reducer._buckets) == 2
 
-
-def _broadcast_main(rank, world, port):
-    import keras
-
-    from nbdist.strategies.allreduce import broadcast_state
-    from nbdist.strategies.collective import GlooCollective
-
-    gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
-    variables = [keras.Variable(np.arange(12, dtype=np.float32).reshape(3, 4)),
-                 keras.Variable(np.linspace(0, 1, 5, dtype=np.float32))]
-    sent = [broadcast_state(gloo, variables, compiled=True)]
-    if rank == 1:
-        variables[1][3].assign(variables[1][3] + 1e-6)  # one element, one rounding step: another start
-    sent.append(broadcast_state(gloo, variables, compiled=True))
-    print(json.dumps({"sent": sent, "values": [np.asarray(v.numpy()).tolist() for v in variables]}), flush=True)
-    gloo.close()
-
-
-def test_the_start_is_broadcast_only_when_a_worker_holds_other_values():
-    """Workers build the model from one job, so their start is compared by checksum and sent only if it
-    differs: then every worker takes rank 0's values (under allreduce nothing would reconcile them later)."""
-    reports = run_ranks("tests.workers.test_allreduce_sync:_broadcast_main", 2, timeout=90)
-    assert [r["sent"] for r in reports] == [[False, True], [False, True]]
-    assert reports[0]["values"] == reports[1]["values"]
-    assert reports[0]["values"][1][3] == pytest.approx(0.75)  # rank 0's

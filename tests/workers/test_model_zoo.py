@@ -446,20 +446,3 @@ def test_allreduce_refuses_a_model_with_its_own_optimizers_before_any_worker_sta
     with pytest.raises(nbdist.NbdistError, match="--strategy averaging"):
         nbdist.train(model, x, y, epochs=1, batch_size=BATCH, workers=2, strategy="allreduce", backend="local")
 
-
-def test_a_keras_application_deeper_than_pythons_recursion_limit_trains_as_locally(digits):
-    """MobileNetV2's 156 layers take ~2,000 levels of pickling recursion, past Python's default 1,000
-    (DenseNet121: 8,000): the model still travels whole, and one worker trains it as the local fit."""
-    x = np.repeat(np.repeat(digits[0][:64].reshape(-1, 8, 8, 1), 4, axis=1), 4, axis=2)
-    x, y = np.repeat(x, 3, axis=3), digits[1][:64]
-
-    def build() -> Any:
-        keras.utils.set_random_seed(3)
-        return _compile(keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None,
-                                                       classes=10))
-
-    local, model = build(), build()
-    history = local.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
-    job = nbdist.train(model, x, y, epochs=1, batch_size=BATCH, workers=1, shuffle=False, backend="local")
-    _assert_close(*_states(model, local), 1e-5)
-    np.testing.assert_allclose(job.history["loss"], history["loss"], rtol=1e-5)
