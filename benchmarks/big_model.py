@@ -29,6 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SKIP = 2  # epochs left out of the steady median (tracing, warm-up)
+SPARK_WARM_WAIT = 20.0  # s: a Spark task's next warm worker imports TensorFlow after the task's job ends
 STRATEGIES = ("averaging", "allreduce")
 
 
@@ -132,6 +133,8 @@ def measure(quick: bool = False, repeats: int = 2, backend: str = "local") -> di
         for _ in range(repeats):  # each repeat back to back: its ratios compare runs under the same load
             out["plain"].append(plain(size))
             for strategy in STRATEGIES:
+                if backend == "spark":  # the workers the last run's tasks left finish importing, as between cells
+                    time.sleep(SPARK_WARM_WAIT)
                 out[strategy].append(distributed(size, strategy, backend))
     finally:
         if spark is not None:
