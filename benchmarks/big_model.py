@@ -7,11 +7,11 @@ P10 is the steady epoch (median of epochs 3-5) ÷ plain fit's, the worse strateg
 5-epoch call with warm workers (a fork server already up, as after ``%load_ext nbdist``) ÷ plain
 fit's call. ``--quick`` runs an MLP 512-1024-1024-10 (1.6M parameters) on 512 rows for 3 epochs.
 ``--backend spark``: the workers are Spark ``local[2]`` tasks whose executors already hold warm
-workers (a first small run made them), as on a notebook's second run: P10s.
+workers (a first small run made them), as on a notebook's second run: P10S.
 
 ``--cnn``: MobileNetV2 (3.5M parameters, 10 classes, 96x96 images, no pretrained weights) as a notebook
 cell would train it: ``model.fit(batch_size=64)`` against 2 warm local workers of batch 32, the whole
-call of 3 epochs each (P10m; ``--quick``: 32x32 images, width 0.35, 128 rows, 2 epochs).
+call of 3 epochs each (P10M; ``--quick``: 32x32 images, width 0.35, 128 rows, 2 epochs).
 
     PYTHONPATH=. python benchmarks/big_model.py [--quick] [--repeats 2] [--backend spark] [--cnn]
 """
@@ -195,7 +195,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--backend", choices=("local", "spark"), default="local")
-    p.add_argument("--cnn", action="store_true", help="the MobileNetV2 cell (P10m)")
+    p.add_argument("--cnn", action="store_true", help="the MobileNetV2 cell (P10M)")
     args = p.parse_args()
     if args.cnn:
         c = measure_cnn(args.quick, args.repeats)

@@ -33,8 +33,8 @@ Rows (issue 9):
   P10 steady epoch of an MLP 2048-4096-4096-10 (25.2M parameters, Adam, 2048 rows), 2 local workers
      of batch 32 / plain fit with batch 64, the worse of the two strategies    goal <= 1.0 (0.9)
   P10c the whole 5-epoch call of the same, 2 warm workers / plain fit's call  goal <= 1.2
-  P10s P10 and P10c on Spark local[2] with warm executor workers, the worse of the two  goal <= 1.3
-  P10m a MobileNetV2 cell (3.5M parameters, 96x96 images, 3 epochs), 2 warm local workers / the cell
+  P10S P10 and P10c on Spark local[2] with warm executor workers, the worse of the two  goal <= 1.3
+  P10M a MobileNetV2 cell (3.5M parameters, 96x96 images, 3 epochs), 2 warm local workers / the cell
      without the magic                                                       goal <= 1.0
   P11 a 12-trial digits search, %%dist_tune with 2 trials at once on local workers / the same Optuna
      search (same trials, epochs, seeds) run sequentially in the notebook with plain fit; beside it,
@@ -65,7 +65,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9L", "P10", "P10s", "P10m",
+ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9L", "P10", "P10S", "P10M",
         "P11")
 log = logging.getLogger("nbdist.bench")
 
@@ -121,8 +121,8 @@ GOALS = {
     "P9L": ("4 local workers' memory above TF's on a memory map / its size", "<= 1.3", "x"),
     "P10": ("steady epoch, 25M-param MLP, 2 workers / plain fit", "<= 1.0", "x"),
     "P10c": ("the whole 5-epoch call, 2 warm workers / plain fit", "<= 1.2", "x"),
-    "P10s": ("P10 and P10c on Spark local[2], warm executor workers: the worse", "<= 1.3", "x"),
-    "P10m": ("MobileNetV2 cell, 2 warm workers / the cell without the magic", "<= 1.0", "x"),
+    "P10S": ("P10 and P10c on Spark local[2], warm executor workers: the worse", "<= 1.3", "x"),
+    "P10M": ("MobileNetV2 cell, 2 warm workers / the cell without the magic", "<= 1.0", "x"),
     "P11": ("12-trial search, 2 at once / sequential Optuna with plain fit", "<= 0.6", "x"),
 }
 
@@ -339,7 +339,7 @@ def row_p10(quick: bool, workdir: Path, backend: str = "local") -> list[Row]:
 
 def row_p10s(quick: bool, workdir: Path) -> Row:
     steady, whole = row_p10(quick, workdir, backend="spark")
-    return Row("P10s", *GOALS["P10s"], runs=[max(a, b) for a, b in zip(steady.runs, whole.runs)],
+    return Row("P10S", *GOALS["P10S"], runs=[max(a, b) for a, b in zip(steady.runs, whole.runs)],
                detail=f"Spark local[2]: {steady.detail}; {whole.detail}", extra=steady.extra)
 
 
@@ -348,7 +348,7 @@ def row_p10m(quick: bool, workdir: Path) -> Row:
 
     m = big_model.measure_cnn(quick, repeats=1 if quick else 2)
     size, med = m["size"], statistics.median
-    return Row("P10m", *GOALS["P10m"], runs=m["ratio"],
+    return Row("P10M", *GOALS["P10M"], runs=m["ratio"],
                detail=f"MobileNetV2 (width {size['alpha']}) on {size['rows']} random {size['side']}x{size['side']} "
                       f"images, {size['epochs']} epochs: {med(m['nbdist']):.1f} s on 2 workers vs "
                       f"{med(m['plain']):.1f} s", extra=m)
@@ -371,8 +371,8 @@ def row_p11(quick: bool, workdir: Path) -> Row:
 ROW_FUNCS: dict[str, Callable[[bool, Path], Row | list[Row]]] = {
     "P1": row_p1, "P2": row_p2, "P3": row_p3, "P3C": row_p3c, "P4": row_p4, "P4M": row_p4m, "P5": row_p5,
     "P6": row_p6, "P7": row_p7,
-    "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9L": row_p9l, "P10": row_p10, "P10s": row_p10s,
-    "P10m": row_p10m, "P11": row_p11}
+    "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9L": row_p9l, "P10": row_p10, "P10S": row_p10s,
+    "P10M": row_p10m, "P11": row_p11}
 
 
 # -- the parent: run each row in a child, then print, save and draw -------
