@@ -194,7 +194,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--backend", choices=("local", "spark"), default="local")
+    p.add_argument("--backend", choices=("local", "spark", "containers"), default="local")
     p.add_argument("--cnn", action="store_true", help="the MobileNetV2 cell (P10M)")
     args = p.parse_args()
     if args.cnn:
