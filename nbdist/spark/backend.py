@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -183,6 +184,13 @@ def summarize_spark_error(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def failed_barrier_task(job_error: str) -> int | None:
+    """The partition (a worker's rank) of the barrier task whose failure aborted the stage, as Spark's
+    message names it ("... because barrier task ResultTask(10, 1) finished unsuccessfully"); None if not."""
+    found = re.search(r"barrier task ResultTask\(\d+, (\d+)\)", job_error or "")
+    return int(found.group(1)) if found else None
+
+
 class SparkTaskWorker:
     """The driver's view of one task's worker, filled in by the task's reports."""
 
@@ -316,9 +324,12 @@ class SparkBackend:
             self.job_error = summarize_spark_error(exc)
             if not self._closed.is_set():
                 log.warning("Spark job %s failed: %s", self.group, self.job_error)
+            failed = failed_barrier_task(self.job_error)
             for w in self.workers:
                 if w.code is None:  # the task ended without reporting: its process went with it
-                    w.lost = not self._closed.is_set()  # not cancelled by this run's own ending
+                    # Not cancelled by this run's own ending, and the task Spark names as the one that
+                    # failed (its peers' tasks were then cancelled with the stage), when it names one.
+                    w.lost = not self._closed.is_set() and failed in (None, w.rank)
                     w.spark_error = self.job_error
                     w.log = (w.log + "\n" if w.log else "") + f"Spark job failed: {self.job_error}"
                     w.code = 1

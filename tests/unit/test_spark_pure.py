@@ -93,3 +93,15 @@ def test_magic_backend_spark_without_spark():
     ip.user_ns.update(X=np.zeros((4, 2), np.float32), y=np.zeros(4, np.int64))
     with pytest.raises(UsageError, match="needs an active SparkContext"):
         ip.run_cell_magic("dist_train", "--data X,y --backend spark", "model = None")
+
+
+def test_the_failed_barrier_task_is_read_from_sparks_message():
+    """Spark aborts a barrier stage when one task fails and cancels the others: the one it names is the
+    worker lost with its task; the others were only cancelled with it."""
+    from nbdist.spark.backend import failed_barrier_task
+
+    message = ("Job aborted due to stage failure: Could not recover from a failed barrier ResultStage. Most recent "
+               "failure reason: Stage failed because barrier task ResultTask(10, 1) finished unsuccessfully.")
+    assert failed_barrier_task(message) == 1
+    assert failed_barrier_task("Job 3 cancelled because SparkContext was shut down") is None
+    assert failed_barrier_task("") is None
