@@ -85,7 +85,7 @@ def test_trials_run_concurrently_pruned_workers_stop_and_best_model_is_the_best_
                                atol=1e-6)
 
 
-def interrupt_when_a_trial_completes(db: str, stop: threading.Event) -> threading.Thread:
+def interrupt_when_a_trial_completes(db: str, stop: threading.Event, sent: threading.Event) -> threading.Thread:
     """Sends this process SIGINT (as the kernel's interrupt does) once the stored study has a complete trial.
     Reads the SQLite file itself: Optuna opening a storage that is being created would race to make it."""
     def watch():
@@ -96,6 +96,7 @@ def interrupt_when_a_trial_completes(db: str, stop: threading.Event) -> threadin
             except sqlite3.Error:  # not made yet
                 done = 0
             if done:
+                sent.set()
                 os.kill(os.getpid(), signal.SIGINT)
                 return
             time.sleep(0.2)
@@ -116,17 +117,21 @@ model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(trial.suggest_i
                           keras.layers.Dense(10, activation="softmax")])
 model.compile(keras.optimizers.Adam(trial.suggest_float("lr", 1e-3, 3e-2, log=True)),
               "sparse_categorical_crossentropy", metrics=["accuracy"])
-model.fit(X, y, batch_size=64, epochs=3 if trial.number else 1, validation_data=(Xv, yv), verbose=0)
+model.fit(X, y, batch_size=64, epochs=later_epochs if trial.number else 1, validation_data=(Xv, yv), verbose=0)
 """
     for name in ("study", "best_model", "best_params"):
         ip.user_ns.pop(name, None)
-    stop = threading.Event()
-    watcher = interrupt_when_a_trial_completes(str(db), stop)
+    # The first search's later trials are long, so that the interrupt finds them running however late the
+    # watcher reads the storage (a loaded machine once finished all three first); the resumed ones are short.
+    ip.user_ns["later_epochs"] = 200
+    stop, sent = threading.Event(), threading.Event()
+    watcher = interrupt_when_a_trial_completes(str(db), stop, sent)
     try:
-        ip.run_cell_magic("dist_tune", line, cell)  # a trial completes (trial 0 trains 1 epoch), the rest are cut short
+        ip.run_cell_magic("dist_tune", line, cell)  # trial 0 completes (1 epoch), the rest are cut short
     finally:
         stop.set()
         watcher.join(5)
+    assert sent.is_set(), "the search ended before the watcher saw a complete trial"
     assert not wait_no_workers(), "an interrupt left workers behind"
     states = optuna.trial.TrialState
     first = {t.number: t for t in ip.user_ns["study"].get_trials()}
@@ -137,6 +142,7 @@ model.fit(X, y, batch_size=64, epochs=3 if trial.number else 1, validation_data=
     assert cut and all(first[n].user_attrs.get("nbdist_interrupted") for n in cut)
     complete_before = {n: t.value for n, t in first.items() if t.state == states.COMPLETE}
 
+    ip.user_ns["later_epochs"] = 3
     ip.run_cell_magic("dist_tune", line, cell)  # resumes: only the missing trials run
     after = {t.number: t for t in ip.user_ns["study"].get_trials()}
     complete = {n: t.value for n, t in after.items() if t.state == states.COMPLETE}
