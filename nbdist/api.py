@@ -7,11 +7,20 @@ import numpy as np
 
 from .checks import check_model_fits_data, check_not_stateful, check_text_inputs
 from .config import TrainConfig
-from .data import FitData, is_py_dataset, make_fit_data, make_py_dataset_data, not_in_memory, pipeline_message
+from .data import (
+    FitData,
+    PyDatasetData,
+    is_py_dataset,
+    make_fit_data,
+    make_py_dataset_data,
+    not_in_memory,
+    pipeline_message,
+)
 from .driver.inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
 from .driver.training import TrainingJob
 from .errors import NbdistError
 from .model_io import check_trainable, ensure_built
+from .spark.checks import feature_width
 from .spark.data import is_spark_data, spark_dataset, spark_validation
 from .tracking import track
 from .ui import make_renderer
@@ -99,6 +108,8 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
         # The rows are on the executors, but a model built with build(shape) must have every weight
         # here too: the workers' weights come back into it.
         ensure_built(model, None, None)
+        if not model.built and not model.weights:  # no input shape: built on a zero row as wide as the columns
+            ensure_built(model, None, None, width=feature_width(train_set))
     return _job(model, config, train_set, val_set, namespace, listeners)
 
 
@@ -113,7 +124,7 @@ def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_bat
     if kind is not None:  # named first: dropping steps_per_epoch or the like would not make it trainable
         raise NbdistError(pipeline_message(kind, "training data x"))
     check_fit_arguments(fit)
-    check_trainable(model)
+    check_trainable(model, built=False)  # a model without an input shape is built on the data, as fit does
     check_not_stateful(model)
     train_set, val_set = fit_data(fit)
     check_fits_model(model, train_set, val_set)
@@ -156,6 +167,9 @@ def check_fits_model(model: Any, train_set: Any, val_set: Any) -> None:
     """One sentence, before launch, when the data cannot feed the model (a worker's traceback otherwise)."""
     if isinstance(train_set, FitData):
         ensure_built(model, train_set.x, train_set.y)
+    elif isinstance(train_set, PyDatasetData) and train_set.first_row:
+        row = train_set.first_row
+        ensure_built(model, row[0], row[1] if len(row) > 1 else None)
     for data, what in ((train_set, "training data"), (val_set, "validation data")):
         if not isinstance(data, FitData):
             continue

@@ -51,13 +51,24 @@ def check_text_inputs(model: Any, x: Any, what: str = "training data") -> None:
                               "keras.Input(dtype='string') and a StringLookup or TextVectorization layer.")
 
 
+def fits_input(row: tuple[Any, ...], expected: tuple[Any, ...]) -> bool:
+    """Whether rows of shape ``row`` feed an input of per-row shape ``expected`` (None: any size), as
+    Keras' functional models take them: one trailing axis of size 1 may be missing or extra."""
+    row, expected = tuple(row), tuple(expected)
+    if len(row) == len(expected) + 1 and row[-1:] == (1,):
+        row = row[:-1]
+    elif len(row) + 1 == len(expected) and expected[-1:] == (1,):
+        expected = expected[:-1]
+    return len(row) == len(expected) and all(e is None or e == r for r, e in zip(row, expected))
+
+
 def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what: str = "training data") -> None:
     """One sentence if ``x`` cannot feed the model or ``y`` cannot be the target of its loss."""
     from .metrics import check_labels, classifier_spec, compiled_loss, labels_are_classes
 
     check_text_inputs(model, x, what)
     expected = input_shape(model)
-    if expected is not None and tuple(x.shape[1:]) != expected:
+    if expected is not None and not fits_input(tuple(x.shape[1:]), expected):
         raise NbdistError(f"the {what} features have shape {tuple(x.shape[1:])} per row but the model expects "
                           f"{expected}; pass data shaped like the model's input or change keras.Input.")
     out = _output_shape(model)

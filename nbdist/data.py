@@ -128,6 +128,20 @@ def as_text(arr: np.ndarray) -> np.ndarray | None:
     return None
 
 
+def has_text(struct: Any) -> bool:
+    """Whether any array of ``struct`` (an array, or a dict or list of them) holds numpy str or bytes."""
+    return any(getattr(a, "dtype", None) is not None and a.dtype.kind in ("U", "S") for a in flatten(struct)[1])
+
+
+def tuples(struct: Any) -> Any:
+    """Lists as tuples, dicts kept: tf.data takes a list for ONE tensor (stacking it) and a tuple for several."""
+    if isinstance(struct, dict):
+        return {k: tuples(v) for k, v in struct.items()}
+    if isinstance(struct, (list, tuple)):
+        return tuple(tuples(v) for v in struct)
+    return struct
+
+
 def non_finite(arr: np.ndarray, block_bytes: int = 16 * 2**20) -> int:
     """NaN and infinite values in ``arr``, counted a block of rows at a time. A whole-file memory map
     is read with plain file reads: pages read through the map would stay in the notebook's RSS."""

@@ -47,33 +47,39 @@ def _keras_if_loaded() -> Any:
     return sys.modules.get("keras")
 
 
-def check_trainable(model: Any, name: str = "model") -> None:
+def check_trainable(model: Any, name: str = "model", *, built: bool = True) -> None:
+    """A compiled Keras model; with ``built``, one that has its weights (``fit``'s arguments build an
+    unbuilt one first, as Keras' own fit does: ``ensure_built``)."""
     if not is_keras_model(model):
         raise NbdistError(f"{name} is a {type(model).__name__}, not a Keras model; pass a keras.Model.")
     if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
         raise NbdistError(
             f"{name} is not compiled; call {name}.compile(optimizer, loss, metrics=[...]) in the cell."
         )
-    if not model.built and not model.weights:  # a GAN's outer model is not built but holds built parts
+    if built and not model.built and not model.weights:  # a GAN's outer model is not built but holds built parts
         raise NbdistError(
             f"{name} has no weights yet; give it an input shape, e.g. keras.Input((64,)) as its first layer."
         )
 
 
-def ensure_built(model: Any, x: Any, y: Any) -> None:
+def ensure_built(model: Any, x: Any, y: Any, *, width: int | None = None) -> None:
     """Create every weight now, as ``fit``'s first step would: a subclassed model built with
-    ``model.build(shape)`` has no weights in its inner layers until it is called."""
+    ``model.build(shape)`` has no weights in its inner layers until it is called, and a model without
+    an input shape none at all. ``width``: the values per row of rows that are elsewhere (Spark's)."""
     if all(layer.built for layer in model._flatten_layers(include_self=False)) and (model.built or model.weights):
         return
     if x is None:  # the rows are elsewhere (a Spark DataFrame): build from the shape given to build()
         row = _row_from_build_shape(model)
+        if row is None and width:
+            row = np.zeros((1, width), dtype="float32")
         if row is None:
             return  # no complete shape recorded: each worker builds the model on its own rows
         try:
             model(row)  # no label here: the layers' weights are what must exist before launch
         except Exception as exc:
-            raise NbdistError(f"the model could not be built on a zero row of the shape given to build() "
-                              f"({_one_line(exc)}); call it once on real rows before training.") from None
+            raise NbdistError(f"the model could not be built on a zero row of {row.shape[1:]} values "
+                              f"({_one_line(exc)}); give it an input shape, e.g. keras.Input({row.shape[1:]}), "
+                              "or call it once on real rows before training.") from None
         return
     if any(getattr(leaf, "dtype", None) is not None and leaf.dtype.kind in "USO" for leaf in leaves(x)):
         return  # text: Keras's symbolic build takes no numpy strings; each worker's fit builds it on its rows

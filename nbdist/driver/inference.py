@@ -16,18 +16,21 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_text_inputs, input_shape
+from ..checks import check_text_inputs, fits_input, input_shape
 from ..config import TrainConfig
 from ..data import (
     FitData,
     PyDatasetData,
     batch_bounds,
     check_workers,
+    flatten,
+    has_text,
     is_py_dataset,
     make_fit_data,
     make_py_dataset_data,
     share_count,
     strided_batches,
+    tuples,
     unflatten,
 )
 from ..errors import NbdistError
@@ -205,10 +208,10 @@ class EvaluationJob(InferenceJob):
         merged = sum_states([a.arrays[:n_state] for a in answers])
         if isinstance(self.data, FitData):  # the driver's copy runs Keras' evaluate on one of the rows
             first = self.data.slice(0, 1)
-            build = lambda m: m.evaluate(first.x, first.y, sample_weight=first.sample_weight, verbose=0)
+            build = lambda m: _evaluate_rows(m, first.x, first.y, first.sample_weight)
         elif isinstance(self.data, PyDatasetData):  # the row the driver read of the PyDataset's batch 0
             x1, y1, w1 = (*self.data.first_row, None)[:3]
-            build = lambda m: m.evaluate(x1, y1, sample_weight=w1, verbose=0)
+            build = lambda m: _evaluate_rows(m, x1, y1, w1)
         else:  # Spark: the rows are on the executors; a worker sent one label row and its prediction
             y_row, y_pred_row = answers[0].arrays[n_state], answers[0].arrays[n_state + 1]
             build = lambda m: m.compute_metrics(None, y_row, y_pred_row)
@@ -257,6 +260,18 @@ class PredictionJob(InferenceJob):
         return unflatten(layout, iter(outputs))
 
 
+def _evaluate_rows(model: Any, x: Any, y: Any, sample_weight: Any) -> None:
+    """``model.evaluate`` on a few in-memory rows; text through tf.data, as Keras' array path refuses a
+    numpy str dtype (a TextVectorization model's input)."""
+    if has_text(x):
+        import tensorflow as tf
+
+        parts = tuples((x, y) if sample_weight is None else (x, y, sample_weight))
+        model.evaluate(tf.data.Dataset.from_tensor_slices(parts).batch(len(flatten(x)[1][0])), verbose=0)
+    else:
+        model.evaluate(x, y, sample_weight=sample_weight, verbose=0)
+
+
 def keras_results(spec: ModelSpec, names: list[str], state: list[np.ndarray], build: Any) -> dict[str, Any]:
     """The compiled metrics' values from merged state, computed by Keras's own ``result()``: what
     ``model.evaluate(..., return_dict=True)`` returns. ``build(model)`` makes the copy's metric variables."""
@@ -292,7 +307,7 @@ def _prepare(model: Any, x: Any, y: Any, sample_weight: Any, need_labels: bool, 
         raise NbdistError("evaluation needs labels; pass them as y (or --data X,y).")
     data = make_fit_data(x, y, sample_weight, what)
     in_shape = input_shape(model)
-    if in_shape is not None and isinstance(data.x, np.ndarray) and tuple(data.x.shape[1:]) != in_shape:
+    if in_shape is not None and isinstance(data.x, np.ndarray) and not fits_input(data.x.shape[1:], in_shape):
         raise NbdistError(f"the features have shape {tuple(data.x.shape[1:])} per row but {name} expects "
                           f"{in_shape}; pass data shaped like the training data.")
     check_text_inputs(model, data.x, what)
@@ -315,7 +330,7 @@ def _py_dataset(model: Any, dataset: Any, y: Any, sample_weight: Any, need_label
                           "(x, y, sample_weight) from its __getitem__ to evaluate on it.")
     first_x = data.first_row[0]
     in_shape = input_shape(model)
-    if in_shape is not None and isinstance(first_x, np.ndarray) and tuple(first_x.shape[1:]) != in_shape:
+    if in_shape is not None and isinstance(first_x, np.ndarray) and not fits_input(first_x.shape[1:], in_shape):
         raise NbdistError(f"the PyDataset's batches have features of shape {tuple(first_x.shape[1:])} per row but "
                           f"{name} expects {in_shape}; return batches shaped like the training data.")
     check_text_inputs(model, first_x, what)

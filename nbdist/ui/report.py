@@ -22,7 +22,8 @@ def _fmt(value: Any) -> str:
 
 def metric_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [(k, _fmt(v)) for k, v in result.items() if k not in REPORT_KEYS]
-    rows += [(k, _fmt(v)) for k, v in (result.get("averages") or {}).items()]
+    # The report's accuracy under a compiled metric's own name is that metric again: shown once.
+    rows += [(k, _fmt(v)) for k, v in (result.get("averages") or {}).items() if k not in result]
     if "samples" in result:
         rows.append(("samples", _fmt(result["samples"])))
     return rows

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from ..data import flatten
+from ..data import flatten, has_text
 from ..wire.messages import JobMessage, MessageType
-from .datasets import sample_count, tf_structure
+from .datasets import sample_count, tf_structure, uses_tf_data
 
 log = logging.getLogger("nbdist.worker")
 
@@ -31,11 +31,11 @@ def evaluate_shard(model: Any, x: Any, y: Any, batch_size: int, classifier: dict
     extra: dict[str, Any] = {}
     if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):  # one label row and its prediction (Spark's driver)
         extra["y_row"] = np.asarray(y[:1])
-        extra["y_pred_row"] = np.asarray(model.predict(x[:1], batch_size=1, verbose=0))
+        extra["y_pred_row"] = np.asarray(_predict(model, x[:1], 1))
     spec = ClassifierSpec.from_json(classifier)
     if spec is not None:
         # A second pass for the predictions: model.evaluate does not hand them out.
-        extra["stats"] = shard_statistics(y, model.predict(x, verbose=0, **_sized(x, batch_size)), spec)
+        extra["stats"] = shard_statistics(y, _predict(model, x, batch_size), spec)
     return names, state, extra
 
 
@@ -52,6 +52,16 @@ def _unsized_batches(x: Any, y: Any, sample_weight: Any, batch_size: int) -> Any
         return tf.data.Dataset.zip((x, labels)).map(lambda xb, rb: (xb, *rb))
     parts = tf_structure((x, y) if sample_weight is None else (x, y, sample_weight))
     return tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
+
+
+def _predict(model: Any, x: Any, batch_size: int) -> Any:
+    """``model.predict`` on the shard. Text (numpy str or bytes arrays) goes through tf.data, which takes
+    it as tf.string; Keras' own array path refuses a str dtype ("Invalid dtype: str288")."""
+    if not hasattr(x, "element_spec") and has_text(x) and uses_tf_data():
+        import tensorflow as tf
+
+        return model.predict(tf.data.Dataset.from_tensor_slices(tf_structure(x)).batch(batch_size), verbose=0)
+    return model.predict(x, verbose=0, **_sized(x, batch_size))
 
 
 def _sized(x: Any, batch_size: int) -> dict[str, int]:
@@ -87,7 +97,7 @@ def file_features(data_file: dict[str, Any], batch_size: int) -> tuple[Any, int]
 
 def predict_shard(model: Any, x: Any, batch_size: int) -> tuple[Any, list[np.ndarray]]:
     """The predictions as ``model.predict`` returns them, flattened: (their layout, the arrays)."""
-    return _flat_predictions(model.predict(x, verbose=0, **_sized(x, batch_size)))
+    return _flat_predictions(_predict(model, x, batch_size))
 
 
 def py_dataset_share(job: JobMessage) -> Any:

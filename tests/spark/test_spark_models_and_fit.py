@@ -28,3 +28,17 @@ def test_notebook_loss_and_subclassed_model_train_from_a_dataframe(spark, data):
 
 def test_intercepted_fit_with_callbacks_and_class_weight(spark, ip, tmp_path):
     check_intercepted_fit(ip, "--workers 2 --backend spark --strategy allreduce --ui none", tmp_path)
+
+
+def test_a_model_without_an_input_shape_trains_from_a_dataframe(spark, data):
+    """Built before launch on a zero row as wide as the feature columns (the rows stay on the executors), so
+    the workers' weights have a model to come back into."""
+    import keras
+
+    Xtr, Xte, ytr, yte = data
+    model = keras.Sequential([keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    job = nbdist.train(model, digits_frame(spark, Xtr, ytr), features="pixels", label="digit", epochs=5,
+                       batch_size=32, workers=2, backend="spark", ui="none")
+    assert job.status == "done" and model.built and model.layers[0].kernel.shape == (64, 32)
+    assert float((model.predict(Xte, verbose=0).argmax(1) == yte).mean()) > 0.8
