@@ -305,16 +305,10 @@ class Search:
 
     def _fit_job(self, model: Any, fit: dict[str, Any], slot: int) -> Any:
         from .api import prepare_fit
-        from .driver.fit_call import reconcile
+        from .driver.fit_call import fit_plan
 
-        agreed = reconcile(fit, self.explicit)
-        changes = {"epochs": agreed["epochs"], "shuffle": agreed["shuffle"]}
-        if agreed["global_batch"] is not None and not self.lr_scaling_given:
-            changes["lr_scaling"] = "none"  # the global batch is the local one: no rescaling
-        if "batch_size" in agreed:
-            changes["batch_size"] = agreed["batch_size"]
-        return prepare_fit(model, self._trial_config(slot, **changes), fit, agreed["global_batch"],
-                           namespace=self.namespace)
+        fit, changes, global_batch = fit_plan(fit, self.explicit, self.lr_scaling_given)
+        return prepare_fit(model, self._trial_config(slot, **changes), fit, global_batch, namespace=self.namespace)
 
     def _data_job(self, model: Any, slot: int) -> Any:
         from .api import prepare

@@ -242,6 +242,22 @@ def py_dataset_fit_data(fit: dict[str, Any]) -> tuple[PyDatasetData, FitData | P
     return data, validation
 
 
+def fit_plan(fit: dict[str, Any], explicit: dict[str, Any], lr_scaling_given: bool
+             ) -> tuple[dict[str, Any], dict[str, Any], int | None]:
+    """For a cell's ``model.fit(...)`` under the magic's ``explicit`` options: its arguments (a tf.data
+    pipeline read into arrays), the config changes they make, and the global batch."""
+    from ..tf_datasets import fit_from_pipelines
+
+    fit = fit_from_pipelines(fit)
+    agreed = reconcile(fit, explicit)
+    changes = {"epochs": agreed["epochs"], "shuffle": agreed["shuffle"]}
+    if agreed["global_batch"] is not None and not lr_scaling_given:
+        changes["lr_scaling"] = "none"  # the global batch is the local one: no rescaling
+    if "batch_size" in agreed:
+        changes["batch_size"] = agreed["batch_size"]
+    return fit, changes, agreed["global_batch"]
+
+
 def reconcile(fit: dict[str, Any], magic: dict[str, Any]) -> dict[str, Any]:
     """TrainConfig options for this fit call: the magic line's and the call's must agree.
 

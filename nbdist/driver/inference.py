@@ -47,6 +47,7 @@ from ..model_io import ModelSpec, is_keras_model, model_from_spec, travelling_mo
 from ..spark.backend import is_connect_session
 from ..spark.checks import SPARK_BACKENDS, check_label_classes, check_width
 from ..spark.data import SparkData, is_spark_data, is_spark_rdd, spark_dataset, sql_types
+from ..tf_datasets import inference_rows
 from ..wire import protocol
 from ..wire.messages import JobMessage, MessageType
 from .run import Listener, Run
@@ -301,6 +302,7 @@ def _prepare(model: Any, x: Any, y: Any, sample_weight: Any, need_labels: bool, 
     config = _config(options)
     check_model(model, name, need_compiled=need_labels)
     what = "evaluation data" if need_labels else "prediction data"
+    x, y, sample_weight = inference_rows(x, y, sample_weight, what)  # a tf.data pipeline: its arrays
     if is_py_dataset(x):  # fewer batches than workers is fine: a worker without one adds nothing
         return config, _py_dataset(model, x, y, sample_weight, need_labels, what, name)
     if need_labels and y is None:

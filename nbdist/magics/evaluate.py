@@ -10,6 +10,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ..data import is_py_dataset
 from ..errors import NbdistError, TrainingFailed
+from ..tf_datasets import is_tf_dataset
 from .args import apply, data_arguments, lookup_pair, worker_arguments
 
 _batch = argument("--batch-size", type=int, default=256, help="rows per batch on each worker (default: 256)")
@@ -77,7 +78,7 @@ class EvaluateMagics(Magics):
 
             %dist_evaluate model --data X_test,y_test --workers 2
             %dist_evaluate model --data test_df --features pixels --label digit
-            %dist_evaluate model --data ds      # a keras.utils.PyDataset of (x, y) batches
+            %dist_evaluate model --data ds      # a keras.utils.PyDataset or tf.data pipeline of (x, y) batches
         """
         _run(lambda: self._evaluate(line))
 
@@ -88,7 +89,8 @@ class EvaluateMagics(Magics):
         from ..ui.report import EvaluationReport
 
         args, ns, out, model, (x, y) = self._inputs(self.dist_evaluate, line)
-        if y is None and not _is_spark(x) and not is_py_dataset(x):  # a PyDataset's batches hold the labels
+        # A PyDataset's or a tf.data pipeline's batches hold the labels.
+        if y is None and not _is_spark(x) and not is_py_dataset(x) and not is_tf_dataset(x):
             raise NbdistError("--data needs features and labels to evaluate; write it as --data X,y.")
         weights = None
         if args.sample_weight is not None:

@@ -103,6 +103,9 @@ class DistMagics(Magics):
         ``validation_data``: each worker reads its own share of the batch indices (worker r of
         N: r, r+N, ...), so a batch is the PyDataset's own batch and with 2 workers one step
         consumes 2 of them; ``--lr-scaling`` (auto by default) then scales the learning rate.
+        A finite ``tf.data`` pipeline is read once here into the arrays it yields (its batch is
+        the global batch, its ``.shuffle`` the per-epoch shuffle); one that repeats forever or
+        draws random numbers (augmentation in a ``map``) is refused in one sentence.
 
         Or name the data on the magic line and let the cell only build and compile the model
         (``--batch-size`` is then per worker)::
@@ -227,17 +230,12 @@ class DistMagics(Magics):
                     ns: dict[str, Any], calls: list[Any]) -> Any:
         """What the cell's ``model.fit(...)`` does under the magic: train on the workers, return a History."""
         from ..api import prepare_fit
-        from ..driver.fit_call import reconcile
+        from ..driver.fit_call import fit_plan
 
         def run(model: Any, fit: dict[str, Any]) -> Any:
-            agreed = reconcile(fit, explicit)
-            changes = {"epochs": agreed["epochs"], "shuffle": agreed["shuffle"]}
-            if agreed["global_batch"] is not None and args.lr_scaling is None:
-                changes["lr_scaling"] = "none"  # the global batch is the local one: no rescaling
-            if "batch_size" in agreed:
-                changes["batch_size"] = agreed["batch_size"]
+            fit, changes, global_batch = fit_plan(fit, explicit, args.lr_scaling is not None)
             config = TrainConfig(**{**options, **changes})
-            job = prepare_fit(model, config, fit, agreed["global_batch"], namespace=ns)
+            job = prepare_fit(model, config, fit, global_batch, namespace=ns)
             job.start()  # on this (main) thread: workers end with the thread that started them
             calls.append(job)
             ns[f"{args.out}_job"] = job

@@ -1,4 +1,5 @@
-"""Every entry point refuses a stream (tf.data, a generator) with the same one sentence, before any worker starts."""
+"""Every entry point refuses a stream (a generator, a DataLoader) and a tf.data pipeline it cannot read soundly
+with the same one sentence, before any worker starts."""
 from __future__ import annotations
 
 import keras
@@ -12,8 +13,6 @@ from nbdist.errors import NbdistError
 from ..conftest import mlp, worker_processes
 
 STREAMS = {
-    "tf.data": (lambda: __import__("tensorflow").data.Dataset.from_tensor_slices(np.zeros((8, 64), "float32")),
-                "is a tf.data.Dataset"),
     "generator": (lambda: (row for row in np.zeros((8, 64), "float32")), "is a generator or iterator"),
 }
 try:  # the JAX/torch extra: a torch DataLoader is refused as the other streams
@@ -62,6 +61,34 @@ def test_a_stream_is_one_sentence_at_every_entry_point(ip, entry, kind):
     message = str(info.value)
     assert words in message and "pass the arrays it reads from" in message, message
     assert "dtype object" not in message and "\n" not in message
+    assert not worker_processes()
+
+
+def _rows():
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((np.zeros((8, 64), "float32"), np.zeros(8, "int64")))
+
+
+# A finite, batched tf.data pipeline is read into arrays (test_tf_data.py); these three are not.
+PIPELINES = {
+    "repeats forever": (lambda: _rows().batch(4).repeat(), "repeats forever (.repeat())"),
+    "draws random numbers": (lambda: _rows().map(lambda x, y: (x + __import__("tensorflow").random.uniform((64,)), y))
+                             .batch(4), "draws random numbers (RandomUniform"),
+    "is not batched": (_rows, "without .batch(...)"),
+}
+
+
+@pytest.mark.parametrize("entry", [_train_api, _magic_data, _cell_fit, _evaluate, _predict],
+                         ids=["nbdist.train", "--data", "model.fit", "%dist_evaluate", "%dist_predict"])
+@pytest.mark.parametrize("kind", sorted(PIPELINES))
+def test_a_tf_data_pipeline_that_cannot_be_read_once_is_one_sentence_at_every_entry_point(ip, entry, kind):
+    make, words = PIPELINES[kind]
+    ip.user_ns["keras"] = keras
+    with pytest.raises((NbdistError, UsageError)) as info:
+        entry(ip, make())
+    message = str(info.value)
+    assert words in message and "tf.data pipeline" in message and "\n" not in message, message
     assert not worker_processes()
 
 

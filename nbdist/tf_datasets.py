@@ -1,0 +1,182 @@
+"""A finite ``tf.data`` pipeline given where in-memory data goes (``model.fit(ds)``, ``--data ds``,
+``nbdist.train(model, ds)``, evaluate, predict): read once, in the notebook, into the arrays it yields,
+which then take the one data path of arrays.
+
+Sound only for what reading once keeps: a pipeline that draws random numbers (augmentation in a
+``map``) would freeze one draw for every epoch, and one that repeats forever has no end; both are
+refused in one sentence. The pipeline's own ``shuffle`` becomes nbdist's per-epoch shuffle of the rows
+(a full shuffle, where tf.data's is within its buffer); its batch size is the fit's global batch.
+TensorFlow is imported only when a pipeline is given (it is one already).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .data import leaves, not_in_memory, standardize_batch
+from .errors import NbdistError
+
+log = logging.getLogger(__name__)
+
+# The most a pipeline may hold in the notebook: a quarter of the memory available, at most this.
+MAX_BYTES = 8 * 2**30
+BATCH_OPS = ("BatchDataset", "BatchDatasetV2", "ParallelBatchDataset", "PaddedBatchDataset", "PaddedBatchDatasetV2")
+
+
+@dataclass(frozen=True)
+class PipelineRows:
+    """What a pipeline yielded, as Keras reads its batches: x, y and sample weights (None when absent)."""
+
+    x: Any
+    y: Any
+    sample_weight: Any
+    batch_size: int  # rows of its first batch: the fit's global batch
+    shuffled: bool  # it shuffles (each epoch, as tf.data's shuffle does by default)
+
+
+def is_tf_dataset(value: Any) -> bool:
+    return not_in_memory(value) == "a tf.data.Dataset"
+
+
+def pipeline_ops(dataset: Any) -> set[str]:
+    """The op types of the pipeline's graph, its map and filter functions included."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph().numpy())
+    return {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
+
+
+def random_ops(ops: set[str]) -> list[str]:
+    """Ops that draw random numbers (tf.random.*, Keras' Random* layers in a map); tf.data's own
+    ShuffleDataset is not one of them."""
+    return sorted(op for op in ops if "Random" in op)
+
+
+def _budget() -> int:
+    try:
+        import psutil
+
+        return min(MAX_BYTES, psutil.virtual_memory().available // 4)
+    except Exception:  # no psutil: the fixed bound
+        return MAX_BYTES
+
+
+def check_pipeline(dataset: Any, what: str) -> set[str]:
+    """One sentence unless the pipeline is finite, batched and draws no random numbers (nothing is read);
+    returns its op types."""
+    import tensorflow as tf
+
+    if int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+        raise NbdistError(f"{what} is a tf.data pipeline that repeats forever (.repeat()); drop .repeat(): the "
+                          "epochs of model.fit repeat it.")
+    try:
+        ops = pipeline_ops(dataset)
+    except Exception as exc:  # a pipeline tf.data cannot describe (rare): read it without the checks below
+        log.warning("could not inspect the tf.data pipeline (%s: %s)", type(exc).__name__, exc)
+        ops = set(BATCH_OPS[:1])
+    drawn = random_ops(ops)
+    if drawn:
+        raise NbdistError(f"{what} is a tf.data pipeline that draws random numbers ({', '.join(drawn[:3])}, e.g. "
+                          "augmentation in a map): nbdist reads a pipeline into memory once, which would freeze one "
+                          "draw for every epoch; put the augmentation in the model (keras.layers.RandomFlip, "
+                          "RandomRotation, ...) or pass a keras.utils.PyDataset.")
+    if not ops & set(BATCH_OPS):
+        raise NbdistError(f"{what} is a tf.data pipeline without .batch(...): model.fit takes each element as a "
+                          "batch; batch it, e.g. ds.batch(32).")
+    return ops
+
+
+def read_pipeline(dataset: Any, what: str, budget: int | None = None) -> PipelineRows:
+    """The rows of a finite, batched, deterministic tf.data pipeline, or one sentence saying why not."""
+    ops = check_pipeline(dataset, what)
+    limit = _budget() if budget is None else budget
+    batches: list[tuple[Any, ...]] = []
+    size = 0
+    try:
+        for batch in dataset.as_numpy_iterator():
+            if isinstance(batch, tuple) and len(batch) not in (1, 2, 3):
+                raise NbdistError(f"{what} is a tf.data pipeline whose elements have {len(batch)} parts; yield "
+                                  "(x, y), (x, y, sample_weight) or x, as model.fit expects.")
+            parts = standardize_batch(batch)
+            size += sum(a.nbytes for part in parts for a in leaves(part))
+            if size > limit:
+                raise NbdistError(f"{what} is a tf.data pipeline of more than {limit / 2**30:.1f} GiB, which nbdist "
+                                  "would read into the notebook's memory; pass a Spark DataFrame (streamed from the "
+                                  "executors) or a keras.utils.PyDataset, whose batches each worker reads itself.")
+            batches.append(parts)
+    except NbdistError:
+        raise
+    except Exception as exc:
+        raise NbdistError(f"reading {what}, a tf.data pipeline, failed ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}); check that it runs locally, e.g. "
+                          "next(iter(ds)).") from None
+    if not batches:
+        raise NbdistError(f"{what} is a tf.data pipeline that yields no batches; it needs at least one.")
+    if len({len(b) for b in batches}) > 1:
+        raise NbdistError(f"{what}: the tf.data pipeline's batches differ in their parts ((x, y) and (x, y, "
+                          "sample_weight)); yield the same parts in every batch.")
+    try:
+        joined = tuple(_concat([b[i] for b in batches]) for i in range(len(batches[0])))
+    except ValueError as exc:
+        raise NbdistError(f"{what}: the tf.data pipeline's batches differ in shape beyond their rows ({exc}); "
+                          "pad every batch to one shape (e.g. padded_batch with padded_shapes) or pass "
+                          "arrays.") from None
+    first = len(leaves(batches[0][0])[0])
+    x, y, weights = (*joined, None, None)[:3]
+    return PipelineRows(x, y, weights, first, bool({op for op in ops if "ShuffleDataset" in op}))
+
+
+def _concat(parts: list[Any]) -> Any:
+    """One structure (array, list or dict of arrays) from a batch's structures, leaf by leaf."""
+    first = parts[0]
+    if isinstance(first, dict):
+        return {k: _concat([p[k] for p in parts]) for k in first}
+    if isinstance(first, list):
+        return [_concat([p[i] for p in parts]) for i in range(len(first))]
+    shapes = {np.shape(p)[1:] for p in parts}
+    if len(shapes) > 1:
+        raise ValueError(" and ".join(str(s) for s in sorted(shapes)[:2]))
+    return np.concatenate(parts, axis=0)
+
+
+def fit_from_pipelines(fit: dict[str, Any]) -> dict[str, Any]:
+    """``model.fit``'s arguments with its tf.data pipelines (x, validation_data) as the arrays they yield,
+    and the batch size and shuffling they had."""
+    x, vd = fit.get("x"), fit.get("validation_data")
+    if not is_tf_dataset(x) and not is_tf_dataset(vd):
+        return fit
+    out = dict(fit)
+    if is_tf_dataset(x):
+        rows = read_pipeline(x, "the training data x")
+        for name in ("y", "sample_weight"):
+            if fit.get(name) is not None:
+                raise NbdistError(f"model.fit got a tf.data pipeline as x and {name} too; drop {name}: the "
+                                  "pipeline's batches hold the labels and weights, (x, y) or (x, y, sample_weight).")
+        if rows.y is None:
+            raise NbdistError("the training data x is a tf.data pipeline whose batches hold no labels; yield "
+                              "(x, y) batches to train on it.")
+        out.update(x=rows.x, y=rows.y, sample_weight=rows.sample_weight, batch_size=rows.batch_size,
+                   shuffle=rows.shuffled)
+        log.info("read the tf.data pipeline into %d rows, batch %d, %s", len(leaves(rows.x)[0]), rows.batch_size,
+                 "shuffled each epoch" if rows.shuffled else "in order")
+    if is_tf_dataset(vd):
+        val = read_pipeline(vd, "validation_data")
+        if val.y is None:
+            raise NbdistError("validation_data is a tf.data pipeline whose batches hold no labels; yield (x, y).")
+        out["validation_data"] = tuple(p for p in (val.x, val.y, val.sample_weight) if p is not None)
+    return out
+
+
+def inference_rows(x: Any, y: Any, sample_weight: Any, what: str) -> tuple[Any, Any, Any]:
+    """evaluate's / predict's x, y and weights when x is a tf.data pipeline (its batches hold y)."""
+    if not is_tf_dataset(x):
+        return x, y, sample_weight
+    rows = read_pipeline(x, f"the {what}")
+    if y is not None or sample_weight is not None:
+        raise NbdistError(f"the {what} is a tf.data pipeline and y or sample_weight was given too; drop them: the "
+                          "pipeline's batches hold the labels and weights, as in model.evaluate(ds).")
+    return rows.x, rows.y, rows.sample_weight
+

@@ -1,0 +1,64 @@
+"""Reading a tf.data pipeline once (nbdist/tf_datasets.py): what it yields, and what it refuses, in one sentence."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from nbdist.errors import NbdistError  # noqa: E402
+from nbdist.tf_datasets import fit_from_pipelines, read_pipeline  # noqa: E402
+
+X = np.arange(40, dtype="float32").reshape(20, 2)
+Y = np.arange(20, dtype="int64")
+
+
+def test_rows_batch_size_and_shuffle_come_from_the_pipeline():
+    rows = read_pipeline(tf.data.Dataset.from_tensor_slices((X, Y)).batch(8).prefetch(1), "x")
+    np.testing.assert_array_equal(rows.x, X)
+    np.testing.assert_array_equal(rows.y, Y)
+    assert rows.sample_weight is None and rows.batch_size == 8 and not rows.shuffled
+    shuffled = read_pipeline(tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(20, seed=1).batch(8), "x")
+    assert shuffled.shuffled and sorted(shuffled.y.tolist()) == Y.tolist()
+    # Each row keeps its label through the shuffle.
+    np.testing.assert_array_equal(shuffled.x[:, 0], shuffled.y * 2)
+
+
+def test_several_inputs_weights_and_a_validation_pipeline():
+    inputs = {"a": X, "b": X[:, :1]}
+    weights = np.linspace(0.5, 1.5, 20).astype("float32")
+    fit = {"x": tf.data.Dataset.from_tensor_slices((inputs, Y, weights)).batch(6), "y": None, "sample_weight": None,
+           "batch_size": None, "shuffle": True,
+           "validation_data": tf.data.Dataset.from_tensor_slices(((X, X), Y)).batch(5)}
+    out = fit_from_pipelines(fit)
+    assert set(out["x"]) == {"a", "b"} and out["x"]["b"].shape == (20, 1)
+    np.testing.assert_allclose(out["sample_weight"], weights)
+    assert out["batch_size"] == 6 and out["shuffle"] is False
+    xv, yv = out["validation_data"]
+    assert isinstance(xv, list) and len(xv) == 2 and yv.shape == (20,)
+    assert fit_from_pipelines({"x": X, "validation_data": None}) == {"x": X, "validation_data": None}
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: tf.data.Dataset.from_tensor_slices((X, Y)).batch(4).repeat(), "repeats forever"),
+    (lambda: tf.data.Dataset.from_tensor_slices((X, Y)).map(lambda x, y: (x * tf.random.normal((2,)), y)).batch(4),
+     "draws random numbers (RandomStandardNormal"),
+    (lambda: tf.data.Dataset.from_tensor_slices((X, Y)), "without .batch(...)"),
+    (lambda: tf.data.Dataset.range(20).map(lambda i: (tf.zeros((i + 1,)), i)).padded_batch(4),
+     "differ in shape beyond their rows"),
+    (lambda: tf.data.Dataset.from_tensor_slices((X, Y, Y, Y)).batch(4), "elements have 4 parts"),
+    (lambda: tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: y < 0).batch(4), "yields no batches"),
+])
+def test_what_reading_once_cannot_keep_is_one_sentence(make, words):
+    with pytest.raises(NbdistError) as info:
+        read_pipeline(make(), "the training data x")
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_a_pipeline_larger_than_the_budget_is_refused_before_it_is_all_read():
+    seen = []
+    big = tf.data.Dataset.from_tensor_slices((X, Y)).batch(2).map(
+        lambda x, y: (tf.numpy_function(lambda v: seen.append(1) or v, [x], tf.float32), y))
+    with pytest.raises(NbdistError, match="pipeline of more than .* pass a Spark DataFrame"):
+        read_pipeline(big, "the training data x", budget=100)
+    assert len(seen) < 10
