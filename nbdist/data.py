@@ -99,11 +99,46 @@ def pipeline_message(kind: str, what: str) -> str:
             f"keras.utils.PyDataset, whose batches nbdist deals to the workers.")
 
 
+# The most an input read whole into the notebook (a tf.data pipeline, a sparse matrix made dense) may take:
+# a quarter of the memory available, at most this.
+MAX_READ_BYTES = 8 * 2**30
+
+
+def memory_budget() -> int:
+    try:
+        import psutil
+
+        return min(MAX_READ_BYTES, psutil.virtual_memory().available // 4)
+    except Exception:  # no psutil: the fixed bound
+        return MAX_READ_BYTES
+
+
+def is_scipy_sparse(value: Any) -> bool:
+    """A scipy.sparse matrix or array (told by its module, so this module needs no scipy)."""
+    return type(value).__module__.startswith("scipy.sparse") and hasattr(value, "toarray")
+
+
+def dense_from_sparse(value: Any, what: str, budget: int | None = None) -> np.ndarray:
+    """A scipy sparse matrix (TfidfVectorizer's, OneHotEncoder's) as the dense rows Keras' Dense layers compute
+    on alike; refused in one sentence when that would not fit in memory."""
+    rows, cols = value.shape
+    dtype = np.float32 if value.dtype.kind in "fb" or value.dtype.itemsize > 4 else value.dtype
+    size = rows * cols * np.dtype(dtype).itemsize
+    limit = memory_budget() if budget is None else budget
+    if size > limit:
+        raise NbdistError(f"{what} is a scipy sparse matrix of {rows} x {cols}, {size / 2**30:.1f} GiB as dense rows "
+                          f"(more than {limit / 2**30:.1f} GiB); reduce its columns (e.g. max_features=...) or "
+                          "train from a Spark DataFrame, which streams.")
+    return np.asarray(value.toarray(), dtype=dtype)
+
+
 def as_array(value: Any, what: str) -> np.ndarray:
     """numpy arrays, pandas objects and nested lists as one array, or one sentence."""
     kind = not_in_memory(value)
     if kind is not None:  # every entry point refuses a stream with the same sentence
         raise NbdistError(pipeline_message(kind, what))
+    if is_scipy_sparse(value):
+        return dense_from_sparse(value, what)
     if hasattr(value, "to_numpy") and callable(value.to_numpy):  # pandas DataFrame / Series
         value = value.to_numpy()
     try:

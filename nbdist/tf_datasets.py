@@ -16,13 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from .data import leaves, not_in_memory, standardize_batch
+from .data import leaves, memory_budget, not_in_memory, standardize_batch
 from .errors import NbdistError
 
 log = logging.getLogger(__name__)
 
-# The most a pipeline may hold in the notebook: a quarter of the memory available, at most this.
-MAX_BYTES = 8 * 2**30
 BATCH_OPS = ("BatchDataset", "BatchDatasetV2", "ParallelBatchDataset", "PaddedBatchDataset", "PaddedBatchDatasetV2")
 
 
@@ -55,15 +53,6 @@ def random_ops(ops: set[str]) -> list[str]:
     return sorted(op for op in ops if "Random" in op)
 
 
-def _budget() -> int:
-    try:
-        import psutil
-
-        return min(MAX_BYTES, psutil.virtual_memory().available // 4)
-    except Exception:  # no psutil: the fixed bound
-        return MAX_BYTES
-
-
 def check_pipeline(dataset: Any, what: str) -> set[str]:
     """One sentence unless the pipeline is finite, batched and draws no random numbers (nothing is read);
     returns its op types."""
@@ -92,7 +81,7 @@ def check_pipeline(dataset: Any, what: str) -> set[str]:
 def read_pipeline(dataset: Any, what: str, budget: int | None = None) -> PipelineRows:
     """The rows of a finite, batched, deterministic tf.data pipeline, or one sentence saying why not."""
     ops = check_pipeline(dataset, what)
-    limit = _budget() if budget is None else budget
+    limit = memory_budget() if budget is None else budget
     batches: list[tuple[Any, ...]] = []
     size = 0
     try:

@@ -72,3 +72,16 @@ def test_strided_shares_go_back_in_the_datasets_order(batches, world):
 
     shares = [list(share_indices(epoch_order(batches, False, 0, 0), r, world)) for r in range(world)]
     assert strided_batches(shares) == list(range(batches))
+
+
+def test_a_scipy_sparse_matrix_is_its_dense_rows_or_one_sentence_when_too_large():
+    """TfidfVectorizer's output, as Keras' fit takes it: a Dense layer computes alike on the dense rows."""
+    sparse = pytest.importorskip("scipy.sparse")
+    from nbdist.data import dense_from_sparse, make_fit_data
+
+    matrix = sparse.random(30, 12, density=0.2, format="csr", random_state=0, dtype="float64")
+    data = make_fit_data(matrix, np.arange(30) % 2)
+    assert data.x.dtype == np.float32 and data.x.shape == (30, 12)
+    np.testing.assert_allclose(data.x, matrix.toarray(), rtol=1e-6)
+    with pytest.raises(NbdistError, match=r"scipy sparse matrix of 30 x 12, .* reduce its columns"):
+        dense_from_sparse(matrix, "training data x", budget=100)
