@@ -37,6 +37,7 @@ from typing import Any
 
 from ..config import TrainConfig, default_local_workers
 from ..errors import NbdistError
+from ..placement import core_slices, usable_cores
 from ..procs import read_log_tail
 from ..wire.secret import hand_over
 from .command import container_env, job_command, package_root
@@ -56,6 +57,7 @@ ENGINE_TIMEOUT = 60.0  # seconds for one engine command (info, import, stop, rm)
 class Engine:
     name: str  # "podman" or "docker": decides the GPU flags
     path: str
+    cpuset: bool = False  # containers can be pinned to cores (--cpuset-cpus): the cpuset cgroup is there
 
     def run(self, args: list[str], timeout: float = ENGINE_TIMEOUT, input: bytes | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
@@ -84,13 +86,31 @@ def find_engine(candidates: list[str] | None = None) -> Engine:
             tried.append(f"{cand} (`{name} info` did not answer: {exc})")
             continue
         if proc.returncode == 0:
-            return Engine(name, path)
+            return Engine(name, path, cpuset_available(name, proc.stdout.decode("utf-8", "replace")
+                                                       + proc.stderr.decode("utf-8", "replace")))
         lines = proc.stderr.decode("utf-8", "replace").strip().splitlines()
         tried.append(f"{cand} (`{name} info` failed: {lines[-1] if lines else 'exit ' + str(proc.returncode)})")
     raise NbdistError(
         f"--backend containers needs Podman or Docker, and neither is usable: tried {'; '.join(tried)}; "
         "install Podman (scripts/install_system_deps.sh does) or start Docker's engine, or use --backend local."
     )
+
+
+def cpuset_available(name: str, info: str) -> bool:
+    """Whether ``<engine> info`` says containers can be given cores: Podman lists ``cpuset`` among its
+    cgroup controllers (rootless, only where it was delegated); Docker warns when it has no cpuset."""
+    if name != "podman":
+        return "No cpuset support" not in info
+    lines = info.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "cgroupControllers:"), None)
+    if start is None:
+        return False
+    controllers = []
+    for line in lines[start + 1:]:
+        if not line.strip().startswith("- "):
+            break
+        controllers.append(line.strip()[2:].strip())
+    return "cpuset" in controllers
 
 
 # -- the default image ---------------------------------------------------------
@@ -184,7 +204,8 @@ def gpu_flags(engine_name: str, gpus: str | None) -> list[str]:
 
 
 def run_command(engine: Engine, *, name: str, run_id: str, rank: int, image: str, python: str,
-                address: tuple[str, int], threads: int, mounts: list[str], config: TrainConfig) -> list[str]:
+                address: tuple[str, int], threads: int, mounts: list[str], config: TrainConfig,
+                cores: set[int] | None = None) -> list[str]:
     """``<engine> run ...`` for one worker. The secret is not here: it goes to the worker's stdin
     (``-i``), so neither the command line nor ``<engine> inspect`` shows it."""
     cmd = [engine.path, "run", "--rm", "-i", "--name", name, "--label", f"{LABEL}={run_id}",
@@ -197,6 +218,8 @@ def run_command(engine: Engine, *, name: str, run_id: str, rank: int, image: str
         cmd += ["--env", f"{k}={v}"]
     if config.container_cpus:
         cmd += ["--cpus", f"{config.container_cpus:g}"]
+    if cores:  # its own cores, as a local worker is pinned to them (placement.core_slices)
+        cmd += ["--cpuset-cpus", ",".join(str(c) for c in sorted(cores))]
     if config.container_memory:
         cmd += ["--memory", config.container_memory]
     cmd += gpu_flags(engine.name, config.container_gpus)
@@ -260,10 +283,12 @@ class ContainerBackend:
         else:
             image, python, mounts = ensure_base_image(self.engine), sys.executable, environment_mounts()
         self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-containers-"))
+        cores = usable_cores() if self.engine.cpuset else None
+        slices = core_slices(cores, world_size, threads_per_worker) if cores else None
         for rank, name in enumerate(self.container_names(world_size)):
             cmd = run_command(self.engine, name=name, run_id=self.run_id, rank=rank, image=image,
                               python=python, address=address, threads=threads_per_worker,
-                              mounts=mounts, config=self.config)
+                              mounts=mounts, config=self.config, cores=slices[rank] if slices else None)
             log_path = self.run_dir / f"worker-{rank}.log"
             with open(log_path, "wb") as out:
                 proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,

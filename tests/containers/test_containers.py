@@ -162,11 +162,14 @@ def test_two_containers_match_local_accuracy_and_leave_nothing(engine, split, st
     local.fit(x_train, y_train, batch_size=64, epochs=EPOCHS, verbose=0)
     # The workers really run in containers: each process is in its container's cgroup (they share the
     # host's PID namespace, so their pids are the host's), read as soon as both have said hello.
+    # Each is pinned to its own cores (--cpuset-cpus), as local workers are, where the engine can.
     cgroups: list[str] = []
+    cores: list[set[int]] = []
 
     def read_cgroups(kind, state, payload):
         if kind == "worker" and not cgroups and all(w.pid is not None for w in state.workers):
             cgroups.extend(Path(f"/proc/{w.pid}/cgroup").read_text() for w in state.workers)
+            cores.extend(os.sched_getaffinity(w.pid) for w in state.workers)
 
     job = start_job(dist, x_train, y_train, epochs=EPOCHS, batch_size=32, workers=2, seed=3,
                     backend="containers", strategy=strategy, listeners=[read_cgroups])
@@ -174,6 +177,8 @@ def test_two_containers_match_local_accuracy_and_leave_nothing(engine, split, st
     job.wait(timeout=240)
     assert job.status == "done"
     assert len(cgroups) == 2 and all("libpod-" in c or "docker" in c for c in cgroups), cgroups
+    if engine.cpuset and len(os.sched_getaffinity(0)) >= 2:
+        assert len(cores) == 2 and cores[0] and not cores[0] & cores[1], cores
     local_acc, dist_acc = accuracy(local, x_test, y_test), accuracy(dist, x_test, y_test)
     assert dist_acc >= local_acc - 0.01, (dist_acc, local_acc)
     assert len(job.history["loss"]) == EPOCHS and job.history["loss"][-1] < job.history["loss"][0]

@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 import nbdist
 from nbdist.backends.command import (
     STARTUP_KEYS,
@@ -21,7 +23,7 @@ from nbdist.backends.command import (
     warm_socket_command,
     worker_env,
 )
-from nbdist.backends.containers import Engine, run_command
+from nbdist.backends.containers import Engine, cpuset_available, run_command
 from nbdist.config import TrainConfig
 from nbdist.procs import read_log_tail
 from nbdist.worker.main import _parse
@@ -79,6 +81,22 @@ def test_the_container_command_line_ends_in_the_workers_own():
     assert cmd[cmd.index("img"):] == ["img", *job_command(("127.0.0.1", 9), 2, python="python")]
     assert "--die-with-parent" not in cmd  # the engine client is the parent, not the notebook
     assert "OMP_NUM_THREADS=2" in cmd and "TF_NUM_INTEROP_THREADS=2" in cmd and "CUDA_VISIBLE_DEVICES=" in cmd
+    assert "--cpuset-cpus" not in cmd
+    pinned = run_command(Engine("podman", "/usr/bin/podman", cpuset=True), name="n", run_id="r", rank=1,
+                         image="img", python="python", address=("127.0.0.1", 9), threads=2, mounts=[],
+                         config=TrainConfig(backend="containers"), cores={3, 2})
+    assert pinned[pinned.index("--cpuset-cpus") + 1] == "2,3" and pinned.index("--cpuset-cpus") < pinned.index("img")
+
+
+@pytest.mark.parametrize("name, info, pinned", [
+    ("podman", "host:\n  cgroupControllers:\n  - cpuset\n  - cpu\n  cgroupManager: systemd\n", True),
+    ("podman", "host:\n  cgroupControllers:\n  - cpu\n  - memory\n  cgroupManager: systemd\n", False),  # rootless
+    ("podman", "host:\n  cgroupControllers: []\n", False),
+    ("docker", "Server:\n Cgroup Version: 2\n", True),
+    ("docker", "Server:\nWARNING: No cpuset support\n", False),
+])
+def test_containers_are_pinned_to_cores_only_where_the_engine_has_the_cpuset_cgroup(name, info, pinned):
+    assert cpuset_available(name, info) is pinned
 
 
 def test_warm_worker_sockets_are_named_after_every_variable_the_worker_env_decides():
