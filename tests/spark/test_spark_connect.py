@@ -214,6 +214,18 @@ def test_streamed_over_connect_equals_in_memory_on_the_same_rows(spark, data, no
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_a_model_without_an_input_shape_trains_over_connect(spark, data):
+    """Built on a zero row as wide as the feature column, read from the Connect DataFrame's schema and first row."""
+    import keras
+
+    Xtr, Xte, ytr, yte = data
+    model = keras.Sequential([keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    job = nbdist.train(model, _frame(spark, Xtr, ytr), features="pixels", label="digit", epochs=2, batch_size=32,
+                       workers=2, ui="none")
+    assert job.status == "done" and job.state.backend == "spark" and model.layers[0].kernel.shape == (64, 16)
+
+
 def test_validation_dataframe_streams_over_connect_with_exact_metrics(spark, data, test_frame, no_leftover_workers):
     Xtr, Xte, ytr, yte = data
     model = small_model()
