@@ -20,9 +20,9 @@ from .driver.inference import evaluate, predict  # noqa: F401 - the API under %d
 from .driver.training import TrainingJob
 from .errors import NbdistError
 from .model_io import check_trainable, ensure_built
+from .pipelines import check_any, fit_from_pipelines, is_pipeline
 from .spark.checks import feature_width
 from .spark.data import is_spark_data, spark_dataset, spark_validation
-from .tf_datasets import check_pipeline, fit_from_pipelines, is_tf_dataset
 from .tracking import track
 from .ui import make_renderer
 
@@ -119,7 +119,12 @@ def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_bat
     """A job for one ``model.fit(...)``'s arguments (driver/fit_call.py), not yet started."""
     from .driver.fit_call import check_fit_arguments, fit_data, prepare_fit_run
 
-    fit = fit_from_pipelines(fit)  # a finite tf.data pipeline: read once into the arrays it yields
+    piped = is_pipeline(fit.get("x"))
+    fit = fit_from_pipelines(fit)  # an input pipeline: read once into the arrays it yields
+    if piped and global_batch is None:  # --data ds, nbdist.train(model, ds): its batch is the global one, as in fit
+        global_batch = fit["batch_size"]
+        config = config.replace(shuffle=fit["shuffle"],
+                                **({"lr_scaling": "none"} if config.lr_scaling == "auto" else {}))
     x = fit.get("x")
     spark_in_fit(x, fit.get("validation_data"))
     kind = None if is_py_dataset(x) else not_in_memory(x)
@@ -194,6 +199,6 @@ def training_data(x: Any, y: Any, features: str | list[str] | None = None, label
     no_columns(features, label)
     if is_py_dataset(x):
         return make_py_dataset_data(x, "training data")
-    if is_tf_dataset(x):  # read once, when the fit's arguments are (tf_datasets.fit_from_pipelines)
-        return check_pipeline(x, "the training data x")
+    if is_pipeline(x):  # read once, when the fit's arguments are (pipelines.fit_from_pipelines)
+        return check_any(x, "the training data x")
     return make_fit_data(x, y, what="training data")

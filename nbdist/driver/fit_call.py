@@ -246,7 +246,7 @@ def fit_plan(fit: dict[str, Any], explicit: dict[str, Any], lr_scaling_given: bo
              ) -> tuple[dict[str, Any], dict[str, Any], int | None]:
     """For a cell's ``model.fit(...)`` under the magic's ``explicit`` options: its arguments (a tf.data
     pipeline read into arrays), the config changes they make, and the global batch."""
-    from ..tf_datasets import fit_from_pipelines
+    from ..pipelines import fit_from_pipelines
 
     fit = fit_from_pipelines(fit)
     agreed = reconcile(fit, explicit)

@@ -44,10 +44,10 @@ from ..metrics import (
     sum_states,
 )
 from ..model_io import ModelSpec, is_keras_model, model_from_spec, travelling_model
+from ..pipelines import inference_rows
 from ..spark.backend import is_connect_session
 from ..spark.checks import SPARK_BACKENDS, check_label_classes, check_width
 from ..spark.data import SparkData, is_spark_data, is_spark_rdd, spark_dataset, sql_types
-from ..tf_datasets import inference_rows
 from ..wire import protocol
 from ..wire.messages import JobMessage, MessageType
 from .run import Listener, Run

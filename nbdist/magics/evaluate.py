@@ -10,7 +10,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ..data import is_py_dataset
 from ..errors import NbdistError, TrainingFailed
-from ..tf_datasets import is_tf_dataset
+from ..pipelines import is_pipeline
 from .args import apply, data_arguments, lookup_pair, worker_arguments
 
 _batch = argument("--batch-size", type=int, default=256, help="rows per batch on each worker (default: 256)")
@@ -89,8 +89,8 @@ class EvaluateMagics(Magics):
         from ..ui.report import EvaluationReport
 
         args, ns, out, model, (x, y) = self._inputs(self.dist_evaluate, line)
-        # A PyDataset's or a tf.data pipeline's batches hold the labels.
-        if y is None and not _is_spark(x) and not is_py_dataset(x) and not is_tf_dataset(x):
+        # A PyDataset's or an input pipeline's batches hold the labels.
+        if y is None and not _is_spark(x) and not is_py_dataset(x) and not is_pipeline(x):
             raise NbdistError("--data needs features and labels to evaluate; write it as --data X,y.")
         weights = None
         if args.sample_weight is not None:

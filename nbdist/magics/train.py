@@ -103,9 +103,10 @@ class DistMagics(Magics):
         ``validation_data``: each worker reads its own share of the batch indices (worker r of
         N: r, r+N, ...), so a batch is the PyDataset's own batch and with 2 workers one step
         consumes 2 of them; ``--lr-scaling`` (auto by default) then scales the learning rate.
-        A finite ``tf.data`` pipeline is read once here into the arrays it yields (its batch is
-        the global batch, its ``.shuffle`` the per-epoch shuffle); one that repeats forever or
-        draws random numbers (augmentation in a ``map``) is refused in one sentence.
+        A finite ``tf.data`` pipeline, or a torch ``DataLoader`` over a ``TensorDataset``, is read
+        once here into the arrays it yields (its batch is the global batch, its shuffle the
+        per-epoch shuffle); one that repeats forever or draws random numbers (augmentation in a
+        ``map``) is refused in one sentence.
 
         Or name the data on the magic line and let the cell only build and compile the model
         (``--batch-size`` is then per worker)::

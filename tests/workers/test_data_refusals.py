@@ -19,8 +19,9 @@ STREAMS = {
 try:  # the JAX/torch extra: a torch DataLoader is refused as the other streams
     import torch.utils.data
 
+    # Over a TensorDataset it is read once into arrays (test_pipelines.py); over anything else it is not.
     STREAMS["torch DataLoader"] = (lambda: torch.utils.data.DataLoader(np.zeros((8, 64), "float32"), batch_size=4),
-                                   "is a torch DataLoader", "pass the arrays it reads from")
+                                   "is a torch DataLoader over a ndarray", "cannot be read once")
 except ImportError:
     pass
 CELL = ("model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation='softmax')])\n"

@@ -1,5 +1,6 @@
-"""A finite tf.data pipeline where in-memory data goes: read once in the notebook into the arrays it yields,
-with its batch size as the global batch and its shuffle as the per-epoch shuffle (nbdist/tf_datasets.py)."""
+"""A finite tf.data pipeline or a torch DataLoader over tensors where in-memory data goes: read once in the
+notebook into the arrays it yields, with its batch size as the global batch and its shuffle as the per-epoch
+shuffle (nbdist/pipelines.py)."""
 from __future__ import annotations
 
 import keras
@@ -44,3 +45,20 @@ def test_evaluate_and_predict_take_a_pipeline_as_keras_does(digits):
         assert merged[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     predicted = nbdist.predict(model, tf.data.Dataset.from_tensor_slices(x).batch(100), workers=2, backend="local")
     np.testing.assert_allclose(predicted, model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_a_torch_loader_over_tensors_trains_as_the_local_fit_on_it(digits):
+    """Keras' fit takes a torch DataLoader on every backend; nbdist.train on one equals the local fit to 1e-5."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = digits[0][:512], digits[1][:512]
+    loader = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=64, shuffle=False)
+    local = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
+    remote = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
+    remote.set_weights(local.get_weights())
+    expected = local.fit(loader, epochs=2, verbose=0).history
+    job = nbdist.train(remote, loader, epochs=2, workers=2, strategy="allreduce", backend="local")
+    err = relative_error(remote.get_weights(), local.get_weights())
+    assert err < 1e-5, err
+    np.testing.assert_allclose(job.fit_history.history["loss"], expected["loss"], rtol=1e-5)

@@ -1,4 +1,4 @@
-"""Reading a tf.data pipeline once (nbdist/tf_datasets.py): what it yields, and what it refuses, in one sentence."""
+"""Reading a tf.data pipeline once (nbdist/pipelines.py): what it yields, and what it refuses, in one sentence."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from nbdist.errors import NbdistError  # noqa: E402
-from nbdist.tf_datasets import fit_from_pipelines, read_pipeline  # noqa: E402
+from nbdist.pipelines import fit_from_pipelines, read_pipeline  # noqa: E402
 
 X = np.arange(40, dtype="float32").reshape(20, 2)
 Y = np.arange(20, dtype="int64")
@@ -62,3 +62,40 @@ def test_a_pipeline_larger_than_the_budget_is_refused_before_it_is_all_read():
     with pytest.raises(NbdistError, match="pipeline of more than .* pass a Spark DataFrame"):
         read_pipeline(big, "the training data x", budget=100)
     assert len(seen) < 10
+
+
+def test_a_torch_loader_over_tensors_is_its_tensors_its_batch_and_its_shuffle():
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nbdist.pipelines import read_any
+
+    weights = torch.linspace(0.5, 1.5, 20)
+    rows = read_any(DataLoader(TensorDataset(torch.from_numpy(X), torch.from_numpy(Y), weights), batch_size=6,
+                               shuffle=True), "the training data x")
+    np.testing.assert_array_equal(rows.x, X)
+    np.testing.assert_array_equal(rows.y, Y)
+    np.testing.assert_allclose(rows.sample_weight, weights.numpy())
+    assert rows.batch_size == 6 and rows.shuffled
+    assert not read_any(DataLoader(TensorDataset(torch.from_numpy(X)), batch_size=4), "x").shuffled
+
+
+def test_what_a_torch_loader_cannot_keep_when_read_once_is_one_sentence():
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+    from nbdist.pipelines import read_any
+
+    tensors = TensorDataset(torch.from_numpy(X), torch.from_numpy(Y))
+    cases = [
+        (DataLoader(X, batch_size=4), "over a ndarray, whose __getitem__ may change a row"),
+        (DataLoader(tensors, batch_size=4, sampler=RandomSampler(tensors, replacement=True)), "its own sampler"),
+        (DataLoader(tensors, batch_size=4, collate_fn=lambda b: b), "its own collate_fn"),
+        (DataLoader(tensors, batch_size=6, drop_last=True), "drop_last=True, which drops 2 different rows"),
+    ]
+    for loader, words in cases:
+        with pytest.raises(NbdistError) as info:
+            read_any(loader, "the training data x")
+        assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+    with pytest.raises(NbdistError, match="DataLoader of more than"):
+        read_any(DataLoader(tensors, batch_size=4), "x", budget=100)

@@ -1,12 +1,14 @@
-"""A finite ``tf.data`` pipeline given where in-memory data goes (``model.fit(ds)``, ``--data ds``,
-``nbdist.train(model, ds)``, evaluate, predict): read once, in the notebook, into the arrays it yields,
-which then take the one data path of arrays.
+"""Input pipelines given where in-memory data goes (``model.fit(ds)``, ``--data ds``,
+``nbdist.train(model, ds)``, evaluate, predict), read once, in the notebook, into the arrays they
+yield, which then take the one data path of arrays: a finite ``tf.data`` pipeline, and a torch
+``DataLoader`` over a ``TensorDataset``.
 
 Sound only for what reading once keeps: a pipeline that draws random numbers (augmentation in a
-``map``) would freeze one draw for every epoch, and one that repeats forever has no end; both are
-refused in one sentence. The pipeline's own ``shuffle`` becomes nbdist's per-epoch shuffle of the rows
-(a full shuffle, where tf.data's is within its buffer); its batch size is the fit's global batch.
-TensorFlow is imported only when a pipeline is given (it is one already).
+``map``, or in a torch dataset's ``__getitem__``, which cannot be seen and so is not read) would freeze
+one draw for every epoch, and one that repeats forever has no end; both are refused in one sentence.
+The pipeline's own shuffle becomes nbdist's per-epoch shuffle of the rows (a full shuffle, as a
+DataLoader's; tf.data's is within its buffer); its batch size is the fit's global batch. TensorFlow
+and torch are imported only when such a pipeline is given (they are then already).
 """
 from __future__ import annotations
 
@@ -37,6 +39,72 @@ class PipelineRows:
 
 def is_tf_dataset(value: Any) -> bool:
     return not_in_memory(value) == "a tf.data.Dataset"
+
+
+def is_torch_loader(value: Any) -> bool:
+    return not_in_memory(value) == "a torch DataLoader"
+
+
+def is_pipeline(value: Any) -> bool:
+    """A pipeline this module reads (or refuses with its own sentence)."""
+    return is_tf_dataset(value) or is_torch_loader(value)
+
+
+def read_any(value: Any, what: str, budget: int | None = None) -> PipelineRows:
+    return read_loader(value, what, budget) if is_torch_loader(value) else read_pipeline(value, what, budget)
+
+
+def check_any(value: Any, what: str) -> None:
+    """The refusals that need no reading."""
+    if is_torch_loader(value):
+        _loader_tensors(value, what)
+    else:
+        check_pipeline(value, what)
+
+
+def _loader_tensors(loader: Any, what: str) -> list[Any]:
+    """The tensors of a DataLoader that reading once keeps exactly, or one sentence."""
+    from torch.utils.data import RandomSampler, SequentialSampler, TensorDataset
+    from torch.utils.data._utils.collate import default_collate
+
+    dataset = loader.dataset
+    if not isinstance(dataset, TensorDataset):
+        raise NbdistError(f"{what} is a torch DataLoader over a {type(dataset).__name__}, whose __getitem__ may "
+                          "change a row every epoch (random augmentation) and cannot be read once; pass the arrays, "
+                          "a DataLoader over a TensorDataset, or a keras.utils.PyDataset.")
+    if loader.batch_size is None or type(loader.sampler) not in (RandomSampler, SequentialSampler) or (
+            isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement
+                                                           or loader.sampler._num_samples is not None)):
+        raise NbdistError(f"{what} is a torch DataLoader with its own sampler; nbdist deals the rows itself: use "
+                          "batch_size=N with shuffle=True or False, or pass the arrays.")
+    if loader.collate_fn is not default_collate:
+        raise NbdistError(f"{what} is a torch DataLoader with its own collate_fn, which nbdist cannot read once "
+                          "soundly; pass the arrays it collates, or a keras.utils.PyDataset.")
+    rows = len(dataset)
+    if loader.drop_last and rows % loader.batch_size:
+        raise NbdistError(f"{what} is a torch DataLoader with drop_last=True, which drops {rows % loader.batch_size} "
+                          "different rows every epoch; set drop_last=False (or make the rows a multiple of "
+                          "batch_size).")
+    if not 1 <= len(dataset.tensors) <= 3:
+        raise NbdistError(f"{what} is a torch DataLoader over {len(dataset.tensors)} tensors; give it x, (x, y) "
+                          "or (x, y, sample_weight).")
+    return list(dataset.tensors)
+
+
+def read_loader(loader: Any, what: str, budget: int | None = None) -> PipelineRows:
+    """The rows of a DataLoader over a TensorDataset (its tensors), its batch size and whether it shuffles."""
+    from torch.utils.data import RandomSampler
+
+    tensors = _loader_tensors(loader, what)
+    limit = memory_budget() if budget is None else budget
+    size = sum(t.element_size() * t.nelement() for t in tensors)
+    if size > limit:
+        raise NbdistError(f"{what} is a torch DataLoader of more than {limit / 2**30:.1f} GiB, which nbdist would "
+                          "read into the notebook's memory; pass a Spark DataFrame (streamed from the executors) or "
+                          "a keras.utils.PyDataset, whose batches each worker reads itself.")
+    parts = standardize_batch(tuple(t.detach().cpu().numpy() for t in tensors))
+    x, y, weights = (*parts, None, None)[:3]
+    return PipelineRows(x, y, weights, int(loader.batch_size), isinstance(loader.sampler, RandomSampler))
 
 
 def pipeline_ops(dataset: Any) -> set[str]:
@@ -135,37 +203,37 @@ def fit_from_pipelines(fit: dict[str, Any]) -> dict[str, Any]:
     """``model.fit``'s arguments with its tf.data pipelines (x, validation_data) as the arrays they yield,
     and the batch size and shuffling they had."""
     x, vd = fit.get("x"), fit.get("validation_data")
-    if not is_tf_dataset(x) and not is_tf_dataset(vd):
+    if not is_pipeline(x) and not is_pipeline(vd):
         return fit
     out = dict(fit)
-    if is_tf_dataset(x):
-        rows = read_pipeline(x, "the training data x")
+    if is_pipeline(x):
+        rows = read_any(x, "the training data x")
         for name in ("y", "sample_weight"):
             if fit.get(name) is not None:
-                raise NbdistError(f"model.fit got a tf.data pipeline as x and {name} too; drop {name}: the "
+                raise NbdistError(f"model.fit got an input pipeline as x and {name} too; drop {name}: the "
                                   "pipeline's batches hold the labels and weights, (x, y) or (x, y, sample_weight).")
         if rows.y is None:
-            raise NbdistError("the training data x is a tf.data pipeline whose batches hold no labels; yield "
+            raise NbdistError("the training data x is an input pipeline whose batches hold no labels; yield "
                               "(x, y) batches to train on it.")
         out.update(x=rows.x, y=rows.y, sample_weight=rows.sample_weight, batch_size=rows.batch_size,
                    shuffle=rows.shuffled)
-        log.info("read the tf.data pipeline into %d rows, batch %d, %s", len(leaves(rows.x)[0]), rows.batch_size,
+        log.info("read the input pipeline into %d rows, batch %d, %s", len(leaves(rows.x)[0]), rows.batch_size,
                  "shuffled each epoch" if rows.shuffled else "in order")
-    if is_tf_dataset(vd):
-        val = read_pipeline(vd, "validation_data")
+    if is_pipeline(vd):
+        val = read_any(vd, "validation_data")
         if val.y is None:
-            raise NbdistError("validation_data is a tf.data pipeline whose batches hold no labels; yield (x, y).")
+            raise NbdistError("validation_data is an input pipeline whose batches hold no labels; yield (x, y).")
         out["validation_data"] = tuple(p for p in (val.x, val.y, val.sample_weight) if p is not None)
     return out
 
 
 def inference_rows(x: Any, y: Any, sample_weight: Any, what: str) -> tuple[Any, Any, Any]:
-    """evaluate's / predict's x, y and weights when x is a tf.data pipeline (its batches hold y)."""
-    if not is_tf_dataset(x):
+    """evaluate's / predict's x, y and weights when x is an input pipeline (its batches hold y)."""
+    if not is_pipeline(x):
         return x, y, sample_weight
-    rows = read_pipeline(x, f"the {what}")
+    rows = read_any(x, f"the {what}")
     if y is not None or sample_weight is not None:
-        raise NbdistError(f"the {what} is a tf.data pipeline and y or sample_weight was given too; drop them: the "
+        raise NbdistError(f"the {what} is an input pipeline and y or sample_weight was given too; drop them: the "
                           "pipeline's batches hold the labels and weights, as in model.evaluate(ds).")
     return rows.x, rows.y, rows.sample_weight
 
