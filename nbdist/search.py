@@ -245,10 +245,12 @@ class Search:
                     self._finish(number)
 
     def _start_next(self) -> None:
-        with interrupts_held(defer=True):  # a trial asked for is always one this search will tell: running, or failed
+        # A trial asked for is always one this search will tell (running, or failed) and shows: an interrupt
+        # held to the end of this block finds it asked and in the run state (_stop_all ends both).
+        with interrupts_held(defer=True):
             trial = self._asked = self.study.ask()
-        number = trial.number
-        row = self.state.trial_started(number, {}, self.config.epochs)
+            number = trial.number
+            row = self.state.trial_started(number, {}, self.config.epochs)
         job = None
         slot = self._free_slot()
         try:

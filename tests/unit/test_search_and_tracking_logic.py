@@ -2,6 +2,9 @@
 options' checks and what a run logs as parameters (no process, no MLflow store)."""
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from nbdist.config import TrainConfig
@@ -136,3 +139,26 @@ def test_widget_view_draws_the_charts_and_table_throttling_epochs():
     assert list(line.x) == [1, 2] and list(line.y) == [0.9, 0.5] and list(line.colors) == ["#2ca02c"]
     assert list(view.best.lines["best so far"].y) == [0.5]
     assert "<td>complete</td>" in view.table.value
+
+
+def test_an_interrupt_as_a_trial_is_asked_for_stops_the_search_and_marks_that_trial(monkeypatch, tmp_path):
+    """The kernel's interrupt landing while the study hands out a trial (held to the end of that step): the
+    search stops with the trial told failed (interrupted) in the study and in the run state, no KeyError."""
+    optuna = pytest.importorskip("optuna")
+    from nbdist.search import INTERRUPTED, make_search
+
+    search = make_search(lambda trial: None, trials=2, parallel=1, objective="val_loss", backend="containers",
+                         storage=f"sqlite:///{tmp_path / 'study.db'}", models_dir=False)
+    ask = search.study.ask
+
+    def ask_then_interrupt(*args, **kwargs):
+        trial = ask(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return trial
+
+    monkeypatch.setattr(search.study, "ask", ask_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        search.run()
+    [trial] = search.study.get_trials()
+    assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs[INTERRUPTED]
+    assert search.state.trials[trial.number].state == "interrupted" and search.state.status == "interrupted"
