@@ -17,7 +17,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Self
 
 from ..backends import Backend, WorkerHandle
@@ -489,7 +489,7 @@ class Run:
 
     def _check_health(self) -> None:
         now = time.monotonic()
-        for h in self._handles:
+        for h in likely_causes_first(self._handles):
             if h.rank in self._done:
                 continue
             code = h.exit_status()
@@ -604,6 +604,13 @@ def data_parts(data: FitData | None) -> tuple[Any, Any, Any]:
     if data is None or isinstance(data, PyDatasetData):  # a PyDataset travels whole (TrainingJob)
         return None, None, None
     return data.x, data.y, data.sample_weight
+
+
+def likely_causes_first(handles: Sequence[Any]) -> list[Any]:
+    """Workers in the order their ends are looked at: a lost Spark task's worker first (Spark then cancelled
+    its peers' tasks, which end at the same moment), then one killed or crashed, then the rest by rank (one
+    that exited 1 raised, often because a peer's death broke the collective)."""
+    return sorted(handles, key=lambda h: (not getattr(h, "lost", False), h.exit_status() in (None, 0, 1), h.rank))
 
 
 @contextlib.contextmanager

@@ -170,9 +170,11 @@ def run_to_its_dashboard(page, base: str, token: str, notebook: str, last_output
 def open_and_run_all(page, base: str, token: str, notebook: str) -> None:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    page.goto(f"{base}/lab/tree/{notebook}?token={token}", timeout=60_000)
-    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    # reset: a fresh workspace, not the one the previous test left with its notebook's tab open (then two
+    # notebooks' indicators match, the first one hidden, and waiting for it to be visible never ends).
+    page.goto(f"{base}/lab/tree/{notebook}?reset&token={token}", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook .jp-Cell:visible", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']:visible", timeout=90_000)
     page.wait_for_selector(".jp-Spinner", state="detached", timeout=90_000)
     # JupyterLab may ask which kernel to use: take the proposed one (Python 3).
     accept = page.locator(".jp-Dialog .jp-mod-accept")

@@ -50,3 +50,20 @@ def test_inference_jobs_do_not_inherit_training_machinery() -> None:
 def test_the_run_base_implements_the_public_job_api() -> None:
     for name in ("status", "history", "error", "start", "wait", "stop", "run_in_background", "worker_log", "pump"):
         assert name in vars(run.Run), name
+
+
+def test_a_lost_spark_task_is_looked_at_before_the_peers_cancelled_with_it() -> None:
+    """Spark aborts a barrier stage when one task dies and cancels the others: every worker then ends with code
+    1 at once, and the one Spark named (lost) is the cause to report, whatever its rank."""
+    from types import SimpleNamespace
+
+    from nbdist.driver.run import likely_causes_first
+
+    def worker(rank, code, lost=False):
+        return SimpleNamespace(rank=rank, lost=lost, exit_status=lambda: code)
+
+    cancelled, lost = worker(0, 1), worker(1, 1, lost=True)
+    assert [h.rank for h in likely_causes_first([cancelled, lost])] == [1, 0]
+    raised, killed, running = worker(0, 1), worker(1, -9), worker(2, None)
+    assert [h.rank for h in likely_causes_first([raised, killed, running])] == [1, 0, 2]
+    assert [h.rank for h in likely_causes_first([worker(0, None), worker(1, None)])] == [0, 1]
