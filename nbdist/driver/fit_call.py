@@ -244,8 +244,8 @@ def py_dataset_fit_data(fit: dict[str, Any]) -> tuple[PyDatasetData, FitData | P
 
 def fit_plan(fit: dict[str, Any], explicit: dict[str, Any], lr_scaling_given: bool
              ) -> tuple[dict[str, Any], dict[str, Any], int | None]:
-    """For a cell's ``model.fit(...)`` under the magic's ``explicit`` options: its arguments (a tf.data
-    pipeline read into arrays), the config changes they make, and the global batch."""
+    """For a cell's ``model.fit(...)`` under the magic's ``explicit`` options: its arguments (an input
+    pipeline read into arrays, pipelines.py), the config changes they make, and the global batch."""
     from ..pipelines import fit_from_pipelines
 
     fit = fit_from_pipelines(fit)

@@ -302,7 +302,7 @@ def _prepare(model: Any, x: Any, y: Any, sample_weight: Any, need_labels: bool, 
     config = _config(options)
     check_model(model, name, need_compiled=need_labels)
     what = "evaluation data" if need_labels else "prediction data"
-    x, y, sample_weight = inference_rows(x, y, sample_weight, what)  # a tf.data pipeline: its arrays
+    x, y, sample_weight = inference_rows(x, y, sample_weight, what)  # an input pipeline: its arrays
     if is_py_dataset(x):  # fewer batches than workers is fine: a worker without one adds nothing
         return config, _py_dataset(model, x, y, sample_weight, need_labels, what, name)
     if need_labels and y is None:
