@@ -168,12 +168,13 @@ def has_text(struct: Any) -> bool:
     return any(getattr(a, "dtype", None) is not None and a.dtype.kind in ("U", "S") for a in flatten(struct)[1])
 
 
-def tuples(struct: Any) -> Any:
-    """Lists as tuples, dicts kept: tf.data takes a list for ONE tensor (stacking it) and a tuple for several."""
+def tf_structure(struct: Any) -> Any:
+    """Lists as tuples: tf.data takes a list for ONE tensor (stacking it) and a tuple for several, so
+    a list of inputs (``model.fit([x_a, x_b], y)``) must cross tf.data as a tuple."""
     if isinstance(struct, dict):
-        return {k: tuples(v) for k, v in struct.items()}
+        return {k: tf_structure(v) for k, v in struct.items()}
     if isinstance(struct, (list, tuple)):
-        return tuple(tuples(v) for v in struct)
+        return tuple(tf_structure(v) for v in struct)
     return struct
 
 

@@ -30,7 +30,7 @@ from ..data import (
     make_py_dataset_data,
     share_count,
     strided_batches,
-    tuples,
+    tf_structure,
     unflatten,
 )
 from ..errors import NbdistError
@@ -267,7 +267,7 @@ def _evaluate_rows(model: Any, x: Any, y: Any, sample_weight: Any) -> None:
     if has_text(x):
         import tensorflow as tf
 
-        parts = tuples((x, y) if sample_weight is None else (x, y, sample_weight))
+        parts = tf_structure((x, y) if sample_weight is None else (x, y, sample_weight))
         model.evaluate(tf.data.Dataset.from_tensor_slices(parts).batch(len(flatten(x)[1][0])), verbose=0)
     else:
         model.evaluate(x, y, sample_weight=sample_weight, verbose=0)

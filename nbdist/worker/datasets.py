@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data import batches_per_epoch
+from ..data import batches_per_epoch, tf_structure
 from ..wire.messages import JobMessage
 from .tfdata import without_autotune
 
@@ -68,16 +68,6 @@ def sample_count(x: Any) -> int:
     while isinstance(x, (dict, list, tuple)):
         x = next(iter(x.values())) if isinstance(x, dict) else x[0]
     return int(x.shape[0])
-
-
-def tf_structure(struct: Any) -> Any:
-    """Lists as tuples: tf.data takes a list for ONE tensor (stacking it) and a tuple for several, so
-    a list of inputs (``model.fit([x_a, x_b], y)``) must cross tf.data as a tuple."""
-    if isinstance(struct, dict):
-        return {k: tf_structure(v) for k, v in struct.items()}
-    if isinstance(struct, (list, tuple)):
-        return tuple(tf_structure(v) for v in struct)
-    return struct
 
 
 def uses_tf_data() -> bool:
