@@ -158,3 +158,12 @@ def test_auc_with_one_class_is_nan() -> None:
 
 def test_shard_bounds_are_unequal_for_1000_over_3() -> None:
     assert [b - a for a, b in shard_bounds(1000, 3)] == [334, 333, 333]
+
+
+def test_the_evaluation_table_shows_a_metric_once_when_the_report_repeats_it():
+    """The compiled metric ``accuracy`` and the classifier report's ``accuracy`` are one row; the report's
+    other averages follow, then the samples."""
+    from nbdist.ui.report import metric_rows
+
+    result = {"loss": 0.25, "accuracy": 0.9, "samples": 10, "averages": {"accuracy": 0.9, "macro_f1": 0.8}}
+    assert [name for name, _ in metric_rows(result)] == ["loss", "accuracy", "macro_f1", "samples"]
