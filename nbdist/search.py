@@ -379,10 +379,8 @@ class Search:
             else:
                 self._save_model(tr.trial, job.model)
                 self.study.tell(tr.trial, value)
-                previous = self.state.best_number
                 self.state.trial_ended(number, "complete", value)
-                if self.state.best_number == number and previous != number:
-                    self.best_model, self.best_number = job.model, number
+                self._follow_study_best()
         else:  # a worker died or raised: the trial failed, the search goes on
             err = job.error
             message = str(err) if err is not None else job.state.error or job.status
@@ -390,6 +388,26 @@ class Search:
             self.state.trial_ended(number, "failed", error=message)
             log.warning("trial %d failed: %s", number, message)
         self._notify("trial", number)
+
+    def _follow_study_best(self) -> None:
+        """The study names the best trial, ties included (its storage breaks them, not the order in which
+        trials finished here): ``best_model`` is always that trial's model, or None until ``_end`` loads it
+        when it ran in an earlier session."""
+        try:
+            best = self.study.best_trial
+        except ValueError:  # no complete trial
+            return
+        except Exception:  # the storage failed: the search's own ending is what matters
+            log.exception("could not read the study's best trial")
+            return
+        self.state.best_value, self.state.best_number = best.value, best.number
+        if best.number == self.best_number:
+            return
+        job = self.jobs.get(best.number)
+        if job is not None and job.status == "done":
+            self.best_model, self.best_number = job.model, best.number
+        else:
+            self.best_model, self.best_number = None, None
 
     def _tell_failed(self, trial: Any, message: str, traceback: str = "", interrupted: bool = False) -> None:
         try:
@@ -454,6 +472,7 @@ class Search:
                         best.number, path, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
 
     def _end(self) -> None:
+        self._follow_study_best()
         if self.state.best_number is not None and self.best_model is None:
             self._load_best_model()
         if self.mlflow_run is not None:

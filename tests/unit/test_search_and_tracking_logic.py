@@ -162,3 +162,33 @@ def test_an_interrupt_as_a_trial_is_asked_for_stops_the_search_and_marks_that_tr
     [trial] = search.study.get_trials()
     assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs[INTERRUPTED]
     assert search.state.trials[trial.number].state == "interrupted" and search.state.status == "interrupted"
+
+
+@pytest.mark.parametrize("storage", ["memory", "sqlite"])
+@pytest.mark.parametrize("order", [(1, 0), (0, 1)])
+def test_best_model_is_the_study_best_trials_when_two_trials_tie(storage, order, tmp_path):
+    """Two trials end with the same value, in either order (as two parallel trials can): the search
+    hands out the model of the trial the study calls best, whichever its storage picks, never the one that
+    happened to finish first (a full CI run once saw the two disagree)."""
+    import types
+
+    optuna = pytest.importorskip("optuna")
+    from nbdist.search import Search, TrialRun
+
+    url = None if storage == "memory" else f"sqlite:///{tmp_path / 'tie.db'}"
+    study = optuna.create_study(storage=url, direction="maximize")
+    search = Search(lambda trial: None, study=study, optuna=optuna, n_trials=2, parallel=2,
+                    objective="val_accuracy", config=TrainConfig(workers=1, ui="none"))
+    trials = [study.ask() for _ in range(2)]
+    for trial in trials:
+        row = search.state.trial_started(trial.number, {}, epochs=1)
+        job = types.SimpleNamespace(status="done", history={"val_accuracy": [0.9]}, model=object(),
+                                    state=types.SimpleNamespace(workers=[]))
+        search.jobs[trial.number] = job
+        search.running[trial.number] = TrialRun(trial=trial, job=job, row=row, slot=trial.number)
+    for number in order:
+        search._finish(number)
+    search._end()
+    best = study.best_trial.number
+    assert search.best_model is search.jobs[best].model and search.best_number == best
+    assert search.state.best_number == best
