@@ -151,7 +151,7 @@ class Search:
                  validation_data: tuple[Any, Any] | None = None, explicit: dict[str, Any] | None = None,
                  lr_scaling_given: bool = False, namespace: dict[str, Any] | None = None,
                  listeners: list[Callable[[str, SearchState, Any], None]] | None = None,
-                 mlflow_run: Any = None, models_dir: Path | None = None) -> None:
+                 mlflow_run: Any = None, models_dir: Path | None = None, ensemble_size: int | None = None) -> None:
         self.build = build
         self.models_dir = models_dir
         self.study = study
@@ -171,6 +171,8 @@ class Search:
         self.jobs: dict[int, Any] = {}  # every trial's TrainingJob of this session, by trial number
         self.best_model: Any = None
         self.best_number: int | None = None  # the trial best_model comes from
+        self.ensemble_size = ensemble_size
+        self.best_ensemble: Any = None  # with ensemble_size: the best trials' models averaged, once the search is done
         self._error: str | None = None
         self._asked: Any = None  # a trial asked of the study and not yet running (told failed if the search stops)
 
@@ -458,23 +460,64 @@ class Search:
             best = self.study.best_trial
         except ValueError:
             return
-        path = best.user_attrs.get(MODEL_ATTR)
+        model = self._load_trial_model(best)
+        if model is not None:
+            self.best_model, self.best_number = model, best.number
+
+    def ranked_models(self, n: int) -> list[tuple[int, Any]]:
+        """The trained models of the best ``n`` complete trials, best first, as (trial number, model): this
+        session's from their runs, earlier sessions' loaded from their saved files (a trial whose model was not
+        saved, or no longer loads, is passed over with a log line)."""
+        states = self._optuna.trial.TrialState
+        complete = [t for t in self.study.get_trials(deepcopy=False, states=(states.COMPLETE,))
+                    if t.value is not None and not math.isnan(t.value)]
+        sign = -1.0 if self.state.direction == "maximize" else 1.0
+        complete.sort(key=lambda t: (sign * t.value, t.number))
+        out: list[tuple[int, Any]] = []
+        for trial in complete:
+            if len(out) == n:
+                break
+            job = self.jobs.get(trial.number)
+            if job is not None and job.status == "done":
+                out.append((trial.number, job.model))
+                continue
+            model = self._load_trial_model(trial)
+            if model is not None:
+                out.append((trial.number, model))
+        return out
+
+    def ensemble(self, n: int) -> Any:
+        """One Keras model averaging the predictions of the best ``n`` trials' models (soft voting for a
+        classifier), compiled as the best one is (``nbdist.ensemble``)."""
+        from .ensemble import make_ensemble
+
+        check_count("--ensemble", n, 3)
+        ranked = self.ranked_models(n)
+        if len(ranked) < n:
+            log.warning("the ensemble has %d member(s), not %d: only %d complete trial(s) have a trained model",
+                        len(ranked), n, len(ranked))
+        return make_ensemble([model for _, model in ranked], name=f"ensemble_of_{len(ranked)}")
+
+    def _load_trial_model(self, trial: Any) -> Any:
+        path = trial.user_attrs.get(MODEL_ATTR)
         if not path:
-            log.info("the best trial (%d) ran in an earlier session without saving its model; best_model is None",
-                     best.number)
-            return
+            log.info("trial %d ran in an earlier session without saving its model", trial.number)
+            return None
         import keras
 
         try:
-            self.best_model, self.best_number = keras.models.load_model(path), best.number
+            return keras.models.load_model(path)
         except Exception as exc:  # moved or deleted, or a custom object not importable here
-            log.warning("the best trial's (%d) model could not be loaded from %s (%s: %s); best_model is None",
-                        best.number, path, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            log.warning("trial %d's model could not be loaded from %s (%s: %s)", trial.number, path,
+                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            return None
 
     def _end(self) -> None:
         self._follow_study_best()
         if self.state.best_number is not None and self.best_model is None:
             self._load_best_model()
+        if self.ensemble_size and self.state.status == "done" and self.state.best_number is not None:
+            self.best_ensemble = self.ensemble(self.ensemble_size)
         if self.mlflow_run is not None:
             self.mlflow_run.end(self.state.status, self.state.best_value, self.best_params)
         self._notify("end")
@@ -485,6 +528,13 @@ class Search:
                 listener(kind, self.state, payload)
             except Exception:  # a broken view must not break the search
                 log.exception("search listener failed")
+
+
+def check_count(option: str, value: Any, example: int) -> None:
+    """One sentence unless ``value`` is a whole number of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise NbdistError(f"{option} must be a whole number of at least 1, got {value!r}; "
+                          f"for example {option} {example}.")
 
 
 def tune(build: Callable[[Any], Any], **kwargs: Any) -> Search:
@@ -506,7 +556,9 @@ def tune(build: Callable[[Any], Any], **kwargs: Any) -> Search:
     storage's file, ``nbdist_tune_models/<study>/`` otherwise; False saves none; a passed ``study`` saves
     only with ``models_dir``), so that a resumed search loads its best model. Returns the ``Search``:
     ``.study``, ``.best_model`` (the best trial's trained model, loaded from its file when it ran in an
-    earlier session), ``.best_params``.
+    earlier session), ``.best_params``; with ``ensemble=N``, ``.best_ensemble``: one Keras model averaging
+    the predictions of the best N trials' models (soft voting for a classifier; ``nbdist.ensemble``), which
+    evaluates, predicts, saves and loads like any model (``.ensemble(n)`` makes one of another size).
     """
     return make_search(build, **kwargs).run()
 
@@ -518,10 +570,12 @@ def make_search(build: Callable[[Any], Any], *, trials: int, parallel: int = 2, 
          namespace: dict[str, Any] | None = None,
          listeners: list[Callable[[str, SearchState, Any], None]] | None = None,
          explicit: dict[str, Any] | None = None, lr_scaling_given: bool = False,
-         models_dir: str | os.PathLike | bool | None = None, **options: Any) -> Search:
+         models_dir: str | os.PathLike | bool | None = None, ensemble: int | None = None, **options: Any) -> Search:
     """The search ``tune`` runs, checked and its study opened, not started."""
     optuna = import_optuna()
     study_given = study is not None
+    if ensemble is not None:
+        check_count("--ensemble", ensemble, 3)
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise NbdistError(f"--trials must be a whole number of at least 1, got {trials!r}; for example --trials 20.")
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
@@ -562,7 +616,7 @@ def make_search(build: Callable[[Any], Any], *, trials: int, parallel: int = 2, 
                     config=config, x=x, y=y, validation_data=validation_data, explicit=explicit,
                     lr_scaling_given=lr_scaling_given, namespace=namespace,
                   listeners=[*([view] if view else []), *(listeners or [])], mlflow_run=mlflow_run,
-                  models_dir=models_dir_for(storage, study.study_name, models_dir, study_given))
+                  models_dir=models_dir_for(storage, study.study_name, models_dir, study_given), ensemble_size=ensemble)
 
 
 __all__ = ["FitCaptured", "Search", "make_search", "infer_direction", "make_pruner", "open_study", "tune"]

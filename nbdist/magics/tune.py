@@ -35,6 +35,9 @@ class TuneMagics(Magics):
                    "notebook variable holding an Optuna pruner")
     @argument("--sampler", default=None, metavar="NAME",
               help="a notebook variable holding an Optuna sampler (default: TPE, seeded with --seed)")
+    @argument("--ensemble", type=int, default=None, metavar="N",
+              help="also leave best_ensemble: one Keras model averaging the predictions of the best N trials' "
+                   "models (soft voting for a classifier)")
     @apply(data_arguments)
     @argument("--validation-data", metavar="Xv,yv", default=None, help="notebook variables for validation")
     @argument("--epochs", type=int, default=None, help="epochs of each trial (default: 1, or the cell's fit)")
@@ -66,7 +69,8 @@ class TuneMagics(Magics):
         the merged ``--objective`` is reported to Optuna, whose pruner may stop the trial's workers
         at once. The study is kept in ``--storage`` (an SQLite file by default), so rerunning the
         cell after an interrupt resumes it. Afterwards the notebook holds ``study``, ``best_model``
-        (the best trial's trained model) and ``best_params``; ``tune_search`` is the search.
+        (the best trial's trained model) and ``best_params``; ``tune_search`` is the search; with
+        ``--ensemble N`` also ``best_ensemble``, the best N trials' models averaged as one Keras model.
         With MLflow tracking on, the search is a run and each trial a child run.
         """
         try:
@@ -122,7 +126,7 @@ class TuneMagics(Magics):
                              direction=args.direction, workers_per_trial=args.workers_per_trial,
                              storage=args.storage, study_name=args.study, pruner=pruner,
                              models_dir=False if (args.models_dir or "").lower() == "none" else args.models_dir,
-                             sampler=sampler, x=x, y=y,
+                             sampler=sampler, ensemble=args.ensemble, x=x, y=y,
                              validation_data=validation, namespace=ns, explicit=explicit,
                              lr_scaling_given=args.lr_scaling is not None, **options)
         try:
@@ -132,6 +136,8 @@ class TuneMagics(Magics):
         finally:  # also after an interrupt or a failed cell: what finished is the notebook's
             ns.update(study=search.study, best_model=search.best_model, best_params=search.best_params,
                       tune_search=search)
+            if args.ensemble:
+                ns["best_ensemble"] = search.best_ensemble
         return None
 
     @staticmethod
