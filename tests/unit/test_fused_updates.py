@@ -93,3 +93,13 @@ def test_an_embedding_table_does_not_make_a_model_large_enough_to_fuse():
 
     for a, b in zip(train(fused=True), train(fused=False)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_large_dense_model_still_gets_the_fused_kernel_when_traced():
+    from nbdist.strategies.fused_updates import FUSED_MIN_PARAMETERS
+
+    large = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1024)])
+    large.compile("adam", "mse")
+    assert install_fused_updates(large, FUSED_MIN_PARAMETERS) == ["adam"]
+    large.fit(np.ones((4, 1024), "float32"), np.ones((4, 1024), "float32"), verbose=0)
+    assert large.optimizer._nbdist_fuse is True  # its 1M parameters have dense gradients
