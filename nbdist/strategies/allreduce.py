@@ -69,6 +69,7 @@ from .direct import DirectSum
 from .ring import ALIGN, RingSum, aligned_offsets, pieces
 from .shared import CHUNK_ELEMENTS as SHARED_CHUNK_ELEMENTS
 from .shared import ChunkPlan, SharedChunkedSum, SharedMemorySum, open_chunked_sum, open_shared_sum
+from .sparse_grads import SliceExchange
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ class GradientAllreduce:
         self.steps = 0
         self._present: list[bool] | None = None
         self._sparse: list[bool] | None = None  # which variables' gradients are tf.IndexedSlices
+        self._slices = SliceExchange(collective)  # their exchange (sparse_grads.py)
         # Called at a pad step before its exchange: joins the sums other workers run inside their step
         # (worker/global_mask.py).
         self.before_pad: Callable[[], None] | None = None
@@ -458,67 +460,15 @@ class GradientAllreduce:
                 for g, o in zip(grads, out)]
 
     def _gather_slices(self, grads: Sequence[Any], prescaled: bool) -> list[Any]:
-        """Every worker's slices of each sparse gradient, concatenated by rank, as one tf.IndexedSlices each.
-
-        Keras applies a sparse gradient with scatter updates and squares its slices one by one (Adam's
-        and RMSprop's second moments: a row looked up twice adds two squares, not the square of the
-        sum), so the sum of the workers' dense gradients would not be the local step. Concatenated,
-        the slices are the ones one local step on the global batch would hand Keras (the rows of a
-        global batch are dealt to the workers in rank order), each scaled by n / total.
-        """
-        import tensorflow as tf
-
-        args = []
-        for g in grads:
-            args += [tf.cast(g.indices, tf.int64), tf.cast(g.values, tf.float32)]
-        out = tf.numpy_function(lambda *a: self.gather_slices(a, prescaled), args,
-                                Tout=[tf.int64, tf.float32] * len(grads), stateful=True,
-                                name="nbdist_gather_slices")
-        result = []
-        for k, g in enumerate(grads):
-            indices, values = out[2 * k], out[2 * k + 1]
-            indices.set_shape([None])
-            values = tf.reshape(values, tf.concat([[-1], tf.shape(g.values)[1:]], 0))
-            values.set_shape(tf.TensorShape([None]).concatenate(g.values.shape[1:]))
-            result.append(tf.IndexedSlices(tf.cast(values, g.values.dtype), tf.cast(indices, g.indices.dtype),
-                                           g.dense_shape))
-        return result
+        """Each sparse gradient (tf.IndexedSlices) as the slices one local step on the global batch holds:
+        per-row lookups' slices of every worker in rank order, broadcast lookups' summed (sparse_grads.py)."""
+        return self._slices.reduce(grads, lambda *arrays: self.gather_slices(arrays, prescaled))
 
     def gather_slices(self, arrays: Sequence[np.ndarray], prescaled: bool) -> list[np.ndarray]:
-        """numpy side of ``_gather_slices``: (indices, values) pairs in, the same with every worker's rows out.
-
-        Two sums: every worker's slice counts, then one float64 buffer where each worker fills its own
-        rows (indices and float32 values are exact in float64; the other workers add zeros). A pad step
-        (weight 0) contributes no slices.
-        """
+        """numpy side of ``_gather_slices``: this step's rows and scale; a pad step (weight 0) adds no slices."""
         t0 = time.perf_counter()
         n, total = self.weight, self._check_total()
-        pairs = []
-        for i in range(0, len(arrays), 2):
-            values = np.asarray(arrays[i + 1])
-            pairs.append((np.reshape(arrays[i], -1), values.reshape(len(values), int(np.prod(values.shape[1:])))))
-        world, rank = self.collective.world_size, self.collective.rank
-        counts = np.zeros((world, len(pairs)), dtype=np.int64)
-        if n > 0:
-            counts[rank] = [len(ix) for ix, _ in pairs]
-        self.collective.allreduce_sum(counts)
-        widths = [1 + v.shape[1] for _, v in pairs]  # an index, then the slice's values
-        starts = np.cumsum([0] + [int(counts[r, k]) * widths[k] for k in range(len(pairs)) for r in range(world)])
-        buf = np.zeros(int(starts[-1]), dtype=np.float64)
-        factor = None if prescaled else np.float32(n / total)
-        for k, (ix, values) in enumerate(pairs):
-            if n <= 0:
-                continue
-            a = int(starts[k * world + rank])
-            block = buf[a:a + len(ix) * widths[k]].reshape(len(ix), widths[k])
-            block[:, 0] = ix
-            block[:, 1:] = values if factor is None else values * factor
-        self.collective.allreduce_sum(buf)
-        out: list[np.ndarray] = []
-        for k in range(len(pairs)):
-            a, b = int(starts[k * world]), int(starts[(k + 1) * world])
-            block = buf[a:b].reshape(-1, widths[k])
-            out += [block[:, 0].astype(np.int64), np.ascontiguousarray(block[:, 1:], dtype=np.float32)]
+        out = self._slices.exchange(arrays, n, None if prescaled else n / total)
         self.seconds += time.perf_counter() - t0
         return out
 

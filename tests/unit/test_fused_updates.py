@@ -70,3 +70,36 @@ def test_by_default_only_a_large_model_gets_fused_updates():
     large = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1024)])
     large.compile("adam", "mse")
     assert install_fused_updates(large, FUSED_MIN_PARAMETERS) == ["adam"]
+
+
+def test_an_embedding_table_does_not_make_a_model_large_enough_to_fuse():
+    """A table's sparse rows keep Keras' update, so they do not count toward FUSED_MIN_PARAMETERS: a
+    model of 1.3M parameters, all but 33 of them in a table, keeps Keras' own update for its Dense layer,
+    bit for bit (fused, the last-bit differences grew under Adam on the table's rows: issue 39)."""
+    from nbdist.strategies.fused_updates import FUSED_MIN_PARAMETERS
+
+    def train(fused: bool) -> list[np.ndarray]:
+        keras.utils.set_random_seed(4)
+        ids = keras.Input((3,), dtype="int32")
+        vectors = keras.layers.Flatten()(keras.layers.Embedding(40_000, 32)(ids))
+        model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Dense(1)(vectors)))
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        if fused:
+            assert install_fused_updates(model, FUSED_MIN_PARAMETERS) == ["adam"]
+        rng = np.random.default_rng(1)
+        model.fit(rng.integers(0, 40_000, (256, 3)), rng.normal(size=(256, 1)), batch_size=32, epochs=2,
+                  shuffle=False, verbose=0)
+        return model.get_weights()
+
+    for a, b in zip(train(fused=True), train(fused=False)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_large_dense_model_still_gets_the_fused_kernel_when_traced():
+    from nbdist.strategies.fused_updates import FUSED_MIN_PARAMETERS
+
+    large = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1024)])
+    large.compile("adam", "mse")
+    assert install_fused_updates(large, FUSED_MIN_PARAMETERS) == ["adam"]
+    large.fit(np.ones((4, 1024), "float32"), np.ones((4, 1024), "float32"), verbose=0)
+    assert large.optimizer._nbdist_fuse is True  # its 1M parameters have dense gradients
