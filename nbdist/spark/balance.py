@@ -115,14 +115,16 @@ class Rebalance:
         n = sum(self.counts)
         sizes = sorted(set(equal_shares(n, self.workers)))
         each = " or ".join(str(s) for s in sizes)
-        return (f"rebalanced {len(self.counts)} partitions {_shown(self.counts)} into {self.workers} equal shares "
+        parts = f"{len(self.counts)} partition{'s' if len(self.counts) != 1 else ''}"
+        return (f"rebalanced {parts} {_shown(self.counts)} into {self.workers} equal shares "
                 f"of {each} rows (counted in {self.seconds:.1f} s; one shuffle as the tasks read them)")
 
 
 # -- Spark ----------------------------------------------------------------------
 def frame_counts(df: Any, partitions: int | None = None) -> list[int]:
-    """Rows per partition of a DataFrame, counted in one job; only the counts come back. ``partitions``:
-    the DataFrame's partition count where it is known (classic sessions), so trailing empty ones count."""
+    """Rows per partition of a DataFrame, counted in one job (in the JVM); only the counts come back.
+    ``partitions``: the DataFrame's partition count where it is known (classic sessions), so trailing
+    empty ones count; a Connect client sees the partitions up to the last non-empty one."""
     from pyspark.sql import functions as F
 
     found = {int(r[0]): int(r[1]) for r in

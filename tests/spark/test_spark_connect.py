@@ -206,9 +206,11 @@ def test_one_parquet_file_streams_over_connect_in_equal_shares_in_order(spark, d
                        stream_buffer_bytes=100 * 65 * 4, ui="none")
         streamed, in_memory = small_model(), small_model()
         job = nbdist.train(streamed, df, features="pixels", label="digit", **options)
-        assert job.state.backend == "spark" and [w.samples_done for w in job.state.workers] == [500, 500]
-        note, counts = job.state.data_note, "[1000, 0]" if held[0]["p"] == 0 else "[0, 1000]"
-        assert note.startswith(f"rebalanced 2 partitions {counts} into 2 equal shares of 500 rows (counted in "), note
+        assert job.state.backend == "spark" and [w.samples for w in job.state.workers] == [500, 500]
+        assert [w.samples_done for w in job.state.workers] == [2 * 500] * 2  # as the workers trained, 2 epochs
+        # A Connect client sees the partitions up to the last one holding rows.
+        note, counts = job.state.data_note, "1 partition [1000]" if held[0]["p"] == 0 else "2 partitions [0, 1000]"
+        assert note.startswith(f"rebalanced {counts} into 2 equal shares of 500 rows (counted in "), note
         nbdist.train(in_memory, X[partition_order(1000, 2, 32)], y[partition_order(1000, 2, 32)], backend="local",
                      **options)
     finally:

@@ -112,7 +112,6 @@ def test_one_file_streams_its_rows_in_order_and_says_so_first(spark, rows, tmp_p
     job = nbdist.train(streamed, df, features="pixels", label="digit", backend="spark", ui="text", **options)
     assert [w.samples_done for w in job.state.workers] == [ROWS // 2] * 2
     first = capsys.readouterr().out.splitlines()[0]
-    print(first)
     assert first.startswith("nbdist: allreduce on 2 spark workers, 1 epochs; rebalanced 2 partitions ") \
         and f"into 2 equal shares of {ROWS // 2} rows (counted in " in first, first
     order = partition_order(ROWS, 2, BATCH)

@@ -69,6 +69,7 @@ def test_the_first_line_says_what_was_rebalanced_and_the_cost():
     many = Rebalance(tuple(range(10)), 4, 0.04, shuffled=True)
     assert "10 partitions [0, 1, 2, 3, 4, 5, ...] into 4 equal shares of 11 or 12 rows" in many.note
     assert Rebalance((5, 5), 2, 0.1, shuffled=False).note == ""
+    assert Rebalance((7,), 2, 0.1, shuffled=True).note.startswith("rebalanced 1 partition [7] into 2 equal shares")
     out = io.StringIO()
     state = RunState(2, 3, backend="spark", strategy="allreduce", data_note=report.note)
     TextRenderer(out)("start", state, None)
