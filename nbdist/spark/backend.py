@@ -2,7 +2,8 @@
 
 One launcher serves both kinds of session: the workers' barrier stage is
 ``df.mapInArrow(arrow_task, schema, barrier=True)`` over the training DataFrame
-(one partition per worker) or over ``spark.range(n, numPartitions=n)`` when the
+(one partition per worker, rebalanced into equal shares where its partitions do not give
+them: balance.py) or over ``spark.range(n, numPartitions=n)`` when the
 data travels over the wire, and a background thread ``collect()``s it (a barrier
 stage must end in collect). Only an RDD of pairs, which exists on classic
 sessions alone, runs as ``rdd.barrier().mapPartitions`` with the same task body.
@@ -312,8 +313,6 @@ class SparkBackend:
                                                 must_shuffle=not barrier_safe(data.rdd._jrdd.rdd()))
             return Balanced(rdd=rdd)
         df = data.dataframe
-        if not self.connect:
-            cluster.wait_for_dataframe_executors(df)
         if data.validation is None:
             # Connect cannot see partitions, so it always shuffles; classic keeps barrier-safe partitions.
             must = self.connect or not barrier_safe(df._jdf.rdd())
