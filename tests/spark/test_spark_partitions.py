@@ -98,7 +98,8 @@ def test_every_partitioning_trains_with_equal_shares(spark, rows, case, tmp_path
     note = job.state.data_note
     assert (note == "") == balanced, note
     if note:
-        assert note.startswith(f"rebalanced {len(sizes)} partitions [") and "into 2 equal shares" in note, note
+        parts = "1 partition" if len(sizes) == 1 else f"{len(sizes)} partitions"
+        assert note.startswith(f"rebalanced {parts} [") and "into 2 equal shares" in note, note
 
 
 def test_one_file_streams_its_rows_in_order_and_says_so_first(spark, rows, tmp_path, capsys, split_setting,
