@@ -28,6 +28,9 @@ Rows (issue 9):
      Parquet, and the tasks' shard files as much again while a run lasts)  goal <= 1.1
   P9S samples/s streamed from the Spark tasks' files / the same rows in memory (numpy, local
      workers), MLP 256x2 on 64 features, batch 256 per worker, allreduce     goal >= 0.9
+  P9R each Spark worker's peak RSS streaming one epoch of a 1 GB DataFrame in one Parquet file read as one
+     partition (nbdist rebalances it: a count and a shuffle) / the same rows as two files (two partitions,
+     read as they are); the detail gives both runs' times and the run's note       goal <= 1.1
   P9L 4 local workers on a 2 GB memory-mapped .npy: their summed peak RSS (and the notebook's growth)
      above the same run on an array 64x smaller, / the array's size            goal <= 1.3
   P10 steady epoch of an MLP 2048-4096-4096-10 (25.2M parameters, Adam, 2048 rows), 2 local workers
@@ -65,7 +68,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9L", "P10", "P10S", "P10M",
+ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9R", "P9L", "P10", "P10S", "P10M",
         "P11")
 log = logging.getLogger("nbdist.bench")
 
@@ -118,6 +121,7 @@ GOALS = {
     "P8": ("quickstart cell, 2 warm workers / no magic", "<= 1.0", "x"),
     "P9M": ("Spark worker peak RSS streaming, 12 GB / 3 GB DataFrame", "<= 1.1", "x"),
     "P9S": ("samples/s streamed from Spark / in memory (MLP 256x2)", ">= 0.9", "x"),
+    "P9R": ("Spark worker peak RSS, rebalanced one-file / two-file DataFrame", "<= 1.1", "x"),
     "P9L": ("4 local workers' memory above TF's on a memory map / its size", "<= 1.3", "x"),
     "P10": ("steady epoch, 25M-param MLP, 2 workers / plain fit", "<= 1.0", "x"),
     "P10c": ("the whole 5-epoch call, 2 warm workers / plain fit", "<= 1.2", "x"),
@@ -308,6 +312,22 @@ def row_p9s(quick: bool, workdir: Path) -> Row:
                       f"epochs on {m['rows']:,} rows ({gb} GB)", extra=m)
 
 
+def row_p9r(quick: bool, workdir: Path) -> Row:
+    import stream_memory as sm
+
+    gb = 0.05 if quick else 1.0
+    spark = sm.start_spark(2)
+    try:
+        m = sm.measure_rebalance(spark, gb)
+    finally:
+        spark.stop()
+    skewed, even = m["skewed"], m["balanced"]
+    return Row("P9R", *GOALS["P9R"], runs=[m["ratio"]],
+               detail=f"peak {max(skewed['peak_mb']):,.0f} vs {max(even['peak_mb']):,.0f} MB with "
+                      f"{max(skewed['share_mb']):,.0f} MB shares; {skewed['seconds']:.0f} s vs {even['seconds']:.0f} s "
+                      f"for the run; {skewed['note']}", extra=m)
+
+
 def row_p9l(quick: bool, workdir: Path) -> Row:
     import stream_memory as sm
 
@@ -371,7 +391,7 @@ def row_p11(quick: bool, workdir: Path) -> Row:
 ROW_FUNCS: dict[str, Callable[[bool, Path], Row | list[Row]]] = {
     "P1": row_p1, "P2": row_p2, "P3": row_p3, "P3C": row_p3c, "P4": row_p4, "P4M": row_p4m, "P5": row_p5,
     "P6": row_p6, "P7": row_p7,
-    "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9L": row_p9l, "P10": row_p10, "P10S": row_p10s,
+    "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9R": row_p9r, "P9L": row_p9l, "P10": row_p10, "P10S": row_p10s,
     "P10M": row_p10m, "P11": row_p11}
 
 

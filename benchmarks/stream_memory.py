@@ -8,6 +8,7 @@ and no shuffle runs before training.
     python benchmarks/stream_memory.py --gb 1.5 [--cache DIR]    # P9 memory at one size
     python benchmarks/stream_memory.py --speed --gb 0.2           # P9 speed
     python benchmarks/stream_memory.py --local --gb 2             # P9 local
+    python benchmarks/stream_memory.py --rebalance --gb 1         # P9R: one file (rebalanced) vs two
 
 Memory: each worker's RSS sampled every 0.1 s while it trains one epoch of a softmax regression
 (the model is tiny, so the RSS above a worker's start is its data path). Speed: samples per second
@@ -123,6 +124,25 @@ def measure_memory(spark: Any, gb: float, cache: Path = DEFAULT_CACHE, batch_siz
             "rows_trained": sum(w.samples for w in job.state.workers)}
 
 
+def measure_rebalance(spark: Any, gb: float, cache: Path = DEFAULT_CACHE, batch_size: int = 1024) -> dict[str, Any]:
+    """P9R: one epoch on 2 workers of ``gb`` GB written as two Parquet files (two partitions, read as they
+    are) and as one file read as one partition (nbdist counts the rows and shuffles each worker its half):
+    each worker's peak RSS, each run's seconds, and the run's note on the rebalancing."""
+    out: dict[str, Any] = {"gb": gb}
+    for name, files in (("balanced", 2), ("skewed", 1)):
+        path, rows = parquet_data(spark, gb, cache, files=files)
+        df = spark.read.parquet(path)
+        t0 = time.perf_counter()
+        job, peaks = train_sampling(softmax(), df, features="features", label="label", epochs=1,
+                                    batch_size=batch_size, workers=2, backend="spark", ui="none")
+        out[name] = {"rows": rows, "partitions": df.rdd.getNumPartitions(), "note": job.state.data_note,
+                     "samples": [w.samples_done for w in job.state.workers],
+                     "share_mb": [w.samples * ROW_BYTES / 2**20 for w in job.state.workers],
+                     "peak_mb": sorted(p / 2**20 for p in peaks.values()), "seconds": time.perf_counter() - t0}
+    out["ratio"] = max(out["skewed"]["peak_mb"]) / max(out["balanced"]["peak_mb"])
+    return out
+
+
 def measure_speed(spark: Any, gb: float, cache: Path = DEFAULT_CACHE, batch_size: int = 256) -> dict[str, Any]:
     """Samples/s of the steady (second) epoch: streamed from the Spark tasks' files vs numpy on local workers."""
 
@@ -221,6 +241,7 @@ def main() -> int:
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--speed", action="store_true", help="P9 speed instead of P9 memory")
     p.add_argument("--local", action="store_true", help="P9 local (4 local workers on a memory map)")
+    p.add_argument("--rebalance", action="store_true", help="P9R: a one-partition DataFrame, rebalanced")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.local:
@@ -228,7 +249,8 @@ def main() -> int:
         return 0
     spark = start_spark()
     try:
-        m = measure_speed(spark, args.gb, args.cache) if args.speed else measure_memory(spark, args.gb, args.cache)
+        measure = measure_speed if args.speed else measure_rebalance if args.rebalance else measure_memory
+        m = measure(spark, args.gb, args.cache)
     finally:
         spark.stop()
     print(json.dumps(m, indent=1))

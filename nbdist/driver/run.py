@@ -263,12 +263,15 @@ class Run:
             self._shards = None  # a relaunch reads the partitions afresh
         self._launched_at = time.monotonic()
         data = self.data if self.data_on_tasks else None
+        if data is not None:  # shares within a batch of each other are equal enough to read as they are
+            data.batch = min(self._batch_sizes())
         try:
             self._handles = backend.launch(world, self._coordinator.address, secret, self._threads(),
                                            data=data)
         except Exception:
             self._shutdown()
             raise
+        self.state.data_note = getattr(backend, "data_note", "")  # e.g. how Spark data was rebalanced
 
     def _threads(self) -> int:
         """Each worker's thread budget: its share of this machine's cores, which local workers split

@@ -75,6 +75,7 @@ class RunState:
     error: str = ""
     workers: list[WorkerProgress] = field(default_factory=list)
     restarts: int = 0  # times the workers were relaunched from the last checkpoint
+    data_note: str = ""  # what was done to the data before the workers started (Spark rebalancing), for the first line
 
     def __post_init__(self) -> None:
         if not self.workers:

@@ -2,7 +2,8 @@
 
 One launcher serves both kinds of session: the workers' barrier stage is
 ``df.mapInArrow(arrow_task, schema, barrier=True)`` over the training DataFrame
-(one partition per worker) or over ``spark.range(n, numPartitions=n)`` when the
+(one partition per worker, rebalanced into equal shares where its partitions do not give
+them: balance.py) or over ``spark.range(n, numPartitions=n)`` when the
 data travels over the wire, and a background thread ``collect()``s it (a barrier
 stage must end in collect). Only an RDD of pairs, which exists on classic
 sessions alone, runs as ``rdd.barrier().mapPartitions`` with the same task body.
@@ -29,6 +30,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..backends.warm import warm_enabled
@@ -38,8 +40,9 @@ from ..procs import ChildEnd
 from ..wire import protocol
 from ..wire.messages import MessageType
 from . import cluster
+from .balance import Rebalance, rebalance_frame, rebalance_rdd, rebalance_with_validation
 from .data import SparkData, barrier_safe
-from .task import RESULT_SCHEMA, VALIDATION_COLUMN, TaskSpec, arrow_task, run_task
+from .task import RESULT_SCHEMA, TaskSpec, arrow_task, run_task
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +225,14 @@ class SparkTaskWorker:
         return "\n".join(self.log.splitlines()[-lines:])
 
 
+@dataclass(frozen=True)
+class Balanced:
+    """The training data as the barrier stage reads it: one partition per worker."""
+
+    dataframe: Any = None
+    rdd: Any = None  # an RDD of pairs (classic sessions)
+
+
 class SparkBackend:
     name = "spark"
     store_on_link = True  # rank 0 binds the rendezvous store on its own executor, not the driver's host
@@ -241,6 +252,7 @@ class SparkBackend:
         self._server: socket.socket | None = None
         self._closed = threading.Event()
         self._secret = b""
+        self.rebalance: Rebalance | None = None  # what the last launch found in the data's partitions
 
     def default_workers(self) -> int:
         if self.connect:
@@ -267,6 +279,8 @@ class SparkBackend:
         if world_size > slots and not self.connect:  # Connect: the server's conf is only a guess
             raise NbdistError(f"{world_size} workers need {world_size} Spark task slots at once (barrier mode) "
                               f"but this SparkContext has {slots}; use --workers {slots} or fewer.")
+        # Before the status listener starts: the counting job may end in an interrupt.
+        source = None if data is None else self._balanced(world_size, data)
         self._secret = secret
         self.workers = [SparkTaskWorker(r) for r in range(world_size)]
         self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -279,36 +293,43 @@ class SparkBackend:
                         warm=warm_enabled(),  # NBDIST_WARM_WORKERS=0 turns executors' warm workers off
                         keras_backend=notebook_backend(),
                         validation=data is not None and data.validation is not None)
-        stage = self._stage(world_size, data, spec)
+        stage = self._stage(world_size, source, spec)
         self._thread = threading.Thread(target=self._run, args=(stage,), name="nbdist-spark-job", daemon=True)
         self._thread.start()
         log.info("started Spark job %s with %d barrier tasks%s", self.group, world_size,
                  " over Spark Connect" if self.connect else "")
         return list(self.workers)
 
-    def _stage(self, world_size: int, data: Any, spec: TaskSpec) -> Callable[[], list[Any]]:
+    @property
+    def data_note(self) -> str:
+        """How the last launch rebalanced its data, for the run's first line ('' when it did not)."""
+        return self.rebalance.note if self.rebalance is not None else ""
+
+    def _balanced(self, world_size: int, data: SparkData) -> Balanced:
+        """The data as one partition per worker with equal shares (balance.py): counted in one job, then
+        read as it is when its partitions already give equal shares, else routed by global row index."""
+        if data.dataframe is None:  # an RDD of pairs: classic sessions only
+            rdd, self.rebalance = rebalance_rdd(data.rdd, world_size, data.batch,
+                                                must_shuffle=not barrier_safe(data.rdd._jrdd.rdd()))
+            return Balanced(rdd=rdd)
+        df = data.dataframe
+        if data.validation is None:
+            # Connect cannot see partitions, so it always shuffles; classic keeps barrier-safe partitions.
+            must = self.connect or not barrier_safe(df._jdf.rdd())
+            partitions = None if self.connect else df._jdf.rdd().getNumPartitions()
+            df, self.rebalance = rebalance_frame(df, world_size, data.batch, partitions, must)
+            return Balanced(dataframe=df)
+        df, self.rebalance = rebalance_with_validation(df, data.validation, world_size, data.batch, self.connect)
+        return Balanced(dataframe=df)
+
+    def _stage(self, world_size: int, data: Balanced | None, spec: TaskSpec) -> Callable[[], list[Any]]:
         """The barrier stage, as a function that runs it and returns one result per task."""
-        if data is not None and data.dataframe is None:  # an RDD of pairs: classic sessions only
-            rdd = data.rdd
-            if rdd.getNumPartitions() != world_size or not barrier_safe(rdd._jrdd.rdd()):
-                rdd = rdd.repartition(world_size)
-            return rdd.barrier().mapPartitions(functools.partial(run_task, spec)).collect
+        if data is not None and data.rdd is not None:  # an RDD of pairs: classic sessions only
+            return data.rdd.barrier().mapPartitions(functools.partial(run_task, spec)).collect
         if data is None:  # numpy/pandas data travels over the wire; the tasks only host the workers
             df = self.session.range(world_size, numPartitions=world_size)
-        elif data.validation is not None:
-            # One barrier stage reads both DataFrames: their union, each row marked, dealt round-robin
-            # over the tasks (one shuffle), and every task writes its share of each (task.py).
-            from pyspark.sql import functions as F
-
-            marked = [frame.withColumn(VALIDATION_COLUMN, F.lit(flag))
-                      for frame, flag in ((data.dataframe, False), (data.validation, True))]
-            df = marked[0].unionByName(marked[1]).repartition(world_size)
         else:
             df = data.dataframe
-            # Classic: keep the DataFrame's own partitions when they fit a barrier stage as they are.
-            # Connect cannot see partitions; a repartition is always safe for a barrier stage.
-            if self.connect or df.rdd.getNumPartitions() != world_size or not barrier_safe(df._jdf.rdd()):
-                df = df.repartition(world_size)
         return df.mapInArrow(functools.partial(arrow_task, spec), RESULT_SCHEMA, barrier=True).collect
 
     def _run(self, stage: Callable[[], list[Any]]) -> None:

@@ -1,7 +1,7 @@
 """Training data that lives on Spark executors: a DataFrame or an RDD of (features, label).
 
-The driver never collects rows and never counts them: the backend gives the data
-one partition per worker and each task reports its own partition's rows.
+The driver never collects rows: the backend counts the rows of each partition (balance.py), gives the
+data one partition per worker with equal shares, and each task reports its own partition's rows.
 pyspark is imported lazily: this module is importable without it.
 """
 from __future__ import annotations
@@ -43,9 +43,9 @@ def _names(features: str | Sequence[str] | None) -> tuple[str, ...]:
 class SparkData:
     """Rows on the executors plus how to turn them into (x, y).
 
-    The driver never counts them: each barrier task reports the rows of the partition it
-    read (``SparkBackend.partition_rows``), so the counts are those of the data trained on,
-    even for a DataFrame that is recomputed differently each time (uncached, nondeterministic).
+    Each barrier task reports the rows of the partition it read (``SparkBackend.partition_rows``), so
+    the shards are sized from the data trained on, even for a DataFrame that is recomputed differently
+    each time (uncached, nondeterministic); the counts taken to balance the shares only route rows.
     """
 
     def __init__(self, rdd: Any, layout: Layout, dataframe: Any = None) -> None:
@@ -54,6 +54,9 @@ class SparkData:
         self.dataframe = dataframe  # the selected columns, when the source is a DataFrame
         # A validation DataFrame with the same columns (spark_validation): each task writes its share too.
         self.validation: Any = None
+        # Partitions whose row counts differ by less than this are read as they are (balance.balanced);
+        # the run sets it to the workers' batch size.
+        self.batch = 1
 
 
 def barrier_safe(jrdd: Any) -> bool:

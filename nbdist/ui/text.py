@@ -40,8 +40,9 @@ class TextRenderer:
 
     def __call__(self, kind: str, state: RunState, payload: Any) -> None:
         if kind == "start":
+            note = f"; {state.data_note}" if state.data_note else ""
             self._write(f"nbdist: {state.strategy} on {state.world_size} {state.backend} workers, "
-                        f"{state.epochs} epochs")
+                        f"{state.epochs} epochs{note}")
         elif kind == "epoch":
             self._write(epoch_line(state, payload))
         elif kind == "restart":

@@ -180,7 +180,8 @@ def status_sentence(state: RunState) -> str:
     if state.status == "restarting":
         return (f"Restarting the workers (restart {restarts(state)}), continuing from epoch "
                 f"{state.initial_epoch + state.epochs_done}")
-    return f"{state.strategy} on {state.world_size} {state.backend} workers: {state.status}"
+    note = f" ({state.data_note})" if state.data_note else ""
+    return f"{state.strategy} on {state.world_size} {state.backend} workers{note}: {state.status}"
 
 
 def metrics_table_html(state: RunState) -> str:

@@ -287,7 +287,9 @@ class WidgetDashboard:
         colour = STATE_COLOURS.get(state.status, "#1f77b4")
         self.header.value = (f"<span style='font-size:14px'><b>nbdist</b> · {html.escape(state.strategy)} on "
                              f"{state.world_size} {html.escape(state.backend)} workers</span> "
-                             f"<span class='nbdist-status' style='background:{colour};color:white;padding:1px 9px;"
+                             + (f"<span class='nbdist-data-note'>({html.escape(state.data_note)})</span> "
+                                if state.data_note else "")
+                             + f"<span class='nbdist-status' style='background:{colour};color:white;padding:1px 9px;"
                              f"border-radius:9px;margin-left:6px'><b>{html.escape(state.status)}</b></span>")
         self.epochs_bar.value = ov.epochs_done
         self.epochs_bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(

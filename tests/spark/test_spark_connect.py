@@ -185,31 +185,37 @@ def test_an_rdd_over_connect_is_one_sentence(spark):
     assert "\n" not in str(info.value)
 
 
-def test_streamed_over_connect_equals_in_memory_on_the_same_rows(spark, data, no_leftover_workers):
-    """Small Arrow blocks and a window of ~100 rows, shuffle=False, allreduce: each worker's rows are
-    those of df.repartition(2) (deterministic: Spark sorts before a round-robin repartition)."""
+def test_one_parquet_file_streams_over_connect_in_equal_shares_in_order(spark, data, tmp_path, no_leftover_workers):
+    """The issue's one Parquet file, read as two partitions of which one holds every row ([n, 0]), over
+    Connect: each worker trains on an equal share (as it reports), worker 0 on the file's first half and
+    worker 1 on the second, in order, so with small Arrow blocks, a window of ~100 rows, shuffle=False and
+    allreduce the weights equal in-memory training on those halves; the run's note says what was done."""
     from pyspark.sql import functions as F
 
     Xtr, _, ytr, _ = data
+    X, y = Xtr[:1000], ytr[:1000]
+    _frame(spark, X, y).coalesce(1).write.parquet(str(tmp_path / "one"))
+    (file,) = (tmp_path / "one").glob("*.parquet")
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "50")
+    spark.conf.set("spark.sql.files.maxPartitionBytes", str(file.stat().st_size // 2 + 1))
     try:
-        df = _frame(spark, Xtr[:1000], ytr[:1000])
-        parts = df.repartition(2).select("pixels", "digit", F.spark_partition_id().alias("part")).toPandas()
-        sizes = parts["part"].value_counts().sort_index().tolist()
-        if sizes != [500, 500]:
-            pytest.skip(f"the repartition gave {sizes} rows, not the local backend's equal halves")
-        X = np.stack(parts["pixels"].to_numpy()).astype("float32")
-        y = parts["digit"].to_numpy()
-        order = np.argsort(parts["part"].to_numpy(), kind="stable")
+        df = spark.read.parquet(str(tmp_path / "one"))
+        held = df.groupBy(F.spark_partition_id().alias("p")).count().collect()
+        assert [r["count"] for r in held] == [1000], held  # one partition holds every row
         options = dict(epochs=2, batch_size=32, workers=2, strategy="allreduce", shuffle=False,
                        stream_buffer_bytes=100 * 65 * 4, ui="none")
         streamed, in_memory = small_model(), small_model()
         job = nbdist.train(streamed, df, features="pixels", label="digit", **options)
         assert job.state.backend == "spark" and [w.samples for w in job.state.workers] == [500, 500]
-        order = order[partition_order(len(order), 2, 32)]  # each partition's batches, dealt as Spark's tasks
-        nbdist.train(in_memory, X[order], y[order], backend="local", **options)
+        assert [w.samples_done for w in job.state.workers] == [2 * 500] * 2  # as the workers trained, 2 epochs
+        # A Connect client sees the partitions up to the last one holding rows.
+        note, counts = job.state.data_note, "1 partition [1000]" if held[0]["p"] == 0 else "2 partitions [0, 1000]"
+        assert note.startswith(f"rebalanced {counts} into 2 equal shares of 500 rows (counted in "), note
+        nbdist.train(in_memory, X[partition_order(1000, 2, 32)], y[partition_order(1000, 2, 32)], backend="local",
+                     **options)
     finally:
         spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+        spark.conf.unset("spark.sql.files.maxPartitionBytes")
     for a, b in zip(streamed.get_weights(), in_memory.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
