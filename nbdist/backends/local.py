@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -75,9 +76,13 @@ class LocalBackend:
         self.share, self.slot = share, slot
         self.workers: list[LocalWorker] = []
         self.run_dir: Path | None = None
+        self.workers_notice: str | None = None  # how many workers by default, and why (GPUs)
 
     def default_workers(self) -> int:
-        return default_local_workers()
+        """One worker per visible GPU where there are GPUs (said once, as the run starts), else the CPU default."""
+        gpus = placement.visible_gpu_count(count_host_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        count, self.workers_notice = placement.default_worker_count(gpus, default_local_workers())
+        return count
 
     def launch(self, world_size: int, address: tuple[str, int], secret: bytes,
                threads_per_worker: int, data: Any = None) -> list[LocalWorker]:
@@ -90,7 +95,7 @@ class LocalBackend:
         server = POOL.server(env) if count_host_gpus() == 0 else None
         forked = 0
         for rank in range(world_size):
-            gpu_env = local_gpu_env(rank)  # one GPU per worker by local rank, if any
+            gpu_env = local_gpu_env(rank, world=world_size)  # one GPU per worker by local rank, if any
             log_path = self.run_dir / f"worker-{rank}.log"
             proc: subprocess.Popen | ForkedWorker | None = None
             if server is not None:

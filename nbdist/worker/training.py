@@ -81,7 +81,14 @@ def run_training(link: Any, job: JobMessage) -> None:
 
     set_initial_learning_rate(model, job)
     lr_factor = scale_learning_rate(model, train.lr_scaling, job.world_size)
-    link.send({"type": MessageType.PROGRESS, "state": "starting", "epoch": train.initial_epoch})
+    from ..placement import gpu_missing_notice
+    from .device import training_device
+
+    device = training_device()  # in the run's state and dashboard from here on, and in the closing report
+    link.send({"type": MessageType.PROGRESS, "state": "starting", "epoch": train.initial_epoch, "device": device})
+    missing = gpu_missing_notice(train.engine, device)
+    if missing and (train.strategy != "allreduce" or job.world_size == 1):  # else the engine's choice refuses it
+        link.send({"type": MessageType.WARNING, "message": missing})
 
     from .phases import EpochPhases, PhaseClock, PhaseCollective, phase_callbacks, phase_timer, phase_times_enabled
 
@@ -143,7 +150,7 @@ def run_training(link: Any, job: JobMessage) -> None:
             callbacks = feed.callbacks(event) + callbacks
         report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
         done = {"type": MessageType.DONE, "sync_seconds": averager.seconds, "rounds": averager.rounds,
-                "summed_by": averager.summed_by, **report}
+                "summed_by": averager.summed_by, "device": device, **report}
         link.send(done)
     finally:
         if averager is not None:
