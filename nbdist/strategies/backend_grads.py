@@ -96,6 +96,11 @@ class HostGradientAllreduce(GradientAllreduce):
             return None, None
         raise ValueError(f"engine {engine!r} is not wired on Keras' {keras.backend.backend()} backend")
 
+    @property
+    def summed_by(self) -> str | None:
+        """"device" where the gradients are summed as tensors where they are (device_sum.py)."""
+        return "device" if self._engine_impl is not None else super().summed_by
+
     def set_weight(self, samples: float, total: float | None = None) -> None:
         self._queued.append((float(samples), None if total is None else float(total)))
 
