@@ -237,6 +237,20 @@ def nccl_or_gloo(engine: str, warning: str | None, requested: str | None,
     return "gloo", sharing_notice(obstacle)
 
 
+WARM_IMPORTS = "NBDIST_WARM_IMPORTS"
+
+
+def warm_server_env(gpus: int) -> dict[str, str]:
+    """What a fork server of local workers may import ahead of its jobs (backends/warm.py): everything on a
+    CPU machine; with GPUs only what initialises no device ("device-free": torch and nbdist, not Keras).
+
+    A forked child inherits no usable CUDA state, and CUDA reads CUDA_VISIBLE_DEVICES once, when it
+    initialises; Keras' torch backend calls torch.cuda.is_available() as it is imported (which initialises
+    the driver), so a server that imported Keras would fork workers without their GPU or all on one. Each
+    worker imports Keras itself, after its job has set its GPU."""
+    return {WARM_IMPORTS: "device-free"} if gpus > 0 else {}
+
+
 def describe_device(platform: str, index: str | int | None = None, name: str | None = None) -> str:
     """How a report names the device a worker trained on: "GPU 1 (NVIDIA H200)" or "CPU".
 

@@ -22,7 +22,7 @@ WORKER_MODULE = "nbdist.worker"
 # warm worker (spark/warm.py names its sockets after them; the order keeps those names stable).
 # KERAS_BACKEND: a warm worker has imported its Keras backend, so it serves only runs on that backend.
 STARTUP_KEYS = ("PYTHONPATH", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
-                "CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL", BACKEND_ENV)
+                "CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL", BACKEND_ENV, "NBDIST_WARM_IMPORTS")
 # Variables of these families may be read while TensorFlow, torch, Keras or the interpreter load:
 # a local fork server (backends/warm.py) is shared only by environments that agree on all of them.
 # The rest (PYTEST_CURRENT_TEST, a notebook's own settings) reach each forked worker with its job.
