@@ -115,6 +115,68 @@ class TorchDeviceSum:
             raise RuntimeError(f"workers disagree on this step's samples: {said}")
 
 
+class TorchDeviceAverage:
+    """One parameter-averaging round on the variables' own device: sum_w n_w v_w / sum_w n_w, the variables
+    copied into the buckets, all-reduced, and the average copied back in place (``WeightedAverager``'s
+    round without the host: the averaging strategy's engine on torch when every worker has a GPU of its
+    own). Keras' torch variables hold a torch tensor (``v.value``), written under ``no_grad``."""
+
+    def __init__(self, variables: Sequence[Any], device: Any, group: Any = None,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist = torch, dist
+        self.variables = list(variables)
+        self.device = torch.device(device)
+        self.group = group
+        sizes = [int(torch.Size(tuple(v.shape)).numel()) for v in self.variables]
+        self.sizes = sizes
+        self.plan = bucket_plan(sizes, max(1, bucket_bytes // 4)) or [[]]
+        lengths = [sum(sizes[i] for i in b) for b in self.plan]
+        lengths[-1] += 1  # this worker's samples
+        self.buckets = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in lengths]
+        self.seconds = 0.0
+        self.rounds = 0
+
+    @property
+    def summed_by(self) -> str:
+        return "device"
+
+    def average(self, samples: int) -> int:
+        torch = self._torch
+        t0 = time.perf_counter()
+        pending = []
+        with torch.no_grad():
+            for k, (members, bucket) in enumerate(zip(self.plan, self.buckets)):
+                at = 0
+                for i in members:
+                    size = self.sizes[i]
+                    bucket[at:at + size].copy_(self.variables[i].value.detach().reshape(-1))
+                    at += size
+                bucket[:at].mul_(float(samples))
+                if k == len(self.plan) - 1:
+                    bucket[-1] = float(samples)
+                pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.group,
+                                                     async_op=True))
+            for work in pending:
+                work.wait()
+            total = float(self.buckets[-1][-1])  # one read of the device per round
+            if total > 0:
+                for members, bucket in zip(self.plan, self.buckets):
+                    at = 0
+                    for i in members:
+                        v, size = self.variables[i], self.sizes[i]
+                        v.value.copy_(bucket[at:at + size].view(tuple(v.shape)) / total)
+                        at += size
+        self.seconds += time.perf_counter() - t0
+        self.rounds += 1
+        return int(round(total))
+
+    def close(self) -> None:
+        pass
+
+
 def device_group(backend: str) -> Any:
     """A process group for the device sum beside nbdist's own Gloo group, on the same store (every worker
     calls this: each chose the same engine from the same flags)."""

@@ -72,3 +72,26 @@ def worker_gpus(collective: Any, mine: str | None = None) -> list[int]:
     flags[collective.rank] = float(zlib.crc32(identity.encode()) | 1) if identity else 0.0
     collective.allreduce_sum(flags)
     return [int(f) for f in flags]
+
+
+def device_averager(collective: Any, variables: list[Any]) -> Any:
+    """The averaging strategy's rounds on the GPUs (``TorchDeviceAverage``) where Keras runs on torch and every
+    worker has a GPU of its own (or, NBDIST_TORCH_DEVICE_SUM=1, the same code over Gloo on CPU tensors);
+    None: the host's ``WeightedAverager``. Every worker of more than one decides from the same sum."""
+    import keras
+
+    if collective.world_size == 1 or keras.backend.backend() != "torch":
+        return None
+    from ..placement import choose_torch_engine
+    from ..strategies.backend_grads import device_sum_forced
+    from ..strategies.device_sum import TorchDeviceAverage, device_group
+
+    engine, _ = choose_torch_engine(None, worker_gpus(collective))  # the one line is the allreduce's
+    if engine != "nccl" and not device_sum_forced():
+        return None
+    import torch
+
+    if engine == "nccl":
+        torch.cuda.set_device(0)
+    return TorchDeviceAverage(variables, torch.device("cuda", 0) if engine == "nccl" else "cpu",
+                              device_group(engine))

@@ -109,10 +109,15 @@ def run_training(link: Any, job: JobMessage) -> None:
         variables = [w for w in model.weights if "float" in str(w.dtype)]
         if train.average_optimizer:
             variables += averaged_optimizer_variables(model)
-        averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf)
-        # One exchange per round: through shared memory when every worker runs on this machine.
-        averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
-                                             int(train.direct_sum_bytes), int(train.shared_chunk_bytes))
+        from .device import device_averager
+
+        # torch with a GPU per worker: each round on the GPUs (device_sum.py); else one exchange through the
+        # host, through shared memory when every worker runs on this machine.
+        averager = device_averager(collective, variables)
+        if averager is None:
+            averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf)
+            averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
+                                                 int(train.direct_sum_bytes), int(train.shared_chunk_bytes))
         batch_size = rank_batch_size(job)
         # A PyDataset: this worker's share of its batches (pydatasets.py); arrays: one repeated
         # pipeline for the whole fit, so Keras keeps one iterator (see datasets.py).

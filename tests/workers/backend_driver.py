@@ -237,15 +237,23 @@ def device_paths(x: np.ndarray, y: np.ndarray, plain: dict, per_worker: dict) ->
     if BACKEND == "torch":
         local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
         expected = local.fit(x, y, epochs=2, verbose=0, **plain).history
+        local_sgd, remote_sgd = mlp(keras.optimizers.SGD(0.1)), mlp(keras.optimizers.SGD(0.1))
+        expected_sgd = local_sgd.fit(x, y, epochs=2, verbose=0, **plain).history
         os.environ["NBDIST_TORCH_DEVICE_SUM"] = "1"  # the workers inherit it
         try:
             job = nbdist.train(remote, x, y, workers=2, epochs=2, strategy="allreduce", lr_scaling="none", ui="none",
                                **{**plain, **per_worker})
+            averaged = nbdist.train(remote_sgd, x, y, workers=2, epochs=2, strategy="averaging", averaging_frequency=1,
+                                    lr_scaling="none", ui="none", **{**plain, **per_worker})
         finally:
             del os.environ["NBDIST_TORCH_DEVICE_SUM"]
         out["device_sum"] = {"history": job.fit_history.history, "expected": expected,
                              "weight_gap": weight_gap(remote, local),
                              "summed_by": [job.reports[r]["summed_by"] for r in range(2)]}
+        # The averaging strategy's rounds on the device too (every step with SGD: the local step).
+        out["device_average"] = {"history": averaged.fit_history.history, "expected": expected_sgd,
+                                 "weight_gap": weight_gap(remote_sgd, local_sgd),
+                                 "summed_by": [averaged.reports[r]["summed_by"] for r in range(2)]}
     return out
 
 

@@ -97,8 +97,8 @@ def test_the_paths_that_differ_per_backend(backend):
     assert result["graph_torch_names"] == []
     cases = ("one_worker", "one_allreduce_worker", "cnn", "own_step", "py_dataset", "masked")
     if backend == "torch":
-        assert result["device_sum"]["summed_by"] == ["device", "device"]
-        cases += ("device_sum",)
+        assert result["device_sum"]["summed_by"] == result["device_average"]["summed_by"] == ["device", "device"]
+        cases += ("device_sum", "device_average")
     for case in cases:
         run = result[case]
         assert_same_history(run["history"], run["expected"])
