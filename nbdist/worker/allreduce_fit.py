@@ -13,7 +13,13 @@ def jax_engine(requested: str | None) -> tuple[str, str | None]:
     """The engine on Keras' JAX backend: Gloo. Its gradients leave the jitted step through a host call
     (backend_grads.py), so they are in host memory already, where nbdist's exchange sums them; summing
     on the device would take JAX's own collectives, which need ``jax.distributed``'s rendezvous beside
-    nbdist's. Any other request is said once in a warning sentence, and the run goes on over Gloo."""
+    nbdist's. Any other request is said once in a warning sentence, and the run goes on over Gloo.
+
+    The device path, designed and not built (README, "GPUs"): ``jax.distributed.initialize`` from nbdist's
+    store, then ``keras.distribution.DataParallel`` over every process's devices, so XLA all-reduces the
+    gradients inside the jitted step (NCCL on GPUs). The model's variables must then be made under that
+    distribution, which the pickled model's are not, and nbdist's own timeout must bound every step, as
+    JAX's CPU collectives have had wrong sums and hangs. One worker needs none of it: nothing is summed."""
     if requested in (None, "gloo"):
         return "gloo", None
     if requested == "horovod":

@@ -69,7 +69,8 @@ def run_training(link: Any, job: JobMessage) -> None:
     # Keras' own would run past an epoch's end on the repeated pipelines.
     model.steps_per_execution = 1
     on_tf = keras.backend.backend() == "tensorflow"
-    if train.strategy == "allreduce" and on_tf:  # the gradient allreduce is a Python op: XLA cannot compile it
+    # The gradient allreduce is a Python op: XLA cannot compile it (one worker sums nothing: Keras' own step).
+    if train.strategy == "allreduce" and on_tf and job.world_size > 1:
         model.jit_compile = False
 
     build_optimizer(model)

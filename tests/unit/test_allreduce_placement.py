@@ -154,3 +154,19 @@ def test_the_device_a_report_names():
     assert describe_device("cuda", None, None) == "GPU"
     assert gpu_missing_notice("nccl", "CPU").startswith("--engine nccl asks for GPUs but this worker sees none")
     assert gpu_missing_notice("nccl", "GPU 0 (NVIDIA H200)") is None and gpu_missing_notice(None, "CPU") is None
+
+
+def test_the_local_backend_defaults_to_one_worker_per_visible_gpu(monkeypatch):
+    """With GPUs (the driver's count stood in for: there are none here) and no --workers, the local backend
+    starts one worker per GPU the notebook may use, and has the line that says so; without, the CPU default."""
+    from nbdist.backends import local
+    from nbdist.config import default_local_workers
+
+    backend = local.LocalBackend()
+    monkeypatch.setattr(local, "count_host_gpus", lambda *a: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3,5")
+    assert backend.default_workers() == 3 and backend.workers_notice.startswith("3 workers, one per visible GPU")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert backend.default_workers() == 4
+    monkeypatch.setattr(local, "count_host_gpus", lambda *a: 0)
+    assert backend.default_workers() == default_local_workers() and backend.workers_notice is None
