@@ -261,12 +261,17 @@ def describe_device(platform: str, index: str | int | None = None, name: str | N
     return f"{where} ({name})" if name else where
 
 
-def gpu_missing_notice(engine: str | None, device: str) -> str | None:
-    """The sentence for a worker asked to use GPUs (``--engine nccl``) that trained on the CPU, else None."""
-    if engine == "nccl" and device == "CPU":
-        return ("--engine nccl asks for GPUs but this worker sees none (a container started without --gpus, "
-                "an executor without GPU resources, or CUDA_VISIBLE_DEVICES empty): it trains on the CPU.")
-    return None
+GPUS_ASKED = "NBDIST_GPUS_ASKED"  # set in a worker's environment where the run asked for GPUs (--gpus)
+
+
+def gpu_missing_notice(engine: str | None, device: str, gpus_asked: bool = False) -> str | None:
+    """The sentence for a worker asked to use GPUs (``--engine nccl``, a container's ``--gpus``) that trains on
+    the CPU, else None."""
+    if device != "CPU" or not (engine == "nccl" or gpus_asked):
+        return None
+    asked = "--engine nccl" if engine == "nccl" else "--gpus"
+    return (f"{asked} asks for GPUs but this worker sees none (a container engine without the NVIDIA runtime, "
+            "an executor without GPU resources, or CUDA_VISIBLE_DEVICES empty): it trains on the CPU.")
 
 
 def horovod_import_error() -> str | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..keras_backend import ENV as BACKEND_ENV
 from ..keras_backend import notebook_backend
-from ..placement import interop_threads
+from ..placement import GPUS_ASKED, interop_threads
 
 WORKER_MODULE = "nbdist.worker"
 # The variables a worker's start depends on: two environments that agree on these can share a
@@ -109,4 +109,6 @@ def container_env(threads: int, *, mounted_package: bool, gpus: bool,
         env["PYTHONPATH"] = package_root()
     if not gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        env[GPUS_ASKED] = "1"  # a worker that sees none says so (placement.gpu_missing_notice)
     return env

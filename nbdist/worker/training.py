@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ..wire.messages import JobMessage, MessageType
@@ -82,13 +83,13 @@ def run_training(link: Any, job: JobMessage) -> None:
 
     set_initial_learning_rate(model, job)
     lr_factor = scale_learning_rate(model, train.lr_scaling, job.world_size)
-    from ..placement import gpu_missing_notice
+    from ..placement import GPUS_ASKED, gpu_missing_notice
     from .device import training_device
 
     device = training_device()  # in the run's state and dashboard from here on, and in the closing report
     link.send({"type": MessageType.PROGRESS, "state": "starting", "epoch": train.initial_epoch, "device": device})
-    missing = gpu_missing_notice(train.engine, device)
-    if missing and (train.strategy != "allreduce" or job.world_size == 1):  # else the engine's choice refuses it
+    missing = gpu_missing_notice(train.engine, device, os.environ.get(GPUS_ASKED) == "1")
+    if missing and (train.engine != "nccl" or job.world_size == 1):  # else the engine's choice refuses it
         link.send({"type": MessageType.WARNING, "message": missing})
 
     from .phases import EpochPhases, PhaseClock, PhaseCollective, phase_callbacks, phase_timer, phase_times_enabled

@@ -154,6 +154,8 @@ def test_the_device_a_report_names():
     assert describe_device("cuda", None, None) == "GPU"
     assert gpu_missing_notice("nccl", "CPU").startswith("--engine nccl asks for GPUs but this worker sees none")
     assert gpu_missing_notice("nccl", "GPU 0 (NVIDIA H200)") is None and gpu_missing_notice(None, "CPU") is None
+    assert gpu_missing_notice(None, "CPU", gpus_asked=True).startswith("--gpus asks for GPUs but this worker sees")
+    assert gpu_missing_notice(None, "GPU 0", gpus_asked=True) is None
 
 
 def test_the_local_backend_defaults_to_one_worker_per_visible_gpu(monkeypatch):
