@@ -56,7 +56,7 @@ class OnGPU(keras.metrics.Metric):
 
 
 def mlp(input_dim: int, hidden: list[int], classes: int = 10, lr: float = 1e-3, seed: int = 0,
-        probe: bool = True) -> keras.Model:
+        probe: bool = True, optimizer: str = "adam") -> keras.Model:
     """A compiled MLP with seeded initializers (the same weights for the same seed, without
     keras.utils.set_random_seed, which imports TensorFlow when it is installed)."""
     layers = [keras.Input((input_dim,))]
@@ -69,7 +69,8 @@ def mlp(input_dim: int, hidden: list[int], classes: int = 10, lr: float = 1e-3, 
     metrics: list = ["accuracy"]
     if probe:
         metrics.append(OnGPU())
-    model.compile(keras.optimizers.Adam(lr), "sparse_categorical_crossentropy", metrics=metrics)
+    opt = keras.optimizers.SGD(lr) if optimizer == "sgd" else keras.optimizers.Adam(lr)
+    model.compile(opt, "sparse_categorical_crossentropy", metrics=metrics)
     return model
 
 
