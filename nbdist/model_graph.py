@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from .backend_tensors import tensor_as_array, tensor_from_array, without_torch_params
+
 # Compiled step functions: bound to this process's graphs; Keras makes them again when None.
 _DROPPED = frozenset({"train_function", "test_function", "predict_function"})
 
@@ -210,42 +212,6 @@ def _absent() -> None:
     return None
 
 
-def _torch_tensor(value: np.ndarray, dtype: str, parameter: bool, requires_grad: bool) -> Any:
-    """A torch tensor from the array it travelled as, on this process's device (Keras' torch device where
-    Keras runs on torch: the worker's GPU, or the CPU where it has none)."""
-    import torch
-
-    device = "cpu"
-    if sys.modules.get("keras") is not None:
-        import keras
-
-        if keras.backend.backend() == "torch":
-            from keras.src.backend.torch.core import get_device
-
-            device = get_device()
-    tensor = torch.from_numpy(np.array(value)).to(device=device, dtype=getattr(torch, dtype))
-    return torch.nn.Parameter(tensor, requires_grad=requires_grad) if parameter else tensor
-
-
-def _torch_tensor_args(obj: Any) -> tuple[np.ndarray, str, bool, bool]:
-    """A torch tensor as an array (bfloat16, which numpy lacks, as float32) and what remakes it."""
-    import torch
-
-    data = obj.detach()
-    wide = data.float() if data.dtype == torch.bfloat16 else data
-    return (wide.cpu().numpy(), str(data.dtype).removeprefix("torch."), isinstance(obj, torch.nn.Parameter),
-            bool(obj.requires_grad))
-
-
-def _without_torch_params(state: dict[str, Any]) -> dict[str, Any]:
-    """A Keras torch layer's state without ``_torch_params``: the torch module that holds the layer's
-    variables' tensors a second time (remade from the variables when next needed, as Keras does)."""
-    modules = state.get("_modules")
-    if isinstance(modules, dict) and "_torch_params" in modules:
-        state["_modules"] = type(modules)((k, v) for k, v in modules.items() if k != "_torch_params")
-    return state
-
-
 def _tf_function(python_function: Any, signature: Any) -> Any:
     import tensorflow as tf
 
@@ -349,7 +315,7 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
             if isinstance(obj, optimizer):
                 state = {k: _by_variable(v, self.var_keys) for k, v in state.items()}
                 return copyreg.__newobj__, (kind,), state, None, None, _set_optimizer
-            return copyreg.__newobj__, (kind,), _without_torch_params(state), None, None, _set_dict
+            return copyreg.__newobj__, (kind,), without_torch_params(state), None, None, _set_dict
         if isinstance(obj, tracking.Tracker):
             return copyreg.__newobj__, (kind,), dict(vars(obj)), None, None, _set_tracker
         if isinstance(obj, (tracking.TrackedList, tracking.TrackedDict, tracking.TrackedSet)):
@@ -357,7 +323,7 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
             return copyreg.__newobj__, (kind,), (dict(vars(obj)), items), None, None, _set_tracked
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):  # only arrays cross: no device, no storage
-            return _torch_tensor, _torch_tensor_args(obj)
+            return tensor_from_array, tensor_as_array(obj)
         if kind is weakref.ReferenceType:
             return _weak, (obj(),)
         if kind.__name__ == "DynamicBackend" and kind.__module__.startswith("keras"):
