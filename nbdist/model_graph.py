@@ -15,7 +15,10 @@ handled apart:
 - a layer tracker's id sets are rebuilt from the objects it holds;
 - compiled step functions are dropped (Keras makes them again on the first step);
 - a TensorFlow resource (a lookup table) cannot cross processes: the layer that holds it
-  restores it from its assets (Keras's ``save_assets``/``load_assets``, see ``save_assets``).
+  restores it from its assets (Keras's ``save_assets``/``load_assets``, see ``save_assets``);
+- a torch tensor travels as a numpy array and is made again on the receiving process's device (a model
+  built on a GPU trains on workers without one), and a torch layer's ``_torch_params`` (its variables'
+  tensors a second time) is left to be remade from the variables.
 
 A layer holding such a resource without an assets protocol of its own is refused by
 ``check_resources`` before any worker starts.
@@ -33,6 +36,8 @@ import zipfile
 from typing import Any
 
 import numpy as np
+
+from .backend_tensors import tensor_as_array, tensor_from_array, without_torch_params
 
 # Compiled step functions: bound to this process's graphs; Keras makes them again when None.
 _DROPPED = frozenset({"train_function", "test_function", "predict_function"})
@@ -310,12 +315,15 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
             if isinstance(obj, optimizer):
                 state = {k: _by_variable(v, self.var_keys) for k, v in state.items()}
                 return copyreg.__newobj__, (kind,), state, None, None, _set_optimizer
-            return copyreg.__newobj__, (kind,), state, None, None, _set_dict
+            return copyreg.__newobj__, (kind,), without_torch_params(state), None, None, _set_dict
         if isinstance(obj, tracking.Tracker):
             return copyreg.__newobj__, (kind,), dict(vars(obj)), None, None, _set_tracker
         if isinstance(obj, (tracking.TrackedList, tracking.TrackedDict, tracking.TrackedSet)):
             items = dict(obj) if isinstance(obj, dict) else list(obj)
             return copyreg.__newobj__, (kind,), (dict(vars(obj)), items), None, None, _set_tracked
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):  # only arrays cross: no device, no storage
+            return tensor_from_array, tensor_as_array(obj)
         if kind is weakref.ReferenceType:
             return _weak, (obj(),)
         if kind.__name__ == "DynamicBackend" and kind.__module__.startswith("keras"):

@@ -57,11 +57,50 @@ def count_host_gpus(proc_dir: str = "/proc/driver/nvidia/gpus") -> int:
         return 0
 
 
-def local_gpu_env(rank: int, environ: dict[str, str] | None = None, gpu_count: int | None = None) -> dict[str, str]:
-    """Environment entries that pin a local worker to its GPU (the local backend's per-rank env)."""
+def local_gpu_env(rank: int, environ: dict[str, str] | None = None, gpu_count: int | None = None,
+                  world: int = 1) -> dict[str, str]:
+    """Environment entries that pin a local worker to its GPU (the local backend's per-rank env), with JAX's
+    memory settings when ``world`` local workers share the GPUs (``jax_memory_env``)."""
     environ = os.environ if environ is None else environ
     count = count_host_gpus() if gpu_count is None else gpu_count
-    return {"CUDA_VISIBLE_DEVICES": cuda_visible_devices_for_rank(rank, count, environ.get("CUDA_VISIBLE_DEVICES"))}
+    parent = environ.get("CUDA_VISIBLE_DEVICES")
+    env = {"CUDA_VISIBLE_DEVICES": cuda_visible_devices_for_rank(rank, count, parent)}
+    return {**env, **jax_memory_env(world, visible_gpu_count(count, parent), environ)}
+
+
+def visible_gpu_count(host_gpus: int, parent_visible: str | None) -> int:
+    """The GPUs this process may hand to workers: the host's, or as many as CUDA_VISIBLE_DEVICES names."""
+    allowed = visible_devices(parent_visible)
+    if host_gpus <= 0:
+        return 0
+    return host_gpus if allowed is None else len(allowed)
+
+
+def workers_per_gpu(local_world: int, gpus: int) -> int:
+    """The most local workers any one GPU carries (round-robin, ``gpu_for_local_rank``); 0 without GPUs."""
+    return 0 if gpus <= 0 else -(-max(0, local_world) // gpus)
+
+
+def jax_memory_env(local_world: int, gpus: int, environ: dict[str, str] | os._Environ[str] | None = None
+                   ) -> dict[str, str]:
+    """JAX's memory settings for workers sharing a GPU: each JAX process preallocates 75% of its GPU's memory
+    at its first operation, so two on one GPU fail ("Failed to get configs") or fight. Sharing, they allocate
+    as they go (XLA_PYTHON_CLIENT_PREALLOCATE=false); a setting of the user's stands."""
+    environ = {} if environ is None else environ
+    if workers_per_gpu(local_world, gpus) <= 1 or any(
+            k in environ for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                   "XLA_PYTHON_CLIENT_ALLOCATOR")):
+        return {}
+    return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def default_worker_count(gpus: int, cpu_default: int) -> tuple[int, str | None]:
+    """Workers when ``--workers`` is not given: one per visible GPU where there are GPUs (with the sentence
+    the run's first line says), else the CPU default."""
+    if gpus <= 0:
+        return cpu_default, None
+    return gpus, (f"{gpus} worker{'s' if gpus > 1 else ''}, one per visible GPU "
+                  "(--workers N to choose; workers beyond the GPUs share them round-robin).")
 
 
 def usable_cores() -> set[int] | None:
@@ -132,31 +171,107 @@ def choose_engine(requested: str | None, has_gpu: bool, horovod_error: str | Non
     return requested, None
 
 
-def choose_torch_engine(requested: str | None, gpus: Sequence[bool]) -> tuple[str, str | None]:
+def nccl_obstacle(gpus: Sequence[object]) -> str | None:
+    """Why NCCL cannot sum for these workers, as a clause (None: it can).
+
+    ``gpus``: each worker's GPU, by rank, as an identity (its host and device, ``worker/device.py``), or a
+    false value for none. NCCL needs a GPU on every worker, and refuses two ranks on one device
+    ("invalid usage"), so every worker must have its own.
+    """
+    lacking = [str(rank) for rank, gpu in enumerate(gpus) if not gpu]
+    if not gpus or lacking:
+        return (f"worker {lacking[0]} has no GPU" if len(lacking) == 1
+                else f"workers {', '.join(lacking)} have no GPU") if lacking else "there are no workers"
+    first: dict[object, int] = {}
+    for rank, gpu in enumerate(gpus):
+        if gpu in first:
+            return f"workers {first[gpu]} and {rank} share one GPU"
+        first[gpu] = rank
+    return None
+
+
+def sharing_notice(obstacle: str) -> str:
+    """The one line a run on GPUs says when it sums over Gloo instead of NCCL, and what that costs."""
+    return (f"{obstacle[0].upper()}{obstacle[1:]}, and NCCL needs a GPU of its own for every worker: the "
+            "gradients are summed over Gloo, through host memory (each step copies them off the GPU and back).")
+
+
+def choose_torch_engine(requested: str | None, gpus: Sequence[object]) -> tuple[str, str | None]:
     """Resolve ``--engine`` under allreduce on Keras' torch backend: (engine to use, warning sentence or None).
 
-    ``gpus``: whether each worker, by rank, sees a GPU (summed over the workers first, so every worker
-    makes the same choice: an NCCL group needs all of them). NCCL when every worker has one, else Gloo;
-    ``--engine nccl`` with a worker lacking one is refused with the fix. Horovod is not driven on torch
-    (README, "Keras backends"): said once, and the default engine sums.
+    ``gpus``: each worker's GPU identity by rank, or a false value for none (summed over the workers first,
+    so every worker makes the same choice: an NCCL group needs all of them). NCCL when every worker has a GPU
+    of its own (``nccl_obstacle``), else Gloo, said in one line where some have GPUs; ``--engine nccl``
+    otherwise is refused with the fix. Horovod is not driven on torch (README, "Keras backends"): said
+    once, and the default engine sums.
     """
-    every = bool(gpus) and all(gpus)
+    obstacle = nccl_obstacle(gpus)
+    every = obstacle is None
     default = "nccl" if every else "gloo"
     if requested is None:
-        return default, None
+        return default, (sharing_notice(obstacle) if obstacle and any(gpus) else None)
     if requested not in ENGINES:
         raise NbdistError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}.")
     if requested == "nccl" and not every:
-        lacking = [str(rank) for rank, gpu in enumerate(gpus) if not gpu]
-        which = f"worker {lacking[0]} has" if len(lacking) == 1 else f"workers {', '.join(lacking)} have"
-        raise NbdistError(f"--engine nccl needs a GPU on every worker and {which} none; "
-                          "use --engine gloo (the default when a worker has no GPU).")
+        raise NbdistError(f"--engine nccl needs a GPU of its own for every worker and {obstacle}; use --engine "
+                          "gloo (the default then), or give each worker its own GPU (--workers at most the GPUs).")
     if requested == "horovod":
         return default, ("--engine horovod is not available on Keras' torch backend: Horovod 0.28.1's PyTorch "
                          "extension does not build against torch 2.13 as released (it compiles as C++14 and "
                          "torch's headers need C++17), and nbdist does not drive it there; the gradients are "
                          f"summed over {'NCCL' if every else 'Gloo'}.")
     return requested, None
+
+
+def nccl_or_gloo(engine: str, warning: str | None, requested: str | None,
+                 gpus: Sequence[object]) -> tuple[str, str | None]:
+    """TensorFlow's engine (``choose_engine``, decided by each worker alone) checked against every worker's
+    GPU: NCCL stands only where each has its own (``nccl_obstacle``); otherwise Gloo with its one line, or,
+    when NCCL was asked for by name, the refusal with the fix."""
+    obstacle = None if engine != "nccl" else nccl_obstacle(gpus)
+    if obstacle is None:
+        return engine, warning
+    if requested == "nccl":
+        raise NbdistError(f"--engine nccl needs a GPU of its own for every worker and {obstacle}; use --engine "
+                          "gloo (the default then), or give each worker its own GPU (--workers at most the GPUs).")
+    return "gloo", sharing_notice(obstacle)
+
+
+WARM_IMPORTS = "NBDIST_WARM_IMPORTS"
+
+
+def warm_server_env(gpus: int) -> dict[str, str]:
+    """What a fork server of local workers may import ahead of its jobs (backends/warm.py): everything on a
+    CPU machine; with GPUs only what initialises no device ("device-free": torch and nbdist, not Keras).
+
+    A forked child inherits no usable CUDA state, and CUDA reads CUDA_VISIBLE_DEVICES once, when it
+    initialises; Keras' torch backend calls torch.cuda.is_available() as it is imported (which initialises
+    the driver), so a server that imported Keras would fork workers without their GPU or all on one. Each
+    worker imports Keras itself, after its job has set its GPU."""
+    return {WARM_IMPORTS: "device-free"} if gpus > 0 else {}
+
+
+def describe_device(platform: str, index: str | int | None = None, name: str | None = None) -> str:
+    """How a report names the device a worker trained on: "GPU 1 (NVIDIA H200)" or "CPU".
+
+    ``index``: the GPU's id as the host numbers it (the worker's CUDA_VISIBLE_DEVICES), not its own 0."""
+    if platform.lower() in ("cpu", ""):
+        return "CPU"
+    where = "GPU" if index is None or index == "" else f"GPU {index}"
+    return f"{where} ({name})" if name else where
+
+
+GPUS_ASKED = "NBDIST_GPUS_ASKED"  # set in a worker's environment where the run asked for GPUs (--gpus)
+
+
+def gpu_missing_notice(engine: str | None, device: str, gpus_asked: bool = False) -> str | None:
+    """The sentence for a worker asked to use GPUs (``--engine nccl``, a container's ``--gpus``) that trains on
+    the CPU, else None."""
+    if device != "CPU" or not (engine == "nccl" or gpus_asked):
+        return None
+    asked = "--engine nccl" if engine == "nccl" else "--gpus"
+    return (f"{asked} asks for GPUs but this worker sees none (a container engine without the NVIDIA runtime, "
+            "an executor without GPU resources, or CUDA_VISIBLE_DEVICES empty): it trains on the CPU.")
 
 
 def horovod_import_error() -> str | None:

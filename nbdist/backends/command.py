@@ -15,14 +15,14 @@ from pathlib import Path
 
 from ..keras_backend import ENV as BACKEND_ENV
 from ..keras_backend import notebook_backend
-from ..placement import interop_threads
+from ..placement import GPUS_ASKED, interop_threads
 
 WORKER_MODULE = "nbdist.worker"
 # The variables a worker's start depends on: two environments that agree on these can share a
 # warm worker (spark/warm.py names its sockets after them; the order keeps those names stable).
 # KERAS_BACKEND: a warm worker has imported its Keras backend, so it serves only runs on that backend.
 STARTUP_KEYS = ("PYTHONPATH", "OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
-                "CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL", BACKEND_ENV)
+                "CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL", BACKEND_ENV, "NBDIST_WARM_IMPORTS")
 # Variables of these families may be read while TensorFlow, torch, Keras or the interpreter load:
 # a local fork server (backends/warm.py) is shared only by environments that agree on all of them.
 # The rest (PYTEST_CURRENT_TEST, a notebook's own settings) reach each forked worker with its job.
@@ -109,4 +109,6 @@ def container_env(threads: int, *, mounted_package: bool, gpus: bool,
         env["PYTHONPATH"] = package_root()
     if not gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        env[GPUS_ASKED] = "1"  # a worker that sees none says so (placement.gpu_missing_notice)
     return env

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -26,13 +27,13 @@ def start_warm_workers(workers: int | None = None) -> bool:
     ``workers`` of them share the machine: a default job's by default, a search's parallel trials'
     (parallel x workers per trial) when it starts. A live one for them is kept, not started again.
 
-    Not with GPUs: a worker's device is chosen before TensorFlow starts. (Nor with Spark active:
-    the extension loader does not call this then.) False when none starts.
+    With GPUs the server imports only what initialises no device (``placement.warm_server_env``). (Not
+    with Spark active: the extension loader does not call this then.) False when none starts.
     """
-    if not warm_enabled() or count_host_gpus() > 0:
+    if not warm_enabled():
         return False
     threads = placement.threads_per_worker(workers or default_local_workers())
-    return POOL.server(worker_env(threads)) is not None
+    return POOL.server({**worker_env(threads), **placement.warm_server_env(count_host_gpus())}) is not None
 
 
 class LocalWorker:
@@ -75,9 +76,13 @@ class LocalBackend:
         self.share, self.slot = share, slot
         self.workers: list[LocalWorker] = []
         self.run_dir: Path | None = None
+        self.workers_notice: str | None = None  # how many workers by default, and why (GPUs)
 
     def default_workers(self) -> int:
-        return default_local_workers()
+        """One worker per visible GPU where there are GPUs (said once, as the run starts), else the CPU default."""
+        gpus = placement.visible_gpu_count(count_host_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        count, self.workers_notice = placement.default_worker_count(gpus, default_local_workers())
+        return count
 
     def launch(self, world_size: int, address: tuple[str, int], secret: bytes,
                threads_per_worker: int, data: Any = None) -> list[LocalWorker]:
@@ -86,11 +91,11 @@ class LocalBackend:
         env = worker_env(threads_per_worker)
         cores = usable_cores()
         slices = shared_core_slices(cores, world_size, threads_per_worker, self.share, self.slot) if cores else None
-        # Not with GPUs: each worker's device is chosen before TensorFlow starts.
-        server = POOL.server(env) if count_host_gpus() == 0 else None
+        # With GPUs the server has imported nothing that picks a device: each worker's job sets its GPU first.
+        server = POOL.server({**env, **placement.warm_server_env(count_host_gpus())})
         forked = 0
         for rank in range(world_size):
-            gpu_env = local_gpu_env(rank)  # one GPU per worker by local rank, if any
+            gpu_env = local_gpu_env(rank, world=world_size)  # one GPU per worker by local rank, if any
             log_path = self.run_dir / f"worker-{rank}.log"
             proc: subprocess.Popen | ForkedWorker | None = None
             if server is not None:

@@ -10,8 +10,9 @@ local job starts it and forks its workers from it as soon as its imports are don
 A job takes a server started with the part of its workers' environment that imports may read
 (``command.startup_env``: the thread budget differs with the number of workers, and OpenMP reads
 it when it loads); the rest of the environment goes to each worker with its job, which replaces
-the server's. At most ``KEPT`` servers are kept, the least recently used stopped first. Not on a
-machine with GPUs: each worker's device must be chosen before TensorFlow starts.
+the server's. At most ``KEPT`` servers are kept, the least recently used stopped first. On a machine
+with GPUs the server imports only what initialises no device (torch, nbdist; not Keras nor its backend,
+``placement.warm_server_env``): each worker's GPU is set by its job before it imports them.
 ``NBDIST_WARM_WORKERS=0`` turns them off: every worker then starts cold.
 """
 from __future__ import annotations

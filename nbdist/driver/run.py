@@ -199,6 +199,8 @@ class Run:
         self._spec = self._make_spec()
         backend = resolve_backend(cfg)
         world = cfg.workers or backend.default_workers()
+        if not cfg.workers and getattr(backend, "workers_notice", None):  # one per GPU: the run's first line
+            log.warning("%s", backend.workers_notice)
         shards = self._plan_shards(backend, world)
         self.world_size = world
         self._prepare()

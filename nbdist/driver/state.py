@@ -26,6 +26,7 @@ class WorkerProgress:
     compute_seconds: float = 0.0
     sync_seconds: float = 0.0
     error: str = ""
+    device: str = ""  # where it trains: "GPU 0 (NVIDIA H200)" or "CPU", once the worker said
 
 
 @dataclass
@@ -121,6 +122,7 @@ class RunState:
         w.samples_done = int(body.get("samples_done", w.samples_done))
         w.compute_seconds = float(body.get("compute_seconds", w.compute_seconds))
         w.sync_seconds = float(body.get("sync_seconds", w.sync_seconds))
+        w.device = str(body.get("device", w.device))
 
     def worker_epoch(self, rank: int, body: dict[str, Any]) -> dict[str, float] | None:
         """Record one worker's epoch end; return the merged logs once every worker reported."""

@@ -14,7 +14,7 @@ data_arguments = [
 ]
 
 worker_arguments = [
-    argument("--workers", type=int, default=None, help="number of workers (default: 2 on the local backend)"),
+    argument("--workers", type=int, default=None, help="workers (local default: one per visible GPU, else 2)"),
     argument("--backend", default="auto", help="auto | local | spark | containers (default: auto)"),
 ]
 

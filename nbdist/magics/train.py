@@ -123,13 +123,19 @@ class DistMagics(Magics):
         notebook import TensorFlow. Both strategies give the local step on every backend, locally,
         on Spark (classic and Connect) and in containers; tested with Keras 3.15.1 on TensorFlow 2.21,
         JAX 0.10.2 and torch 2.13 (CPU; on torch Keras <= 3.15 only). A masked loss (``mask_zero``,
-        ``Masking``) is normalised by the global batch's valid entries on every backend. Engines: on
-        torch, allreduce sums over NCCL when every worker has a GPU, else Gloo (``--engine nccl`` then
-        refused in one sentence; NCCL on torch has not run on a GPU); on JAX only Gloo (the gradients
-        leave the jitted step through a host call), so ``--engine nccl`` or ``horovod`` is said in one
-        warning and runs over Gloo; Horovod 0.28.1 as released does not build against torch 2.13, and
-        ``--engine horovod`` on torch is one warning too. What differs on JAX and torch: one step per
-        call into the backend, and dense gradients only. See the README's "Keras backends".
+        ``Masking``) is normalised by the global batch's valid entries on every backend.
+
+        GPUs: each local worker sees one GPU (``CUDA_VISIBLE_DEVICES`` by rank, within the notebook's
+        own); with GPUs and no ``--workers``, one worker per visible GPU; more workers than GPUs share
+        them round-robin (JAX workers then allocate GPU memory as they go). One worker sums nothing.
+        Engines: allreduce sums over NCCL only when every worker has a GPU of its own, else over Gloo
+        through host memory, said in one line (``--engine nccl`` then refused in one sentence); on JAX
+        only Gloo (the gradients leave the jitted step through a host call), so ``--engine nccl`` or
+        ``horovod`` is said in one warning and runs over Gloo. Each worker's device is in the dashboard
+        and ``job.reports``. Not yet run on a GPU (README, "GPUs"). Horovod 0.28.1 as released does
+        not build against torch 2.13, and ``--engine horovod`` on torch is one warning too. What differs
+        on JAX and torch: one step per call into the backend, and dense gradients only. See the README's
+        "Keras backends".
 
         Every run's ``TrainingJob`` is stored in the notebook as ``<out>_job``
         (``history_job`` by default): after a failure, ``job.error`` and

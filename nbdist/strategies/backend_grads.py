@@ -6,7 +6,7 @@ them (shared memory, one round of messages, or the ring), weighted by each worke
 
 - torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
   ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between. When every
-  worker has a GPU they are summed there instead, over NCCL (``TorchNcclSum``, NOT VERIFIED ON A GPU).
+  worker has a GPU of its own they are summed there instead, over NCCL (``device_sum.py``).
 - JAX: the train step is one jitted, stateless function that ends in ``optimizer.stateless_apply``.
   The wrapped ``stateless_apply`` sums the gradients through an ordered ``io_callback``: a host call
   inside the compiled step, so the step stays jitted (measured against JAX's own CPU collectives,
@@ -23,7 +23,7 @@ between steps, and re-reads them after such a sync.
 from __future__ import annotations
 
 import collections
-import time
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +33,7 @@ import numpy as np
 from .allreduce import GradientAllreduce
 from .averaging import synced_state
 
-__all__ = ["HostGradientAllreduce", "SelfDistributionGuard", "TorchNcclSum", "synced_state", "worker_gpus",
+__all__ = ["HostGradientAllreduce", "SelfDistributionGuard", "device_sum_forced", "synced_state",
            "wrap_jax_optimizer", "wrap_torch_optimizer"]
 
 
@@ -62,9 +62,15 @@ def refuse_self_distribution(model: Any) -> None:
                           "the torch backend.")
 
 
+def device_sum_forced() -> bool:
+    """NBDIST_TORCH_DEVICE_SUM=1: torch's gradients summed as tensors over Gloo on a CPU, the GPU's code path
+    (tests, and comparing it with the host exchange)."""
+    return os.environ.get("NBDIST_TORCH_DEVICE_SUM", "") == "1"
+
+
 class HostGradientAllreduce(GradientAllreduce):
     """``GradientAllreduce`` for gradients that arrive as numpy arrays (JAX's host call, torch's ``.grad``), or,
-    on torch with engine ``nccl``, as tensors on the GPU, summed there (``TorchNcclSum``)."""
+    on torch with engine ``nccl``, as tensors on the GPU, summed there (``device_sum.TorchDeviceSum``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, loss_scaling=False, **kwargs)
@@ -72,11 +78,28 @@ class HostGradientAllreduce(GradientAllreduce):
         self._queued: collections.deque[tuple[float, float | None]] = collections.deque()
 
     def _open_engine(self, engine: str) -> tuple[Any, Any]:
+        """torch: NCCL sums the CUDA gradients where they are (device_sum.py); Gloo sums through the numpy
+        exchange (on a CPU the arrays share the tensors' memory: no copy, and the shared-memory sums beat a
+        Gloo allreduce), or, with NBDIST_TORCH_DEVICE_SUM=1, the torch tensors over Gloo as NCCL would."""
+        if engine == "gloo" and not device_sum_forced():
+            return None, None
+        if engine in ("nccl", "gloo") and keras.backend.backend() == "torch":
+            import torch
+
+            from .device_sum import TorchDeviceSum, device_group
+
+            if engine == "nccl":
+                torch.cuda.set_device(0)  # the worker's one GPU (CUDA_VISIBLE_DEVICES per rank)
+            device = torch.device("cuda", 0) if engine == "nccl" else torch.device("cpu")
+            return TorchDeviceSum(self.shapes, device, device_group(engine)), None
         if engine == "gloo":
             return None, None
-        if engine == "nccl" and keras.backend.backend() == "torch":
-            return TorchNcclSum(), None
         raise ValueError(f"engine {engine!r} is not wired on Keras' {keras.backend.backend()} backend")
+
+    @property
+    def summed_by(self) -> str | None:
+        """"device" where the gradients are summed as tensors where they are (device_sum.py)."""
+        return "device" if self._engine_impl is not None else super().summed_by
 
     def set_weight(self, samples: float, total: float | None = None) -> None:
         self._queued.append((float(samples), None if total is None else float(total)))
@@ -123,65 +146,6 @@ class HostGradientAllreduce(GradientAllreduce):
             return
         summed = self.reduce_arrays([np.zeros(s, np.float32) if p else None for s, p in zip(self.shapes, present)])
         apply([None if g is None else keras.ops.convert_to_tensor(np.array(g)) for g in summed])
-
-
-class TorchNcclSum:
-    """NCCL on Keras' torch backend: the step's gradients summed on the GPU. NOT VERIFIED ON A GPU: written
-    without one (there is none here), to the shape of ``_NcclEngine`` (allreduce.py), TensorFlow's.
-
-    Chosen only when every worker sees a GPU (``placement.choose_torch_engine``). A worker sees exactly one
-    (CUDA_VISIBLE_DEVICES per worker, from its rank or its Spark task's resources), so it is device 0, where
-    Keras' torch backend keeps the variables and their ``.grad``. The NCCL group is made beside nbdist's Gloo
-    group on the same store (``new_group``): Gloo keeps the small sums (rows, metrics, masks, averaging).
-    """
-
-    def __init__(self, device: str = "cuda", backend: str = "nccl") -> None:
-        """``device`` and ``backend`` are the GPU's and NCCL's; only a unit test, with no GPU here, stands the
-        CPU and Gloo in for them."""
-        import torch
-        import torch.distributed as dist
-
-        if device == "cuda":
-            torch.cuda.set_device(0)
-        self._torch, self._dist = torch, dist
-        self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
-        self.group = dist.new_group(backend=backend)  # every worker calls it: each chose NCCL from the same flags
-
-    def zeros(self, shapes: Sequence[tuple[int, ...]], present: Sequence[bool]) -> list[Any]:
-        """A pad step's gradients: zeros on the device (None where no gradient comes)."""
-        return [self._torch.zeros(s, dtype=self._torch.float32, device=self.device) if p else None
-                for s, p in zip(shapes, present)]
-
-    def reduce(self, owner: HostGradientAllreduce, grads: list[Any]) -> list[Any]:
-        """sum_w (n_w / total) g_w in one flat NCCL allreduce, with n_w in its last slot (the summed rows check
-        that every worker agreed on the step's total, as the Gloo exchange checks)."""
-        torch = self._torch
-        t0 = time.perf_counter()
-        n, total = owner.weight, owner._check_total()
-        with torch.no_grad():
-            parts = [torch.zeros(size, dtype=torch.float32, device=self.device) if g is None
-                     else g.detach().reshape(-1).to(self.device, torch.float32) * (n / total)
-                     for g, size in zip(grads, owner.sizes)]
-            flat = torch.cat(parts + [torch.tensor([n], dtype=torch.float32, device=self.device)])
-            self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
-            summed = float(flat[-1])  # waits for the sum on the device
-            if summed != total:
-                raise RuntimeError(f"workers disagree on this step's samples: {summed:g} summed, {total:g} expected")
-            out = torch.split(flat[:-1], owner.sizes)
-        owner.seconds += time.perf_counter() - t0
-        owner.steps += 1
-        return [None if g is None else o.view(g.shape).to(g.dtype) for g, o in zip(grads, out)]
-
-
-def worker_gpus(collective: Any) -> list[bool]:
-    """Whether each worker, by rank, sees a GPU: one tiny sum, so that every worker makes the same engine
-    choice from the same flags (``placement.choose_torch_engine``)."""
-    import torch
-
-    flags = np.zeros(collective.world_size, dtype=np.float64)
-    flags[collective.rank] = float(torch.cuda.is_available())
-    collective.allreduce_sum(flags)
-    return [bool(f) for f in flags]
 
 
 def wrap_torch_optimizer(optimizer: Any, reducer: HostGradientAllreduce) -> Callable[..., Any]:

@@ -89,6 +89,7 @@ def worker_rows(state: RunState) -> list[WorkerRow]:
     rows = []
     for w in state.workers:
         where = f"{w.host} pid {w.pid}" if w.pid else "not connected yet"
+        where += f" · {w.device}" if w.device else ""
         detail = f"epoch {min(w.epoch + 1, state.epochs)}/{state.epochs} · batch {w.batch}/{w.batches} · {where}"
         rows.append(WorkerRow(w.rank, w.state, worker_fraction(w, state), w.compute_seconds,
                               w.sync_seconds, detail))

@@ -75,7 +75,8 @@ if __name__ == "__main__":
     from ..keras_backend import configured_backend, optional_packages_hidden
 
     # KERAS_BACKEND is the notebook's (backends/command.py): a JAX or torch worker never loads TensorFlow.
-    if configured_backend() == "tensorflow":
+    # A fork server on a machine with GPUs imports nothing that picks a device (placement.warm_server_env).
+    if configured_backend() == "tensorflow" and os.environ.get("NBDIST_WARM_IMPORTS") != "device-free":
         with optional_packages_hidden("tensorflow"):  # and Keras with it: both try jax, pandas, sklearn
             quiet_tensorflow_import()
             import keras  # noqa: F401

@@ -13,7 +13,13 @@ def jax_engine(requested: str | None) -> tuple[str, str | None]:
     """The engine on Keras' JAX backend: Gloo. Its gradients leave the jitted step through a host call
     (backend_grads.py), so they are in host memory already, where nbdist's exchange sums them; summing
     on the device would take JAX's own collectives, which need ``jax.distributed``'s rendezvous beside
-    nbdist's. Any other request is said once in a warning sentence, and the run goes on over Gloo."""
+    nbdist's. Any other request is said once in a warning sentence, and the run goes on over Gloo.
+
+    The device path, designed and not built (README, "GPUs"): ``jax.distributed.initialize`` from nbdist's
+    store, then ``keras.distribution.DataParallel`` over every process's devices, so XLA all-reduces the
+    gradients inside the jitted step (NCCL on GPUs). The model's variables must then be made under that
+    distribution, which the pickled model's are not, and nbdist's own timeout must bound every step, as
+    JAX's CPU collectives have had wrong sums and hangs. One worker needs none of it: nothing is summed."""
     if requested in (None, "gloo"):
         return "gloo", None
     if requested == "horovod":
@@ -28,22 +34,21 @@ def jax_engine(requested: str | None) -> tuple[str, str | None]:
 def resolve_engine(requested: str | None, collective: Any) -> tuple[str, str | None]:
     import keras
 
-    from ..placement import choose_engine, choose_torch_engine, horovod_import_error
+    from ..placement import choose_engine, choose_torch_engine, horovod_import_error, nccl_or_gloo
+    from .device import worker_gpus
 
     backend = keras.backend.backend()
     if backend == "jax":
         return jax_engine(requested)
-    if backend == "torch":
-        if collective.world_size == 1:  # nothing crosses, so no NCCL group to make: Gloo's path, a no-op sum
-            return choose_torch_engine("horovod" if requested == "horovod" else None, [False])
-        from ..strategies.backend_grads import worker_gpus
-
+    if backend == "torch":  # NCCL only where every worker has a GPU of its own
         return choose_torch_engine(requested, worker_gpus(collective))
     import tensorflow as tf
 
     has_gpu = bool(tf.config.list_physical_devices("GPU"))
     horovod_error = horovod_import_error() if requested == "horovod" else None
-    return choose_engine(requested, has_gpu, horovod_error)
+    gpus = worker_gpus(collective)  # every worker sums this, whatever it chooses: one order of collectives
+    engine, warning = choose_engine(requested, has_gpu, horovod_error)
+    return nccl_or_gloo(engine, warning, requested, gpus)
 
 
 def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
@@ -65,12 +70,15 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     from .blocks import StepBlocks, block_size
     from .callbacks import EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
+    from .device import training_device
     from .fit_sync import fit_and_report
     from .phases import EpochPhases, phase_callbacks, phase_timer, phase_times_enabled
     from .pydatasets import ShareAllreduceCallback, job_feed
 
     rank, train = job.rank, job.train
-    engine, warning = resolve_engine(train.engine, collective)
+    # One worker: nothing to sum, so Keras' own step trains, with no hook, no copy and no collective.
+    solo = collective.world_size == 1
+    engine, warning = ("none", None) if solo else resolve_engine(train.engine, collective)
     if warning:
         log.warning("%s", warning)
         link.send({"type": MessageType.WARNING, "message": warning})
@@ -96,13 +104,13 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         totals = step_totals(shard_samples(collective, samples), train.batch_sizes or batch_size)
         steps = len(totals)
     reducer = (HostGradientAllreduce if host else GradientAllreduce)(
-        collective, model.trainable_variables, engine, direct_sum_bytes=int(train.direct_sum_bytes),
+        collective, model.trainable_variables, "gloo" if solo else engine, direct_sum_bytes=int(train.direct_sum_bytes),
         shared_memory=bool(train.shared_memory), shared_chunk_bytes=int(train.shared_chunk_bytes))
     if totals is not None and engine == "gloo" and not host and not model.run_eagerly:
         # Each step finds its share in the graph, so a call may run several (blocks.py).
         reducer.schedule(batch_sizes(samples, batch_size), totals)
     wrap = {"jax": wrap_jax_optimizer, "torch": wrap_torch_optimizer}.get(backend, wrap_optimizer)
-    original_apply = wrap(model.optimizer, reducer)
+    original_apply = model.optimizer.apply if solo else wrap(model.optimizer, reducer)
     if collective.world_size > 1:  # masked losses normalised by the global batch's valid entries
         from .global_mask import GlobalMaskNormaliser
 
@@ -128,7 +136,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
                                  steps, stats, totals)
     event = EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer), ship,
                           sizes=feed.sizes if feed else None)
-    callbacks = [sync, event] + phase_callbacks(link.send, collective)
+    callbacks = ([] if solo else [sync]) + [event] + phase_callbacks(link.send, collective)
     if reducer.scheduled:  # several steps per call into TensorFlow (blocks.py)
         train_steps = int(inputs["steps_per_epoch"])
         blocks = StepBlocks(block_size(train_steps, train_steps), train_steps, inputs.get("validation_steps"),
@@ -138,7 +146,8 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         callbacks = feed.callbacks(event) + callbacks
     report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
     done = {"type": MessageType.DONE, "sync_seconds": reducer.seconds, "rounds": reducer.steps,
-            "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by, **report}
+            "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by,
+            "device": training_device(), **report}
     link.send(done)
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",
              rank, reducer.steps, sync.padded_steps, reducer.seconds)

@@ -168,7 +168,9 @@ def _import_for_training() -> None:
 
     from ..wire.handover import READY
 
-    if backend_problem() is None:
+    if os.environ.get("NBDIST_WARM_IMPORTS") == "device-free":  # GPUs: no Keras (placement.warm_server_env)
+        log.info("warm: imports that initialise no device only (GPUs: each worker imports Keras itself)")
+    elif backend_problem() is None:
         from .runtime import import_keras
 
         import_keras()

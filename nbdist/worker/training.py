@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ..wire.messages import JobMessage, MessageType
@@ -69,7 +70,8 @@ def run_training(link: Any, job: JobMessage) -> None:
     # Keras' own would run past an epoch's end on the repeated pipelines.
     model.steps_per_execution = 1
     on_tf = keras.backend.backend() == "tensorflow"
-    if train.strategy == "allreduce" and on_tf:  # the gradient allreduce is a Python op: XLA cannot compile it
+    # The gradient allreduce is a Python op: XLA cannot compile it (one worker sums nothing: Keras' own step).
+    if train.strategy == "allreduce" and on_tf and job.world_size > 1:
         model.jit_compile = False
 
     build_optimizer(model)
@@ -81,7 +83,14 @@ def run_training(link: Any, job: JobMessage) -> None:
 
     set_initial_learning_rate(model, job)
     lr_factor = scale_learning_rate(model, train.lr_scaling, job.world_size)
-    link.send({"type": MessageType.PROGRESS, "state": "starting", "epoch": train.initial_epoch})
+    from ..placement import GPUS_ASKED, gpu_missing_notice
+    from .device import training_device
+
+    device = training_device()  # in the run's state and dashboard from here on, and in the closing report
+    link.send({"type": MessageType.PROGRESS, "state": "starting", "epoch": train.initial_epoch, "device": device})
+    missing = gpu_missing_notice(train.engine, device, os.environ.get(GPUS_ASKED) == "1")
+    if missing and (train.engine != "nccl" or job.world_size == 1):  # else the engine's choice refuses it
+        link.send({"type": MessageType.WARNING, "message": missing})
 
     from .phases import EpochPhases, PhaseClock, PhaseCollective, phase_callbacks, phase_timer, phase_times_enabled
 
@@ -102,10 +111,15 @@ def run_training(link: Any, job: JobMessage) -> None:
         variables = [w for w in model.weights if "float" in str(w.dtype)]
         if train.average_optimizer:
             variables += averaged_optimizer_variables(model)
-        averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf)
-        # One exchange per round: through shared memory when every worker runs on this machine.
-        averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
-                                             int(train.direct_sum_bytes), int(train.shared_chunk_bytes))
+        from .device import device_averager
+
+        # torch with a GPU per worker: each round on the GPUs (device_sum.py); else one exchange through the
+        # host, through shared memory when every worker runs on this machine.
+        averager = device_averager(collective, variables)
+        if averager is None:
+            averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf)
+            averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
+                                                 int(train.direct_sum_bytes), int(train.shared_chunk_bytes))
         batch_size = rank_batch_size(job)
         # A PyDataset: this worker's share of its batches (pydatasets.py); arrays: one repeated
         # pipeline for the whole fit, so Keras keeps one iterator (see datasets.py).
@@ -143,7 +157,7 @@ def run_training(link: Any, job: JobMessage) -> None:
             callbacks = feed.callbacks(event) + callbacks
         report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
         done = {"type": MessageType.DONE, "sync_seconds": averager.seconds, "rounds": averager.rounds,
-                "summed_by": averager.summed_by, **report}
+                "summed_by": averager.summed_by, "device": device, **report}
         link.send(done)
     finally:
         if averager is not None:

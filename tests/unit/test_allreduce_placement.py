@@ -79,25 +79,96 @@ def test_engine_on_jax_is_gloo_and_any_other_request_is_one_sentence_saying_why(
     assert "host call" in jax_engine("nccl")[1] and "no JAX support" in jax_engine("horovod")[1]
 
 
-def test_engine_on_torch_is_nccl_when_every_worker_has_a_gpu():
-    """Issue 25, torch backend: allreduce picks NCCL when every worker sees a GPU, Gloo when one lacks one;
-    --engine nccl then is one sentence naming the worker; Horovod is said once and the default sums. The
-    flags stand for what each worker's torch.cuda reports (no GPU here: NCCL itself has not run)."""
+def test_engine_on_torch_is_nccl_only_when_every_worker_has_a_gpu_of_its_own():
+    """Issues 25 and 36, torch backend: allreduce picks NCCL when every worker has a GPU of its own, Gloo when
+    one lacks one or two share one (NCCL refuses two ranks on one device: "invalid usage", as the first GPU
+    run crashed), said in one line where there are GPUs; --engine nccl then is one sentence naming the
+    workers; Horovod is said once and the default sums. The identities stand for what each worker's
+    torch.cuda reports (worker/device.py; no GPU here: NCCL itself has not run)."""
     from nbdist.placement import choose_torch_engine
 
-    assert choose_torch_engine(None, [True, True]) == ("nccl", None)
-    assert choose_torch_engine(None, [True, False]) == ("gloo", None)
-    assert choose_torch_engine(None, [False, False]) == ("gloo", None)
-    assert choose_torch_engine("nccl", [True, True, True]) == ("nccl", None)
-    assert choose_torch_engine("gloo", [True, True]) == ("gloo", None)  # asked for: the host path, on GPUs too
-    with pytest.raises(NbdistError, match=r"^--engine nccl needs a GPU on every worker and worker 1 has none; "
-                                          r"use --engine gloo \(the default when a worker has no GPU\)\.$"):
-        choose_torch_engine("nccl", [True, False])
-    with pytest.raises(NbdistError, match="and workers 0, 2 have none"):
-        choose_torch_engine("nccl", [False, True, False])
-    for gpus, summed_by in (([True, True], "NCCL"), ([False, True], "Gloo")):
+    assert choose_torch_engine(None, ["h/0", "h/1"]) == ("nccl", None)
+    assert choose_torch_engine(None, [0, 0]) == ("gloo", None)  # CPU workers: nothing to say
+    engine, notice = choose_torch_engine(None, ["h/0", 0])
+    assert engine == "gloo" and notice.startswith("Worker 1 has no GPU, and NCCL needs a GPU of its own")
+    engine, notice = choose_torch_engine(None, ["h/0", "h/1", "h/0"])  # three workers on two GPUs
+    assert engine == "gloo" and notice == (
+        "Workers 0 and 2 share one GPU, and NCCL needs a GPU of its own for every worker: the gradients are "
+        "summed over Gloo, through host memory (each step copies them off the GPU and back).")
+    assert choose_torch_engine(None, ["a/0", "b/0"]) == ("nccl", None)  # two hosts' device 0: two GPUs
+    assert choose_torch_engine("nccl", ["h/0", "h/1", "h/2"]) == ("nccl", None)
+    assert choose_torch_engine("gloo", ["h/0", "h/1"]) == ("gloo", None)  # asked for: the host path, on GPUs too
+    with pytest.raises(NbdistError, match=r"^--engine nccl needs a GPU of its own for every worker and worker 1 "
+                                          r"has no GPU; use --engine gloo \(the default then\), or give each "
+                                          r"worker its own GPU \(--workers at most the GPUs\)\.$"):
+        choose_torch_engine("nccl", ["h/0", 0])
+    with pytest.raises(NbdistError, match="and workers 0, 2 have no GPU"):
+        choose_torch_engine("nccl", [0, "h/0", 0])
+    with pytest.raises(NbdistError, match="and workers 0 and 1 share one GPU"):
+        choose_torch_engine("nccl", ["h/0", "h/0"])
+    for gpus, summed_by in ((["h/0", "h/1"], "NCCL"), ([0, "h/1"], "Gloo"), (["h/0", "h/0"], "Gloo")):
         engine, warning = choose_torch_engine("horovod", gpus)
         assert engine == summed_by.lower() and warning.startswith("--engine horovod is not available on Keras' torch")
         assert "C++17" in warning and warning.endswith(f"summed over {summed_by}.") and warning.count(". ") == 0
     with pytest.raises(NbdistError, match="unknown engine"):
         choose_torch_engine("mpi", [True, True])
+
+
+def test_tensorflow_keeps_nccl_only_where_each_worker_has_its_own_gpu():
+    """TensorFlow's engine is chosen by each worker from its own GPU; checked against every worker's."""
+    from nbdist.placement import nccl_or_gloo
+
+    assert nccl_or_gloo("nccl", None, None, ["h/0", "h/1"]) == ("nccl", None)
+    engine, notice = nccl_or_gloo("nccl", None, None, ["h/0", "h/0"])
+    assert engine == "gloo" and notice.startswith("Workers 0 and 1 share one GPU")
+    assert nccl_or_gloo("gloo", None, None, ["h/0", "h/0"]) == ("gloo", None)
+    with pytest.raises(NbdistError, match="and workers 0 and 1 share one GPU"):
+        nccl_or_gloo("nccl", None, "nccl", ["h/0", "h/0"])
+
+
+def test_workers_default_to_one_per_visible_gpu_and_jax_shares_without_preallocating():
+    """Issue 36: with GPUs and no --workers, one worker per visible GPU, said in one line; JAX workers sharing
+    a GPU allocate as they go (each would preallocate 75% of it: the first GPU run failed so), a setting of
+    the user's stands, and a worker with a GPU of its own keeps JAX's default."""
+    from nbdist.placement import default_worker_count, jax_memory_env, visible_gpu_count, workers_per_gpu
+
+    assert default_worker_count(0, 2) == (2, None)
+    count, line = default_worker_count(4, 2)
+    assert count == 4 and line.startswith("4 workers, one per visible GPU (--workers N to choose")
+    assert visible_gpu_count(8, None) == 8 and visible_gpu_count(8, "2,5") == 2 and visible_gpu_count(8, "") == 0
+    assert visible_gpu_count(0, "0,1") == 0
+    assert [workers_per_gpu(w, 2) for w in (1, 2, 3, 4)] == [1, 1, 2, 2] and workers_per_gpu(2, 0) == 0
+    assert jax_memory_env(2, 2) == {} and jax_memory_env(2, 0) == {}
+    assert jax_memory_env(2, 1) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    assert jax_memory_env(3, 2) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    assert jax_memory_env(2, 1, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".4"}) == {}
+    assert local_gpu_env(1, {}, gpu_count=1, world=2) == {"CUDA_VISIBLE_DEVICES": "0",
+                                                          "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    assert local_gpu_env(1, {}, gpu_count=2, world=2) == {"CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_the_device_a_report_names():
+    from nbdist.placement import describe_device, gpu_missing_notice
+
+    assert describe_device("cpu") == "CPU" and describe_device("gpu", "3", "NVIDIA H200") == "GPU 3 (NVIDIA H200)"
+    assert describe_device("cuda", None, None) == "GPU"
+    assert gpu_missing_notice("nccl", "CPU").startswith("--engine nccl asks for GPUs but this worker sees none")
+    assert gpu_missing_notice("nccl", "GPU 0 (NVIDIA H200)") is None and gpu_missing_notice(None, "CPU") is None
+    assert gpu_missing_notice(None, "CPU", gpus_asked=True).startswith("--gpus asks for GPUs but this worker sees")
+    assert gpu_missing_notice(None, "GPU 0", gpus_asked=True) is None
+
+
+def test_the_local_backend_defaults_to_one_worker_per_visible_gpu(monkeypatch):
+    """With GPUs (the driver's count stood in for: there are none here) and no --workers, the local backend
+    starts one worker per GPU the notebook may use, and has the line that says so; without, the CPU default."""
+    from nbdist.backends import local
+    from nbdist.config import default_local_workers
+
+    backend = local.LocalBackend()
+    monkeypatch.setattr(local, "count_host_gpus", lambda *a: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3,5")
+    assert backend.default_workers() == 3 and backend.workers_notice.startswith("3 workers, one per visible GPU")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert backend.default_workers() == 4
+    monkeypatch.setattr(local, "count_host_gpus", lambda *a: 0)
+    assert backend.default_workers() == default_local_workers() and backend.workers_notice is None

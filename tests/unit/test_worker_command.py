@@ -72,6 +72,7 @@ def test_a_container_gets_the_same_worker_variables_and_none_of_the_notebooks_ot
     assert {k: env[k] for k in shared} == {k: local[k] for k in shared}
     user_image = container_env(1, mounted_package=False, gpus=True, environ={})
     assert "PYTHONPATH" not in user_image and "CUDA_VISIBLE_DEVICES" not in user_image
+    assert user_image["NBDIST_GPUS_ASKED"] == "1" and "NBDIST_GPUS_ASKED" not in env  # a worker with none says so
 
 
 def test_the_container_command_line_ends_in_the_workers_own():

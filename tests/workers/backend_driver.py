@@ -213,6 +213,50 @@ def masked() -> dict[str, object]:
     return {"history": job.fit_history.history, "expected": expected, "weight_gap": weight_gap(remote, local)}
 
 
+def device_paths(x: np.ndarray, y: np.ndarray, plain: dict, per_worker: dict) -> dict[str, object]:
+    """Issue 36 on this backend: one allreduce worker trains with Keras' own step (0 rounds, engine "none")
+    and says where (CPU here); the model travels with no torch tensor in its pickle (Keras' torch layers hold
+    their variables' tensors in ``_torch_params``); on torch, 2 workers summing their gradients as torch
+    tensors (the GPU's code, over Gloo here: NBDIST_TORCH_DEVICE_SUM=1) equal the local fit."""
+    import pickletools
+
+    from nbdist.model_io import travelling_model
+
+    out: dict[str, object] = {}
+    local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
+    expected = local.fit(x, y, epochs=2, verbose=0, **plain).history
+    job = nbdist.train(remote, x, y, workers=1, epochs=2, strategy="allreduce", lr_scaling="none", ui="none", **plain)
+    report = job.reports[0]
+    out["one_allreduce_worker"] = {"history": job.fit_history.history, "expected": expected,
+                                   "weight_gap": weight_gap(remote, local),
+                                   "report": [report["engine"], report["rounds"], report["device"]],
+                                   "state_device": job.state.workers[0].device}
+    graph = travelling_model(remote).graph
+    out["graph_torch_names"] = [arg for op, arg, _ in pickletools.genops(graph)
+                                if isinstance(arg, str) and (arg.startswith("torch") or "rebuild_" in arg)]
+    if BACKEND == "torch":
+        local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
+        expected = local.fit(x, y, epochs=2, verbose=0, **plain).history
+        local_sgd, remote_sgd = mlp(keras.optimizers.SGD(0.1)), mlp(keras.optimizers.SGD(0.1))
+        expected_sgd = local_sgd.fit(x, y, epochs=2, verbose=0, **plain).history
+        os.environ["NBDIST_TORCH_DEVICE_SUM"] = "1"  # the workers inherit it
+        try:
+            job = nbdist.train(remote, x, y, workers=2, epochs=2, strategy="allreduce", lr_scaling="none", ui="none",
+                               **{**plain, **per_worker})
+            averaged = nbdist.train(remote_sgd, x, y, workers=2, epochs=2, strategy="averaging", averaging_frequency=1,
+                                    lr_scaling="none", ui="none", **{**plain, **per_worker})
+        finally:
+            del os.environ["NBDIST_TORCH_DEVICE_SUM"]
+        out["device_sum"] = {"history": job.fit_history.history, "expected": expected,
+                             "weight_gap": weight_gap(remote, local),
+                             "summed_by": [job.reports[r]["summed_by"] for r in range(2)]}
+        # The averaging strategy's rounds on the device too (every step with SGD: the local step).
+        out["device_average"] = {"history": averaged.fit_history.history, "expected": expected_sgd,
+                                 "weight_gap": weight_gap(remote_sgd, local_sgd),
+                                 "summed_by": [averaged.reports[r]["summed_by"] for r in range(2)]}
+    return out
+
+
 def more() -> dict[str, object]:
     from nbdist.api import prepare
     from nbdist.config import TrainConfig
@@ -233,6 +277,7 @@ def more() -> dict[str, object]:
     tensorflow["one_worker"] = "tensorflow" in sys.modules
     out["one_worker"] = {"history": job.fit_history.history, "expected": expected,
                          "weight_gap": weight_gap(remote, local)}
+    out.update(device_paths(x, y, plain, per_worker))
 
     # A small CNN under allreduce, and EarlyStopping(restore_best_weights=True) in the notebook.
     def stopper() -> keras.callbacks.EarlyStopping:

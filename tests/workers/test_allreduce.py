@@ -167,3 +167,19 @@ def test_magic_trains_with_allreduce(digits):
     assert len(hist["val_accuracy"]) == 3 and hist["val_accuracy"][-1] > 0.8
     assert any(not np.allclose(a, b) for a, b in zip(net.get_weights(), before))
     assert abs(accuracy(net, x[1500:], y[1500:]) - hist["val_accuracy"][-1]) < 1e-6
+
+
+def test_one_allreduce_worker_trains_with_keras_own_step_and_reports_its_device(digits):
+    """Issue 36: with one worker nothing is summed, so no gradient leaves the step (no hook, no host copy,
+    no collective: 0 rounds, engine "none"), and the weights are the local fit's; the worker says where it
+    trained, in its report and the run's state (no GPU here: "CPU")."""
+    x, y = digits
+    x, y = x[:512], y[:512]
+    model = compiled(mlp(4), keras.optimizers.Adam(0.01))
+    job = nbdist.train(model, x, y, epochs=2, batch_size=32, workers=1, strategy="allreduce", shuffle=False,
+                       lr_scaling="none", ui="none")
+    ref = local_reference(lambda: mlp(4), keras.optimizers.Adam(0.01), x, y, workers=1, batch_size=32, epochs=2)
+    assert_same_parameters(model, ref, rtol=1e-6)
+    report = job.reports[0]
+    assert (report["engine"], report["rounds"], report["summed_by"], report["device"]) == ("none", 0, None, "CPU")
+    assert job.state.workers[0].device == "CPU"

@@ -90,7 +90,16 @@ def test_the_paths_that_differ_per_backend(backend):
     entry to 1e-5; each worker's own normalisation was 2e-3 away); the notebook never imported TensorFlow."""
     result = run_driver(backend, "more")
     assert result["backend"] == backend
-    for case in ("one_worker", "cnn", "own_step", "py_dataset", "masked"):
+    # Issue 36: one allreduce worker is Keras' own step (no hook, no host copy, no collective), on the device
+    # it names; the model's pickle holds no torch tensor; torch's device sum (Gloo here) equals the local fit.
+    solo = result["one_allreduce_worker"]
+    assert solo["report"] == ["none", 0, "CPU"] and solo["state_device"] == "CPU", solo
+    assert result["graph_torch_names"] == []
+    cases = ("one_worker", "one_allreduce_worker", "cnn", "own_step", "py_dataset", "masked")
+    if backend == "torch":
+        assert result["device_sum"]["summed_by"] == result["device_average"]["summed_by"] == ["device", "device"]
+        cases += ("device_sum", "device_average")
+    for case in cases:
         run = result[case]
         assert_same_history(run["history"], run["expected"])
         assert run["weight_gap"] < 1e-5, (case, run["weight_gap"])

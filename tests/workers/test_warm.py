@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import keras
 import psutil
@@ -189,3 +190,24 @@ def _running(pid: int) -> bool:
     except psutil.NoSuchProcess:
         return False
 
+
+
+def test_on_a_gpu_machine_workers_fork_from_a_server_that_initialised_no_device(digits, fresh_pool, monkeypatch):
+    """Issue 36: with GPUs (stood in for by a driver count of 1: there is none here) local workers are still
+    forked warm, from a server that imported no Keras (Keras' torch backend initialises CUDA as it loads, and
+    a forked child cannot use that or pick its own GPU); each worker imports Keras after its job set its GPU
+    (CUDA_VISIBLE_DEVICES=0 here, harmless without one), and trains."""
+    from nbdist.backends import local
+
+    monkeypatch.setattr(local, "count_host_gpus", lambda *a: 1)
+    x, y = digits
+    job = nbdist.train(_mlp(), x[:512], y[:512], epochs=1, batch_size=32, workers=1, ui="none")
+    (server,) = POOL.servers()
+    assert job.status == "done" and job.state.workers[0].device == "CPU"
+    pid = job.state.workers[0].pid
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).ppid() == server.proc.pid  # forked by the server
+    assert server.key.get("NBDIST_WARM_IMPORTS") == "device-free"
+    log = server.log_path.read_text()
+    assert "initialise no device only" in log and "warm: ready for a job" in log
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" in maps and "tensorflow" not in maps  # torch imported; Keras' backend (here TensorFlow) not

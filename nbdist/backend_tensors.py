@@ -1,0 +1,48 @@
+"""A framework's tensors as the arrays they travel as (model_graph.py pickles the model with these).
+
+Only arrays cross the wire: a torch tensor pickled as torch does carries its device, and a worker without
+that device (a CPU executor, a container without --gpus) cannot load it ("Attempting to deserialize object
+on a CUDA device"). So it travels as a numpy array and is made again on the receiving process's device.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+
+def tensor_from_array(value: np.ndarray, dtype: str, parameter: bool, requires_grad: bool) -> Any:
+    """A torch tensor from the array it travelled as, on this process's device (Keras' torch device where
+    Keras runs on torch: the worker's GPU, or the CPU where it has none)."""
+    import torch
+
+    device = "cpu"
+    if sys.modules.get("keras") is not None:
+        import keras
+
+        if keras.backend.backend() == "torch":
+            from keras.src.backend.torch.core import get_device
+
+            device = get_device()
+    tensor = torch.from_numpy(np.array(value)).to(device=device, dtype=getattr(torch, dtype))
+    return torch.nn.Parameter(tensor, requires_grad=requires_grad) if parameter else tensor
+
+
+def tensor_as_array(obj: Any) -> tuple[np.ndarray, str, bool, bool]:
+    """A torch tensor as an array (bfloat16, which numpy lacks, as float32) and what remakes it."""
+    import torch
+
+    data = obj.detach()
+    wide = data.float() if data.dtype == torch.bfloat16 else data
+    return (wide.cpu().numpy(), str(data.dtype).removeprefix("torch."), isinstance(obj, torch.nn.Parameter),
+            bool(obj.requires_grad))
+
+
+def without_torch_params(state: dict[str, Any]) -> dict[str, Any]:
+    """A Keras torch layer's state without ``_torch_params``: the torch module that holds the layer's
+    variables' tensors a second time (remade from the variables when next needed, as Keras does)."""
+    modules = state.get("_modules")
+    if isinstance(modules, dict) and "_torch_params" in modules:
+        state["_modules"] = type(modules)((k, v) for k, v in modules.items() if k != "_torch_params")
+    return state

@@ -1,0 +1,185 @@
+"""Gradients summed where they are: torch tensors into a few flat buckets on their own device, each bucket
+all-reduced by torch.distributed (NCCL for CUDA tensors, Gloo for CPU ones), never through numpy.
+
+The same code runs on the GPU (NCCL) and, in the tests, on the CPU (Gloo on torch tensors), so what the
+CPU proves (weighting, bucketing, None gradients, dtypes, the rows check, pad steps) is what the GPU runs.
+NOT VERIFIED ON A GPU beyond a one-rank group: there was none where this was written (README, "GPUs").
+
+Buckets of ``BUCKET_BYTES`` (PyTorch DDP's default size): each bucket's all-reduce starts, asynchronously,
+as soon as it is filled, while the next is being filled. They are preallocated once and reused every step
+(the optimizer has consumed last step's sums before the next backward pass writes new gradients: stream
+order on the GPU, program order on the CPU). The last bucket carries this worker's rows in its last slot:
+the summed rows must equal the step's total, as the host exchange checks. On a GPU that check reads the
+device, which waits for the step: it runs every ``CHECK_EVERY`` steps (a mismatch is kept on the device
+meanwhile) rather than stall every step.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+BUCKET_BYTES = 25 * 2**20
+CHECK_EVERY = 50
+
+
+def bucket_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
+    """Consecutive gradients grouped into buckets of at most ``limit_elements`` (a larger gradient alone)."""
+    buckets: list[list[int]] = []
+    filled = limit_elements
+    for i, size in enumerate(sizes):
+        if not buckets or filled + size > limit_elements:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(i)
+        filled += size
+    return buckets
+
+
+class TorchDeviceSum:
+    """sum_w (n_w / total) g_w over the workers, on the gradients' device (``owner``: HostGradientAllreduce)."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], device: Any, group: Any = None,
+                 bucket_bytes: int = BUCKET_BYTES, check_every: int | None = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist = torch, dist
+        self.device = torch.device(device)
+        self.group = group  # None: the default process group
+        self.shapes = [tuple(s) for s in shapes]
+        self.sizes = [int(torch.Size(s).numel()) for s in self.shapes]
+        self.plan = bucket_plan(self.sizes, max(1, bucket_bytes // 4))
+        lengths = [sum(self.sizes[i] for i in b) for b in self.plan]
+        lengths[-1] += 1  # this worker's rows
+        self.buckets = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in lengths]
+        self.check_every = check_every or (1 if self.device.type == "cpu" else CHECK_EVERY)
+        self._mismatch = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._unchecked = 0
+
+    def zeros(self, shapes: Sequence[tuple[int, ...]], present: Sequence[bool]) -> list[Any]:
+        """A pad step's gradients: zeros on the device (None where no gradient comes)."""
+        return [self._torch.zeros(s, dtype=self._torch.float32, device=self.device) if p else None
+                for s, p in zip(shapes, present)]
+
+    def reduce(self, owner: Any, grads: list[Any]) -> list[Any]:
+        torch = self._torch
+        t0 = time.perf_counter()
+        n, total = owner.weight, owner._check_total()
+        scale = n / total
+        out: list[Any] = [None] * len(grads)
+        pending = []
+        with torch.no_grad():
+            for k, (members, bucket) in enumerate(zip(self.plan, self.buckets)):
+                at = 0
+                for i in members:
+                    size, g = self.sizes[i], grads[i]
+                    part = bucket[at:at + size]
+                    if g is None:
+                        part.zero_()
+                    else:
+                        part.copy_(g.detach().reshape(-1))  # casts to float32 and moves, in one copy
+                    at += size
+                if k == len(self.plan) - 1:
+                    bucket[-1] = n
+                bucket[:at].mul_(scale)
+                pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.group,
+                                                     async_op=True))
+            for work in pending:
+                work.wait()  # on a GPU: the compute stream waits for the sum, the host does not
+            last = self.buckets[-1]
+            self._mismatch += (last[-1] - total).abs()
+            self._unchecked += 1
+            if self._unchecked >= self.check_every:
+                self.check(total)
+            for members, bucket in zip(self.plan, self.buckets):
+                at = 0
+                for i in members:
+                    g, size = grads[i], self.sizes[i]
+                    if g is not None:
+                        view = bucket[at:at + size].view(self.shapes[i])
+                        out[i] = view if view.dtype == g.dtype and view.device == g.device else view.to(
+                            device=g.device, dtype=g.dtype)
+                    at += size
+        owner.seconds += time.perf_counter() - t0
+        owner.steps += 1
+        return out
+
+    def check(self, total: float | None = None) -> None:
+        """Raise if any step since the last check summed rows other than its total (reads the device)."""
+        self._unchecked = 0
+        if float(self._mismatch) != 0.0:
+            summed = float(self.buckets[-1][-1])
+            self._mismatch.zero_()
+            said = f"{summed:g} summed" + (f", {total:g} expected" if total is not None else "")
+            raise RuntimeError(f"workers disagree on this step's samples: {said}")
+
+
+class TorchDeviceAverage:
+    """One parameter-averaging round on the variables' own device: sum_w n_w v_w / sum_w n_w, the variables
+    copied into the buckets, all-reduced, and the average copied back in place (``WeightedAverager``'s
+    round without the host: the averaging strategy's engine on torch when every worker has a GPU of its
+    own). Keras' torch variables hold a torch tensor (``v.value``), written under ``no_grad``."""
+
+    def __init__(self, variables: Sequence[Any], device: Any, group: Any = None,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist = torch, dist
+        self.variables = list(variables)
+        self.device = torch.device(device)
+        self.group = group
+        sizes = [int(torch.Size(tuple(v.shape)).numel()) for v in self.variables]
+        self.sizes = sizes
+        self.plan = bucket_plan(sizes, max(1, bucket_bytes // 4)) or [[]]
+        lengths = [sum(sizes[i] for i in b) for b in self.plan]
+        lengths[-1] += 1  # this worker's samples
+        self.buckets = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in lengths]
+        self.seconds = 0.0
+        self.rounds = 0
+
+    @property
+    def summed_by(self) -> str:
+        return "device"
+
+    def average(self, samples: int) -> int:
+        torch = self._torch
+        t0 = time.perf_counter()
+        pending = []
+        with torch.no_grad():
+            for k, (members, bucket) in enumerate(zip(self.plan, self.buckets)):
+                at = 0
+                for i in members:
+                    size = self.sizes[i]
+                    bucket[at:at + size].copy_(self.variables[i].value.detach().reshape(-1))
+                    at += size
+                bucket[:at].mul_(float(samples))
+                if k == len(self.plan) - 1:
+                    bucket[-1] = float(samples)
+                pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.group,
+                                                     async_op=True))
+            for work in pending:
+                work.wait()
+            total = float(self.buckets[-1][-1])  # one read of the device per round
+            if total > 0:
+                for members, bucket in zip(self.plan, self.buckets):
+                    at = 0
+                    for i in members:
+                        v, size = self.variables[i], self.sizes[i]
+                        v.value.copy_(bucket[at:at + size].view(tuple(v.shape)) / total)
+                        at += size
+        self.seconds += time.perf_counter() - t0
+        self.rounds += 1
+        return int(round(total))
+
+    def close(self) -> None:
+        pass
+
+
+def device_group(backend: str) -> Any:
+    """A process group for the device sum beside nbdist's own Gloo group, on the same store (every worker
+    calls this: each chose the same engine from the same flags)."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend=backend)

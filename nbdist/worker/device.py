@@ -1,0 +1,97 @@
+"""Which device this worker trains on, read from the framework that trains (the worker's own side).
+
+A worker sees at most one GPU (CUDA_VISIBLE_DEVICES per rank, placement.py), so its GPU is its device 0;
+the report names it by the host's numbering (the id in CUDA_VISIBLE_DEVICES) and by its product name.
+NOT VERIFIED ON A GPU for TensorFlow (no TensorFlow on the GPU machines); torch and JAX are read as the
+GPU check reads them (benchmarks/gpu_check).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import zlib
+from typing import Any
+
+import numpy as np
+
+from ..placement import describe_device
+
+
+def _host_index() -> str:
+    """The GPU's id on the host: the first in CUDA_VISIBLE_DEVICES (the worker's device 0), else 0."""
+    ids = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ids[0] if ids else "0"
+
+
+def training_device() -> str:
+    """"GPU 3 (NVIDIA H200)" or "CPU": where Keras' backend places this worker's variables."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return describe_device("gpu", _host_index(), torch.cuda.get_device_name(0))
+        return "CPU"
+    if backend == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        return describe_device(device.platform, _host_index(), getattr(device, "device_kind", None))
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return "CPU"
+    details = tf.config.experimental.get_device_details(gpus[0])
+    return describe_device("gpu", _host_index(), details.get("device_name"))
+
+
+def gpu_identity() -> str:
+    """This worker's GPU as one string, equal for two workers on the same device ("" without one): its host
+    and PCI bus. Read through torch, the engine library, which both TensorFlow and torch workers load."""
+    try:
+        import torch
+    except ImportError:
+        return ""
+    if not torch.cuda.is_available():
+        return ""
+    props = torch.cuda.get_device_properties(0)
+    bus = getattr(props, "pci_bus_id", None)
+    uuid = getattr(props, "uuid", None)
+    return f"{socket.gethostname()}/{bus if bus is not None else uuid if uuid is not None else props.name}"
+
+
+def worker_gpus(collective: Any, mine: str | None = None) -> list[int]:
+    """Every worker's GPU, by rank, as an integer identity (0: none), summed once so that every worker makes
+    the same engine choice (placement.choose_torch_engine). Identities are CRC-32s of ``gpu_identity``:
+    exact in a float64, and two workers on one device give the same."""
+    identity = gpu_identity() if mine is None else mine
+    flags = np.zeros(collective.world_size, dtype=np.float64)
+    flags[collective.rank] = float(zlib.crc32(identity.encode()) | 1) if identity else 0.0
+    collective.allreduce_sum(flags)
+    return [int(f) for f in flags]
+
+
+def device_averager(collective: Any, variables: list[Any]) -> Any:
+    """The averaging strategy's rounds on the GPUs (``TorchDeviceAverage``) where Keras runs on torch and every
+    worker has a GPU of its own (or, NBDIST_TORCH_DEVICE_SUM=1, the same code over Gloo on CPU tensors);
+    None: the host's ``WeightedAverager``. Every worker of more than one decides from the same sum."""
+    import keras
+
+    if collective.world_size == 1 or keras.backend.backend() != "torch":
+        return None
+    from ..placement import choose_torch_engine
+    from ..strategies.backend_grads import device_sum_forced
+    from ..strategies.device_sum import TorchDeviceAverage, device_group
+
+    engine, _ = choose_torch_engine(None, worker_gpus(collective))  # the one line is the allreduce's
+    if engine != "nccl" and not device_sum_forced():
+        return None
+    import torch
+
+    if engine == "nccl":
+        torch.cuda.set_device(0)
+    return TorchDeviceAverage(variables, torch.device("cuda", 0) if engine == "nccl" else "cpu",
+                              device_group(engine))
