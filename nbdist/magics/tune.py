@@ -15,8 +15,9 @@ from .train import _new_models
 @magics_class
 class TuneMagics(Magics):
     @magic_arguments()
-    @argument("--trials", type=int, required=True, metavar="N",
-              help="trials the study should have finished (a resumed study's earlier ones count)")
+    @argument("--trials", type=int, default=None, metavar="N",
+              help="trials the study should have finished (a resumed study's earlier ones count; default: 10, "
+                   "said in the first line)")
     @argument("--parallel", type=int, default=2, metavar="P", help="trials running at once (default: 2)")
     @argument("--objective", default="val_loss", metavar="METRIC",
               help="the merged metric to optimise, its value at the last epoch (default: val_loss)")
@@ -64,7 +65,9 @@ class TuneMagics(Magics):
         Each trial is an nbdist run on ``--workers-per-trial`` workers; the cell runs up to its
         ``model.fit`` (that call is the trial's run; what follows it does not run). After each epoch
         the merged ``--objective`` is reported to Optuna, whose pruner may stop the trial's workers
-        at once. The study is kept in ``--storage`` (an SQLite file by default), so rerunning the
+        at once. Without ``--trials`` the study runs until it has 10 finished trials, said in the
+        first line (keras-tuner's default, and TPE's random start). The study is kept in
+        ``--storage`` (an SQLite file by default), so rerunning the
         cell after an interrupt resumes it. Afterwards the notebook holds ``study``, ``best_model``
         (the best trial's trained model) and ``best_params``; ``tune_search`` is the search.
         With MLflow tracking on, the search is a run and each trial a child run.
