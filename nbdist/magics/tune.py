@@ -41,7 +41,7 @@ class TuneMagics(Magics):
     @argument("--epochs", type=int, default=None, help="epochs of each trial (default: 1, or the cell's fit)")
     @argument("--batch-size", type=int, default=None, help="mini-batch size per worker")
     @argument("--backend", default="auto", help="auto | local | spark | containers (default: auto)")
-    @argument("--strategy", default="averaging", help="averaging | allreduce (default: averaging)")
+    @argument("--strategy", default=None, help="allreduce | averaging (default: allreduce, as %%%%dist_train)")
     @argument("--averaging-frequency", type=int, default=5, metavar="K")
     @argument("--lr-scaling", default=None, metavar="auto|none|linear")
     @argument("--seed", type=int, default=None, help="seeds the sampler and every trial's workers")
