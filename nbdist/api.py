@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .checks import check_model_fits_data, check_not_stateful, check_text_inputs
+from .checks import check_labels_fit_loss, check_model_fits_data, check_not_stateful, check_text_inputs
 from .config import TrainConfig
 from .data import (
     FitData,
@@ -188,9 +188,10 @@ def check_fits_model(model: Any, train_set: Any, val_set: Any) -> None:
         if not isinstance(data, FitData):
             continue
         if isinstance(data.x, np.ndarray) and (data.y is None or isinstance(data.y, np.ndarray)):
-            check_model_fits_data(model, data.x, data.y, what)
+            check_model_fits_data(model, data.x, data.y, what, data.sample_weight)
         else:
             check_text_inputs(model, data.x, what)
+            check_labels_fit_loss(model, data.y, data.sample_weight, what)  # several outputs: labels per output
 
 
 def no_columns(features: Any, label: Any) -> None:

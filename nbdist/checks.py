@@ -62,24 +62,50 @@ def fits_input(row: tuple[Any, ...], expected: tuple[Any, ...]) -> bool:
     return len(row) == len(expected) and all(e is None or e == r for r, e in zip(row, expected))
 
 
-def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what: str = "training data") -> None:
+def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what: str = "training data",
+                          sample_weight: Any = None) -> None:
     """One sentence if ``x`` cannot feed the model or ``y`` cannot be the target of its loss."""
-    from .metrics import check_labels, classifier_spec, compiled_loss, labels_are_classes
+    from .metrics import classifier_spec, compiled_loss, labels_are_classes
 
     check_text_inputs(model, x, what)
     expected = input_shape(model)
     if expected is not None and not fits_input(tuple(x.shape[1:]), expected):
         raise NbdistError(f"the {what} features have shape {tuple(x.shape[1:])} per row but the model expects "
                           f"{expected}; pass data shaped like the model's input or change keras.Input.")
+    check_labels_fit_loss(model, y, sample_weight, what)
     out = _output_shape(model)
     if y is None or out is None:
         return
     loss = compiled_loss(model)
-    check_labels(y.shape, out, loss, f"the {what} labels")
     spec = classifier_spec(loss, out)
     if spec is not None and spec.kind == "multiclass" and spec.sparse_labels and not labels_are_classes(y, spec):
         raise NbdistError(f"the {what} labels must be whole class ids from 0 to {spec.classes - 1} for this "
                           f"{spec.classes}-output model; check y or the model's last layer.")
+
+
+def check_labels_fit_loss(model: Any, y: Any, sample_weight: Any, what: str = "training data") -> None:
+    """One sentence, with Keras' reason, where the model's own loss refuses these labels (label_check.py):
+    only where the local fit would fail too (a class id per time step or per pixel is Keras' to take)."""
+    from .label_check import ROWS, loss_refusal
+    from .metrics import _ONE_HOT_LOSSES, loss_identity
+
+    reason = loss_refusal(model, y, sample_weight)
+    if reason is None:
+        return
+    hint = ""
+    if isinstance(y, np.ndarray) and y.ndim == 1 and loss_identity(getattr(model, "loss", None))[0] in _ONE_HOT_LOSSES:
+        hint = " (integer class ids need loss='sparse_categorical_crossentropy', or one-hot encode y)"
+    raise NbdistError(f"the {what} labels ({_shapes(y)}) cannot be the targets of the model's loss, as in a local "
+                      f"fit: Keras says, on their first {ROWS} rows, \"{reason}\"{hint}; pass labels shaped as "
+                      "the loss takes them.")
+
+
+def _shapes(y: Any) -> str:
+    if isinstance(y, dict):
+        return ", ".join(f"{k!r}: shape {tuple(np.shape(v))}" for k, v in y.items())
+    if isinstance(y, (list, tuple)):
+        return ", ".join(f"shape {tuple(np.shape(v))}" for v in y)
+    return f"shape {tuple(np.shape(y))}"
 
 
 def non_finite(logs: dict[str, Any]) -> str | None:
