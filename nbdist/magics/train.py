@@ -59,7 +59,9 @@ class DistMagics(Magics):
     @argument("--out", default=None, metavar="NAME",
               help="variable to receive per-epoch metrics (default: history; with the cell's own model.fit, "
                    "only when given: the cell's history = model.fit(...) is a keras History)")
-    @argument("--seed", type=int, default=None, help="random seed; worker r uses seed + r")
+    @argument("--seed", type=int, default=None,
+              help="random seed; worker r uses seed + r (default: drawn from the notebook's Python and numpy "
+                   "generators at the fit, so a cell seeded with keras.utils.set_random_seed reproduces)")
     @argument("--ui", default="auto", help="auto | widgets | html | text | none (default: auto)")
     @argument("--checkpoint-dir", default=None, metavar="DIR",
               help="save weights, optimizer state and history here after every epoch")
