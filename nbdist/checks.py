@@ -87,17 +87,31 @@ def check_labels_fit_loss(model: Any, y: Any, sample_weight: Any, what: str = "t
     """One sentence, with Keras' reason, where the model's own loss refuses these labels (label_check.py):
     only where the local fit would fail too (a class id per time step or per pixel is Keras' to take)."""
     from .label_check import ROWS, loss_refusal
-    from .metrics import _ONE_HOT_LOSSES, loss_identity
 
     reason = loss_refusal(model, y, sample_weight)
     if reason is None:
         return
-    hint = ""
-    if isinstance(y, np.ndarray) and y.ndim == 1 and loss_identity(getattr(model, "loss", None))[0] in _ONE_HOT_LOSSES:
-        hint = " (integer class ids need loss='sparse_categorical_crossentropy', or one-hot encode y)"
-    raise NbdistError(f"the {what} labels ({_shapes(y)}) cannot be the targets of the model's loss, as in a local "
-                      f"fit: Keras says, on their first {ROWS} rows, \"{reason}\"{hint}; pass labels shaped as "
-                      "the loss takes them.")
+    loss = getattr(model, "loss", None)
+    name = _loss_name(loss)
+    fix = "reshape the labels as it takes them"
+    if isinstance(y, np.ndarray) and name in _ONE_HOT_NAMES and y.ndim == 1:
+        fix = "one-hot encode y or use sparse_categorical_crossentropy"
+    elif isinstance(y, np.ndarray) and name == "sparse_categorical_crossentropy" and y.ndim == 2 and y.shape[1] > 1:
+        fix = "pass class ids (y.argmax(axis=1) for one-hot rows)"
+    raise NbdistError(f"the {what} labels ({_shapes(y)}) do not fit {name}; Keras says, on {ROWS} rows: "
+                      f"\"{reason}\"; {fix}.")
+
+
+_ONE_HOT_NAMES = ("categorical_crossentropy", "categorical_focal_crossentropy", "categorical_hinge")
+
+
+def _loss_name(loss: Any) -> str:
+    """The loss as the user named it: its name, a Keras loss object's or function's name, or its losses."""
+    if isinstance(loss, str):
+        return loss
+    if isinstance(loss, (dict, list, tuple)):
+        return "the model's losses"
+    return str(getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__)
 
 
 def _shapes(y: Any) -> str:
