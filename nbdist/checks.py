@@ -86,7 +86,7 @@ def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what:
 def check_labels_fit_loss(model: Any, y: Any, sample_weight: Any, what: str = "training data") -> None:
     """One sentence, with Keras' reason, where the model's own loss refuses these labels (label_check.py):
     only where the local fit would fail too (a class id per time step or per pixel is Keras' to take)."""
-    from .label_check import ROWS, loss_refusal
+    from .label_check import loss_refusal
 
     reason = loss_refusal(model, y, sample_weight)
     if reason is None:
@@ -98,7 +98,7 @@ def check_labels_fit_loss(model: Any, y: Any, sample_weight: Any, what: str = "t
         fix = "one-hot encode y or use sparse_categorical_crossentropy"
     elif isinstance(y, np.ndarray) and name == "sparse_categorical_crossentropy" and y.ndim == 2 and y.shape[1] > 1:
         fix = "pass class ids (y.argmax(axis=1) for one-hot rows)"
-    raise NbdistError(f"the {what} labels ({_shapes(y)}) do not fit {name}; Keras says, on {ROWS} rows: "
+    raise NbdistError(f"the {what} labels ({_shapes(y)}) do not fit {name}; Keras says, on a few rows: "
                       f"\"{reason}\"; {fix}.")
 
 

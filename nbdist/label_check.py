@@ -4,7 +4,8 @@ Keras' rules for which label shapes a loss takes are many (a class id per row, p
 pixel for the sparse losses, a trailing axis of 1 squeezed or added, broadcasting for the regression
 losses, the same shape for the cross-entropies, a structure of labels per output by name or position),
 so they are not written again here: the model's own loss (what ``compile`` got, Keras' ``CompileLoss``
-around it) is computed once on the labels' first rows and stand-in predictions of the outputs' shapes.
+around it) is computed once on two rows of stand-ins, labels and sample weights of the given ones' shapes
+and dtypes (class id 0, weight 1: their values have their own checks) and predictions of the outputs'.
 Where Keras raises, so would the local ``fit``, and its reason is what the user reads. Only for losses
 Keras ships: a notebook's own loss function is the user's code, judged where it runs, on the workers.
 """
@@ -24,7 +25,11 @@ def loss_refusal(model: Any, y: Any, sample_weight: Any = None) -> str | None:
     loss = getattr(model, "loss", None)
     if loss is None or y is None or not _keras_losses_only(loss):
         return None
-    predictions = _stand_in_predictions(model)
+    rows = min([ROWS, *(len(a) for a in _leaves(y))])
+    labels = _stand_in(y, rows, 0)
+    if rows < 1 or labels is None:
+        return None
+    predictions = _stand_in_predictions(model, rows)
     if predictions is None:
         return None
     try:
@@ -33,7 +38,7 @@ def loss_refusal(model: Any, y: Any, sample_weight: Any = None) -> str | None:
         return None
     try:
         compiled = CompileLoss(loss, output_names=getattr(model, "output_names", None))
-        compiled(_first_rows(y), predictions, sample_weight=_first_rows(sample_weight))
+        compiled(labels, predictions, sample_weight=_stand_in(sample_weight, rows, 1))
     except Exception as exc:  # Keras' own refusal: ValueError, KeyError, TypeError, or the backend's error
         return _one_line(exc)
     return None
@@ -51,8 +56,8 @@ def _keras_losses_only(loss: Any) -> bool:
     return str(module).startswith("keras")
 
 
-def _stand_in_predictions(model: Any) -> Any:
-    """Arrays of 0.5 shaped and structured as the model's outputs (``ROWS`` rows); None when a
+def _stand_in_predictions(model: Any, rows: int) -> Any:
+    """Arrays of 0.5 shaped and structured as the model's outputs (``rows`` rows); None when a
     dimension is unknown or the model has no symbolic outputs (a subclassed model)."""
     try:
         outputs = getattr(model, "_outputs_struct", None)
@@ -65,7 +70,7 @@ def _stand_in_predictions(model: Any) -> Any:
     flat = keras.tree.flatten(outputs)
     if not flat or any(d is None for t in flat for d in tuple(t.shape)[1:]):
         return None
-    return keras.tree.map_structure(lambda t: np.full((ROWS, *tuple(t.shape)[1:]), 0.5, dtype=_dtype(t)), outputs)
+    return keras.tree.map_structure(lambda t: np.full((rows, *tuple(t.shape)[1:]), 0.5, dtype=_dtype(t)), outputs)
 
 
 def _dtype(tensor: Any) -> str:
@@ -73,14 +78,30 @@ def _dtype(tensor: Any) -> str:
     return dtype if dtype in ("float16", "float32", "float64") else "float32"  # bfloat16: numpy has none
 
 
-def _first_rows(value: Any) -> Any:
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [] if value is None else [value]
+
+
+def _stand_in(value: Any, rows: int, fill: int) -> Any:
+    """``value``'s structure, shapes and dtypes for ``rows`` rows, every entry ``fill``: the shapes are what
+    this check is about (class id 0 and weight 1 are valid for every loss; the values are checked elsewhere,
+    with their own sentences). None for labels that are not numbers (text labels have their own check)."""
     if value is None:
         return None
     if isinstance(value, dict):
-        return {k: _first_rows(v) for k, v in value.items()}
+        parts = {k: _stand_in(v, rows, fill) for k, v in value.items()}
+        return None if any(v is None for v in parts.values()) else parts
     if isinstance(value, (list, tuple)):
-        return type(value)(_first_rows(v) for v in value)
-    return np.asarray(value[:ROWS])
+        items = [_stand_in(v, rows, fill) for v in value]
+        return None if any(v is None for v in items) else type(value)(items)
+    shape, dtype = tuple(np.shape(value)), np.asarray(value[:1]).dtype
+    if dtype.kind not in "biuf" or not shape:
+        return None
+    return np.full((rows, *shape[1:]), fill, dtype=dtype)
 
 
 def _one_line(exc: BaseException) -> str:
