@@ -6,7 +6,7 @@ Both run in one IPython shell where TensorFlow is already imported, as in a note
 warm workers (started by ``%load_ext nbdist``) are ready before each run, as they are when a user
 has read the first cell's output. Runs alternate, so each ratio compares runs under the same load.
 
-    PYTHONPATH=. python benchmarks/quickstart_cell.py [--repeats 3]
+    PYTHONPATH=. python benchmarks/quickstart_cell.py [--repeats 3] [--strategy averaging]
 """
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ model = keras.Sequential([
 model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
 """
 MAGIC = "%%dist_train --data X_train,y_train --validation-data X_test,y_test --epochs {epochs} --batch-size 32 " \
-        "--workers 2 --seed 0 --backend local --ui none\n"
+        "--workers 2 --seed 0 --backend local --ui none{strategy}\n"
 PLAIN = "keras.utils.set_random_seed(0)\n" + BODY + (
     "history = model.fit(X_train, y_train, validation_data=(X_test, y_test), epochs={epochs}, batch_size=32, "
     "verbose=0).history\n")
 
 
-def measure(repeats: int = 3, epochs: int = 20) -> dict[str, list[float]]:
+def measure(repeats: int = 3, epochs: int = 20, strategy: str | None = None) -> dict[str, list[float]]:
     import keras
     from epoch_breakdown import digits
     from first_metric import wait_warm
@@ -54,7 +54,8 @@ def measure(repeats: int = 3, epochs: int = 20) -> dict[str, list[float]]:
     try:
         for _ in range(repeats):
             wait_warm(POOL)
-            for kind, cell in (("magic", MAGIC.format(epochs=epochs) + BODY), ("plain", PLAIN.format(epochs=epochs))):
+            magic = MAGIC.format(epochs=epochs, strategy=f" --strategy {strategy}" if strategy else "") + BODY
+            for kind, cell in (("magic", magic), ("plain", PLAIN.format(epochs=epochs))):
                 t0 = time.perf_counter()
                 result = shell.run_cell(cell)
                 seconds = time.perf_counter() - t0
@@ -72,10 +73,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--strategy", default=None, help="the magic line's --strategy (default: none, the default's)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    m = measure(args.repeats, args.epochs)
+    m = measure(args.repeats, args.epochs, args.strategy)
     r = m["ratio"]
     print(f"P8 quickstart cell, magic / plain: median {statistics.median(r):.2f} (min {min(r):.2f}, max {max(r):.2f}); "
           f"magic {statistics.median(m['magic']):.1f} s, plain {statistics.median(m['plain']):.1f} s")

@@ -1,11 +1,12 @@
 """The Python API under the magics: ``train()`` and ``TrainingJob``."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
-from .checks import check_model_fits_data, check_not_stateful, check_text_inputs
+from .checks import check_labels_fit_loss, check_model_fits_data, check_not_stateful, check_text_inputs
 from .config import TrainConfig
 from .data import (
     FitData,
@@ -19,12 +20,14 @@ from .data import (
 from .driver.inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
 from .driver.training import TrainingJob
 from .errors import NbdistError
-from .model_io import check_trainable, ensure_built
+from .model_io import check_trainable, chosen_strategy, ensure_built
 from .pipelines import check_any, fit_from_pipelines, is_pipeline
 from .spark.checks import feature_width
 from .spark.data import is_spark_data, spark_dataset, spark_validation
 from .tracking import track
 from .ui import make_renderer
+
+log = logging.getLogger(__name__)
 
 
 def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...] | None = None,
@@ -160,6 +163,10 @@ def spark_in_fit(x: Any, validation_data: Any) -> None:
 
 def _job(model: Any, config: TrainConfig, train_set: Any, val_set: Any, namespace: dict[str, Any] | None,
          listeners: list[Any] | None, fit: dict[str, Any] | None = None, fit_run: Any = None) -> TrainingJob:
+    strategy, notice = chosen_strategy(model, config.strategy)
+    if notice is not None:
+        log.warning("%s", notice)
+    config = config.replace(strategy=strategy)
     renderer = make_renderer(config.ui)
     all_listeners = list(listeners or []) + ([renderer] if renderer else [])
     job = TrainingJob(model, config, train_set, val_set, namespace, all_listeners)
@@ -181,9 +188,10 @@ def check_fits_model(model: Any, train_set: Any, val_set: Any) -> None:
         if not isinstance(data, FitData):
             continue
         if isinstance(data.x, np.ndarray) and (data.y is None or isinstance(data.y, np.ndarray)):
-            check_model_fits_data(model, data.x, data.y, what)
+            check_model_fits_data(model, data.x, data.y, what, data.sample_weight)
         else:
             check_text_inputs(model, data.x, what)
+            check_labels_fit_loss(model, data.y, data.sample_weight, what)  # several outputs: labels per output
 
 
 def no_columns(features: Any, label: Any) -> None:

@@ -62,24 +62,64 @@ def fits_input(row: tuple[Any, ...], expected: tuple[Any, ...]) -> bool:
     return len(row) == len(expected) and all(e is None or e == r for r, e in zip(row, expected))
 
 
-def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what: str = "training data") -> None:
+def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what: str = "training data",
+                          sample_weight: Any = None) -> None:
     """One sentence if ``x`` cannot feed the model or ``y`` cannot be the target of its loss."""
-    from .metrics import check_labels, classifier_spec, compiled_loss, labels_are_classes
+    from .metrics import classifier_spec, compiled_loss, labels_are_classes
 
     check_text_inputs(model, x, what)
     expected = input_shape(model)
     if expected is not None and not fits_input(tuple(x.shape[1:]), expected):
         raise NbdistError(f"the {what} features have shape {tuple(x.shape[1:])} per row but the model expects "
                           f"{expected}; pass data shaped like the model's input or change keras.Input.")
+    check_labels_fit_loss(model, y, sample_weight, what)
     out = _output_shape(model)
     if y is None or out is None:
         return
     loss = compiled_loss(model)
-    check_labels(y.shape, out, loss, f"the {what} labels")
     spec = classifier_spec(loss, out)
     if spec is not None and spec.kind == "multiclass" and spec.sparse_labels and not labels_are_classes(y, spec):
         raise NbdistError(f"the {what} labels must be whole class ids from 0 to {spec.classes - 1} for this "
                           f"{spec.classes}-output model; check y or the model's last layer.")
+
+
+def check_labels_fit_loss(model: Any, y: Any, sample_weight: Any, what: str = "training data") -> None:
+    """One sentence, with Keras' reason, where the model's own loss refuses these labels (label_check.py):
+    only where the local fit would fail too (a class id per time step or per pixel is Keras' to take)."""
+    from .label_check import loss_refusal
+
+    reason = loss_refusal(model, y, sample_weight)
+    if reason is None:
+        return
+    loss = getattr(model, "loss", None)
+    name = _loss_name(loss)
+    fix = "reshape the labels as it takes them"
+    if isinstance(y, np.ndarray) and name in _ONE_HOT_NAMES and y.ndim == 1:
+        fix = "one-hot encode y or use sparse_categorical_crossentropy"
+    elif isinstance(y, np.ndarray) and name == "sparse_categorical_crossentropy" and y.ndim == 2 and y.shape[1] > 1:
+        fix = "pass class ids (y.argmax(axis=1) for one-hot rows)"
+    raise NbdistError(f"the {what} labels ({_shapes(y)}) do not fit {name}; Keras says, on a few rows: "
+                      f"\"{reason}\"; {fix}.")
+
+
+_ONE_HOT_NAMES = ("categorical_crossentropy", "categorical_focal_crossentropy", "categorical_hinge")
+
+
+def _loss_name(loss: Any) -> str:
+    """The loss as the user named it: its name, a Keras loss object's or function's name, or its losses."""
+    if isinstance(loss, str):
+        return loss
+    if isinstance(loss, (dict, list, tuple)):
+        return "the model's losses"
+    return str(getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__)
+
+
+def _shapes(y: Any) -> str:
+    if isinstance(y, dict):
+        return ", ".join(f"{k!r}: shape {tuple(np.shape(v))}" for k, v in y.items())
+    if isinstance(y, (list, tuple)):
+        return ", ".join(f"shape {tuple(np.shape(v))}" for v in y)
+    return f"shape {tuple(np.shape(y))}"
 
 
 def non_finite(logs: dict[str, Any]) -> str | None:

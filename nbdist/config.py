@@ -22,7 +22,9 @@ class TrainConfig:
     epochs: int = 1
     batch_size: int = 32
     workers: int | None = None  # None: the backend's default
-    strategy: str = "averaging"
+    # None: allreduce (local Keras' step), or averaging, said in one line, for a model whose own
+    # train_step applies optimizers besides model.optimizer (model_io.chosen_strategy, at launch).
+    strategy: str | None = None
     backend: str = "auto"
     averaging_frequency: int = 5
     average_optimizer: bool = True
@@ -87,7 +89,7 @@ class TrainConfig:
         _positive_int("averaging_frequency", self.averaging_frequency, "--averaging-frequency 5")
         if self.workers is not None:
             _positive_int("workers", self.workers, "--workers 2")
-        if self.strategy not in STRATEGIES:
+        if self.strategy is not None and self.strategy not in STRATEGIES:
             raise NbdistError(f"unknown strategy {self.strategy!r}; use one of: {', '.join(STRATEGIES)}.")
         if self.backend not in BACKENDS:
             raise NbdistError(f"unknown backend {self.backend!r}; use one of: {', '.join(BACKENDS)}.")
@@ -122,7 +124,7 @@ class TrainConfig:
         if self.engine is not None:
             if self.engine not in ENGINES:
                 raise NbdistError(f"unknown engine {self.engine!r}; use one of: {', '.join(ENGINES)}.")
-            if self.strategy != "allreduce":
+            if self.strategy == "averaging":
                 raise NbdistError(f"--engine {self.engine} applies to --strategy allreduce; "
                                   "add --strategy allreduce or drop --engine.")
         _validate_containers(self)

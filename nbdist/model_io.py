@@ -185,7 +185,7 @@ def apply_settings(settings: dict[str, Any]) -> None:
 
 
 # -- driver: model -> spec -----------------------------------------------------
-def spec_from_model(model: Any, strategy: str = "averaging") -> ModelSpec:
+def spec_from_model(model: Any, strategy: str = "allreduce") -> ModelSpec:
     """The model as it travels to train; one sentence if it cannot, before any worker starts."""
     spec = travelling_model(model)
     check_strategy(model, strategy)
@@ -197,11 +197,29 @@ def check_strategy(model: Any, strategy: str) -> None:
     other optimizers (a GAN's two) would train them on each worker's gradients alone."""
     if strategy != "allreduce":
         return
-    others = [opt for opt in model_graph.optimizers_of(model) if opt is not model.optimizer]
-    if others:
-        names = ", ".join(sorted({type(o).__name__ for o in others}))
+    names = own_optimizers(model)
+    if names:
         raise NbdistError(f"the model holds optimizers of its own besides model.optimizer ({names}), which its "
                           "train_step applies and --strategy allreduce cannot average; use --strategy averaging.")
+
+
+def own_optimizers(model: Any) -> str:
+    """The classes of the optimizers the model holds besides ``model.optimizer`` ("": none)."""
+    others = [opt for opt in model_graph.optimizers_of(model) if opt is not model.optimizer]
+    return ", ".join(sorted({type(o).__name__ for o in others}))
+
+
+def chosen_strategy(model: Any, strategy: str | None) -> tuple[str, str | None]:
+    """The strategy a run takes and the one-line notice when it is not the default's first choice.
+    ``None`` (no --strategy) is allreduce, local Keras' step, unless the model's train_step applies
+    optimizers of its own (a GAN's two): allreduce averages only model.optimizer's gradients, so averaging."""
+    if strategy is not None:
+        return strategy, None
+    names = own_optimizers(model)
+    if not names:
+        return "allreduce", None
+    return "averaging", (f"training with --strategy averaging: the model's train_step applies optimizers of its own "
+                         f"besides model.optimizer ({names}), whose gradients allreduce cannot average.")
 
 
 def travelling_model(model: Any, *, optimizer: bool = True) -> ModelSpec:

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STORAGE = "sqlite:///nbdist_tune.db"
 DEFAULT_STUDY = "nbdist-tune"
+# Trials when none are asked for: keras-tuner's default max_trials, and the random start of Optuna's
+# TPE sampler (n_startup_trials=10), so the default is a coarse sweep; a rerun with more continues it.
+DEFAULT_TRIALS = 10
 # Seconds the loop waits on each running trial's events per turn.
 PUMP_SLICE = 0.05
 DIRECTIONS = ("maximize", "minimize")
@@ -543,9 +546,10 @@ def tune(build: Callable[[Any], Any], **kwargs: Any) -> Search:
     ``build(trial)`` builds and compiles a model using ``trial.suggest_*``, then either calls
     ``model.fit(...)`` (that call is the trial's run: its arguments, callbacks and all; the
     function stops there) or returns the model (trained on ``x``/``y`` with the options).
-    Keyword arguments: ``trials`` (required), ``parallel`` (2), ``objective`` ("val_loss"; a merged
-    metric, its value at the last epoch is the trial's value), ``direction`` ("maximize" or
-    "minimize"; default: minimize a loss or error, else maximize), ``workers_per_trial`` (1),
+    Keyword arguments: ``trials`` (DEFAULT_TRIALS, 10, said in a first line), ``parallel`` (2),
+    ``objective`` ("val_loss"; a merged metric, its value at the last epoch is the trial's value),
+    ``direction`` ("maximize" or "minimize"; default: minimize a loss or error, else maximize),
+    ``workers_per_trial`` (1),
     ``pruner`` ("median" by default, "percentile", "hyperband", "successive-halving", "none", or an
     Optuna pruner: it may stop a trial after any epoch), ``sampler``, and the study: ``study``, else
     ``study_name`` in ``storage`` (an RDB URL, default ``sqlite:///nbdist_tune.db``), loaded when it
@@ -563,8 +567,9 @@ def tune(build: Callable[[Any], Any], **kwargs: Any) -> Search:
     return make_search(build, **kwargs).run()
 
 
-def make_search(build: Callable[[Any], Any], *, trials: int, parallel: int = 2, objective: str = "val_loss",
-         direction: str | None = None, workers_per_trial: int = 1, storage: str | None = None,
+def make_search(build: Callable[[Any], Any], *, trials: int | None = None, parallel: int = 2,
+         objective: str = "val_loss", direction: str | None = None, workers_per_trial: int = 1,
+         storage: str | None = None,
          study_name: str | None = None, study: Any = None, pruner: Any = None, sampler: Any = None,
          x: Any = None, y: Any = None, validation_data: tuple[Any, Any] | None = None,
          namespace: dict[str, Any] | None = None,
@@ -574,6 +579,10 @@ def make_search(build: Callable[[Any], Any], *, trials: int, parallel: int = 2, 
     """The search ``tune`` runs, checked and its study opened, not started."""
     optuna = import_optuna()
     study_given = study is not None
+    if trials is None:
+        trials = DEFAULT_TRIALS
+        log.warning("no --trials given: the study runs until it has %d finished trials (add --trials N to "
+                    "choose; a rerun with a larger N continues it)", trials)
     if ensemble is not None:
         check_count("--ensemble", ensemble, 3)
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_text_inputs, fits_input, input_shape
+from ..checks import check_labels_fit_loss, check_text_inputs, fits_input, input_shape
 from ..config import TrainConfig
 from ..data import (
     FitData,
@@ -376,8 +376,7 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None,
         return EvaluationJob(model, config, data, namespace).run()
     loss = compiled_loss(model)
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
-    if output_shape:
-        check_labels(data.y.shape, output_shape, loss)
+    check_labels_fit_loss(model, data.y, data.sample_weight, "evaluation data")
     # The classifier report counts rows: with sample weights it would not be what the weighted metrics say.
     classifier = classifier_spec(loss, output_shape) if data.sample_weight is None else None
     if classifier is not None and classifier.kind == "multiclass" and classifier.sparse_labels \

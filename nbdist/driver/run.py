@@ -140,7 +140,8 @@ class Run:
         """Each worker's batches per epoch, once its rows are known (at start, or counted by Spark tasks)."""
 
     def _new_state(self, backend: Backend) -> RunState:
-        return RunState(self.world_size, self.config.epochs, backend=backend.name, strategy=self.config.strategy)
+        return RunState(self.world_size, self.config.epochs, backend=backend.name,
+                        strategy=self.config.strategy or "allreduce")
 
     def _seed_state(self, state: RunState) -> None:
         """Fill a new run state (e.g. a resumed run's history)."""

@@ -22,6 +22,7 @@ from ..config import TrainConfig
 from ..data import FitData, PyDatasetData, check_workers, map_struct, shard_bounds, share_count
 from ..errors import NbdistError, TrainingFailed
 from ..model_io import ModelSpec, apply_state, spec_from_model
+from ..seeding import run_seed
 from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
 from ..wire import protocol
@@ -47,6 +48,9 @@ class TrainingJob(Run):
                  validation: FitData | PyDatasetData | None = None, namespace: dict[str, Any] | None = None,
                  listeners: list[Callable[[str, RunState, Any], None]] | None = None) -> None:
         super().__init__(model, config, train, namespace, listeners)
+        # Drawn now, at the fit: the notebook's seeded generators give the same seed every run (seeding.py).
+        # A relaunch after a failure keeps it.
+        self.run_seed = run_seed(config.seed)
         self.validation_data = validation
         self._val_shards: list[tuple[int, int]] | None = None
         self._rounds = 0  # averaging rounds per epoch, the same on every worker
@@ -175,15 +179,12 @@ class TrainingJob(Run):
         self._data_epoch = self._initial_epoch
 
     def _pack_py_datasets(self) -> bytes:
-        import secrets
-
         import cloudpickle
 
         # Every worker shuffles the batch order with the same seed: their shares must stay disjoint.
-        seed = self.config.seed if self.config.seed is not None else secrets.randbits(31)
         pick = lambda d: d if isinstance(d, PyDatasetData) else None
         return cloudpickle.dumps({"train": pick(self.data), "validation": pick(self.validation_data),
-                                  "order_seed": int(seed)})
+                                  "order_seed": int(self.run_seed)})
 
     def _shards_known(self, batches: list[int]) -> None:
         self._rounds = rounds_per_epoch(batches, self.config.averaging_frequency)
@@ -209,7 +210,7 @@ class TrainingJob(Run):
         fit = self.fit
         self._weights_every_epoch = self._wants_weights_every_epoch()
         settings = TrainSettings.from_config(
-            cfg, rounds_per_epoch=self._rounds, initial_epoch=self._initial_epoch,
+            cfg, seed=self.run_seed, rounds_per_epoch=self._rounds, initial_epoch=self._initial_epoch,
             validation_anywhere=self.validation_data is not None or self._validation_on_tasks(),
             validation_on_tasks=self._validation_on_tasks(),
             batch_sizes=list(self._rank_batches) if fit is not None else None, learning_rate=self._first_lr,

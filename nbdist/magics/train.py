@@ -44,9 +44,12 @@ class DistMagics(Magics):
               help="mini-batch size per worker (default: 32). A model.fit(batch_size=B) in the cell is instead "
                    "the global batch, split over the workers")
     @apply(worker_arguments)
-    @argument("--strategy", default="averaging", help="averaging | allreduce (default: averaging)")
+    @argument("--strategy", default=None,
+              help="allreduce | averaging (default: allreduce, the step local Keras takes; averaging, said in "
+                   "one line, for a model whose train_step applies optimizers of its own, e.g. a GAN's two)")
     @argument("--averaging-frequency", type=int, default=5, metavar="K",
-              help="average parameters every K mini-batches (default: 5)")
+              help="--strategy averaging: average parameters every K mini-batches (default: 5); fewer "
+                   "messages than allreduce, for slow networks, but local training between averages")
     @argument("--lr-scaling", default=None, metavar="auto|none|linear",
               help="multiply the learning rate by the number of workers: auto (adaptive optimizers "
                    "only; plain SGD keeps exact big-batch semantics), linear (always) or none. "
@@ -56,7 +59,9 @@ class DistMagics(Magics):
     @argument("--out", default=None, metavar="NAME",
               help="variable to receive per-epoch metrics (default: history; with the cell's own model.fit, "
                    "only when given: the cell's history = model.fit(...) is a keras History)")
-    @argument("--seed", type=int, default=None, help="random seed; worker r uses seed + r")
+    @argument("--seed", type=int, default=None,
+              help="random seed; worker r uses seed + r (default: drawn from the notebook's Python and numpy "
+                   "generators at the fit, so a cell seeded with keras.utils.set_random_seed reproduces)")
     @argument("--ui", default="auto", help="auto | widgets | html | text | none (default: auto)")
     @argument("--checkpoint-dir", default=None, metavar="DIR",
               help="save weights, optimizer state and history here after every epoch")
@@ -84,15 +89,19 @@ class DistMagics(Magics):
         initial_epoch, dicts/lists of arrays for several inputs or outputs) and returns a
         ``keras.callbacks.History`` of the merged per-epoch metrics::
 
-            %%dist_train --workers 2 --strategy allreduce
+            %%dist_train --workers 2
             model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
             model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
             history = model.fit(X, y, batch_size=64, epochs=10, validation_split=0.1,
                                 callbacks=[keras.callbacks.EarlyStopping(patience=2)])
 
         There ``batch_size`` is the GLOBAL batch, split over the workers (64 on 2 workers: 32
-        each), so the cell trains as it would without the magic. Magic options and fit
-        arguments must agree (``--epochs 5`` with ``fit(epochs=10)`` is refused). Metrics are
+        each), so the cell trains as it would without the magic: the default ``--strategy
+        allreduce`` averages every step's gradients over the workers, the step local Keras takes
+        (a model whose own ``train_step`` applies optimizers besides ``model.optimizer`` trains with
+        ``averaging`` instead, said in one line); ``--strategy averaging`` trains locally between
+        averages every ``--averaging-frequency`` steps, fewer messages for slow networks. Magic
+        options and fit arguments must agree (``--epochs 5`` with ``fit(epochs=10)`` is refused). Metrics are
         merged exactly from every worker's metric state. Callbacks run here, in the notebook,
         once per epoch with the merged logs and ``self.model`` holding the synchronised
         weights; their decisions (stop training, a new learning rate) reach every worker

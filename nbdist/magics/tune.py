@@ -15,8 +15,9 @@ from .train import _new_models
 @magics_class
 class TuneMagics(Magics):
     @magic_arguments()
-    @argument("--trials", type=int, required=True, metavar="N",
-              help="trials the study should have finished (a resumed study's earlier ones count)")
+    @argument("--trials", type=int, default=None, metavar="N",
+              help="trials the study should have finished (a resumed study's earlier ones count; default: 10, "
+                   "said in the first line)")
     @argument("--parallel", type=int, default=2, metavar="P", help="trials running at once (default: 2)")
     @argument("--objective", default="val_loss", metavar="METRIC",
               help="the merged metric to optimise, its value at the last epoch (default: val_loss)")
@@ -43,7 +44,7 @@ class TuneMagics(Magics):
     @argument("--epochs", type=int, default=None, help="epochs of each trial (default: 1, or the cell's fit)")
     @argument("--batch-size", type=int, default=None, help="mini-batch size per worker")
     @argument("--backend", default="auto", help="auto | local | spark | containers (default: auto)")
-    @argument("--strategy", default="averaging", help="averaging | allreduce (default: averaging)")
+    @argument("--strategy", default=None, help="allreduce | averaging (default: allreduce, as %%%%dist_train)")
     @argument("--averaging-frequency", type=int, default=5, metavar="K")
     @argument("--lr-scaling", default=None, metavar="auto|none|linear")
     @argument("--seed", type=int, default=None, help="seeds the sampler and every trial's workers")
@@ -67,7 +68,9 @@ class TuneMagics(Magics):
         Each trial is an nbdist run on ``--workers-per-trial`` workers; the cell runs up to its
         ``model.fit`` (that call is the trial's run; what follows it does not run). After each epoch
         the merged ``--objective`` is reported to Optuna, whose pruner may stop the trial's workers
-        at once. The study is kept in ``--storage`` (an SQLite file by default), so rerunning the
+        at once. Without ``--trials`` the study runs until it has 10 finished trials, said in the
+        first line (keras-tuner's default, and TPE's random start). The study is kept in
+        ``--storage`` (an SQLite file by default), so rerunning the
         cell after an interrupt resumes it. Afterwards the notebook holds ``study``, ``best_model``
         (the best trial's trained model) and ``best_params``; ``tune_search`` is the search; with
         ``--ensemble N`` also ``best_ensemble``, the best N trials' models averaged as one Keras model.

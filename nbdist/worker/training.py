@@ -58,8 +58,10 @@ def run_training(link: Any, job: JobMessage) -> None:
     from .datasets import job_inputs, rank_batch_size
     from .pydatasets import job_feed
 
-    if train.seed is not None:
-        keras.utils.set_random_seed(int(train.seed) + rank)
+    if train.seed is not None:  # the run's seed (seeding.py): without importing TensorFlow on JAX or torch
+        from ..seeding import seed_worker
+
+        seed_worker(int(train.seed) + rank, keras.backend.backend())
     # The notebook's model as it is, with its whole state; the step count comes with it (Adam's bias
     # correction and LR schedules continue).
     model = model_from_spec(job.model)

@@ -123,7 +123,7 @@ TRAIN_CASES = [
     ("zero-averaging-frequency", "--data X,y --averaging-frequency 0", USE_M0, ["averaging_frequency"]),
     ("negative-seed", "--data X,y --seed -1", USE_M0, ["seed", "-1"]),
     ("bad-out-name", "--data X,y --out 1st", USE_M0, ["--out", "1st"]),
-    ("engine-without-allreduce", "--data X,y --engine gloo", USE_M0, ["--strategy allreduce"]),
+    ("engine-with-averaging", "--data X,y --strategy averaging --engine gloo", USE_M0, ["--strategy allreduce"]),
     ("unknown-option", "--data X,y --epoks 3", USE_M0, ["--epoks"]),
     # -- models
     ("not-compiled", "--data X,y", "model = m_uncompiled", ["not compiled", "compile("]),

@@ -35,7 +35,8 @@ def test_dataframe_training_matches_local_fit(spark, data, local_accuracy):
     Xtr, Xte, ytr, yte = data
     df = digits_frame(spark, Xtr, ytr)
     model = small_model()
-    job = nbdist.train(model, df, features="pixels", label="digit", epochs=EPOCHS, batch_size=32, workers=2,
+    job = nbdist.train(model, df, features="pixels", label="digit", epochs=EPOCHS, batch_size=32,
+                       strategy="averaging", workers=2,
                        seed=0)  # backend auto: the active SparkContext
     assert job.status == "done" and job.state.backend == "spark"
     assert len(job.history["loss"]) == EPOCHS

@@ -110,7 +110,7 @@ def test_dataframe_training_on_standalone_cluster(spark):
     local.fit(Xtr, ytr, epochs=EPOCHS, batch_size=LOCAL_BATCH, verbose=0)
     model = small_model()
     job = nbdist.train(model, digits_frame(spark, Xtr, ytr), features="pixels", label="digit",
-                       epochs=EPOCHS, batch_size=32, workers=2, seed=0)
+                       epochs=EPOCHS, batch_size=32, workers=2, seed=0, strategy="averaging")
     assert job.status == "done" and job.state.backend == "spark"
     got, want = accuracy(model, Xte, yte), accuracy(local, Xte, yte)
     assert got >= want - 0.01, (got, want)  # not more than 1 point below one machine (see test_spark_local)

@@ -192,3 +192,20 @@ def test_best_model_is_the_study_best_trials_when_two_trials_tie(storage, order,
     best = study.best_trial.number
     assert search.best_model is search.jobs[best].model and search.best_number == best
     assert search.state.best_number == best
+
+
+def test_a_search_without_trials_runs_the_default_number_and_says_so_first(tmp_path, caplog):
+    """``%%dist_tune`` with no --trials (argparse refused it before): the study's goal is DEFAULT_TRIALS (10), and
+    the first line logged says so and how to choose."""
+    pytest.importorskip("optuna")
+    from IPython.core.magic_arguments import parse_argstring
+
+    from nbdist.magics.tune import TuneMagics
+    from nbdist.search import DEFAULT_TRIALS, make_search
+
+    assert parse_argstring(TuneMagics.dist_tune, "--objective val_accuracy").trials is None
+    with caplog.at_level("WARNING", logger="nbdist.search"):
+        search = make_search(lambda trial: None, parallel=1, objective="val_loss", backend="containers",
+                             storage=f"sqlite:///{tmp_path / 'study.db'}", models_dir=False)
+    assert DEFAULT_TRIALS == 10 and search.state.n_trials == 10
+    assert caplog.records[0].getMessage().startswith("no --trials given: the study runs until it has 10 finished")

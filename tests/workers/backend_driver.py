@@ -401,7 +401,42 @@ def on_spark() -> dict[str, object]:
         session.stop()
 
 
+def seeded_cells() -> dict[str, object]:
+    """Issue 39 on this backend: a cell seeded with keras.utils.set_random_seed (which imports TensorFlow here,
+    in the notebook, as it does locally) run twice under %%dist_train gives identical weights and History; an
+    unseeded one, whose own draws are fixed, twice gives different ones; the workers never import TensorFlow."""
+    features, labels = load_digits(return_X_y=True)
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbdist")
+    shell.user_ns.update(X=(features[:ROWS] / 16).astype("float32"), y=labels[:ROWS].astype("int64"), keras=keras,
+                         fixed_top=[np.full((32, 10), 0.05, "float32"), np.zeros(10, "float32")])
+    fit = "history = model.fit(X, y, batch_size=64, epochs=2, validation_split=0.25)\n"
+    cells = {"seeded": "keras.utils.set_random_seed(42)\n"
+                       "model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation='relu'),\n"
+                       "    keras.layers.Dropout(0.3), keras.layers.Dense(10, activation='softmax')])\n",
+             "unseeded": "init = keras.initializers.GlorotUniform(7)\n"
+                         "model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, 'relu', "
+                         "kernel_initializer=init),\n"
+                         "    keras.layers.Dropout(0.3, seed=5), keras.layers.Dense(10, 'softmax')])\n"
+                         "model.layers[-1].set_weights(fixed_top)\n"}
+    out: dict[str, object] = {"backend": keras.backend.backend()}
+    for name, cell in cells.items():
+        runs = []
+        for _ in range(2):
+            shell.run_cell_magic("dist_train", "--workers 2 --ui none",
+                                 cell + "model.compile('adam', 'sparse_categorical_crossentropy', "
+                                        "metrics=['accuracy'])\n" + fit)
+            job = shell.user_ns["history_job"]
+            runs.append((shell.user_ns["model"], shell.user_ns["history"].history,
+                         [job.reports[r].get("tensorflow_loaded") for r in sorted(job.reports)]))
+        (a, history_a, tf_a), (b, history_b, tf_b) = runs
+        out[name] = {"weight_gap": weight_gap(a, b), "same_history": history_a == history_b,
+                     "workers_tensorflow": tf_a + tf_b}
+    return out
+
+
 if __name__ == "__main__":
-    phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers")}
+    phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers"),
+              "seeded": seeded_cells}
     result = phases[PHASE]()
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)

@@ -29,7 +29,8 @@ def test_every_summing_path_equals_big_batch_sgd(digits, shared_memory, direct_s
     remote.set_weights(local.get_weights())
     idx = interleave_batches(np.arange(len(x)), 2, b)
     local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
-    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False,
+    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2,
+                       strategy="averaging", averaging_frequency=1, shuffle=False,
                        shared_memory=shared_memory, direct_sum_bytes=direct_sum_bytes)
     assert [job.reports[r]["summed_by"] for r in range(2)] == [summed_by] * 2
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5
@@ -69,7 +70,8 @@ def test_a_large_model_averages_in_place_as_big_batch_sgd(digits, build, inputs)
     remote.set_weights(local.get_weights())
     idx = interleave_batches(np.arange(len(x)), 2, b)
     local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
-    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False)
+    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2,
+                       strategy="averaging", averaging_frequency=1, shuffle=False)
     assert [job.reports[r]["summed_by"] for r in range(2)] == ["shared-chunked"] * 2
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5
     assert relative_error(remote.optimizer.variables[1:], local.optimizer.variables[1:]) < 1e-5

@@ -115,3 +115,17 @@ def test_the_paths_that_differ_per_backend(backend):
     assert restart["resumed_initial_epoch"] == 4 and restart["resumed_epochs"] == 1, restart
     assert restart["resumed_gap"] < 1e-4, restart
     assert not result["driver_tensorflow_end"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_a_seeded_cell_reproduces_on_jax_and_torch_workers_without_tensorflow(backend):
+    """Issue 39: keras.utils.set_random_seed(42) in the cell, no --seed: two runs have identical weights and
+    History; unseeded (the cell's own draws fixed) two runs differ; the workers seeded themselves without
+    importing TensorFlow (Keras' set_random_seed imports it whenever it is installed)."""
+    result = run_driver(backend, "seeded")
+    assert result["backend"] == backend
+    seeded, unseeded = result["seeded"], result["unseeded"]
+    assert seeded["same_history"] and seeded["weight_gap"] == 0.0, seeded
+    assert not unseeded["same_history"] and unseeded["weight_gap"] > 1e-4, unseeded
+    assert seeded["workers_tensorflow"] == unseeded["workers_tensorflow"] == [False] * 4

@@ -45,7 +45,7 @@ def test_two_runs_equal_one_run_of_twice_the_epochs_with_a_schedule(digits):
     local, twice, once = mlp(seed=8, optimizer=sgd()), mlp(seed=8, optimizer=sgd()), mlp(seed=8, optimizer=sgd())
     twice.set_weights(local.get_weights())
     once.set_weights(local.get_weights())
-    options = {"batch_size": 16, "workers": 2, "averaging_frequency": 1, "shuffle": False}
+    options = {"batch_size": 16, "workers": 2, "strategy": "averaging", "averaging_frequency": 1, "shuffle": False}
     nbdist.train(twice, x, y, epochs=1, **options)
     nbdist.train(twice, x, y, epochs=1, **options)
     nbdist.train(once, x, y, epochs=2, **options)

@@ -134,7 +134,8 @@ def test_averaging_every_step_with_a_notebook_loss_or_train_step_equals_the_comb
     local, dist = equivalence_models(kind)
     idx = interleave_batches(np.arange(len(x)), 2, 16)
     local.fit(x[idx], y[idx], batch_size=32, epochs=1, shuffle=False, verbose=0)
-    nbdist.train(dist, x, y, epochs=1, batch_size=16, workers=2, averaging_frequency=1, shuffle=False)
+    nbdist.train(dist, x, y, epochs=1, batch_size=16, workers=2,
+                 strategy="averaging", averaging_frequency=1, shuffle=False)
     assert relative_error(dist.get_weights(), local.get_weights()) < 1e-5
 
 

@@ -415,7 +415,8 @@ def test_one_worker_equals_the_local_fit(name, data, digits):
     history = model_l.fit(case.local_input(x) if case.local_input else x, y, batch_size=BATCH, epochs=epochs,
                           shuffle=False, verbose=0).history
     model, x, y = _built(case, data)
-    job = nbdist.train(model, x, y, epochs=epochs, batch_size=BATCH, workers=1, shuffle=False, callbacks=[],
+    job = nbdist.train(model, x, y, epochs=epochs, batch_size=BATCH,
+                       strategy="averaging", workers=1, shuffle=False, callbacks=[],
                        backend="local")
     if case.random:
         assert abs(_accuracy(model, x, y) - _accuracy(model_l, x, y)) <= 0.01 + 1e-9
@@ -431,7 +432,8 @@ def test_a_model_with_its_own_optimizers_trains_with_each_of_them(name, data):
     case = OWN_OPTIMIZERS[name]
     model, x, y = _built(case, data)
     before = [np.asarray(w).copy() for w in model.get_weights()]
-    nbdist.train(model, x, y, epochs=EPOCHS, batch_size=BATCH, workers=WORKERS, averaging_frequency=1,
+    nbdist.train(model, x, y, epochs=EPOCHS, batch_size=BATCH, workers=WORKERS,
+                 strategy="averaging", averaging_frequency=1,
                  shuffle=False, callbacks=[], backend="local", lr_scaling="none")
     assert any(not np.allclose(a, b) for a, b in zip(model.get_weights(), before))
     steps = EPOCHS * (ROWS // (WORKERS * BATCH))

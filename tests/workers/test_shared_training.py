@@ -48,7 +48,8 @@ def test_averaging_through_chunked_shared_memory_equals_big_batch_sgd(digits):
     remote.set_weights(local.get_weights())
     idx = interleave_batches(np.arange(len(x)), 2, b)
     local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
-    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False,
+    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2,
+                       strategy="averaging", averaging_frequency=1, shuffle=False,
                        direct_sum_bytes=0, shared_chunk_bytes=CHUNK_BYTES)
     assert [job.reports[r]["summed_by"] for r in range(2)] == ["shared-chunked"] * 2
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5

@@ -66,7 +66,7 @@ fit_history = model.fit(X, y, batch_size=64, epochs=2, validation_data=(Xv, yv),
     run = runs[0]
     assert run.info.run_name == "cell-fit" and run.info.status == "FINISHED"
     p = run.data.params
-    assert (p["workers"], p["backend"], p["strategy"], p["epochs"]) == ("2", "local", "averaging", "2")
+    assert (p["workers"], p["backend"], p["strategy"], p["epochs"]) == ("2", "local", "allreduce", "2")
     assert p["fit.batch_size"] == "64" and p["optimizer"] == "Adam"
     assert float(p["optimizer.learning_rate"]) == pytest.approx(0.01)
     history = ip.user_ns["fit_history"].history

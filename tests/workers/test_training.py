@@ -20,7 +20,7 @@ def test_one_worker_equals_local_fit(digits):
     remote = mlp(seed=1)
     remote.set_weights(local.get_weights())
     local.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    job = nbdist.train(remote, x, y, epochs=2, batch_size=32, workers=1, shuffle=False, seed=1)
+    job = nbdist.train(remote, x, y, epochs=2, batch_size=32, strategy="averaging", workers=1, shuffle=False, seed=1)
     assert job.status == "done"
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-6
     # The optimizer state came back too: both models continue identically.
@@ -46,7 +46,8 @@ def test_averaging_every_step_with_sgd_equals_local_fit_with_the_combined_batch(
     remote.set_weights(local.get_weights())
     idx = interleave_batches(np.arange(len(x)), 2, b)
     local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
-    nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, averaging_frequency=1, shuffle=False)
+    nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2,
+                 strategy="averaging", averaging_frequency=1, shuffle=False)
     err = relative_error(remote.get_weights(), local.get_weights())
     assert err < 1e-5, err
 
@@ -82,7 +83,8 @@ def test_averaging_every_k_steps_equals_k_local_steps_then_the_average(digits):
     remote = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
     remote.set_weights(local.get_weights())
     rounds_of_local_sgd(local, x, y, workers=2, batch=16, k=4)
-    job = nbdist.train(remote, x, y, epochs=1, batch_size=16, workers=2, averaging_frequency=4, shuffle=False)
+    job = nbdist.train(remote, x, y, epochs=1, batch_size=16, workers=2,
+                       strategy="averaging", averaging_frequency=4, shuffle=False)
     assert job.reports[0]["rounds"] == 15  # 57 batches per worker: after batch 4, 8, ..., 56 and the 57th
     err = relative_error(remote.get_weights(), local.get_weights())
     assert err < 1e-5, err
@@ -96,7 +98,8 @@ def test_averaging_is_not_once_at_the_end(digits):
     remote.set_weights(local.get_weights())
     idx = interleave_batches(np.arange(len(x)), 2, 16)
     local.fit(x[idx], y[idx], batch_size=32, epochs=1, shuffle=False, verbose=0)
-    nbdist.train(remote, x, y, epochs=1, batch_size=16, workers=2, averaging_frequency=1000, shuffle=False)
+    nbdist.train(remote, x, y, epochs=1, batch_size=16, workers=2,
+                 strategy="averaging", averaging_frequency=1000, shuffle=False)
     assert relative_error(remote.get_weights(), local.get_weights()) > 1e-3
 
 
@@ -106,7 +109,7 @@ def test_accuracy_two_workers_within_one_point_of_local(digits_split):
     dist = mlp(seed=3)
     dist.set_weights(local.get_weights())
     local.fit(x_train, y_train, batch_size=32, epochs=20, verbose=0)
-    job = nbdist.train(dist, x_train, y_train, epochs=20, batch_size=32, workers=2, seed=3,
+    job = nbdist.train(dist, x_train, y_train, epochs=20, batch_size=32, strategy="averaging", workers=2, seed=3,
                        validation_data=(x_test, y_test))
     acc = lambda m: float((m.predict(x_test, verbose=0).argmax(1) == y_test).mean())
     local_acc, dist_acc = acc(local), acc(dist)

@@ -1,0 +1,111 @@
+"""Whether labels can be the targets of a model's loss, decided by Keras itself, before any worker starts.
+
+Keras' rules for which label shapes a loss takes are many (a class id per row, per time step or per
+pixel for the sparse losses, a trailing axis of 1 squeezed or added, broadcasting for the regression
+losses, the same shape for the cross-entropies, a structure of labels per output by name or position),
+so they are not written again here: the model's own loss (what ``compile`` got, Keras' ``CompileLoss``
+around it) is computed once on two rows of stand-ins, labels and sample weights of the given ones' shapes
+and dtypes (class id 0, weight 1: their values have their own checks) and predictions of the outputs'.
+Where Keras raises, so would the local ``fit``, and its reason is what the user reads. Only for losses
+Keras ships: a notebook's own loss function is the user's code, judged where it runs, on the workers.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+ROWS = 2  # enough for every reduction; what it costs does not grow with the data
+
+
+def loss_refusal(model: Any, y: Any, sample_weight: Any = None) -> str | None:
+    """Keras' reason, in one line, why ``y`` (with ``sample_weight``) cannot be the targets of the model's
+    compiled loss; None when Keras takes them, or when it cannot be told without running the user's code."""
+    loss = getattr(model, "loss", None)
+    if loss is None or y is None or not _keras_losses_only(loss):
+        return None
+    rows = min([ROWS, *(len(a) for a in _leaves(y))])
+    labels = _stand_in(y, rows, 0)
+    if rows < 1 or labels is None:
+        return None
+    predictions = _stand_in_predictions(model, rows)
+    if predictions is None:
+        return None
+    try:
+        from keras.src.trainers.compile_utils import CompileLoss
+    except ImportError:  # another Keras layout: the workers' fit will tell
+        return None
+    try:
+        compiled = CompileLoss(loss, output_names=getattr(model, "output_names", None))
+        compiled(labels, predictions, sample_weight=_stand_in(sample_weight, rows, 1))
+    except Exception as exc:  # Keras' own refusal: ValueError, KeyError, TypeError, or the backend's error
+        return _one_line(exc)
+    return None
+
+
+def _keras_losses_only(loss: Any) -> bool:
+    """Every loss in ``compile``'s ``loss`` is Keras' own (a name, or one of its functions or classes)."""
+    if isinstance(loss, dict):
+        return all(_keras_losses_only(v) for v in loss.values())
+    if isinstance(loss, (list, tuple)):
+        return all(_keras_losses_only(v) for v in loss)
+    if loss is None or isinstance(loss, str):
+        return True
+    module = getattr(loss, "__module__", None) or type(loss).__module__
+    return str(module).startswith("keras")
+
+
+def _stand_in_predictions(model: Any, rows: int) -> Any:
+    """Arrays of 0.5 shaped and structured as the model's outputs (``rows`` rows); None when a
+    dimension is unknown or the model has no symbolic outputs (a subclassed model)."""
+    try:
+        outputs = getattr(model, "_outputs_struct", None)
+        if outputs is None:
+            outputs = model.outputs[0] if len(model.outputs) == 1 else list(model.outputs)
+    except (AttributeError, ValueError, TypeError):
+        return None
+    import keras
+
+    flat = keras.tree.flatten(outputs)
+    if not flat or any(d is None for t in flat for d in tuple(t.shape)[1:]):
+        return None
+    return keras.tree.map_structure(lambda t: np.full((rows, *tuple(t.shape)[1:]), 0.5, dtype=_dtype(t)), outputs)
+
+
+def _dtype(tensor: Any) -> str:
+    dtype = str(getattr(tensor, "dtype", "float32"))
+    return dtype if dtype in ("float16", "float32", "float64") else "float32"  # bfloat16: numpy has none
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [] if value is None else [value]
+
+
+def _stand_in(value: Any, rows: int, fill: int) -> Any:
+    """``value``'s structure, shapes and dtypes for ``rows`` rows, every entry ``fill``: the shapes are what
+    this check is about (class id 0 and weight 1 are valid for every loss; the values are checked elsewhere,
+    with their own sentences). None for labels that are not numbers (text labels have their own check)."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        parts = {k: _stand_in(v, rows, fill) for k, v in value.items()}
+        return None if any(v is None for v in parts.values()) else parts
+    if isinstance(value, (list, tuple)):
+        items = [_stand_in(v, rows, fill) for v in value]
+        return None if any(v is None for v in items) else type(value)(items)
+    shape, dtype = tuple(np.shape(value)), np.asarray(value[:1]).dtype
+    if dtype.kind not in "biuf" or not shape:
+        return None
+    return np.full((rows, *shape[1:]), fill, dtype=dtype)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text)  # TensorFlow's op-placement prefix
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return " ".join(lines[:3]) if lines else type(exc).__name__
