@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .checks import check_labels_fit_loss, check_model_fits_data, check_not_stateful, check_text_inputs
-from .config import TrainConfig
+from .config import TrainConfig, implied_strategy
 from .data import (
     FitData,
     PyDatasetData,
@@ -58,7 +58,7 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
     if unknown:
         raise NbdistError(f"unknown option(s) {', '.join(sorted(unknown))}; see help(nbdist.TrainConfig).")
     options.setdefault("ui", "none")
-    config = TrainConfig(**options)
+    config = TrainConfig(**implied_strategy(options))
     if is_spark_data(x):
         if (callbacks is not None or class_weight is not None or sample_weight is not None
                 or bool(validation_split) or bool(initial_epoch)):

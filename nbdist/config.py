@@ -17,6 +17,14 @@ LR_SCALINGS = ("auto", "none", "linear")
 MLFLOW_ACTIVE = ("nest", "use")
 
 
+def implied_strategy(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``strategy="averaging"`` where an averaging frequency is given and no strategy: it has
+    no other meaning, and under the default (allreduce) it would be ignored without a word."""
+    if options.get("strategy") is None and options.get("averaging_frequency") is not None:
+        return {**options, "strategy": "averaging"}
+    return options
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     epochs: int = 1

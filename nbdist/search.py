@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig
+from .config import TrainConfig, implied_strategy
 from .driver.run import TERMINAL, interrupts_held
 from .driver.search_state import SearchState, TrialRow
 from .errors import NbdistError
@@ -605,7 +605,7 @@ def make_search(build: Callable[[Any], Any], *, trials: int | None = None, paral
     ui = options.pop("ui", "none")
     if explicit is None:  # the API's epochs / batch_size must agree with a fit call's, as on a magic line
         explicit = {k: options[k] for k in ("epochs", "batch_size") if k in options}
-    config = TrainConfig(**options, workers=workers_per_trial)
+    config = TrainConfig(**implied_strategy(options), workers=workers_per_trial)
     from .tracking import SearchRun, wanted
 
     tracked = wanted(config.mlflow)

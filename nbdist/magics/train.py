@@ -9,7 +9,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..checks import check_no_custom_loop
-from ..config import TrainConfig
+from ..config import TrainConfig, implied_strategy
 from ..errors import NbdistError, TrainingFailed
 from ..model_io import is_keras_model
 from .args import apply, data_arguments, lookup_pair, tracking_arguments, tracking_options, worker_arguments
@@ -47,9 +47,10 @@ class DistMagics(Magics):
     @argument("--strategy", default=None,
               help="allreduce | averaging (default: allreduce, the step local Keras takes; averaging, said in "
                    "one line, for a model whose train_step applies optimizers of its own, e.g. a GAN's two)")
-    @argument("--averaging-frequency", type=int, default=5, metavar="K",
-              help="--strategy averaging: average parameters every K mini-batches (default: 5); fewer "
-                   "messages than allreduce, for slow networks, but local training between averages")
+    @argument("--averaging-frequency", type=int, default=None, metavar="K",
+              help="--strategy averaging: average parameters every K mini-batches (default: 5; given without "
+                   "--strategy, the run averages); fewer messages than allreduce, for slow networks, but local "
+                   "training between averages")
     @argument("--lr-scaling", default=None, metavar="auto|none|linear",
               help="multiply the learning rate by the number of workers: auto (adaptive optimizers "
                    "only; plain SGD keeps exact big-batch semantics), linear (always) or none. "
@@ -180,7 +181,8 @@ class DistMagics(Magics):
             **tracking_options(args),
             "stream_buffer_bytes": args.stream_buffer * 2**20 if args.stream_buffer > 0 else args.stream_buffer,
         }
-        config = TrainConfig(**options)
+        config = TrainConfig(**implied_strategy({k: v for k, v in options.items()
+                                                 if k != "averaging_frequency" or v is not None}))
         if not args.out.isidentifier():
             raise NbdistError(f"--out {args.out!r} is not a valid variable name; use e.g. --out history.")
         x = y = None

@@ -7,6 +7,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..config import implied_strategy
 from ..errors import NbdistError
 from .args import apply, data_arguments, lookup_pair, tracking_arguments, tracking_options
 from .train import _new_models
@@ -45,7 +46,8 @@ class TuneMagics(Magics):
     @argument("--batch-size", type=int, default=None, help="mini-batch size per worker")
     @argument("--backend", default="auto", help="auto | local | spark | containers (default: auto)")
     @argument("--strategy", default=None, help="allreduce | averaging (default: allreduce, as %%%%dist_train)")
-    @argument("--averaging-frequency", type=int, default=5, metavar="K")
+    @argument("--averaging-frequency", type=int, default=None, metavar="K",
+              help="steps between averaging rounds; given without --strategy, the trials average (default: 5)")
     @argument("--lr-scaling", default=None, metavar="auto|none|linear")
     @argument("--seed", type=int, default=None, help="seeds the sampler and every trial's workers")
     @argument("--ui", default="auto", help="auto | html | text | none: the table of trials (default: auto)")
@@ -99,6 +101,7 @@ class TuneMagics(Magics):
                    "backend": args.backend, "strategy": args.strategy,
                    "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling or "auto",
                    "seed": args.seed, "ui": args.ui, **tracking_options(args)}
+        options = implied_strategy({k: v for k, v in options.items() if k != "averaging_frequency" or v is not None})
         pruner = self._object(args.pruner, ns, "--pruner") if args.pruner in ns else args.pruner
         sampler = self._object(args.sampler, ns, "--sampler") if args.sampler else None
 

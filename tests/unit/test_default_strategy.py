@@ -66,3 +66,30 @@ def test_a_model_with_its_own_optimizers_falls_back_to_averaging_in_one_line(cap
     assert _prepared(model, strategy="averaging").config.strategy == "averaging"
     with pytest.raises(NbdistError, match="--strategy allreduce cannot average; use --strategy averaging"):
         _prepared(model, strategy="allreduce").start()
+
+
+def test_an_averaging_frequency_without_a_strategy_asks_for_averaging(monkeypatch):
+    """--averaging-frequency has no meaning under allreduce: given alone it chooses averaging (on the magic
+    lines and in the API), where under the new default it was ignored without a word."""
+    from nbdist.config import implied_strategy
+
+    assert implied_strategy({"averaging_frequency": 10}) == {"averaging_frequency": 10, "strategy": "averaging"}
+    assert implied_strategy({"averaging_frequency": 10, "strategy": "allreduce"})["strategy"] == "allreduce"
+    assert implied_strategy({}) == {}
+    assert parse_argstring(DistMagics.dist_train, "--workers 2").averaging_frequency is None  # the default: 5
+    class Prepared(Exception):
+        pass
+
+    def prepare_fit(model, config, *args, **kwargs):  # nothing starts: the config is what is checked
+        raise Prepared(config)
+
+    monkeypatch.setattr("nbdist.api.prepare_fit", prepare_fit)
+    import nbdist
+
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    with pytest.raises(Prepared) as prepared:
+        nbdist.train(model, *_data(), averaging_frequency=10, workers=2)
+    config = prepared.value.args[0]
+    assert config.strategy == "averaging" and config.averaging_frequency == 10
+    assert TrainConfig().averaging_frequency == 5
