@@ -12,10 +12,10 @@ import os
 
 os.environ["KERAS_BACKEND"] = "jax"
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import nbdist  # noqa: E402
+import nbdist
 
 MODELS = {"digits_mlp": (64, [32], 1536), "mlp_1.3M": (256, [1024, 1024], 4096)}
 ONLY = os.environ.get("BENCH_MODELS", "").split(",") if os.environ.get("BENCH_MODELS") else list(MODELS)
