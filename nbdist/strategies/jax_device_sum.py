@@ -19,6 +19,7 @@ the job's heartbeat ends a run whose peer died (nbdist's own timeout as the coll
 """
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 from collections.abc import Sequence
@@ -72,6 +73,12 @@ def join_jax_job(model: Any, collective: Any, host: str, timeout: float, on_gpu:
     arrays = [(layer, name, np.asarray(val)) for layer in layers for name, val in list(vars(layer).items())
               if isinstance(val, jax.Array)]
     address = coordinator_address(collective, host)
+    # The old client goes before the new one starts: on a GPU it holds most of the memory (preallocation).
+    for v in variables:
+        v._value = None
+    for layer, name, _ in arrays:
+        setattr(layer, name, None)
+    gc.collect()
     clear_backends()
     if not on_gpu:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
