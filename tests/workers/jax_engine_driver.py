@@ -1,6 +1,7 @@
 """A notebook on Keras' JAX backend training with ``--engine jax`` (the sum inside the jitted step, over JAX's
 own collectives): ``python jax_engine_driver.py``; ``test_jax_engine.py`` reads the JSON line it prints last.
-Digits, 2 workers, 2 epochs, SGD and Adam, each beside the local fit on the global batch; then a run whose
+Digits, 2 workers, 2 epochs, SGD and Adam, each beside the local fit on the global batch; uneven shares (the
+host path, said once); then a run whose
 worker 1 dies in its second epoch, timed."""
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ def main() -> dict[str, object]:
                                                                                    local.get_weights())),
                      "engines": [job.reports[r].get("engine") for r in sorted(job.reports)],
                      "summed_by": [job.reports[r].get("summed_by") for r in sorted(job.reports)]}
+    # Uneven shares (375 training rows: 188 and 187): one program cannot serve both, so one sentence and Gloo.
+    local = mlp(keras.optimizers.SGD(0.1))
+    expected = local.fit(x[:500], y[:500], batch_size=GLOBAL_BATCH, verbose=0, **fit_args).history
+    remote = mlp(keras.optimizers.SGD(0.1))
+    job = nbdist.train(remote, x[:500], y[:500], workers=2, strategy="allreduce", engine="jax", lr_scaling="none",
+                       ui="none", batch_size=GLOBAL_BATCH // 2, **fit_args)
+    out["uneven"] = {"history": job.fit_history.history, "expected": expected, "warnings": sorted(job._warned),
+                     "weight_gap": max(float(np.abs(u - v).max()) for u, v in zip(remote.get_weights(),
+                                                                                   local.get_weights())),
+                     "engines": [job.reports[r].get("engine") for r in sorted(job.reports)]}
     # Worker 1 killed after the first epoch: the survivor's next sum must not hang the run.
     from nbdist.api import prepare
     from nbdist.config import TrainConfig

@@ -26,6 +26,8 @@ DRIVER = Path(__file__).with_name("jax_engine_driver.py")
 
 @pytest.mark.timeout(400)
 def test_two_jax_workers_sum_inside_the_step_as_the_local_fit_and_a_killed_one_fails_the_run():
+    """SGD and Adam equal the local fit on the global batch; uneven shares fall back to the host path in one
+    sentence; a SIGKILLed worker fails the run at once (no hang in the collective)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root(), os.environ.get("PYTHONPATH"))
                                                        if p)}
     env.pop("KERAS_BACKEND", None)
@@ -38,6 +40,11 @@ def test_two_jax_workers_sum_inside_the_step_as_the_local_fit_and_a_killed_one_f
         assert run["engines"] == ["jax", "jax"] and run["summed_by"] == ["device", "device"], run
         assert_same_history(run["history"], run["expected"])
         assert run["weight_gap"] < 1e-5, (name, run["weight_gap"])
+    uneven = result["uneven"]  # shares of 188 and 187 rows: the host path, said once
+    assert uneven["engines"] == ["gloo", "gloo"], uneven
+    assert any(w.startswith("--engine jax needs the same rows per step") for w in uneven["warnings"]), uneven
+    assert_same_history(uneven["history"], uneven["expected"])
+    assert uneven["weight_gap"] < 1e-5, uneven["weight_gap"]
     dead = result["dead"]
     assert dead["error"] and "worker 1" in dead["error"] and "SIGKILL" in dead["error"], dead
     assert dead["status"] == "failed" and dead["seconds"] < 30, dead
