@@ -34,7 +34,7 @@ PORT_KEY = "nbdist/jax/coordinator"
 
 def free_port(host: str) -> int:
     """A port free on ``host`` now (the coordinator binds it a moment later; a race only fails the start)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
@@ -44,7 +44,7 @@ def coordinator_address(collective: Any, host: str) -> str:
     own waits are bounded by nbdist's sync timeout)."""
     store = collective.store
     if collective.rank == 0:
-        address = f"{host}:{free_port(host)}"
+        address = f"{f'[{host}]' if ':' in host else host}:{free_port(host)}"
         store.set(PORT_KEY, address)
         return address
     return store.get(PORT_KEY).decode()
@@ -83,8 +83,10 @@ def join_jax_job(model: Any, collective: Any, host: str, timeout: float, on_gpu:
     if not on_gpu:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     seconds = max(10, int(timeout))
+    # The coordinator listens where the store does (loopback for local workers), not on every interface.
     jax.distributed.initialize(address, collective.world_size, collective.rank, initialization_timeout=seconds,
-                               heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds)
+                               heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds,
+                               coordinator_bind_address=address if collective.rank == 0 else None)
     if jax.local_device_count() != 1:
         raise RuntimeError(f"--engine jax needs one device per worker; this one sees {jax.local_device_count()}")
     for v, value in zip(variables, values):
