@@ -170,21 +170,38 @@ class JaxDeviceSum:
 
         def train_step(state: Any, data: Any) -> Any:
             self.steps += 1
-            out = step(self._global(state), self._global(data))
-            return jax.tree_util.tree_map(lambda a: a.addressable_data(0), out)
+            logs, state = step(self._global(state), self._global(data))
+            return self._local(logs), state  # the state stays on the mesh until Keras syncs its variables
 
         def make_train_function(force: bool = False) -> None:
             if model.train_function is None or force:
                 model.train_function = model._make_function(train_step)
 
+        original_sync = model.jax_state_sync
+
+        def jax_state_sync() -> None:
+            """The variables get this process's arrays (evaluation and callbacks run locally)."""
+            if getattr(model, "_jax_state", None) and not model._jax_state_synced:
+                model._jax_state = self._local(model._jax_state)
+            original_sync()
+
         model.make_train_function = make_train_function
+        model.jax_state_sync = jax_state_sync
         model.train_function = None
+
+    @staticmethod
+    def _local(tree: Any) -> Any:
+        import jax
+
+        return jax.tree_util.tree_map(lambda a: a.addressable_data(0) if isinstance(a, jax.Array) else a, tree)
 
     def _global(self, tree: Any) -> Any:
         """This process's arrays as the global mesh's (its shard is its own; no copy where already on device)."""
         import jax
 
         def put(leaf: Any) -> Any:
+            if isinstance(leaf, jax.Array) and leaf.sharding == self.replicated:  # the last step's state
+                return leaf
             local = jax.device_put(np.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf, self.device)
             return jax.make_array_from_single_device_arrays(local.shape, self.replicated, [local])
 
