@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import NbdistError
 
-ENGINES = ("gloo", "nccl", "horovod")
+ENGINES = ("gloo", "nccl", "horovod", "jax")
 
 
 def gpu_for_local_rank(local_rank: int, gpu_count: int) -> int | None:
@@ -162,6 +162,8 @@ def choose_engine(requested: str | None, has_gpu: bool, horovod_error: str | Non
         return default, None
     if requested not in ENGINES:
         raise NbdistError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}.")
+    if requested == "jax":
+        raise NbdistError(JAX_ONLY)
     if requested == "nccl" and not has_gpu:
         raise NbdistError("--engine nccl needs a GPU on every worker and this worker has none; "
                           "use --engine gloo (the default on CPU).")
@@ -212,6 +214,8 @@ def choose_torch_engine(requested: str | None, gpus: Sequence[object]) -> tuple[
         return default, (sharing_notice(obstacle) if obstacle and any(gpus) else None)
     if requested not in ENGINES:
         raise NbdistError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}.")
+    if requested == "jax":
+        raise NbdistError(JAX_ONLY)
     if requested == "nccl" and not every:
         raise NbdistError(f"--engine nccl needs a GPU of its own for every worker and {obstacle}; use --engine "
                           "gloo (the default then), or give each worker its own GPU (--workers at most the GPUs).")
@@ -221,6 +225,41 @@ def choose_torch_engine(requested: str | None, gpus: Sequence[object]) -> tuple[
                          "torch's headers need C++17), and nbdist does not drive it there; the gradients are "
                          f"summed over {'NCCL' if every else 'Gloo'}.")
     return requested, None
+
+
+JAX_ONLY = ("--engine jax sums with JAX's own collectives and needs Keras' jax backend (KERAS_BACKEND=jax); "
+            "use --engine gloo or nccl on this backend.")
+
+
+def choose_jax_engine(requested: str | None, equal_steps: bool | None = None,
+                      gpus: Sequence[object] = ()) -> tuple[str, str | None]:
+    """Resolve ``--engine`` under allreduce on Keras' JAX backend: (engine to use, warning sentence or None).
+
+    ``jax``: the sum inside the jitted step over JAX's collectives (strategies/jax_device_sum.py), opt-in:
+    it needs every step's batch to have the same rows on every worker (``equal_steps``; None: not known
+    yet), as every process runs one program, and, where any worker has a GPU (``gpus``, by rank, as for
+    ``nccl_obstacle``), a GPU of its own for every worker (XLA sums over NCCL there); else it is said once
+    and Gloo sums. The default stays Gloo,
+    through a host call, on GPUs too: JAX's device path has not run on a GPU yet (README, "GPUs"). NCCL and
+    Horovod are not driven on JAX: said once, and Gloo sums."""
+    if requested is None or requested == "gloo":
+        return "gloo", None
+    if requested not in ENGINES:
+        raise NbdistError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}.")
+    if requested == "jax":
+        obstacle = nccl_obstacle(gpus) if any(gpus) else None
+        if obstacle:
+            return "gloo", (f"--engine jax sums over NCCL inside XLA on GPUs, which needs a GPU of its own for every "
+                            f"worker, and {obstacle}: the gradients are summed over Gloo, through host memory.")
+        if equal_steps is False:
+            return "gloo", ("--engine jax needs the same rows per step on every worker (rows divisible by the "
+                            "workers, array data); these shares differ, so the gradients are summed over Gloo.")
+        return "jax", None
+    why = ("Horovod 0.28.1, its last release, has no JAX support" if requested == "horovod" else
+           "nbdist does not drive NCCL from JAX by itself; --engine jax sums with JAX's own collectives, NCCL "
+           "inside XLA on GPUs")
+    return "gloo", f"--engine {requested} is not available on Keras' jax backend: {why}; the gradients are summed " \
+        "over Gloo."
 
 
 def nccl_or_gloo(engine: str, warning: str | None, requested: str | None,
@@ -305,7 +344,7 @@ def spark_task_placement(addresses: list[str] | tuple[str, ...] | None, requeste
     the engine is left to the worker (None): it chooses from the devices it actually sees.
     """
     devices = spark_task_visible_devices(addresses)
-    if devices is None:
-        return None, None, None
+    if devices is None or requested_engine == "jax":  # JAX's engine: the worker decides with its peers
+        return devices, None, None
     engine, warning = choose_engine(requested_engine, bool(devices), horovod_error)
     return devices, engine, warning

@@ -612,7 +612,9 @@ def step_gpu_pair(rec: Recorder, args) -> None:
         np.savez(SCRATCH / f"big_local_torch_{tag}.npz", *[w.astype(np.float32) for w in weights_of(got["local"])])
         (SCRATCH / f"big_local_torch_{tag}.json").write_text(json.dumps(got["local_info"], default=_jsonable))
     if keras.backend.backend() == "jax":
-        two_workers(rec, args, build_big, xb, yb, s, got["local"], got["local_info"])
+        # --engine jax: with a GPU each (2+ GPUs), JAX's own collectives (NCCL in XLA) inside the step; two
+        # workers on one GPU: its one sentence, and Gloo (NCCL refuses two ranks on one device).
+        two_workers(rec, args, build_big, xb, yb, s, got["local"], got["local_info"], engines=(None, "jax"))
         retry_without_preallocation(rec, args, build_big, xb, yb, s, got["local"], got["local_info"])
 
 

@@ -70,7 +70,7 @@ class DistMagics(Magics):
     @argument("--background", action="store_true", help="return at once; training continues")
     @argument("--max-restarts", type=int, default=0, metavar="N",
               help="when a worker fails, relaunch all workers from the last checkpoint, up to N times")
-    @argument("--engine", default=None, help="collective engine: gloo | nccl | horovod")
+    @argument("--engine", default=None, help="collective engine: gloo | nccl | horovod | jax (JAX: summed in the step)")
     @apply(tracking_arguments)
     @argument("--stream-buffer", type=int, default=64, metavar="MIB",
               help="Spark data: MiB of rows each worker holds and shuffles together while it streams its "

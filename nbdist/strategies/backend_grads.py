@@ -9,10 +9,9 @@ them (shared memory, one round of messages, or the ring), weighted by each worke
   worker has a GPU of its own they are summed there instead, over NCCL (``device_sum.py``).
 - JAX: the train step is one jitted, stateless function that ends in ``optimizer.stateless_apply``.
   The wrapped ``stateless_apply`` sums the gradients through an ordered ``io_callback``: a host call
-  inside the compiled step, so the step stays jitted (measured against JAX's own CPU collectives,
-  which need ``jax.distributed.initialize`` and a second rendezvous, and have had wrong sums and hangs
-  this year: the host call reuses nbdist's exchange, its timeouts and health checks, for one copy of
-  the gradients each way).
+  inside the compiled step, so the step stays jitted; it reuses nbdist's exchange, its timeouts and
+  health checks, for one copy of the gradients each way. ``--engine jax`` sums them with JAX's own
+  collectives inside the step instead (jax_device_sum.py).
 
 JAX dispatches steps asynchronously, so the host call of step j may run after Python has moved on to
 step j + 1: each step's (rows, total rows) is queued by ``set_weight`` and taken by its own exchange,

@@ -9,26 +9,15 @@ from ..wire.messages import JobMessage, MessageType
 log = logging.getLogger("nbdist.worker")
 
 
-def jax_engine(requested: str | None) -> tuple[str, str | None]:
-    """The engine on Keras' JAX backend: Gloo. Its gradients leave the jitted step through a host call
-    (backend_grads.py), so they are in host memory already, where nbdist's exchange sums them; summing
-    on the device would take JAX's own collectives, which need ``jax.distributed``'s rendezvous beside
-    nbdist's. Any other request is said once in a warning sentence, and the run goes on over Gloo.
+def jax_engine(requested: str | None, collective: Any = None) -> tuple[str, str | None]:
+    """The engine on Keras' JAX backend (``placement.choose_jax_engine``): Gloo through a host call by default;
+    ``jax`` sums inside the jitted step over JAX's own collectives (strategies/jax_device_sum.py), where every
+    worker with a GPU has its own (every worker asked the same, so every one sums the GPUs)."""
+    from ..placement import choose_jax_engine
+    from .device import worker_gpus
 
-    The device path, designed and not built (README, "GPUs"): ``jax.distributed.initialize`` from nbdist's
-    store, then ``keras.distribution.DataParallel`` over every process's devices, so XLA all-reduces the
-    gradients inside the jitted step (NCCL on GPUs). The model's variables must then be made under that
-    distribution, which the pickled model's are not, and nbdist's own timeout must bound every step, as
-    JAX's CPU collectives have had wrong sums and hangs. One worker needs none of it: nothing is summed."""
-    if requested in (None, "gloo"):
-        return "gloo", None
-    if requested == "horovod":
-        why = "Horovod 0.28.1, its last release, has no JAX support"
-    else:
-        why = ("the gradients leave the jitted step through a host call, already in host memory, and a sum on the "
-               "GPU would take JAX's own collectives, which need jax.distributed's rendezvous beside nbdist's")
-    return "gloo", f"--engine {requested} is not available on Keras' jax backend: {why}; the gradients are summed " \
-        "over Gloo."
+    gpus = worker_gpus(collective) if requested == "jax" and collective is not None else ()
+    return choose_jax_engine(requested, None, gpus)
 
 
 def resolve_engine(requested: str | None, collective: Any) -> tuple[str, str | None]:
@@ -39,7 +28,7 @@ def resolve_engine(requested: str | None, collective: Any) -> tuple[str, str | N
 
     backend = keras.backend.backend()
     if backend == "jax":
-        return jax_engine(requested)
+        return jax_engine(requested, collective)
     if backend == "torch":  # NCCL only where every worker has a GPU of its own
         return choose_torch_engine(requested, worker_gpus(collective))
     import tensorflow as tf
@@ -103,14 +92,23 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
         totals = step_totals(shard_samples(collective, samples), train.batch_sizes or batch_size)
         steps = len(totals)
+    if engine == "jax":  # one program on every process: every step's rows the same on every worker
+        engine = _equal_steps_or_gloo(link, collective, samples if reader is None else None,
+                                      train.batch_sizes or [batch_size])
     reducer = (HostGradientAllreduce if host else GradientAllreduce)(
-        collective, model.trainable_variables, "gloo" if solo else engine, direct_sum_bytes=int(train.direct_sum_bytes),
+        collective, model.trainable_variables, "gloo" if solo or engine == "jax" else engine,
+        direct_sum_bytes=int(train.direct_sum_bytes),
         shared_memory=bool(train.shared_memory), shared_chunk_bytes=int(train.shared_chunk_bytes))
     if totals is not None and engine == "gloo" and not host and not model.run_eagerly:
         # Each step finds its share in the graph, so a call may run several (blocks.py).
         reducer.schedule(batch_sizes(samples, batch_size), totals)
     wrap = {"jax": wrap_jax_optimizer, "torch": wrap_torch_optimizer}.get(backend, wrap_optimizer)
-    original_apply = model.optimizer.apply if solo else wrap(model.optimizer, reducer)
+    if engine == "jax":  # the sum inside Keras' jitted step, over JAX's collectives (jax_device_sum.py)
+        _install_jax_engine(model, collective, float(train.sync_timeout))
+        original_apply = model.optimizer.apply
+        reducer.set_weight = lambda *args: None  # the step weights by its own rows (no pad steps: equal shares)
+    else:
+        original_apply = model.optimizer.apply if solo else wrap(model.optimizer, reducer)
     if collective.world_size > 1:  # masked losses normalised by the global batch's valid entries
         from .global_mask import GlobalMaskNormaliser
 
@@ -146,8 +144,33 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         callbacks = feed.callbacks(event) + callbacks
     report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
     done = {"type": MessageType.DONE, "sync_seconds": reducer.seconds, "rounds": reducer.steps,
-            "engine": engine, "padded_steps": sync.padded_steps, "summed_by": reducer.summed_by,
+            "engine": engine, "padded_steps": sync.padded_steps,
+            "summed_by": "device" if engine == "jax" else reducer.summed_by,
             "device": training_device(), **report}
     link.send(done)
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",
              rank, reducer.steps, sync.padded_steps, reducer.seconds)
+
+
+def _equal_steps_or_gloo(link: Any, collective: Any, samples: int | None, sizes: list[int]) -> str:
+    """``jax`` where every worker has the same rows at every step (array data, equal shares and batch sizes),
+    else ``gloo`` with its one sentence. ``samples`` None: a PyDataset feed, whose last batches may differ."""
+    from ..placement import choose_jax_engine
+    from ..strategies.allreduce import shard_samples
+
+    shares = shard_samples(collective, samples) if samples is not None else []
+    engine, warning = choose_jax_engine("jax", len(set(shares)) == 1 and len(set(sizes)) == 1)
+    if warning:
+        log.warning("%s", warning)
+        link.send({"type": MessageType.WARNING, "message": warning})
+    return engine
+
+
+def _install_jax_engine(model: Any, collective: Any, timeout: float) -> None:
+    """Join the workers' JAX job (the coordinator agreed through the store) and make Keras' step sum inside."""
+    import jax
+
+    from ..strategies.jax_device_sum import JaxDeviceSum, join_jax_job
+
+    join_jax_job(model, collective, collective.store.host, timeout, jax.default_backend() == "gpu")
+    JaxDeviceSum(model).install()

@@ -66,17 +66,42 @@ def test_config_engine_and_strategy():
 
 
 def test_engine_on_jax_is_gloo_and_any_other_request_is_one_sentence_saying_why():
-    """Issue 25: JAX's gradients leave its jitted step through a host call, so only Gloo is wired there;
-    --engine nccl or horovod is said once, with the reason, and the run goes on over Gloo, never silently."""
+    """Issue 25: on JAX the default sums through a host call over Gloo; --engine nccl or horovod is said once,
+    with the reason, and the run goes on over Gloo, never silently."""
+    from nbdist.placement import choose_jax_engine
     from nbdist.worker.allreduce_fit import jax_engine
 
     assert jax_engine(None) == ("gloo", None)
     assert jax_engine("gloo") == ("gloo", None)
     for requested in ("nccl", "horovod"):
-        engine, warning = jax_engine(requested)
+        engine, warning = choose_jax_engine(requested)
         assert engine == "gloo" and warning.startswith(f"--engine {requested} is not available on Keras' jax backend")
         assert warning.endswith("the gradients are summed over Gloo.") and warning.count(". ") == 0
-    assert "host call" in jax_engine("nccl")[1] and "no JAX support" in jax_engine("horovod")[1]
+    assert "--engine jax" in choose_jax_engine("nccl")[1] and "no JAX support" in choose_jax_engine("horovod")[1]
+
+
+def test_engine_jax_is_chosen_only_by_name_with_equal_steps_and_a_gpu_of_its_own_per_worker():
+    """Issue 36: --engine jax (the sum inside the jitted step over JAX's collectives) is opt-in, on CPUs and on
+    GPUs; it needs the same rows per step on every worker (one program on every process) and, where workers
+    have GPUs, one each (XLA sums over NCCL, which refuses two ranks on one device); otherwise one sentence
+    and Gloo. On TensorFlow and torch it is refused in one sentence naming the fix."""
+    from nbdist.placement import ENGINES, choose_engine, choose_jax_engine, choose_torch_engine
+
+    assert "jax" in ENGINES
+    assert TrainConfig(strategy="allreduce", engine="jax").engine == "jax"
+    assert choose_jax_engine("jax") == ("jax", None)
+    assert choose_jax_engine("jax", True, [0, 0]) == ("jax", None)  # CPU workers: JAX's Gloo collectives
+    assert choose_jax_engine("jax", True, [11, 12]) == ("jax", None)  # a GPU each
+    assert choose_jax_engine(None, True, [11, 12]) == ("gloo", None)  # not the default, even with a GPU each
+    engine, warning = choose_jax_engine("jax", True, [11, 11])
+    assert engine == "gloo" and "workers 0 and 1 share one GPU" in warning and warning.count(". ") == 0
+    engine, warning = choose_jax_engine("jax", True, [11, 0])
+    assert engine == "gloo" and "worker 1 has no GPU" in warning
+    engine, warning = choose_jax_engine("jax", False)
+    assert engine == "gloo" and warning.startswith("--engine jax needs the same rows per step on every worker")
+    for refuse in (lambda: choose_engine("jax", False, None), lambda: choose_torch_engine("jax", [0, 0])):
+        with pytest.raises(NbdistError, match="needs Keras' jax backend"):
+            refuse()
 
 
 def test_engine_on_torch_is_nccl_only_when_every_worker_has_a_gpu_of_its_own():

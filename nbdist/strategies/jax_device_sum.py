@@ -1,0 +1,208 @@
+"""The gradient sum on Keras' JAX backend as a collective inside the jitted step (``--engine jax``).
+
+Every worker process joins one ``jax.distributed`` job, over a global mesh of one device per process,
+and Keras' train step runs inside ``shard_map`` over that mesh: each process computes its own batch's
+gradients and the wrapped ``stateless_apply`` sums them with ``jax.lax.psum`` before the update, weighted
+by rows as the host path weights them (sum_w (n_w / N) g_w). XLA runs the sum: NCCL on GPUs, Gloo on CPUs,
+so the CPU test runs the GPU's code path. Nothing leaves the device during a step.
+
+JAX allows ``jax.distributed.initialize`` only before its backend starts, and a worker has already made
+the notebook's model by the time the workers' store exists: the state is read into numpy, the backend
+cleared, the job joined and the state put back (``join_jax_job``).
+
+The state and the batch go into the step "replicated" (``P()``) with ``check_vma`` off: each process's
+shard is its own batch, its own metrics and statistics; only the summed gradients, and so the weights and
+the optimizer's state, are the same everywhere. Every process must run the same program: the engine is
+chosen only where every step's batch has the same rows on every worker (``placement.choose_jax_engine``).
+JAX's CPU collectives have had wrong sums and hangs (DESIGN.md 9): the sums are tested against numpy, and
+the job's heartbeat ends a run whose peer died (nbdist's own timeout as the collective's bound).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("nbdist.worker")
+
+PORT_KEY = "nbdist/jax/coordinator"
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (the coordinator binds it a moment later; a race only fails the start)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def coordinator_address(collective: Any, host: str) -> str:
+    """Rank 0's ``host:port`` for JAX's coordinator, agreed through the workers' rendezvous store (the store's
+    own waits are bounded by nbdist's sync timeout)."""
+    store = collective.store
+    if collective.rank == 0:
+        address = f"{f'[{host}]' if ':' in host else host}:{free_port(host)}"
+        store.set(PORT_KEY, address)
+        return address
+    return store.get(PORT_KEY).decode()
+
+
+def model_variables(model: Any) -> list[Any]:
+    """Every Keras variable the fit uses: the model's (seeds included), the optimizer's and the metrics'."""
+    seen: dict[int, Any] = {}
+    optimizer = getattr(model, "optimizer", None)
+    for v in [*model.variables, *(optimizer.variables if optimizer is not None else []), *model.metrics_variables]:
+        seen.setdefault(id(v), v)
+    return list(seen.values())
+
+
+def join_jax_job(model: Any, collective: Any, host: str, timeout: float, on_gpu: bool) -> None:
+    """Join the workers' ``jax.distributed`` job, keeping the model's state (read out, backend cleared, put back).
+
+    Layers' plain JAX arrays (an adapted Normalization's mean) are put back too."""
+    import jax
+    import jax.numpy as jnp
+    from jax.extend.backend import clear_backends
+
+    variables = model_variables(model)
+    values = [np.asarray(v.value) for v in variables]
+    layers = list(model._flatten_layers(include_self=True))
+    arrays = [(layer, name, np.asarray(val)) for layer in layers for name, val in list(vars(layer).items())
+              if isinstance(val, jax.Array)]
+    address = coordinator_address(collective, host)
+    # The old client goes before the new one starts: on a GPU it holds most of the memory (preallocation).
+    for v in variables:
+        v._value = None
+    for layer, name, _ in arrays:
+        setattr(layer, name, None)
+    gc.collect()
+    clear_backends()
+    if not on_gpu:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    seconds = max(10, int(timeout))
+    # The coordinator listens where the store does (loopback for local workers), not on every interface.
+    jax.distributed.initialize(address, collective.world_size, collective.rank, initialization_timeout=seconds,
+                               heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds,
+                               coordinator_bind_address=address if collective.rank == 0 else None)
+    if jax.local_device_count() != 1:
+        raise RuntimeError(f"--engine jax needs one device per worker; this one sees {jax.local_device_count()}")
+    for v, value in zip(variables, values):
+        v.assign(value)
+    for layer, name, value in arrays:
+        setattr(layer, name, jnp.asarray(value))
+    log.info("worker %d joined the JAX job at %s (%d devices)", collective.rank, address, len(jax.devices()))
+
+
+def batch_rows(data: Any) -> int:
+    """The rows of a batch: the first dimension of its first array."""
+    import jax
+
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(data) if np.ndim(leaf) > 0]
+    if not leaves:
+        raise ValueError("a training batch with no arrays")
+    return int(np.shape(leaves[0])[0])
+
+
+def weighted_psum(grads: Sequence[Any], rows: int, axis: str) -> list[Any]:
+    """sum_w (n_w / N) g_w over the mesh axis (inside ``shard_map``): each worker's gradients weighted by its
+    rows this step, as the host path weights them. One collective per step: the gradients, scaled by rows,
+    and the rows themselves in one float32 bucket (each collective over Gloo costs a round trip); handed
+    back in each gradient's dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    present = [g for g in grads if g is not None]
+    bucket = jnp.concatenate([jnp.ravel(jnp.asarray(g, jnp.float32)) * jnp.float32(rows) for g in present]
+                             + [jnp.full((1,), rows, jnp.float32)])
+    summed = jax.lax.psum(bucket, axis)
+    scale = 1.0 / summed[-1]
+    out, start = [], 0
+    for g in grads:
+        if g is None:
+            out.append(None)
+            continue
+        size = int(np.prod(g.shape))
+        out.append((summed[start:start + size] * scale).reshape(g.shape).astype(g.dtype))
+        start += size
+    return out
+
+
+class JaxDeviceSum:
+    """Keras' JAX train step over the global mesh, the gradients summed inside it (installed on one model)."""
+
+    AXIS = "workers"
+
+    def __init__(self, model: Any) -> None:
+        import jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        self.model = model
+        self.mesh = Mesh(np.array(jax.devices()), (self.AXIS,))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.device = jax.local_devices()[0]
+        self.rows = 0  # the traced batch's rows, read by the wrapped stateless_apply while it traces
+        self.steps = 0
+
+    def install(self) -> None:
+        """Wrap the optimizer's ``stateless_apply`` and make Keras' train function this mesh's step."""
+        import jax
+        from jax.sharding import PartitionSpec
+
+        model, optimizer = self.model, self.model.optimizer
+        original = optimizer.stateless_apply
+
+        def stateless_apply(optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+            return original(optimizer_variables, weighted_psum(list(grads), self.rows, self.AXIS),
+                            trainable_variables)
+
+        optimizer.stateless_apply = stateless_apply
+
+        def body(state: Any, data: Any) -> Any:
+            self.rows = batch_rows(data)
+            return model.train_step(state, data)
+
+        spec = PartitionSpec()
+        step = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(spec, spec), out_specs=(spec, spec),
+                                     check_vma=False), donate_argnums=0)
+
+        def train_step(state: Any, data: Any) -> Any:
+            self.steps += 1
+            logs, state = step(self._global(state), self._global(data))
+            return self._local(logs), state  # the state stays on the mesh until Keras syncs its variables
+
+        def make_train_function(force: bool = False) -> None:
+            if model.train_function is None or force:
+                model.train_function = model._make_function(train_step)
+
+        original_sync = model.jax_state_sync
+
+        def jax_state_sync() -> None:
+            """The variables get this process's arrays (evaluation and callbacks run locally)."""
+            if getattr(model, "_jax_state", None) and not model._jax_state_synced:
+                model._jax_state = self._local(model._jax_state)
+            original_sync()
+
+        model.make_train_function = make_train_function
+        model.jax_state_sync = jax_state_sync
+        model.train_function = None
+
+    @staticmethod
+    def _local(tree: Any) -> Any:
+        import jax
+
+        return jax.tree_util.tree_map(lambda a: a.addressable_data(0) if isinstance(a, jax.Array) else a, tree)
+
+    def _global(self, tree: Any) -> Any:
+        """This process's arrays as the global mesh's (its shard is its own; no copy where already on device)."""
+        import jax
+
+        def put(leaf: Any) -> Any:
+            if isinstance(leaf, jax.Array) and leaf.sharding == self.replicated:  # the last step's state
+                return leaf
+            local = jax.device_put(np.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf, self.device)
+            return jax.make_array_from_single_device_arrays(local.shape, self.replicated, [local])
+
+        return jax.tree_util.tree_map(put, tree)

@@ -1,0 +1,85 @@
+"""A notebook on Keras' JAX backend training with ``--engine jax`` (the sum inside the jitted step, over JAX's
+own collectives): ``python jax_engine_driver.py``; ``test_jax_engine.py`` reads the JSON line it prints last.
+Digits, 2 workers, 2 epochs, SGD and Adam, each beside the local fit on the global batch; uneven shares (the
+host path, said once); then a run whose
+worker 1 dies in its second epoch, timed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+os.environ["KERAS_BACKEND"] = "jax"
+
+import keras
+import numpy as np
+from sklearn.datasets import load_digits
+
+import nbdist
+
+ROWS, GLOBAL_BATCH, EPOCHS = 512, 64, 2
+
+
+def mlp(optimizer: object) -> keras.Model:
+    init = keras.initializers.GlorotUniform
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu", kernel_initializer=init(0)),
+                              keras.layers.Dense(10, activation="softmax", kernel_initializer=init(1))])
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def main() -> dict[str, object]:
+    features, labels = load_digits(return_X_y=True)
+    x, y = (features[:ROWS] / 16).astype("float32"), labels[:ROWS].astype("int64")
+    fit_args = {"epochs": EPOCHS, "shuffle": False, "validation_split": 0.25}
+    out: dict[str, object] = {}
+    for name, make in (("sgd", lambda: keras.optimizers.SGD(0.1)), ("adam", lambda: keras.optimizers.Adam(0.01))):
+        local = mlp(make())
+        expected = local.fit(x, y, batch_size=GLOBAL_BATCH, verbose=0, **fit_args).history
+        remote = mlp(make())
+        job = nbdist.train(remote, x, y, workers=2, strategy="allreduce", engine="jax", lr_scaling="none", ui="none",
+                           batch_size=GLOBAL_BATCH // 2, **fit_args)
+        out[name] = {"history": job.fit_history.history, "expected": expected,
+                     "weight_gap": max(float(np.abs(u - v).max()) for u, v in zip(remote.get_weights(),
+                                                                                   local.get_weights())),
+                     "engines": [job.reports[r].get("engine") for r in sorted(job.reports)],
+                     "summed_by": [job.reports[r].get("summed_by") for r in sorted(job.reports)]}
+    # Uneven shares (375 training rows: 188 and 187): one program cannot serve both, so one sentence and Gloo.
+    local = mlp(keras.optimizers.SGD(0.1))
+    expected = local.fit(x[:500], y[:500], batch_size=GLOBAL_BATCH, verbose=0, **fit_args).history
+    remote = mlp(keras.optimizers.SGD(0.1))
+    job = nbdist.train(remote, x[:500], y[:500], workers=2, strategy="allreduce", engine="jax", lr_scaling="none",
+                       ui="none", batch_size=GLOBAL_BATCH // 2, **fit_args)
+    out["uneven"] = {"history": job.fit_history.history, "expected": expected, "warnings": sorted(job._warned),
+                     "weight_gap": max(float(np.abs(u - v).max()) for u, v in zip(remote.get_weights(),
+                                                                                   local.get_weights())),
+                     "engines": [job.reports[r].get("engine") for r in sorted(job.reports)]}
+    # Worker 1 killed after the first epoch: the survivor's next sum must not hang the run.
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+    from nbdist.errors import TrainingFailed
+
+    killed: dict[str, float] = {}
+
+    def kill_after_first_epoch(kind: str, state: object, payload: object) -> None:
+        if kind == "epoch" and not killed:
+            killed["at"] = time.monotonic()
+            os.kill(state.workers[1].pid, signal.SIGKILL)
+
+    job = prepare(mlp(keras.optimizers.SGD(0.1)), TrainConfig(epochs=200, workers=2, strategy="allreduce",
+                                                               engine="jax", ui="none", batch_size=GLOBAL_BATCH // 2),
+                  x, y, None, listeners=[kill_after_first_epoch])
+    job.start()
+    try:
+        job.wait(timeout=120)
+        out["dead"] = {"error": None}
+    except TrainingFailed as exc:
+        out["dead"] = {"error": str(exc)[:400], "seconds": time.monotonic() - killed["at"], "status": job.status}
+    return out
+
+
+if __name__ == "__main__":
+    print("NBDIST-RESULT " + json.dumps(main()), flush=True)
+    sys.exit(0)
