@@ -97,6 +97,9 @@ class TrainConfig:
         _positive_int("averaging_frequency", self.averaging_frequency, "--averaging-frequency 5")
         if self.workers is not None:
             _positive_int("workers", self.workers, "--workers 2")
+        if self.strategy == "async":  # the update rule exists (strategies/async_sgd.py), the worker loop does not
+            raise NbdistError("--strategy async is not available yet; use --strategy averaging --averaging-frequency K "
+                              "(synchronous every K batches) or --strategy allreduce.")
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise NbdistError(f"unknown strategy {self.strategy!r}; use one of: {', '.join(STRATEGIES)}.")
         if self.backend not in BACKENDS:
