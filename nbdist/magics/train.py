@@ -181,8 +181,9 @@ class DistMagics(Magics):
             **tracking_options(args),
             "stream_buffer_bytes": args.stream_buffer * 2**20 if args.stream_buffer > 0 else args.stream_buffer,
         }
-        config = TrainConfig(**implied_strategy({k: v for k, v in options.items()
-                                                 if k != "averaging_frequency" or v is not None}))
+        # Without --averaging-frequency its default; the cell's model.fit builds its config from these too.
+        options = implied_strategy({k: v for k, v in options.items() if k != "averaging_frequency" or v is not None})
+        config = TrainConfig(**options)
         if not args.out.isidentifier():
             raise NbdistError(f"--out {args.out!r} is not a valid variable name; use e.g. --out history.")
         x = y = None
