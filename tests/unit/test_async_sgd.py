@@ -77,6 +77,9 @@ def test_a_fast_worker_takes_more_of_an_epochs_batches():
         busy.deal(0, 2)  # a second block before the first was reported
 
 
-def test_strategy_async_is_refused_in_one_sentence_until_it_is_wired():
-    with pytest.raises(NbdistError, match="--strategy async is not available yet"):
-        TrainConfig(strategy="async")
+def test_max_staleness_is_checked_at_the_door():
+    assert TrainConfig(strategy="async", max_staleness=3).max_staleness == 3
+    with pytest.raises(NbdistError, match="applies to --strategy async"):
+        TrainConfig(strategy="averaging", max_staleness=3)
+    with pytest.raises(NbdistError, match="max_staleness must be a whole number"):
+        TrainConfig(strategy="async", max_staleness=0)
