@@ -49,7 +49,7 @@ model.fit(SlowBatches(Xa, ya, 64, PAUSE, CLAIM), epochs=EPOCHS, validation_data=
 
 def _run(ip, strategy: str, claim: str | None) -> tuple[float, float, object]:
     ip.user_ns["CLAIM"] = claim
-    ip.run_cell_magic("dist_train", f"--workers 2 --strategy {strategy} --ui none" + (" --averaging-frequency 5" if strategy == "async" else ""), FIT_CELL)
+    ip.run_cell_magic("dist_train", f"--workers 2 --strategy {strategy} --ui none", FIT_CELL)
     job = ip.user_ns["history_job"]
     assert job.status == "done", job.error
     _, accuracy = ip.user_ns["model"].evaluate(ip.user_ns["Xt"], ip.user_ns["yt"], verbose=0)
