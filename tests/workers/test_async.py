@@ -74,3 +74,78 @@ def test_async_is_not_held_back_by_a_slow_worker_and_matches_allreduce(ip, digit
     assert seconds["async", True] <= 0.6 * seconds["allreduce", True], seconds
     for slowed in (False, True):
         assert abs(accuracy["async", slowed] - accuracy["allreduce", slowed]) <= 0.01, accuracy
+
+
+def _async_job(ip, digits, listener, epochs: int = 200):
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    from ..conftest import mlp
+
+    ip.run_cell(SLOW_CELL)
+    x, y = digits
+    model = mlp(seed=0)
+    data = ip.user_ns["SlowBatches"](x[:600], y[:600], 32, 0.0)
+    job = prepare(model, TrainConfig(epochs=epochs, workers=2, strategy="async", ui="none"), data, None, None,
+                  listeners=[listener])
+    return model, job
+
+
+def test_a_killed_async_worker_fails_the_run_naming_it_and_leaves_the_model(ip, digits):
+    import signal
+    import time
+
+    import numpy as np
+
+    from nbdist.errors import TrainingFailed
+
+    from ..conftest import wait_no_workers
+
+    killed: dict = {}
+
+    def kill_after_first_epoch(kind, state, payload):
+        if kind == "epoch" and not killed:
+            killed["pid"], killed["at"] = state.workers[1].pid, time.monotonic()
+            os.kill(state.workers[1].pid, signal.SIGKILL)
+
+    model, job = _async_job(ip, digits, kill_after_first_epoch)
+    before = [w.copy() for w in model.get_weights()]
+    job.start()
+    with pytest.raises(TrainingFailed) as info:
+        job.wait(timeout=120)
+    assert time.monotonic() - killed["at"] < 10
+    assert f"worker 1 (pid {killed['pid']})" in str(info.value) and "SIGKILL" in str(info.value)
+    assert "left as it was before the run" in str(info.value)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert not wait_no_workers(5)
+
+
+def test_an_interrupt_stops_every_async_worker_and_keeps_the_last_epochs_shared_weights(ip, digits):
+    import signal
+    import time
+
+    import numpy as np
+
+    from ..conftest import wait_no_workers
+
+    seen: dict = {}
+
+    def interrupt_after_two_epochs(kind, state, payload):
+        if kind == "epoch" and state.epochs_done == 2 and not seen:
+            seen["at"] = time.monotonic()
+            seen["shared"] = [w.copy() for w in job._async.full_weights()]
+            seen["epoch"] = job._async.completed_epoch
+            os.kill(os.getpid(), signal.SIGINT)  # what the kernel's interrupt button sends
+
+    model, job = _async_job(ip, digits, interrupt_after_two_epochs)
+    job.start()
+    with pytest.raises(KeyboardInterrupt):
+        job.wait(timeout=120)
+    assert not wait_no_workers(5)
+    assert time.monotonic() - seen["at"] < 5
+    assert job.status == "stopped"
+    # The model holds the shared weights of the last epoch every batch of which was applied.
+    assert job.weights_epoch is not None and job.weights_epoch >= seen["epoch"] >= 1
+    assert job._async.shared.version > 0 and job._async.shared.refused == 0
+    if job.weights_epoch == seen["epoch"]:
+        assert all(np.array_equal(a, b) for a, b in zip(seen["shared"], model.get_weights()))
