@@ -149,3 +149,22 @@ def test_an_interrupt_stops_every_async_worker_and_keeps_the_last_epochs_shared_
     assert job._async.shared.version > 0 and job._async.shared.refused == 0
     if job.weights_epoch == seen["epoch"]:
         assert all(np.array_equal(a, b) for a, b in zip(seen["shared"], model.get_weights()))
+
+
+def test_the_notebooks_callbacks_run_at_async_epoch_ends_and_stop_every_worker(ip, digits):
+    """EarlyStopping in the cell's model.fit sees merged logs and stops both workers after its patience;
+    a callback reading the model sees the shared weights of each epoch."""
+    x, y = digits
+    ip.run_cell(SLOW_CELL)
+    ip.user_ns.update(Xa=x[:600], ya=y[:600], Xt=x[600:800], yt=y[600:800], PAUSE=0.0, CLAIM=None)
+    cell = FIT_CELL.replace("epochs=EPOCHS,", "epochs=30, callbacks=[keras.callbacks.EarlyStopping('loss', "
+                            "min_delta=100, patience=1), keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: "
+                            "seen.append(float(model.get_weights()[0].sum())))],")
+    ip.run_cell("seen = []")
+    ip.run_cell_magic("dist_train", "--workers 2 --strategy async --ui none", cell)
+    job = ip.user_ns["history_job"]
+    assert job.status == "done", job.error
+    assert len(job.history["loss"]) == 2 and "val_accuracy" in job.history
+    seen = ip.user_ns["seen"]
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert seen[-1] == pytest.approx(float(ip.user_ns["model"].get_weights()[0].sum()))
