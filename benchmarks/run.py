@@ -404,8 +404,8 @@ def row_p12(quick: bool, workdir: Path) -> Row:
                detail=f"slowed: async {mid('async_slow_seconds'):.1f} s, test acc {mid('async_slow_accuracy'):.4f} vs "
                       f"allreduce {mid('allreduce_slow_seconds'):.1f} s, {mid('allreduce_slow_accuracy'):.4f}; "
                       f"not slowed: async {mid('async_seconds'):.1f} s, {mid('async_accuracy'):.4f} vs allreduce "
-                      f"{mid('allreduce_seconds'):.1f} s, {mid('allreduce_accuracy'):.4f}; digits MLP, {epochs} epochs, "
-                      "2 local workers, PyDataset of 64-row batches sleeping 0.06 s (0.18 s in the slow worker)",
+                      f"{mid('allreduce_seconds'):.1f} s, {mid('allreduce_accuracy'):.4f}; digits MLP, {epochs} "
+                      "epochs, 2 local workers, 64-row PyDataset batches sleeping 0.06 s (0.18 s in the slow worker)",
                extra=m)
 
 

@@ -10,13 +10,14 @@ of the slowest worker. The rule (strategies/async_sgd.py) is applied here, one p
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..data import epoch_order
-from ..strategies.async_sgd import BatchPool, SharedModel
+from ..strategies.async_sgd import BatchPool, SharedModel, block_cap
 from ..wire.messages import MessageType
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class AsyncServer:
         self.pool: BatchPool | None = None
         self.waiting: set[int] = set()
         self.completed_epoch: int | None = None  # the last epoch every batch of which was applied
+        self.rates: dict[int, float] = {}  # each worker's batches per second, block to block (a running mean)
+        self._dealt: dict[int, tuple[float, int]] = {}  # rank -> (when, batches) of its block out
 
     def pull(self, rank: int, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
         epoch = int(body["epoch"])
@@ -62,6 +65,10 @@ class AsyncServer:
         assert self.shared is not None and self.pool is not None
         if int(body.get("epoch", -1)) != self.epoch:
             raise ValueError(f"worker {rank} pushed for epoch {body.get('epoch')} during epoch {self.epoch}")
+        when, count = self._dealt.pop(rank, (0.0, 0))
+        if count:
+            rate = count / max(1e-6, time.monotonic() - when)
+            self.rates[rank] = rate if rank not in self.rates else 0.5 * (self.rates[rank] + rate)
         verdict = self.shared.push(rank, int(body["seq"]), int(body["version"]), delta, int(body["samples"]))
         self.pool.report(rank)
         if not verdict.applied:
@@ -78,8 +85,9 @@ class AsyncServer:
 
     def _next(self, rank: int, refused: str = "") -> None:
         assert self.pool is not None and self.shared is not None
-        block = self.pool.deal(rank, self.k, self.world_size)
+        block = self.pool.deal(rank, min(self.k, block_cap(self.pool.left, rank, self.rates, self.world_size)))
         if block:
+            self._dealt[rank] = (time.monotonic(), len(block))
             self._answer(rank, block, False, refused)
             return
         self.waiting.add(rank)

@@ -47,6 +47,7 @@ depends on timing, even with ``--seed``.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -143,8 +144,7 @@ class BatchPool:
         block of a slow worker, which every worker waits for at the epoch's end, is short."""
         if self._out.get(rank):
             raise ValueError(f"worker {rank} asked for batches before reporting its last block")
-        left = len(self.order) - self._next
-        k = max(1, min(k, left // max(1, workers)))
+        k = max(1, min(k, self.left // max(1, workers)))
         block = self.order[self._next:self._next + k]
         self._next += len(block)
         if block:
@@ -155,5 +155,18 @@ class BatchPool:
         self._out.pop(rank, None)
 
     @property
+    def left(self) -> int:
+        return len(self.order) - self._next
+
+    @property
     def complete(self) -> bool:
         return self._next >= len(self.order) and not self._out
+
+
+def block_cap(left: int, rank: int, rates: dict[int, float], world_size: int) -> int:
+    """The most batches worth dealing ``rank`` of the ``left`` in the epoch: its share of them by its measured
+    speed (batches/s), so every worker's last block ends at about the same time and the fast ones wait
+    little for the slow one at the epoch's end; before every worker's speed is known, an equal share."""
+    if len(rates) == world_size and rates.get(rank, 0.0) > 0:
+        return max(1, math.ceil(left * rates[rank] / sum(rates.values())))
+    return max(1, left // world_size)

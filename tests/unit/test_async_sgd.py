@@ -60,6 +60,15 @@ def test_replayed_stale_and_malformed_updates_are_refused_and_change_nothing():
     assert server.refused == 7
 
 
+def test_blocks_near_an_epochs_end_follow_each_workers_speed():
+    from nbdist.strategies.async_sgd import block_cap
+
+    assert block_cap(12, 0, {}, 2) == 6  # speeds unknown: an equal share
+    assert block_cap(12, 0, {0: 3.0, 1: 1.0}, 2) == 9  # three times as fast: three quarters
+    assert block_cap(12, 1, {0: 3.0, 1: 1.0}, 2) == 3
+    assert block_cap(1, 1, {0: 30.0, 1: 1.0}, 2) == 1  # never nothing while batches are left
+
+
 def test_a_fast_worker_takes_more_of_an_epochs_batches():
     pool = BatchPool(range(10))
     dealt = {0: [], 1: []}
