@@ -42,7 +42,7 @@ FIT_CELL = """
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
                           keras.layers.Dense(10, activation="softmax")])
-model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+model.compile(keras.optimizers.Adam(LR), "sparse_categorical_crossentropy", metrics=["accuracy"])
 model.fit(SlowBatches(Xa, ya, 64, PAUSE, CLAIM), epochs=EPOCHS, validation_data=(Xt, yt), verbose=0)
 """
 
@@ -59,7 +59,7 @@ def _run(ip, strategy: str, claim: str | None) -> tuple[float, float, object]:
 def test_async_is_not_held_back_by_a_slow_worker_and_matches_allreduce(ip, digits_split, tmp_path):
     x_train, x_test, y_train, y_test = digits_split
     ip.run_cell(SLOW_CELL)
-    ip.user_ns.update(Xa=x_train, ya=y_train, Xt=x_test, yt=y_test, PAUSE=0.06, EPOCHS=10)
+    ip.user_ns.update(Xa=x_train, ya=y_train, Xt=x_test, yt=y_test, PAUSE=0.06, EPOCHS=12, LR=0.01)
     seconds, accuracy = {}, {}
     for slowed in (False, True):
         for strategy in ("allreduce", "async"):
@@ -156,7 +156,7 @@ def test_the_notebooks_callbacks_run_at_async_epoch_ends_and_stop_every_worker(i
     a callback reading the model sees the shared weights of each epoch."""
     x, y = digits
     ip.run_cell(SLOW_CELL)
-    ip.user_ns.update(Xa=x[:600], ya=y[:600], Xt=x[600:800], yt=y[600:800], PAUSE=0.0, CLAIM=None)
+    ip.user_ns.update(Xa=x[:600], ya=y[:600], Xt=x[600:800], yt=y[600:800], PAUSE=0.0, CLAIM=None, LR=0.01)
     cell = FIT_CELL.replace("epochs=EPOCHS,", "epochs=30, callbacks=[keras.callbacks.EarlyStopping('loss', "
                             "min_delta=100, patience=1), keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: "
                             "seen.append(float(model.get_weights()[0].sum())))],")
