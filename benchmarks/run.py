@@ -39,6 +39,8 @@ Rows (issue 9):
   P10S P10 and P10c on Spark local[2] with warm executor workers, the worse of the two  goal <= 1.3
   P10M a MobileNetV2 cell (3.5M parameters, 96x96 images, 3 epochs), 2 warm local workers / the cell
      without the magic                                                       goal <= 1.0
+  P12 two local workers, one 3x slower (a PyDataset that sleeps longer in it): --strategy async's epoch
+     time / allreduce's, with both test accuracies, slowed and not          goal <= 0.6
   P11 a 12-trial digits search, %%dist_tune with 2 trials at once on local workers / the same Optuna
      search (same trials, epochs, seeds) run sequentially in the notebook with plain fit; beside it,
      the epochs trained in total with the median pruner                      goal <= 0.6
@@ -69,7 +71,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9R", "P9L", "P10", "P10S", "P10M",
-        "P11")
+        "P11", "P12")
 log = logging.getLogger("nbdist.bench")
 
 
@@ -128,6 +130,7 @@ GOALS = {
     "P10S": ("P10 and P10c on Spark local[2], warm executor workers: the worse", "<= 1.3", "x"),
     "P10M": ("MobileNetV2 cell, 2 warm workers / the cell without the magic", "<= 1.0", "x"),
     "P11": ("12-trial search, 2 at once / sequential Optuna with plain fit", "<= 0.6", "x"),
+    "P12": ("one worker 3x slower: --strategy async / allreduce epoch time", "<= 0.6", "x"),
 }
 
 
@@ -388,11 +391,29 @@ def row_p11(quick: bool, workdir: Path) -> Row:
                extra=m)
 
 
+def row_p12(quick: bool, workdir: Path) -> Row:
+    import async_slow
+
+    epochs = 3 if quick else 10
+    m = async_slow.measure(epochs=epochs, repeats=1 if quick else 2)
+
+    def mid(key: str) -> float:
+        return statistics.median(m[key])
+
+    return Row("P12", *GOALS["P12"], runs=m["ratio"],
+               detail=f"slowed: async {mid('async_slow_seconds'):.1f} s, test acc {mid('async_slow_accuracy'):.4f} vs "
+                      f"allreduce {mid('allreduce_slow_seconds'):.1f} s, {mid('allreduce_slow_accuracy'):.4f}; "
+                      f"not slowed: async {mid('async_seconds'):.1f} s, {mid('async_accuracy'):.4f} vs allreduce "
+                      f"{mid('allreduce_seconds'):.1f} s, {mid('allreduce_accuracy'):.4f}; digits MLP, {epochs} "
+                      "epochs, 2 local workers, 64-row PyDataset batches sleeping 0.06 s (0.18 s in the slow worker)",
+               extra=m)
+
+
 ROW_FUNCS: dict[str, Callable[[bool, Path], Row | list[Row]]] = {
     "P1": row_p1, "P2": row_p2, "P3": row_p3, "P3C": row_p3c, "P4": row_p4, "P4M": row_p4m, "P5": row_p5,
     "P6": row_p6, "P7": row_p7,
     "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9R": row_p9r, "P9L": row_p9l, "P10": row_p10, "P10S": row_p10s,
-    "P10M": row_p10m, "P11": row_p11}
+    "P10M": row_p10m, "P11": row_p11, "P12": row_p12}
 
 
 # -- the parent: run each row in a child, then print, save and draw -------

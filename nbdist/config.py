@@ -10,7 +10,7 @@ from typing import Any
 from .errors import NbdistError
 from .placement import ENGINES
 
-STRATEGIES = ("averaging", "allreduce")
+STRATEGIES = ("averaging", "allreduce", "async")
 BACKENDS = ("auto", "local", "spark", "containers")
 UIS = ("auto", "widgets", "html", "text", "none")
 LR_SCALINGS = ("auto", "none", "linear")
@@ -36,6 +36,9 @@ class TrainConfig:
     backend: str = "auto"
     averaging_frequency: int = 5
     average_optimizer: bool = True
+    # --strategy async: deltas computed from shared weights more than this many versions old are refused
+    # (None: 4 x workers, strategies/async_sgd.py).
+    max_staleness: int | None = None
     # "auto": linear scaling for adaptive optimizers, none for plain SGD (see strategies/lr_scaling.py).
     lr_scaling: str = "auto"
     seed: int | None = None
@@ -97,6 +100,10 @@ class TrainConfig:
         _positive_int("averaging_frequency", self.averaging_frequency, "--averaging-frequency 5")
         if self.workers is not None:
             _positive_int("workers", self.workers, "--workers 2")
+        if self.max_staleness is not None:
+            if self.strategy != "async":
+                raise NbdistError("--max-staleness applies to --strategy async; add --strategy async or drop it.")
+            _positive_int("max_staleness", self.max_staleness, "--max-staleness 8")
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise NbdistError(f"unknown strategy {self.strategy!r}; use one of: {', '.join(STRATEGIES)}.")
         if self.backend not in BACKENDS:

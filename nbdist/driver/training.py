@@ -27,6 +27,7 @@ from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
 from ..wire import protocol
 from ..wire.messages import JobMessage, MessageType, Placement, TrainSettings
+from .async_server import start_async
 from .keeper import CheckpointKeeper
 from .resolve import resolve_backend
 from .run import TERMINAL, Run, data_parts, last_traceback
@@ -74,6 +75,7 @@ class TrainingJob(Run):
         self._data_epoch = 0  # the epoch at which the fit's data iterator started (BackupAndRestore moves it)
         self._py_datasets: bytes | None = None  # a fit on PyDatasets: what every worker gets (_prepare)
         self._weights_every_epoch = True  # decided per launch (_wants_weights_every_epoch)
+        self._async: Any = None  # --strategy async: the shared model (async_server.py)
 
     def __repr__(self) -> str:
         if self.state is None:
@@ -163,6 +165,8 @@ class TrainingJob(Run):
 
     def _prepare(self) -> None:
         cfg, world = self.config, self.world_size
+        if cfg.strategy == "async":
+            self._async = start_async(self, cfg, world)
         if self.fit is not None and isinstance(self.validation_data, FitData):  # validation_steps: its first rows
             keep = self.fit.validation_rows(len(self.validation_data), world, cfg.batch_size)
             if keep < len(self.validation_data):
@@ -250,8 +254,8 @@ class TrainingJob(Run):
 
     def _before_stop(self) -> None:
         """Weights not sent every epoch: ask rank 0 for its last epoch's before every worker goes."""
-        if self._weights_every_epoch or self._coordinator is None:
-            return
+        if self._weights_every_epoch or self._coordinator is None or self._async is not None:
+            return  # async: the driver holds the shared weights
         try:
             self._coordinator.send(0, {"type": MessageType.STOP, "weights": True})
         except (ConnectionError, OSError):
@@ -302,6 +306,8 @@ class TrainingJob(Run):
             self._opt_weights = msg.arrays[n:]
             self._iterations = msg.body.get("iterations")
             self._layout = msg.body.get("layout") or []
+        elif kind in (MessageType.ASYNC_PULL, MessageType.ASYNC_PUSH) and self._async is not None:
+            self._async_message(rank, msg)
         elif kind == MessageType.STORE:
             # Kept for workers that connect later (a warm rank 0 can be seconds ahead of a cold
             # rank 1); one that connected but has no job yet drops this copy and gets it with its job.
@@ -311,6 +317,19 @@ class TrainingJob(Run):
         else:
             return False
         return True
+
+    def _async_message(self, rank: int, msg: protocol.Message) -> None:
+        server = self._async
+        try:
+            (server.pull if msg.type == MessageType.ASYNC_PULL else server.push)(rank, msg.body, msg.arrays)
+        except (ValueError, ConnectionError, OSError) as exc:
+            self._fail(rank, f"{self._name(rank)}: {exc}", "")
+            return
+        done = server.completed_epoch
+        if done is not None and (self._last_weights is None or self._last_weights[0] != done):
+            # The shared weights at the end of an epoch: what a stop or the end leaves in the model.
+            self._last_weights, self._opt_weights, self._iterations, self._layout = \
+                (done, server.full_weights(), 0), [], None, []
 
     def _holding(self) -> bool:
         return self._restart_pending is not None

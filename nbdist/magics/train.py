@@ -45,8 +45,12 @@ class DistMagics(Magics):
                    "the global batch, split over the workers")
     @apply(worker_arguments)
     @argument("--strategy", default=None,
-              help="allreduce | averaging (default: allreduce, the step local Keras takes; averaging, said in "
-                   "one line, for a model whose train_step applies optimizers of its own, e.g. a GAN's two)")
+              help="allreduce | averaging | async (default: allreduce, the step local Keras takes; averaging, said "
+                   "in one line, for a model whose train_step applies optimizers of its own, e.g. a GAN's two; "
+                   "async: workers of unequal speed, a PyDataset's batches to whoever is free, README)")
+    @argument("--max-staleness", type=int, default=None, metavar="S",
+              help="--strategy async: refuse a block computed from shared weights more than S versions old "
+                   "(default: 4 x workers)")
     @argument("--averaging-frequency", type=int, default=None, metavar="K",
               help="--strategy averaging: average parameters every K mini-batches (default: 5; given without "
                    "--strategy, the run averages); fewer messages than allreduce, for slow networks, but local "
@@ -174,14 +178,15 @@ class DistMagics(Magics):
             "batch_size": 32 if args.batch_size is None else args.batch_size, "workers": args.workers,
             "strategy": args.strategy, "backend": args.backend,
             "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling or "auto",
-            "seed": args.seed, "ui": args.ui,
+            "max_staleness": args.max_staleness, "seed": args.seed, "ui": args.ui,
             "checkpoint_dir": args.checkpoint_dir, "resume": args.resume, "background": args.background,
             "max_restarts": args.max_restarts, "engine": args.engine, "image": args.image,
             "container_cpus": args.cpus, "container_memory": args.memory, "container_gpus": args.gpus,
             **tracking_options(args),
             "stream_buffer_bytes": args.stream_buffer * 2**20 if args.stream_buffer > 0 else args.stream_buffer,
         }
-        # An --averaging-frequency left out keeps TrainConfig's default; given alone, it means averaging.
+        # Without --averaging-frequency TrainConfig's default; given alone it means averaging. The cell's
+        # model.fit builds its config from these options too.
         options = implied_strategy({k: v for k, v in options.items() if k != "averaging_frequency" or v is not None})
         config = TrainConfig(**options)
         if not args.out.isidentifier():

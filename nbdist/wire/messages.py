@@ -49,6 +49,8 @@ class MessageType(enum.StrEnum):
     DONE = "done"  # finished; the body is the worker's closing report
     ERROR = "error"  # failed: one line and the traceback
     WARNING = "warning"  # something worth saying once, not fatal
+    ASYNC_PULL = "async_pull"  # --strategy async: the shared weights and a block of batches, please
+    ASYNC_PUSH = "async_push"  # --strategy async: a block's delta (seq, the version it started from, samples)
     EVALUATION = "evaluation"  # a shard's additive metric state
     PREDICTIONS = "predictions"  # a shard's predictions, rows in order
     # driver -> worker
@@ -56,6 +58,7 @@ class MessageType(enum.StrEnum):
     DECISION = "decision"  # the notebook's callbacks at an epoch's end: stop? the next learning rate
     RENDEZVOUS = "rendezvous"  # where rank 0's store listens, relayed to every worker
     STOP = "stop"  # end now
+    ASYNC_SHARED = "async_shared"  # --strategy async: the shared weights, their version, the next block
     # both ways
     HEARTBEAT = "heartbeat"
     # a Spark barrier task -> the Spark backend's status server (spark/task.py, spark/backend.py)

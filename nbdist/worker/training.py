@@ -84,6 +84,7 @@ def run_training(link: Any, job: JobMessage) -> None:
     from .fit_sync import fit_and_report, set_initial_learning_rate
 
     set_initial_learning_rate(model, job)
+    # async too: each delta counts 1/N on the driver, so the scaled local rate gives the shared model allreduce's step.
     lr_factor = scale_learning_rate(model, train.lr_scaling, job.world_size)
     from ..placement import GPUS_ASKED, gpu_missing_notice
     from .device import training_device
@@ -94,6 +95,11 @@ def run_training(link: Any, job: JobMessage) -> None:
     if missing and (train.engine != "nccl" or job.world_size == 1):  # else the engine's choice refuses it
         link.send({"type": MessageType.WARNING, "message": missing})
 
+    if train.strategy == "async":  # no collective: every exchange is with the driver (async_fit.py)
+        from .async_fit import fit_async
+
+        link.send({"type": MessageType.DONE, "device": device, **fit_async(link, job, model)})
+        return
     from .phases import EpochPhases, PhaseClock, PhaseCollective, phase_callbacks, phase_timer, phase_times_enabled
 
     # Watched, so the worker can report time in synchronisation vs compute (see phases.py).

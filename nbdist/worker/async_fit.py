@@ -1,0 +1,145 @@
+"""``--strategy async`` as a worker runs it: blocks of K local steps against the driver's shared model.
+
+The rule and its justification are in strategies/async_sgd.py. Each block: the driver's reply gives the
+shared weights, their version and the next batch indices of the epoch (the driver deals them, so a fast
+worker takes more); the worker trains them with ``train_on_batch`` (its own optimizer state), sends the
+difference of its weights from the shared ones it started from, and waits for the next reply, never for
+another worker. An empty block with ``epoch_done`` ends the epoch on the shared weights: validation
+runs on them and the epoch's metrics (its own batches' running means) go to the driver as for the
+other strategies. Every wait has the run's ``sync_timeout``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..data import batch_rows, standardize_batch
+from ..wire.messages import JobMessage, MessageType
+
+log = logging.getLogger("nbdist.worker")
+
+
+def _exchanged(model: Any) -> list[Any]:
+    """The variables the shared model holds: the model's float weights (trainable or not), in order."""
+    return [w for w in model.weights if "float" in str(w.dtype)]
+
+
+def _read(variables: list[Any]) -> list[np.ndarray]:
+    import keras
+
+    return [np.asarray(keras.ops.convert_to_numpy(v.value), dtype=np.float32) for v in variables]
+
+
+def fit_async(link: Any, job: JobMessage, model: Any) -> dict[str, Any]:
+    """Train every epoch as the driver deals it; returns the closing report's additions."""
+    import cloudpickle  # the job came over the authenticated channel
+
+    spec = cloudpickle.loads(job.py_datasets)
+    source, data = spec["train"], cloudpickle.loads(spec["train"].payload)
+    timeout = float(job.train.sync_timeout)
+    variables = _exchanged(model)
+    reader = ThreadPoolExecutor(1, thread_name_prefix="nbdist-async-read")
+    try:
+        return _epochs(link, job, model, data, source, variables, reader, timeout)
+    finally:
+        reader.shutdown(wait=False, cancel_futures=True)
+
+
+def _epochs(link: Any, job: JobMessage, model: Any, data: Any, source: Any, variables: list[Any], reader: Any,
+            timeout: float) -> dict[str, Any]:
+    import keras
+
+    from .fit_sync import apply_decision
+
+    train = job.train
+    first: dict[str, Any] = {"first": True}  # the model's weights as the job made them: the shared model's start
+    every = [np.asarray(keras.ops.convert_to_numpy(w.value)) for w in model.weights]
+    seq, pushed, refused = 0, 0, 0
+    waited = validating = reading = 0.0  # seconds, for the closing report
+    for epoch in range(int(train.initial_epoch), int(train.epochs)):
+        started = time.perf_counter()
+        model.reset_metrics()
+        logs: dict[str, float] = {}
+        samples = 0
+        data.on_epoch_begin()
+        link.send({"type": MessageType.PROGRESS, "state": "training", "epoch": epoch, "batch": 0,
+                   "batches": len(data), "samples_done": 0})
+        link.send({"type": MessageType.ASYNC_PULL, "epoch": epoch, **first}, every if first else [])
+        first, every = {}, []
+        reply = link.expect(MessageType.ASYNC_SHARED, timeout)
+        while True:
+            _assign(variables, reply.arrays)
+            if reply.body["epoch_done"]:
+                break
+            base, rows = reply.arrays, 0
+            # Read ahead on one thread: the next batch is read while this one trains, as fit's reader does.
+            reads = [reader.submit(data.__getitem__, int(i)) for i in reply.body["batches"]]
+            for read in reads:
+                t0 = time.perf_counter()
+                batch = standardize_batch(read.result(timeout=timeout), source.class_weight)
+                reading += time.perf_counter() - t0
+                x, y, w = (*batch, None, None)[:3]
+                logs = model.train_on_batch(x, y, sample_weight=w, return_dict=True)
+                rows += batch_rows(batch)
+            samples += rows
+            delta = [now - before for now, before in zip(_read(variables), base)]
+            link.send({"type": MessageType.ASYNC_PUSH, "seq": seq, "version": int(reply.body["version"]),
+                       "samples": rows, "epoch": epoch}, delta)
+            seq += 1
+            t0 = time.perf_counter()
+            reply = link.expect(MessageType.ASYNC_SHARED, timeout)
+            waited += time.perf_counter() - t0
+            if reply.body.get("refused"):
+                refused += 1
+                log.warning("the driver refused block %d: %s", seq - 1, reply.body["refused"])
+            else:
+                pushed += 1
+        data.on_epoch_end()
+        logs = {k: float(v) for k, v in logs.items()}
+        val_samples = 0
+        t0 = time.perf_counter()
+        if job.x_val is not None:
+            val_samples = batch_rows((job.x_val,))
+            logs.update(_validate(model, job, val_samples))
+        validating += time.perf_counter() - t0
+        link.send({"type": MessageType.EPOCH, "epoch": epoch, "logs": logs, "samples": samples,
+                   "val_samples": val_samples, "seconds": time.perf_counter() - started})
+        if train.epoch_decisions:
+            body = link.expect(MessageType.DECISION, timeout).body
+            apply_decision(model, body)
+        if getattr(model, "stop_training", False):
+            break
+    return {"async_pushed": pushed, "async_refused": refused, "async_wait_seconds": waited,
+            "async_read_seconds": reading, "validation_seconds": validating}
+
+
+def _assign(variables: list[Any], arrays: list[np.ndarray]) -> None:
+    for v, a in zip(variables, arrays):
+        v.assign(a.astype(v.dtype, copy=False) if hasattr(a, "astype") else a)
+
+
+# Rows per validation call: the metrics are the same whatever the chunks (weighted means); fewer calls are
+# faster (evaluate() itself costs about 90 ms of set-up per epoch for a few hundred rows).
+VALIDATION_CHUNK = 1024
+
+
+def _validate(model: Any, job: JobMessage, rows: int) -> dict[str, float]:
+    """This worker's validation share on the shared weights, as ``val_`` logs (its training logs taken before)."""
+    import keras
+
+    model.reset_metrics()
+    logs: dict[str, Any] = {}
+    for start in range(0, rows, VALIDATION_CHUNK):
+        part = slice(start, start + VALIDATION_CHUNK)
+
+        def cut(a: Any, part: slice = part) -> Any:
+            return a[part]
+
+        w = None if job.sample_weight_val is None else keras.tree.map_structure(cut, job.sample_weight_val)
+        logs = model.test_on_batch(keras.tree.map_structure(cut, job.x_val), keras.tree.map_structure(cut, job.y_val),
+                                   sample_weight=w, return_dict=True)
+    return {f"val_{k}": float(v) for k, v in logs.items()}

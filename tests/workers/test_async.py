@@ -1,0 +1,170 @@
+"""--strategy async (issue 38): a worker 3x slower slows only its own contribution. Real workers, digits.
+
+The slowdown is real: the notebook's PyDataset sleeps in ``__getitem__``, three times longer in the
+first worker process that reads from it (claimed through a file) than in the other.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+
+SLOW_CELL = """
+import os, time
+import keras, numpy as np
+class SlowBatches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch, pause, claim=None, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.batch, self.pause, self.claim = x, y, batch, pause, claim
+        self.owner = os.getpid()  # the notebook reads batch 0 to check it: never slowed
+    def __len__(self):
+        return -(-len(self.x) // self.batch)
+    def _slow(self):
+        if self.claim is None or os.getpid() == self.owner:
+            return False
+        try:  # the first worker process to read claims the slowdown
+            fd = os.open(self.claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode()); os.close(fd)
+        except FileExistsError:
+            pass
+        with open(self.claim) as f:
+            return f.read() == str(os.getpid())
+    def __getitem__(self, i):
+        if os.getpid() != self.owner:
+            time.sleep(self.pause * (3 if self._slow() else 1))
+        s = slice(i * self.batch, (i + 1) * self.batch)
+        return self.x[s], self.y[s]
+"""
+
+FIT_CELL = """
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(LR), "sparse_categorical_crossentropy", metrics=["accuracy"])
+model.fit(SlowBatches(Xa, ya, 64, PAUSE, CLAIM), epochs=EPOCHS, validation_data=(Xt, yt), verbose=0)
+"""
+
+
+def _run(ip, strategy: str, claim: str | None) -> tuple[float, float, object]:
+    ip.user_ns["CLAIM"] = claim
+    ip.run_cell_magic("dist_train", f"--workers 2 --strategy {strategy} --ui none", FIT_CELL)
+    job = ip.user_ns["history_job"]
+    assert job.status == "done", job.error
+    _, accuracy = ip.user_ns["model"].evaluate(ip.user_ns["Xt"], ip.user_ns["yt"], verbose=0)
+    return sum(job.state.epoch_seconds), accuracy, job
+
+
+def test_async_is_not_held_back_by_a_slow_worker_and_matches_allreduce(ip, digits_split, tmp_path):
+    x_train, x_test, y_train, y_test = digits_split
+    ip.run_cell(SLOW_CELL)
+    ip.user_ns.update(Xa=x_train, ya=y_train, Xt=x_test, yt=y_test, PAUSE=0.06, EPOCHS=12, LR=0.01)
+    seconds, accuracy = {}, {}
+    for slowed in (False, True):
+        for strategy in ("allreduce", "async"):
+            claim = str(tmp_path / f"{strategy}-{slowed}.pid") if slowed else None
+            seconds[strategy, slowed], accuracy[strategy, slowed], job = _run(ip, strategy, claim)
+            if slowed:
+                assert os.path.exists(claim)  # a worker was slowed
+            if strategy == "async":
+                pushed = {r: job.reports[r]["async_pushed"] for r in job.reports}
+                assert all(n > 0 for n in pushed.values()), pushed
+    print("seconds", seconds, "accuracy", accuracy)
+    assert seconds["async", True] <= 0.6 * seconds["allreduce", True], seconds
+    for slowed in (False, True):
+        assert abs(accuracy["async", slowed] - accuracy["allreduce", slowed]) <= 0.01, accuracy
+
+
+def _async_job(ip, digits, listener, epochs: int = 200):
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    from ..conftest import mlp
+
+    ip.run_cell(SLOW_CELL)
+    x, y = digits
+    model = mlp(seed=0)
+    data = ip.user_ns["SlowBatches"](x[:600], y[:600], 32, 0.0)
+    job = prepare(model, TrainConfig(epochs=epochs, workers=2, strategy="async", ui="none"), data, None, None,
+                  listeners=[listener])
+    return model, job
+
+
+def test_a_killed_async_worker_fails_the_run_naming_it_and_leaves_the_model(ip, digits):
+    import signal
+    import time
+
+    import numpy as np
+
+    from nbdist.errors import TrainingFailed
+
+    from ..conftest import wait_no_workers
+
+    killed: dict = {}
+
+    def kill_after_first_epoch(kind, state, payload):
+        if kind == "epoch" and not killed:
+            killed["pid"], killed["at"] = state.workers[1].pid, time.monotonic()
+            os.kill(state.workers[1].pid, signal.SIGKILL)
+
+    model, job = _async_job(ip, digits, kill_after_first_epoch)
+    before = [w.copy() for w in model.get_weights()]
+    job.start()
+    with pytest.raises(TrainingFailed) as info:
+        job.wait(timeout=120)
+    assert time.monotonic() - killed["at"] < 10
+    assert f"worker 1 (pid {killed['pid']})" in str(info.value) and "SIGKILL" in str(info.value)
+    assert "left as it was before the run" in str(info.value)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert not wait_no_workers(5)
+
+
+def test_an_interrupt_stops_every_async_worker_and_keeps_the_last_epochs_shared_weights(ip, digits):
+    import signal
+    import time
+
+    import numpy as np
+
+    from ..conftest import wait_no_workers
+
+    seen: dict = {}
+
+    def interrupt_after_two_epochs(kind, state, payload):
+        if kind == "epoch" and state.epochs_done == 2 and not seen:
+            seen["at"] = time.monotonic()
+            seen["shared"] = [w.copy() for w in job._async.full_weights()]
+            seen["epoch"] = job._async.completed_epoch
+            os.kill(os.getpid(), signal.SIGINT)  # what the kernel's interrupt button sends
+
+    model, job = _async_job(ip, digits, interrupt_after_two_epochs)
+    job.start()
+    with pytest.raises(KeyboardInterrupt):
+        job.wait(timeout=120)
+    assert not wait_no_workers(5)
+    assert time.monotonic() - seen["at"] < 5
+    assert job.status == "stopped"
+    # The model holds the shared weights of the last epoch every batch of which was applied.
+    assert job.weights_epoch is not None and job.weights_epoch >= seen["epoch"] >= 1
+    assert job._async.shared.version > 0 and job._async.shared.refused == 0
+    if job.weights_epoch == seen["epoch"]:
+        assert all(np.array_equal(a, b) for a, b in zip(seen["shared"], model.get_weights()))
+
+
+def test_the_notebooks_callbacks_run_at_async_epoch_ends_and_stop_every_worker(ip, digits):
+    """EarlyStopping in the cell's model.fit sees merged logs and stops both workers after its patience;
+    a callback reading the model sees the shared weights of each epoch."""
+    x, y = digits
+    ip.run_cell(SLOW_CELL)
+    ip.user_ns.update(Xa=x[:600], ya=y[:600], Xt=x[600:800], yt=y[600:800], PAUSE=0.0, CLAIM=None, LR=0.01)
+    cell = FIT_CELL.replace("epochs=EPOCHS,", "epochs=30, callbacks=[keras.callbacks.EarlyStopping('loss', "
+                            "min_delta=100, patience=1), keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: "
+                            "seen.append(float(model.get_weights()[0].sum())))],")
+    ip.run_cell("seen = []")
+    ip.run_cell_magic("dist_train", "--workers 2 --strategy async --ui none", cell)
+    job = ip.user_ns["history_job"]
+    assert job.status == "done", job.error
+    assert len(job.history["loss"]) == 2 and "val_accuracy" in job.history
+    seen = ip.user_ns["seen"]
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert seen[-1] == pytest.approx(float(ip.user_ns["model"].get_weights()[0].sum()))
