@@ -11,32 +11,17 @@ import pytest
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
-SLOW_CELL = """
-import os, time
-import keras, numpy as np
-class SlowBatches(keras.utils.PyDataset):
-    def __init__(self, x, y, batch, pause, claim=None, **kwargs):
-        super().__init__(**kwargs)
-        self.x, self.y, self.batch, self.pause, self.claim = x, y, batch, pause, claim
-        self.owner = os.getpid()  # the notebook reads batch 0 to check it: never slowed
-    def __len__(self):
-        return -(-len(self.x) // self.batch)
-    def _slow(self):
-        if self.claim is None or os.getpid() == self.owner:
-            return False
-        try:  # the first worker process to read claims the slowdown
-            fd = os.open(self.claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            os.write(fd, str(os.getpid()).encode()); os.close(fd)
-        except FileExistsError:
-            pass
-        with open(self.claim) as f:
-            return f.read() == str(os.getpid())
-    def __getitem__(self, i):
-        if os.getpid() != self.owner:
-            time.sleep(self.pause * (3 if self._slow() else 1))
-        s = slice(i * self.batch, (i + 1) * self.batch)
-        return self.x[s], self.y[s]
-"""
+def _slow_cell() -> str:
+    """The notebook's slowed PyDataset, as benchmark row P12 defines it (benchmarks/async_slow.py)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "async_slow.py"
+    spec = importlib.util.spec_from_file_location("async_slow", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SLOW
+
 
 FIT_CELL = """
 keras.utils.set_random_seed(0)
@@ -58,7 +43,7 @@ def _run(ip, strategy: str, claim: str | None) -> tuple[float, float, object]:
 
 def test_async_is_not_held_back_by_a_slow_worker_and_matches_allreduce(ip, digits_split, tmp_path):
     x_train, x_test, y_train, y_test = digits_split
-    ip.run_cell(SLOW_CELL)
+    ip.run_cell(_slow_cell())
     ip.user_ns.update(Xa=x_train, ya=y_train, Xt=x_test, yt=y_test, PAUSE=0.06, EPOCHS=12, LR=0.01)
     seconds, accuracy = {}, {}
     for slowed in (False, True):
@@ -87,7 +72,7 @@ def _async_job(ip, digits, listener, epochs: int = 200):
 
     from ..conftest import mlp
 
-    ip.run_cell(SLOW_CELL)
+    ip.run_cell(_slow_cell())
     x, y = digits
     model = mlp(seed=0)
     data = ip.user_ns["SlowBatches"](x[:600], y[:600], 32, 0.0)
@@ -160,7 +145,7 @@ def test_the_notebooks_callbacks_run_at_async_epoch_ends_and_stop_every_worker(i
     """EarlyStopping in the cell's model.fit sees merged logs and stops both workers after its patience;
     a callback reading the model sees the shared weights of each epoch."""
     x, y = digits
-    ip.run_cell(SLOW_CELL)
+    ip.run_cell(_slow_cell())
     ip.user_ns.update(Xa=x[:600], ya=y[:600], Xt=x[600:800], yt=y[600:800], PAUSE=0.0, CLAIM=None, LR=0.01)
     cell = FIT_CELL.replace("epochs=EPOCHS,", "epochs=30, callbacks=[keras.callbacks.EarlyStopping('loss', "
                             "min_delta=100, patience=1), keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: "
