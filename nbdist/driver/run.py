@@ -473,8 +473,9 @@ class Run:
             text = _first_line(str(msg.body.get("message", "error")))
             dead = self._dead_peer(rank)
             if dead is not None:  # a peer's death broke the collective: name the cause, not the symptom
+                # The symptom's head only (a Gloo "Read error" runs to 300 characters): one short sentence.
                 self._fail(dead.rank, f"{dead.describe()} {_describe_exit(dead.exit_status(), dead)} during training "
-                                      f"(then {self._name(rank)} failed: {text})",
+                                      f"(then {self._name(rank)} failed: {_first_line(text, 80)})",
                            last_traceback(dead.log_tail(400)))
                 return
             self._fail(rank, f"{self._name(rank)} failed: {text}", str(msg.body.get("traceback", "")))
