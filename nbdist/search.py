@@ -484,6 +484,9 @@ class Search:
             if job is not None and job.status == "done":
                 out.append((trial.number, job.model))
                 continue
+            if trial.number == self.best_number and self.best_model is not None:  # loaded already, at the end
+                out.append((trial.number, self.best_model))
+                continue
             model = self._load_trial_model(trial)
             if model is not None:
                 out.append((trial.number, model))
