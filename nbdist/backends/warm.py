@@ -89,6 +89,7 @@ class ForkServer:
 
     def __init__(self, env: dict[str, str], log_dir: Path) -> None:
         self.key = startup_env(env)
+        self._awaiting = False  # a request written to the server whose answer was not taken (fork)
         fd, name = tempfile.mkstemp(prefix="fork-server-", suffix=".log", dir=log_dir)
         self.log_path = Path(name)
         # No --die-with-parent: Linux would kill the server when the *thread* that started it ends
@@ -122,26 +123,40 @@ class ForkServer:
         request = {"job": job, "secret": secret.hex(), "log": str(log_path)}
         with self._lock:
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-                self.proc.stdin.flush()
-            except (OSError, ValueError) as exc:
-                raise OSError(f"the fork server (pid {self.proc.pid}) is gone: {exc}") from exc
-            deadline = time.monotonic() + timeout
-            with self._answered:
-                while not self._forked:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not self.alive():
-                        raise OSError(f"the fork server (pid {self.proc.pid}) did not fork a worker; "
-                                      f"its log: {self.log_path}")
-                    self._answered.wait(min(left, 0.5))
-                pid = self._forked.pop(0)
-                if isinstance(pid, str):
-                    raise OSError(f"the fork server (pid {self.proc.pid}) refused a request: {pid}")
-                worker = ForkedWorker(pid, self)
-                self._workers[pid] = worker
-                if pid in self._ends:  # it ended before we registered it
-                    worker._ended(*self._ends.pop(pid))
+                return self._fork_locked(request, timeout)
+            except BaseException:
+                # Cut between the request and its answer (an interrupt, a timeout): the answer would be paired
+                # with the next request, whose run would then hold another run's worker. This server goes; the
+                # pool starts a fresh one for the next run.
+                if self._awaiting:
+                    self.stop()
+                raise
+
+    def _fork_locked(self, request: dict[str, Any], timeout: float) -> ForkedWorker:
+        self._awaiting = False
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as exc:
+            raise OSError(f"the fork server (pid {self.proc.pid}) is gone: {exc}") from exc
+        self._awaiting = True  # a request written, its answer not yet taken
+        deadline = time.monotonic() + timeout
+        with self._answered:
+            while not self._forked:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.alive():
+                    raise OSError(f"the fork server (pid {self.proc.pid}) did not fork a worker; "
+                                  f"its log: {self.log_path}")
+                self._answered.wait(min(left, 0.5))
+            pid = self._forked.pop(0)
+            self._awaiting = False
+            if isinstance(pid, str):
+                raise OSError(f"the fork server (pid {self.proc.pid}) refused a request: {pid}")
+            worker = ForkedWorker(pid, self)
+            self._workers[pid] = worker
+            if pid in self._ends:  # it ended before we registered it
+                worker._ended(*self._ends.pop(pid))
         return worker
 
     def _read(self) -> None:
