@@ -131,6 +131,31 @@ def test_a_malformed_request_is_refused_and_the_server_keeps_serving(tmp_path, f
     assert worker.wait(timeout=60) == protocol.EXIT_UNREACHABLE and server.alive()
 
 
+def test_an_interrupt_before_a_forks_answer_stops_that_server_and_the_next_run_gets_its_own_worker(
+        tmp_path, fresh_pool):
+    # An interrupt landing between a fork request and its answer: that answer must never be paired with
+    # a later request (a later run would then hold the interrupted run's worker). The server goes; the
+    # pool starts a fresh one, whose fork is the new request's own worker.
+    server = POOL.server(worker_env(1))
+    _wait(server.ready, what="the fork server's imports")
+    job = {"address": "127.0.0.1:9", "rank": 0, "env": worker_env(1)}
+    real_wait = server._answered.wait
+
+    def interrupted(timeout=None):  # the interrupt reaches the wait for the answer, once
+        server._answered.wait = real_wait
+        raise KeyboardInterrupt
+
+    server._answered.wait = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        server.fork(job, b"k" * 32, tmp_path / "cut.log")
+    assert not server.alive()  # stopped; the pool drops it at its next request
+    fresh = POOL.server(worker_env(1))
+    assert fresh is not server and POOL.servers() == [fresh]
+    worker = fresh.fork(job, b"k" * 32, tmp_path / "next.log")
+    assert worker.wait(timeout=120) == protocol.EXIT_UNREACHABLE
+    assert "cannot reach the notebook's coordinator" in (tmp_path / "next.log").read_text()
+
+
 def test_pinning_reaches_the_threads_a_warm_worker_already_runs():
     code = ("import threading, time; [threading.Thread(target=time.sleep, args=(60,), daemon=True).start() "
             "for _ in range(3)]; print('up', flush=True); time.sleep(60)")
