@@ -3,7 +3,7 @@
 Kept free of TensorFlow, torch and processes so it can be unit-tested on a
 machine without GPUs. NOT VERIFIED ON A GPU: nbdist was developed on a CPU-only
 machine, so the decisions below are tested, but the NCCL and Horovod engines
-they select have never run (see strategies/allreduce.py).
+they select have never run (see strategies/allreduce_hook.py).
 """
 from __future__ import annotations
 
