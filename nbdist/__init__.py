@@ -5,44 +5,65 @@ thing as a function.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from .config import TrainConfig
 from .errors import NbdistError, TrainingFailed
 from .version import __version__
 
-
-def train(*args, **kwargs):
-    from .api import train as _train
-
-    return _train(*args, **kwargs)
-
-
-train.__doc__ = "Train a compiled Keras model data-parallel; see nbdist.api.train."
+# The public functions are resolved on first use (PEP 562), so ``import nbdist`` stays light: their modules
+# import numpy, and Keras, TensorFlow, torch or JAX only when a run needs them. Returning the functions
+# themselves (not wrappers) is what makes help() and inspect.signature show their real signatures.
+_PUBLIC = ("train", "evaluate", "predict", "tune")
 
 
-def evaluate(*args, **kwargs):
-    from .driver.inference import evaluate as _evaluate
-
-    return _evaluate(*args, **kwargs)
-
-
-def predict(*args, **kwargs):
-    from .driver.inference import predict as _predict
-
-    return _predict(*args, **kwargs)
-
-
-def tune(*args, **kwargs):
-    from .search import tune as _tune
-
-    return _tune(*args, **kwargs)
+def __getattr__(name: str) -> Any:
+    if name == "train":
+        from .api import train as function
+    elif name == "evaluate":
+        from .driver.inference import evaluate as function
+    elif name == "predict":
+        from .driver.inference import predict as function
+    elif name == "tune":
+        function = _public_tune()
+    else:
+        raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
+    globals()[name] = function  # resolved once
+    return function
 
 
-tune.__doc__ = ("Search hyperparameters with Optuna, several trials at once, each an nbdist run pruned on merged "
-                "metrics; see nbdist.search.tune.")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
 
-evaluate.__doc__ = ("Evaluate a compiled Keras model sharded over workers, metrics merged exactly; "
-                    "see nbdist.driver.inference.evaluate.")
-predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist.driver.inference.predict."
+
+# make_search's parameters that only the magic and the search's own callers pass.
+_TUNE_INTERNAL = frozenset({"listeners", "explicit", "lr_scaling_given"})
+
+
+def _public_tune() -> Callable[..., Any]:
+    """``search.tune`` with the keyword arguments it takes in its signature: it is written ``(build,
+    **kwargs)`` and hands them to ``make_search``, whose signature names them."""
+    import functools
+    import inspect
+    from inspect import Parameter
+
+    from . import search
+
+    own = inspect.signature(search.tune)
+    if [p.kind for p in own.parameters.values()] != [Parameter.POSITIONAL_OR_KEYWORD, Parameter.VAR_KEYWORD]:
+        return search.tune  # tune names its parameters itself
+    maker = getattr(search, "make_search", None)
+    if maker is None:
+        return search.tune
+
+    @functools.wraps(search.tune)
+    def tune(build: Callable[[Any], Any], **kwargs: Any) -> Any:
+        return search.tune(build, **kwargs)
+
+    params = [p for p in inspect.signature(maker).parameters.values() if p.name not in _TUNE_INTERNAL]
+    tune.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+    return tune
 
 
 def load_ipython_extension(ipython) -> None:

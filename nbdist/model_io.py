@@ -110,7 +110,7 @@ def optimizer_state_variables(model: Any) -> list[Any]:
 
 def averaged_optimizer_variables(model: Any) -> list[Any]:
     """Optimizer state worth averaging: float slots of every optimizer, not step counters, learning
-    rates or a loss scale (each worker's own, see README)."""
+    rates or a loss scale (each worker's own, see docs/architecture.md: what state travels)."""
     out = []
     for v in optimizer_state_variables(model):
         path = model_graph.variable_path(v)

@@ -3,7 +3,7 @@
 Kept free of TensorFlow, torch and processes so it can be unit-tested on a
 machine without GPUs. NOT VERIFIED ON A GPU: nbdist was developed on a CPU-only
 machine, so the decisions below are tested, but the NCCL and Horovod engines
-they select have never run (see strategies/allreduce.py).
+they select have never run (see strategies/allreduce_hook.py).
 """
 from __future__ import annotations
 
@@ -204,7 +204,7 @@ def choose_torch_engine(requested: str | None, gpus: Sequence[object]) -> tuple[
     ``gpus``: each worker's GPU identity by rank, or a false value for none (summed over the workers first,
     so every worker makes the same choice: an NCCL group needs all of them). NCCL when every worker has a GPU
     of its own (``nccl_obstacle``), else Gloo, said in one line where some have GPUs; ``--engine nccl``
-    otherwise is refused with the fix. Horovod is not driven on torch (README, "Keras backends"): said
+    otherwise is refused with the fix. Horovod is not driven on torch (docs/backends.md): said
     once, and the default engine sums.
     """
     obstacle = nccl_obstacle(gpus)
@@ -240,7 +240,7 @@ def choose_jax_engine(requested: str | None, equal_steps: bool | None = None,
     yet), as every process runs one program, and, where any worker has a GPU (``gpus``, by rank, as for
     ``nccl_obstacle``), a GPU of its own for every worker (XLA sums over NCCL there); else it is said once
     and Gloo sums. The default stays Gloo,
-    through a host call, on GPUs too: JAX's device path has not run on a GPU yet (README, "GPUs"). NCCL and
+    through a host call, on GPUs too: JAX's device path has not run on a GPU yet (docs/gpus.md). NCCL and
     Horovod are not driven on JAX: said once, and Gloo sums."""
     if requested is None or requested == "gloo":
         return "gloo", None

@@ -1,7 +1,7 @@
 """The gradient allreduce on Keras' JAX and torch backends, and what their trainers need from nbdist.
 
 TensorFlow's train step hands its gradients to ``GradientAllreduce.reduce`` as graph tensors
-(allreduce.py). The other two backends hand them over as arrays, and the same numpy exchange sums
+(allreduce_hook.py). The other two backends hand them over as arrays, and the same numpy exchange sums
 them (shared memory, one round of messages, or the ring), weighted by each worker's rows:
 
 - torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
@@ -29,7 +29,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from .allreduce import GradientAllreduce
+from .allreduce_hook import GradientAllreduce
 from .averaging import synced_state
 
 __all__ = ["HostGradientAllreduce", "SelfDistributionGuard", "device_sum_forced", "synced_state",

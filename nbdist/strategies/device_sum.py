@@ -3,7 +3,7 @@ all-reduced by torch.distributed (NCCL for CUDA tensors, Gloo for CPU ones), nev
 
 The same code runs on the GPU (NCCL) and, in the tests, on the CPU (Gloo on torch tensors), so what the
 CPU proves (weighting, bucketing, None gradients, dtypes, the rows check, pad steps) is what the GPU runs.
-NOT VERIFIED ON A GPU beyond a one-rank group: there was none where this was written (README, "GPUs").
+NOT VERIFIED ON A GPU beyond a one-rank group: there was none where this was written (docs/gpus.md).
 
 Buckets of ``BUCKET_BYTES`` (PyTorch DDP's default size): each bucket's all-reduce starts, asynchronously,
 as soon as it is filled, while the next is being filled. They are preallocated once and reused every step

@@ -46,16 +46,10 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
 
     from ..data import share_count
     from ..model_io import averaged_optimizer_variables
-    from ..strategies.allreduce import (
-        AllreduceCallback,
-        GradientAllreduce,
-        broadcast_state,
-        shard_samples,
-        step_totals,
-        wrap_optimizer,
-    )
+    from ..strategies.allreduce_hook import AllreduceCallback, GradientAllreduce, broadcast_state, wrap_optimizer
     from ..strategies.averaging import WeightedAverager, batch_sizes
     from ..strategies.backend_grads import HostGradientAllreduce, wrap_jax_optimizer, wrap_torch_optimizer
+    from ..strategies.gradient_sum import shard_samples, step_totals
     from .blocks import StepBlocks, block_size
     from .callbacks import EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
@@ -156,7 +150,7 @@ def _equal_steps_or_gloo(link: Any, collective: Any, samples: int | None, sizes:
     """``jax`` where every worker has the same rows at every step (array data, equal shares and batch sizes),
     else ``gloo`` with its one sentence. ``samples`` None: a PyDataset feed, whose last batches may differ."""
     from ..placement import choose_jax_engine
-    from ..strategies.allreduce import shard_samples
+    from ..strategies.gradient_sum import shard_samples
 
     shares = shard_samples(collective, samples) if samples is not None else []
     engine, warning = choose_jax_engine("jax", len(set(shares)) == 1 and len(set(sizes)) == 1)

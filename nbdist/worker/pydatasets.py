@@ -38,7 +38,7 @@ from ..data import (
     share_indices,
     standardize_batch,
 )
-from ..strategies.allreduce import AllreduceCallback
+from ..strategies.allreduce_hook import AllreduceCallback
 from ..wire.messages import JobMessage
 from .datasets import tf_structure, uses_tf_data
 from .readahead import put_until_stopped

@@ -9,9 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from nbdist.strategies.allreduce import GradientAllreduce, chunk_bounds, step_totals
+from nbdist.strategies.allreduce_hook import GradientAllreduce
 from nbdist.strategies.averaging import batch_sizes
 from nbdist.strategies.collective import SoloCollective
+from nbdist.strategies.gradient_sum import chunk_bounds, step_totals
 from nbdist.strategies.ring import ALIGN, aligned_offsets, pieces
 
 from ..ranks import run_ranks
@@ -118,7 +119,7 @@ def _broadcast_start(gloo, rank: int) -> dict:
     """The start of a run (broadcast_state) in the same two processes: whether each call sent the values."""
     import keras
 
-    from nbdist.strategies.allreduce import broadcast_state
+    from nbdist.strategies.allreduce_hook import broadcast_state
 
     variables = [keras.Variable(np.arange(12, dtype=np.float32).reshape(3, 4)),
                  keras.Variable(np.linspace(0, 1, 5, dtype=np.float32))]

@@ -101,7 +101,8 @@ def test_subclassed_model_built_with_build_trains(digits_split, strategy):
     local.fit(x_train, y_train, batch_size=32, epochs=15, verbose=0)
     dist = subclassed(5)
     job = nbdist.train(dist, x_train, y_train, epochs=15, batch_size=32, workers=2, seed=5, strategy=strategy)
-    # Averaging with Adam is not local Adam (README: what averaging with K > 1 is): 2 points of 450 test rows.
+    # Averaging with Adam is not local Adam (docs/keras-cell.md: what averaging with K > 1 is): 2 points of
+    # 450 test rows.
     slack = 0.02 if strategy == "averaging" else 0.01
     assert accuracy(dist, x_test, y_test) >= accuracy(local, x_test, y_test) - slack
     assert set(job.history) == {"loss", "penalty"}  # its own train_step's metrics reach the history

@@ -279,7 +279,7 @@ def test_averaging_every_k_steps_is_local_adam_then_the_weighted_average_of_weig
     own from the shared weights and slots, then every weight (an Embedding row that only one worker's
     batches held is averaged like any other weight, by rows: it moves by that worker's share) and every
     slot (m, v) is the row-weighted average; the step count is the steps taken. Equal to that done by
-    hand, to 1e-5 (README: what averaging with K > 1 is, against local Adam)."""
+    hand, to 1e-5 (docs/keras-cell.md: what averaging with K > 1 is, against local Adam)."""
     rng = np.random.default_rng(3)
     x = rng.integers(0, 50, (256, 12)).astype("int32")
     y = (x[:, 0] % 2).astype("int32")

@@ -206,7 +206,7 @@ def test_the_server_exits_when_the_kernel_is_killed():
         kernel.kill()
         kernel.wait()
     _wait(lambda: not _running(int(pid)), 15, "the orphaned fork server's exit")
-    shutil.rmtree(warm_dir)  # its log: a killed kernel cannot remove it (README)
+    shutil.rmtree(warm_dir)  # its log: a killed kernel cannot remove it (docs/architecture.md)
 
 
 def _running(pid: int) -> bool:

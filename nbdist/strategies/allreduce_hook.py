@@ -1,46 +1,15 @@
-"""Synchronous data parallelism: gradients averaged across workers at every step.
+"""The Keras optimizer hook of allreduce: gradients averaged across workers at every step.
 
 Keras 3's TensorFlow trainer hands gradients to ``optimizer.apply`` inside the
 compiled train step; that is the one place to intervene, so ``model.fit`` keeps
 its callbacks, metrics, validation and History. The optimizer's ``apply`` is
 wrapped on this worker's instance, and the result is the sample-weighted average
-sum_w (n_w / total) g_w, so a short last batch counts for what it holds. Every
-worker's shard size is exchanged once at the start, so each step's total is known
-before the step (``step_totals``).
+sum_w (n_w / total) g_w, summed by ``gradient_sum.py`` (the bucket, the ring, direct
+messages, shared memory).
 
 The usual path (Keras' own train step, Gloo, 2+ workers): ``optimizer.scale_loss``
 is wrapped too and multiplies the loss by n / total inside the tape, so the
-gradients come out already weighted, for free. They then only need summing, and
-the ring in ``ring.py`` sums them straight from TensorFlow's memory into ONE
-aligned bucket: no copy of the gradients before the sum (measured here for 100
-MiB: copy-then-allreduce took 1.2-1.7x a raw Gloo allreduce; the ring about 1.0x).
-
-A small bucket (what a worker sends to all its peers at most ``direct_sum_bytes``, 4 MiB by
-default) is instead copied into the bucket and summed in one step: there the rounds of
-messages, not the bytes, are the time. Workers that all run on this machine sum it through
-one shared-memory segment (``shared.py``: no message at all; on a 2-worker CNN of 117 KiB the
-last worker to arrive waits 0.3-0.6 ms per step). Others send it to every peer in ONE round
-of messages (``direct.py``: 0.6 ms median, against 2.5-3.5 ms in Gloo's allreduce, but with
-waits of 4-8 ms one step in five, when a halted virtual CPU has to wake for a message).
-
-A large bucket between workers that all run on this machine is summed through shared memory
-too, chunk by chunk (``shared.py`` ``SharedChunkedSum``: each worker adds its slice of each chunk,
-then all copy the summed chunk out), reading the gradients where TensorFlow left them as the ring
-does, at memory speed instead of through loopback TCP twice: 100 MiB between 2 workers here took
-0.24-0.7 of a raw Gloo allreduce (``benchmarks/shared_sum.py``). Otherwise the ring.
-
-The fallback (a custom ``train_step`` that never calls ``scale_loss``, or a
-single worker): the gradients are scaled by n / total while they are copied into the
-bucket, then summed as a small bucket is, or, if large, through shared memory as above, or in chunks of
-a few MiB whose asynchronous Gloo allreduces start as soon as each is filled.
-
-Either way every gradient starts on a 64-byte boundary of a 64-byte aligned
-bucket: TensorFlow adopts such numpy outputs of ``tf.numpy_function`` without
-copying (measured here: an unaligned 100 MiB output costs a ~9 ms copy per step).
-Adopted means shared: a variable assigned the gradient itself (Keras does
-``v.assign(g)`` for ``overwrite_with_gradient`` variables) keeps the bucket's
-memory as its value. So a bucket is refilled only when no view of it handed to
-TensorFlow is alive (weak references tell); otherwise the step uses another bucket.
+gradients come out already weighted, for free, and only need summing.
 
 Every worker must run the same number of allreduces per epoch or the collective
 deadlocks. A worker whose shard has fewer batches runs the missing steps after
@@ -54,9 +23,7 @@ no importable Horovod where this was built.
 """
 from __future__ import annotations
 
-import logging
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,62 +31,8 @@ import keras
 import numpy as np
 
 from .averaging import FlatBuffer, WeightedAverager, batch_sizes, state_digest, synced_state
-from .collective import Collective, GlooCollective
-from .direct import DirectSum
-from .ring import ALIGN, RingSum, aligned_offsets, pieces
-from .shared import CHUNK_ELEMENTS as SHARED_CHUNK_ELEMENTS
-from .shared import ChunkPlan, SharedChunkedSum, SharedMemorySum, open_chunked_sum, open_shared_sum
-from .sparse_grads import SliceExchange
-
-log = logging.getLogger(__name__)
-
-CHUNK_ELEMENTS = 6 * 2**20 // 4  # ~6 MiB per allreduce: best of 2-50 chunks per 100 MiB measured here
-# Measured here (median ms, 2 pinned workers): 1 MiB direct 1.4, ring 2.7, Gloo 4.3; 4 MiB direct
-# 4.1, ring 6.4. With 4 workers on 2 cores, 1 MiB (3 MiB sent) direct 5.0, ring 7.9, but 4 MiB
-# (12 MiB sent) direct 20, ring 15.
-DIRECT_SUM_BYTES = 4 * 2**20
-SHARED_CHUNK_BYTES = 4 * SHARED_CHUNK_ELEMENTS
-
-
-def direct_sum_fits(bucket_bytes: int, world: int, limit: int = DIRECT_SUM_BYTES) -> bool:
-    """Whether a bucket is summed in one round: its copies to all peers come to at most ``limit`` bytes."""
-    return world > 1 and bucket_bytes * (world - 1) <= limit
-
-
-def chunked_sum_fits(bucket_bytes: int, chunk_bytes: int = SHARED_CHUNK_BYTES) -> bool:
-    """Whether a large bucket goes through the chunked shared-memory sum: it spans more than one chunk.
-
-    A bucket of one chunk would be the one-row shared sum, which ``direct_sum_bytes`` turned off
-    for it; it then takes the message path (``direct_sum_bytes=0`` asks for the ring that way).
-    """
-    return chunk_bytes > 0 and bucket_bytes > chunk_bytes
-
-
-def chunk_bounds(length: int, chunk: int = CHUNK_ELEMENTS, align: int = ALIGN) -> list[tuple[int, int]]:
-    """Split ``range(length)`` into consecutive pieces of about ``chunk`` elements, cut at ``align``."""
-    chunk = max(align, chunk // align * align)
-    return [(a, min(a + chunk, length)) for a in range(0, length, chunk)] or [(0, 0)]
-
-
-def shard_samples(collective: Collective, samples: int) -> list[int]:
-    """Every worker's number of training samples, by rank (one small allreduce at the start)."""
-    counts = np.zeros(collective.world_size, dtype=np.float64)
-    counts[collective.rank] = samples
-    collective.allreduce_sum(counts)
-    return [int(c) for c in counts]
-
-
-def step_totals(samples_per_worker: Sequence[int], batch_size: int | Sequence[int]) -> list[int]:
-    """Samples summed over workers at each step of an epoch; len() is the steps every worker runs.
-
-    Worker w's step j holds ``batch_sizes(samples_w, batch_size)[j]`` samples, or none when its
-    shard has run out (a pad step), so every step's total is known before the step runs.
-    ``batch_size`` may differ by worker (an intercepted fit's global batch split over the workers).
-    """
-    sizes = [batch_size] * len(samples_per_worker) if isinstance(batch_size, int) else list(batch_size)
-    per_worker = [batch_sizes(int(s), int(b)) for s, b in zip(samples_per_worker, sizes)]
-    steps = max((len(b) for b in per_worker), default=0)
-    return [sum(b[j] for b in per_worker if j < len(b)) for j in range(steps)]
+from .collective import Collective
+from .gradient_sum import CHUNK_ELEMENTS, DIRECT_SUM_BYTES, SHARED_CHUNK_BYTES, GradientSum
 
 
 def broadcast_state(collective: Collective, variables: Sequence[Any], compiled: bool = False) -> bool:
@@ -150,8 +63,9 @@ def broadcast_state(collective: Collective, variables: Sequence[Any], compiled: 
     return True
 
 
-class GradientAllreduce:
-    """Sample-weighted gradient average across workers, one flat bucket per step."""
+class GradientAllreduce(GradientSum):
+    """Sample-weighted gradient average across workers, one flat bucket per step: the train step's side
+    (loss scaling, the step's share, sparse and missing gradients, pad steps, other engines)."""
 
     def __init__(self, collective: Collective, variables: Sequence[Any], engine: str = "gloo",
                  chunk_elements: int = CHUNK_ELEMENTS, direct_sum_bytes: int = DIRECT_SUM_BYTES,
@@ -159,56 +73,20 @@ class GradientAllreduce:
                  loss_scaling: bool = True) -> None:
         """``loss_scaling``: scale each worker's loss by its share (TensorFlow's train step); off, the
         gradients are scaled as they are copied (backend_grads.py)."""
-        self.collective = collective
-        self.engine = engine
-        self.shapes = [tuple(v.shape) for v in variables]
-        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
-        self.offsets = aligned_offsets(self.sizes)
-        # Gradients then, in the last slot, this worker's sample count: the summed count checks
-        # that every worker agreed on the step's total.
-        self._buckets = [_Bucket(int(self.offsets[-1]) + 1)]
-        self.buffer = self._buckets[0].data  # the bucket of the latest step
-        self.chunks = chunk_bounds(len(self.buffer), chunk_elements)
-        self._pieces = [pieces(self.offsets, self.sizes, a, b) for a, b in self.chunks]
-        self._sum = _ChunkSum(collective)
-        self._ring: RingSum | None = None
-        self._direct: DirectSum | SharedMemorySum | None = None
-        self._chunked: SharedChunkedSum | None = None  # a large bucket through shared memory
-        self._chunked_plan: ChunkPlan | None = None
+        super().__init__(collective, variables, engine, chunk_elements, direct_sum_bytes, shared_memory,
+                         shared_chunk_bytes)
         self.loss_scale: Any = None  # n / total, multiplied into the loss by the wrapped scale_loss
         self._loss_scaled = False  # set while a train step that called scale_loss is traced
-        self.prescaled: bool | None = None  # which exchange the train step uses, fixed when first traced
-        inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
-        if engine == "gloo" and isinstance(inner, GlooCollective) and inner.world_size > 1:
-            count_at = int(self.offsets[-1])
-            if direct_sum_fits(4 * len(self.buffer), inner.world_size, direct_sum_bytes):
-                if shared_memory:  # all workers on this machine: no messages at all
-                    self._direct = open_shared_sum(inner, len(self.buffer))
-                if self._direct is None:
-                    self._direct = DirectSum(inner.rank, inner.world_size, len(self.buffer), inner.timeout)
-            else:
-                layout = ([int(o) for o in self.offsets[:-1]] + [count_at], self.sizes + [1], count_at + 1)
-                if shared_memory and chunked_sum_fits(4 * len(self.buffer), shared_chunk_bytes):
-                    self._chunked = open_chunked_sum(inner, len(self.buffer), shared_chunk_bytes // 4)
-                if self._chunked is not None:  # all workers on this machine: summed at memory speed
-                    self._chunked_plan = self._chunked.plan(*layout)
-                else:
-                    self._ring = RingSum(inner.rank, inner.world_size, *layout, inner.timeout)
-            if loss_scaling:
-                import tensorflow as tf
+        if loss_scaling and self.sums_on_gloo:
+            import tensorflow as tf
 
-                self.loss_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="nbdist_loss_scale")
-        self.weight = 0.0  # samples in this worker's current batch; set before each step
-        self.total: float | None = None  # samples of all workers in the current step
+            self.loss_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="nbdist_loss_scale")
         # A schedule (``schedule``): every step's (weight, total), found by an in-graph step counter.
         self._table: list[tuple[float, float]] | None = None
         self.step: Any = None
         self._scales: Any = None
-        self.seconds = 0.0  # wall time spent synchronising (read by the progress callback)
-        self.steps = 0
         self._present: list[bool] | None = None
         self._sparse: list[bool] | None = None  # which variables' gradients are tf.IndexedSlices
-        self._slices = SliceExchange(collective)  # their exchange (sparse_grads.py)
         # Called at a pad step before its exchange: joins the sums other workers run inside their step
         # (worker/global_mask.py).
         self.before_pad: Callable[[], None] | None = None
@@ -294,119 +172,6 @@ class GradientAllreduce:
         """Called by the wrapped ``optimizer.scale_loss``: this step's gradients arrive scaled."""
         self._loss_scaled = True
 
-    @property
-    def summed_by(self) -> str | None:
-        """How the train step sums on Gloo: "ring", "direct" (one round) or "allreduce" (after a scaled copy).
-
-        None until the step is traced, or on another engine.
-        """
-        if self.prescaled is None or self.engine != "gloo":
-            return None
-        if self._chunked is not None:
-            return "shared-chunked"
-        if self.prescaled and self._ring is not None:
-            return "ring"
-        if isinstance(self._direct, SharedMemorySum):
-            return "shared"
-        return "direct" if self._direct is not None else "allreduce"
-
-    # -- the Gloo path: numpy in, numpy out ------------------------------
-    def exchange(self, *grads: np.ndarray) -> list[np.ndarray]:
-        """Sum ``(weight / total) * grads`` across workers; return the averaged gradients.
-
-        Called by TensorFlow (``tf.numpy_function``) with numpy views of the gradients.
-        """
-        return self._copy_and_sum(grads, scale=True)
-
-    def exchange_copy(self, *grads: np.ndarray) -> list[np.ndarray]:
-        """Sum gradients already scaled through the loss, as a small bucket: copied, then summed in one round."""
-        return self._copy_and_sum(grads, scale=False)
-
-    def _copy_and_sum(self, grads: Sequence[np.ndarray], scale: bool) -> list[np.ndarray]:
-        t0 = time.perf_counter()
-        n, total = self.weight, self._check_total()
-        factor = np.float32(n / total) if scale else None
-        bucket = self._free_bucket()
-        buf = self.buffer = bucket.data
-        last = len(self.chunks) - 1
-        whole = self._direct or self._chunked  # sums the filled bucket in one call
-        self._sum.begin()
-        try:
-            for k, ((a, b), parts) in enumerate(zip(self.chunks, self._pieces)):
-                if n == 0:
-                    buf[a:b].fill(0.0)
-                else:
-                    for i, src_a, src_b, dst in parts:
-                        src, out = np.reshape(grads[i], -1)[src_a:src_b], buf[dst:dst + src_b - src_a]
-                        if factor is None:
-                            out[:] = src
-                        else:
-                            np.multiply(src, factor, out=out, casting="same_kind")
-                if k == last:
-                    buf[-1] = n
-                if whole is None:
-                    self._sum.start(buf[a:b])  # summed while the next chunk is copied
-            if whole is not None:
-                whole(buf)
-        finally:
-            self._sum.finish()
-        return self._hand_back(bucket, total, t0)
-
-    def exchange_sum(self, *grads: np.ndarray) -> list[np.ndarray]:
-        """Sum gradients already scaled by n / total (through the loss) across workers.
-
-        The ring (or the chunked shared-memory sum) reads them where TensorFlow left them and
-        writes only the bucket: no pass over the gradients besides the sum itself.
-        """
-        t0 = time.perf_counter()
-        total = self._check_total()
-        bucket = self._free_bucket()
-        self.buffer = bucket.data
-        arrays = [np.reshape(g, -1) for g in grads] + [np.array([self.weight], dtype=np.float32)]
-        self._sum.begin()
-        try:
-            if self._chunked is not None:
-                assert self._chunked_plan is not None
-                self._chunked.sum_into(arrays, bucket.data, self._chunked_plan)
-            else:
-                assert self._ring is not None
-                self._ring(arrays, bucket.data)
-        finally:
-            self._sum.finish()
-        return self._hand_back(bucket, total, t0)
-
-    def _check_total(self) -> float:
-        if self.total is None or self.total <= 0:
-            raise RuntimeError("the step's total sample count must be set (set_weight(samples, total)) "
-                               "and positive before each allreduce step")
-        return self.total
-
-    def _hand_back(self, bucket: _Bucket, total: float, t0: float) -> list[np.ndarray]:
-        """Check the summed sample count; return the gradients as views of the bucket."""
-        buf = bucket.data
-        if buf[-1] != total:
-            raise RuntimeError(f"workers disagree on this step's samples: {float(buf[-1]):g} summed, "
-                               f"{total:g} expected")
-        self.seconds += time.perf_counter() - t0
-        self.steps += 1
-        # Views of the bucket, handed to TensorFlow without a copy; watched so that the bucket is
-        # not refilled while TensorFlow still holds one (see _free_bucket).
-        out = [buf[a:a + size].reshape(s) for s, a, size in zip(self.shapes, self.offsets[:-1], self.sizes)]
-        bucket.lent = [weakref.ref(o) for o in out]
-        return out
-
-    def _free_bucket(self) -> _Bucket:
-        """A bucket no TensorFlow tensor still shares memory with (normally the one of last step)."""
-        for bucket in self._buckets:
-            if not bucket.in_use():
-                return bucket
-        # Something kept a gradient tensor (e.g. a variable assigned it): leave that bucket to it.
-        # At most two are kept; a dropped one is freed when TensorFlow lets go of it.
-        log.debug("gradient bucket still referenced by TensorFlow; using a new one")
-        bucket = _Bucket(len(self._buckets[0].data))
-        self._buckets = self._buckets[-1:] + [bucket]
-        return bucket
-
     # -- in the train step ---------------------------------------------
     def reduce(self, grads: Sequence[Any], prescaled: bool | None = None) -> list[Any]:
         """Averaged gradients (TensorFlow tensors; None stays None). Works traced and eagerly.
@@ -463,14 +228,6 @@ class GradientAllreduce:
         """Each sparse gradient (tf.IndexedSlices) as the slices one local step on the global batch holds:
         per-row lookups' slices of every worker in rank order, broadcast lookups' summed (sparse_grads.py)."""
         return self._slices.reduce(grads, lambda *arrays: self.gather_slices(arrays, prescaled))
-
-    def gather_slices(self, arrays: Sequence[np.ndarray], prescaled: bool) -> list[np.ndarray]:
-        """numpy side of ``_gather_slices``: this step's rows and scale; a pad step (weight 0) adds no slices."""
-        t0 = time.perf_counter()
-        n, total = self.weight, self._check_total()
-        out = self._slices.exchange(arrays, n, None if prescaled else n / total)
-        self.seconds += time.perf_counter() - t0
-        return out
 
     def pad_step(self, apply: Callable[[list[Any]], Any], total: float | None = None) -> None:
         """Take part in one step with no samples of our own (a shorter shard's missing batch)."""
@@ -643,64 +400,3 @@ def _no_slices(shape: tuple[int, ...]) -> Any:
 
     return tf.IndexedSlices(tf.zeros((0, *shape[1:]), tf.float32), tf.zeros((0,), tf.int64),
                             tf.constant(shape, tf.int64))
-
-
-# -- the Gloo bucket's helpers ------------------------------------------------
-def _aligned_zeros(length: int, align_bytes: int = 64) -> np.ndarray:
-    """A float32 zero array whose data starts on an ``align_bytes`` boundary."""
-    raw = np.zeros(length + align_bytes // 4, dtype=np.float32)
-    shift = (-raw.ctypes.data % align_bytes) // 4
-    return raw[shift:shift + length]
-
-
-class _Bucket:
-    """One aligned float32 bucket and weak references to the views of it lent to TensorFlow."""
-
-    def __init__(self, length: int) -> None:
-        self.data = _aligned_zeros(length)
-        self.lent: list[weakref.ref] = []
-
-    def in_use(self) -> bool:
-        return any(ref() is not None for ref in self.lent)
-
-
-class _ChunkSum:
-    """Sums bucket chunks across workers, asynchronously on Gloo so the caller can keep copying.
-
-    Other collectives (one worker, or an engine without async ops) sum each chunk at once.
-    A ``PhaseCollective`` wrapper is told the worker is synchronising for the whole exchange,
-    as it would be by ``allreduce_sum``.
-    """
-
-    def __init__(self, collective: Collective) -> None:
-        self.collective = collective
-        inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
-        self._clock = getattr(collective, "clock", None)
-        self._dist: Any = None
-        if isinstance(inner, GlooCollective) and inner.world_size > 1:
-            import torch
-            import torch.distributed as dist
-
-            self._torch, self._dist = torch, dist
-        self._pending: list[Any] = []
-
-    def begin(self) -> None:
-        if self._dist is not None and self._clock is not None:
-            self._clock.enter()
-
-    def start(self, chunk: np.ndarray) -> None:
-        if self._dist is None:
-            self.collective.allreduce_sum(chunk)
-            return
-        # The process group's timeout (the job's) bounds every wait below.
-        self._pending.append(self._dist.all_reduce(self._torch.from_numpy(chunk), op=self._dist.ReduceOp.SUM,
-                                                   async_op=True))
-
-    def finish(self) -> None:
-        pending, self._pending = self._pending, []
-        try:
-            for work in pending:
-                work.wait()
-        finally:
-            if self._dist is not None and self._clock is not None:
-                self._clock.leave()
