@@ -11,6 +11,7 @@ other strategies. Every wait has the run's ``sync_timeout``.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -113,7 +114,8 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
         if getattr(model, "stop_training", False):
             break
     return {"async_pushed": pushed, "async_refused": refused, "async_wait_seconds": waited,
-            "async_read_seconds": reading, "validation_seconds": validating}
+            "async_read_seconds": reading, "validation_seconds": validating,
+            "keras_backend": keras.backend.backend(), "tensorflow_loaded": "tensorflow" in sys.modules}
 
 
 def _assign(variables: list[Any], arrays: list[np.ndarray]) -> None:
