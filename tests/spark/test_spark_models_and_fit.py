@@ -58,5 +58,6 @@ def test_async_trains_arrays_on_spark_tasks(spark, data):
     assert job.status == "done" and job.state.backend == "spark", job.error
     assert min(job.reports[r]["async_pushed"] for r in range(2)) > 0
     val_accuracy = job.history["val_accuracy"]
+    print("async val_accuracy", val_accuracy)
     assert len(val_accuracy) == 3 and val_accuracy[-1] > 0.85, val_accuracy
     assert float(model.evaluate(Xte, yte, verbose=0)[1]) == pytest.approx(val_accuracy[-1], abs=1e-6)
