@@ -181,7 +181,8 @@ def test_async_trains_on_arrays_dealt_by_batch_index(ip, digits_split, tmp_path,
         np.save(tmp_path / "x.npy", x_train)
         xa, fit = np.load(tmp_path / "x.npy", mmap_mode="r"), {}
     else:
-        xa, fit = x_train, {"class_weight": {c: 1.0 + (c == 3) for c in range(10)}}
+        # Keras' validation_freq: validated after the third epoch only.
+        xa, fit = x_train, {"class_weight": {c: 1.0 + (c == 3) for c in range(10)}, "validation_freq": 3}
     ip.run_cell("import keras")
     ip.user_ns.update(XA=xa, ya=y_train, Xt=x_test, yt=y_test, FIT=fit)
     ip.run_cell_magic("dist_train", "--workers 2 --strategy async --ui none", ARRAY_CELL)
@@ -196,6 +197,6 @@ def test_async_trains_on_arrays_dealt_by_batch_index(ip, digits_split, tmp_path,
     # 1347 rows in batches of 16 (each worker's share of the global 32): 85 per epoch. A block may be refused
     # as too stale (the first, while the other worker compiles its step): its rows are not in the shared model.
     assert job._async.batches == 85 and 0 < job._async.shared.samples <= 3 * len(x_train)
-    assert len(job.history["val_accuracy"]) == 3 and job.history["val_accuracy"][-1] > 0.85
+    assert len(job.history["val_accuracy"]) == (3 if road == "file" else 1) and job.history["val_accuracy"][-1] > 0.85
     _, accuracy = ip.user_ns["model"].evaluate(x_test, y_test, verbose=0)
     assert accuracy == pytest.approx(job.history["val_accuracy"][-1], abs=1e-6)
