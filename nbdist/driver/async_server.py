@@ -106,11 +106,12 @@ class AsyncServer:
 
 def async_refusal(data: Any, validation: Any, fit: Any, checkpointing: bool) -> str:
     """Why this run cannot train with --strategy async (one sentence), or ""."""
-    from ..data import PyDatasetData
+    from ..data import FitData, PyDatasetData
 
-    if fit is None or not isinstance(data, PyDatasetData):
-        return ("--strategy async deals the batches of a keras.utils.PyDataset passed to the cell's model.fit to "
-                "whichever worker is free; pass one (arrays and Spark data: use --strategy averaging or allreduce).")
+    if fit is None or not isinstance(data, (PyDatasetData, FitData)):
+        return ("--strategy async deals batches of in-memory arrays or of a keras.utils.PyDataset to whichever "
+                "worker is free, and a Spark DataFrame or RDD stays on its executors; use --strategy averaging or "
+                "allreduce for it, or convert it to numpy first.")
     if isinstance(validation, PyDatasetData):
         return ("--strategy async validates on arrays; pass validation_data=(x_val, y_val) as arrays, "
                 "or use --strategy averaging.")
@@ -120,8 +121,26 @@ def async_refusal(data: Any, validation: Any, fit: Any, checkpointing: bool) -> 
     return ""
 
 
+def plan_arrays(fit: Any, rows: int, world: int, per_worker_batch: int) -> tuple[int, list[tuple[int, int]]]:
+    """Arrays under --strategy async: every worker holds them whole and trains batches of ``unit`` rows (its
+    share of fit's global batch) as the driver deals them; returns ``unit`` and each worker's estimated rows
+    (progress only: a fast worker takes more). One sentence for what cannot be dealt."""
+    from ..data import check_workers, rank_batch_sizes, share_count
+    from ..errors import NbdistError
+
+    check_workers(rows, world)
+    if fit.steps_per_epoch is not None and fit.worker_steps(world, per_worker_batch) is not None:
+        raise NbdistError(f"--strategy async deals whole passes over the arrays, but steps_per_epoch="
+                          f"{fit.steps_per_epoch} makes an epoch part of one; drop steps_per_epoch, or use "
+                          "--strategy allreduce.")
+    unit = rank_batch_sizes(fit.batch(world, per_worker_batch), world)[0]
+    batches = -(-rows // unit)
+    return unit, [(0, min(rows, share_count(batches, r, world) * unit)) for r in range(world)]
+
+
 def start_async(job: Any, cfg: Any, world: int) -> AsyncServer:
     """The run's server, after the door's checks (one sentence on what does not fit)."""
+    from ..data import PyDatasetData
     from ..errors import NbdistError
 
     refusal = async_refusal(job.data, job.validation_data, job.fit,
@@ -132,5 +151,7 @@ def start_async(job: Any, cfg: Any, world: int) -> AsyncServer:
     def send(rank: int, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
         job._coordinator.send(rank, body, arrays)
 
-    return AsyncServer(world, len(job.data), int(cfg.averaging_frequency), bool(cfg.shuffle), int(job.run_seed),
+    # The batches of an epoch: a PyDataset's own; arrays cut into batches of one worker's rows (plan_arrays).
+    batches = len(job.data) if isinstance(job.data, PyDatasetData) else -(-len(job.data) // job._batch_sizes()[0])
+    return AsyncServer(world, batches, int(cfg.averaging_frequency), bool(cfg.shuffle), int(job.run_seed),
                        send, cfg.max_staleness)

@@ -27,7 +27,7 @@ from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
 from ..wire import protocol
 from ..wire.messages import JobMessage, MessageType, Placement, TrainSettings
-from .async_server import start_async
+from .async_server import plan_arrays, start_async
 from .keeper import CheckpointKeeper
 from .resolve import resolve_backend
 from .run import TERMINAL, Run, data_parts, last_traceback
@@ -104,6 +104,11 @@ class TrainingJob(Run):
             return super()._plan_shards(backend, world)
         if isinstance(self.data, PyDatasetData):
             return self._plan_py_dataset(world)
+        if self.config.strategy == "async":  # every worker holds the arrays; the driver deals their batches
+            self._initial_epoch = self.fit.initial_epoch
+            unit, shares = plan_arrays(self.fit, len(self.data), world, self.config.batch_size)
+            self._rank_batches = [unit] * world
+            return shares
         # Every global batch dealt over the workers (data.deal_rows).
         check_workers(len(self.data), world)
         self._rank_batches, self._rows = self.fit.plan(world, self.config.batch_size)
@@ -132,7 +137,7 @@ class TrainingJob(Run):
         if isinstance(self.data, PyDatasetData):
             return self.data  # the worker reads its own share of it
         if self.fit is not None:
-            rows = self._rows[rank]
+            rows = slice(None) if self.config.strategy == "async" else self._rows[rank]  # async: all of them
             if self._x_file() is not None:  # the worker reads its features from the file (_file_rows)
                 pick = lambda a: a[rows]
                 return FitData(None, map_struct(pick, self.data.y), map_struct(pick, self.data.sample_weight))
@@ -153,11 +158,12 @@ class TrainingJob(Run):
         if self.fit is None:
             return None
         deal = (sum(self._rank_batches), self.world_size, rank)
+        where = (lambda f: f.rows(0, len(self.data))) if self.config.strategy == "async" else (lambda f: f.dealt(*deal))
         source = self._x_file()
         if source is not None:
-            return source.dealt(*deal)
+            return where(source)
         files = self._x_leaves()
-        return {"leaves": {str(i): f.dealt(*deal) for i, f in files.items()}} if files else None
+        return {"leaves": {str(i): where(f) for i, f in files.items()}} if files else None
 
     def _new_state(self, backend: Any) -> RunState:
         return RunState(self.world_size, self.config.epochs, backend=backend.name, strategy=self.config.strategy,

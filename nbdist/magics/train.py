@@ -47,7 +47,7 @@ class DistMagics(Magics):
     @argument("--strategy", default=None,
               help="allreduce | averaging | async (default: allreduce, the step local Keras takes; averaging, said "
                    "in one line, for a model whose train_step applies optimizers of its own, e.g. a GAN's two; "
-                   "async: workers of unequal speed, a PyDataset's batches to whoever is free, README)")
+                   "async: workers of unequal speed, blocks of batches to whoever is free, README)")
     @argument("--max-staleness", type=int, default=None, metavar="S",
               help="--strategy async: refuse a block computed from shared weights more than S versions old "
                    "(default: 4 x workers)")

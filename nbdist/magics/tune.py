@@ -45,7 +45,7 @@ class TuneMagics(Magics):
     @argument("--epochs", type=int, default=None, help="epochs of each trial (default: 1, or the cell's fit)")
     @argument("--batch-size", type=int, default=None, help="mini-batch size per worker")
     @argument("--backend", default="auto", help="auto | local | spark | containers (default: auto)")
-    @argument("--strategy", default=None, help="allreduce | averaging (default: allreduce, as %%%%dist_train)")
+    @argument("--strategy", default=None, help="allreduce | averaging | async (default: allreduce, as %%%%dist_train)")
     @argument("--averaging-frequency", type=int, default=None, metavar="K",
               help="steps between averaging rounds; given without --strategy, the trials average (default: 5)")
     @argument("--lr-scaling", default=None, metavar="auto|none|linear")

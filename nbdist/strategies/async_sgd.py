@@ -2,6 +2,16 @@
 
 The driver serves it (driver/async_server.py), the workers train against it (worker/async_fit.py).
 
+Data (worker/async_batches.py): the driver deals batch indices, K at a time, to whichever worker is free,
+so a block's message is a few integers whatever the data. A PyDataset's batches are its own. In-memory
+arrays (x, y, sample_weight or class_weight, validation_data or validation_split, as for fit) go whole to
+every worker once, in its job (a local worker maps the notebook's ``np.load(..., mmap_mode="r")`` .npy
+instead); batch i of an epoch is rows ``order[i*u:(i+1)*u]``, ``order`` the epoch's shuffled rows (the
+run's seed, the same on every worker) and ``u`` one worker's share of fit's global batch (``--batch-size``
+itself with ``--data``). Refused in one sentence: a Spark DataFrame or RDD (it stays on its executors),
+steps_per_epoch short of a pass, PyDataset validation data, checkpoints and restarts. Tested on the
+TensorFlow, JAX and torch backends, local processes, Spark tasks, containers and ``%%dist_tune`` trials.
+
 Why this algorithm. The strategies nbdist has are synchronous: every step (allreduce) or every K steps
 (averaging) every worker waits for the slowest, so one worker 3x slower makes the run 3x slower. The
 asynchronous designs in the literature, judged for a driver (the notebook) that already holds an

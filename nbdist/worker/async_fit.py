@@ -11,13 +11,14 @@ other strategies. Every wait has the run's ``sync_timeout``.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from ..data import batch_rows, standardize_batch
+from ..data import batch_rows
 from ..wire.messages import JobMessage, MessageType
 
 log = logging.getLogger("nbdist.worker")
@@ -36,20 +37,19 @@ def _read(variables: list[Any]) -> list[np.ndarray]:
 
 def fit_async(link: Any, job: JobMessage, model: Any) -> dict[str, Any]:
     """Train every epoch as the driver deals it; returns the closing report's additions."""
-    import cloudpickle  # the job came over the authenticated channel
+    from .async_batches import job_batches
 
-    spec = cloudpickle.loads(job.py_datasets)
-    source, data = spec["train"], cloudpickle.loads(spec["train"].payload)
+    data = job_batches(job)  # a PyDataset's batches, or batches of the arrays this worker holds whole
     timeout = float(job.train.sync_timeout)
     variables = _exchanged(model)
     reader = ThreadPoolExecutor(1, thread_name_prefix="nbdist-async-read")
     try:
-        return _epochs(link, job, model, data, source, variables, reader, timeout)
+        return _epochs(link, job, model, data, variables, reader, timeout)
     finally:
         reader.shutdown(wait=False, cancel_futures=True)
 
 
-def _epochs(link: Any, job: JobMessage, model: Any, data: Any, source: Any, variables: list[Any], reader: Any,
+def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[Any], reader: Any,
             timeout: float) -> dict[str, Any]:
     import keras
 
@@ -65,7 +65,7 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, source: Any, vari
         model.reset_metrics()
         logs: dict[str, float] = {}
         samples = 0
-        data.on_epoch_begin()
+        data.on_epoch_begin(epoch)
         link.send({"type": MessageType.PROGRESS, "state": "training", "epoch": epoch, "batch": 0,
                    "batches": len(data), "samples_done": 0})
         link.send({"type": MessageType.ASYNC_PULL, "epoch": epoch, **first}, every if first else [])
@@ -77,10 +77,10 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, source: Any, vari
                 break
             base, rows = reply.arrays, 0
             # Read ahead on one thread: the next batch is read while this one trains, as fit's reader does.
-            reads = [reader.submit(data.__getitem__, int(i)) for i in reply.body["batches"]]
+            reads = [reader.submit(data.batch, int(i)) for i in reply.body["batches"]]
             for read in reads:
                 t0 = time.perf_counter()
-                batch = standardize_batch(read.result(timeout=timeout), source.class_weight)
+                batch = read.result(timeout=timeout)
                 reading += time.perf_counter() - t0
                 x, y, w = (*batch, None, None)[:3]
                 logs = model.train_on_batch(x, y, sample_weight=w, return_dict=True)
@@ -102,7 +102,7 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, source: Any, vari
         logs = {k: float(v) for k, v in logs.items()}
         val_samples = 0
         t0 = time.perf_counter()
-        if job.x_val is not None:
+        if job.x_val is not None and (epoch + 1) % int(train.validation_freq or 1) == 0:  # Keras' rule
             val_samples = batch_rows((job.x_val,))
             logs.update(_validate(model, job, val_samples))
         validating += time.perf_counter() - t0
@@ -114,7 +114,8 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, source: Any, vari
         if getattr(model, "stop_training", False):
             break
     return {"async_pushed": pushed, "async_refused": refused, "async_wait_seconds": waited,
-            "async_read_seconds": reading, "validation_seconds": validating}
+            "async_read_seconds": reading, "validation_seconds": validating,
+            "keras_backend": keras.backend.backend(), "tensorflow_loaded": "tensorflow" in sys.modules}
 
 
 def _assign(variables: list[Any], arrays: list[np.ndarray]) -> None:

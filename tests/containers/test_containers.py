@@ -312,3 +312,19 @@ def test_search_trials_run_in_containers_each_value_its_runs_merged_metric(engin
         assert t.value == job.history["val_accuracy"][-1]
         assert run_containers(engine, job._backend.run_id) == []
     assert accuracy(search.best_model, x_test, y_test) == pytest.approx(search.study.best_value, abs=1e-6)
+
+
+def test_async_trains_in_containers_and_leaves_nothing(engine, split):
+    """Issue 38: --strategy async with each worker in its container: the arrays travel whole to each, the driver
+    deals batch indices; the model ends on the shared weights the workers last validated."""
+    x_train, x_test, y_train, y_test = split
+    model = mlp(seed=0, lr=0.01)
+    job = nbdist.train(model, x_train, y_train, epochs=3, batch_size=16, workers=2, strategy="async",
+                       backend="containers", validation_data=(x_test, y_test), ui="none")
+    assert job.status == "done" and job.state.backend == "containers", job.error
+    assert min(job.reports[r]["async_pushed"] for r in range(2)) > 0
+    val_accuracy = job.history["val_accuracy"]
+    print("async val_accuracy", val_accuracy)
+    assert len(val_accuracy) == 3 and val_accuracy[-1] > 0.85, val_accuracy
+    assert float(model.evaluate(x_test, y_test, verbose=0)[1]) == pytest.approx(val_accuracy[-1], abs=1e-6)
+    assert run_containers(engine, job._backend.run_id) == []

@@ -2,6 +2,8 @@
 DataFrame, and an unchanged cell's own model.fit with callbacks and class_weight."""
 from __future__ import annotations
 
+import pytest
+
 from ..models_and_fit import check_intercepted_fit, check_subclassed_run, notebook_subclassed_model
 from ..spark_helpers import digits_frame, need_spark
 
@@ -42,3 +44,22 @@ def test_a_model_without_an_input_shape_trains_from_a_dataframe(spark, data):
                        batch_size=32, workers=2, backend="spark", ui="none")
     assert job.status == "done" and model.built and model.layers[0].kernel.shape == (64, 32)
     assert float((model.predict(Xte, verbose=0).argmax(1) == yte).mean()) > 0.8
+
+
+def test_async_trains_arrays_on_spark_tasks(spark, data):
+    """Issue 38: --strategy async with the workers as Spark tasks (barrier mode): the arrays travel whole to each
+    task, the driver deals batch indices; the model ends on the shared weights the tasks last validated."""
+    import keras
+
+    from ..conftest import mlp
+
+    Xtr, Xte, ytr, yte = data
+    model = mlp(seed=0, optimizer=keras.optimizers.Adam(0.01))
+    job = nbdist.train(model, Xtr, ytr, epochs=3, batch_size=16, workers=2, strategy="async", backend="spark",
+                       validation_data=(Xte, yte), ui="none")
+    assert job.status == "done" and job.state.backend == "spark", job.error
+    assert min(job.reports[r]["async_pushed"] for r in range(2)) > 0
+    val_accuracy = job.history["val_accuracy"]
+    print("async val_accuracy", val_accuracy, "refused", [job.reports[r]["async_refused"] for r in range(2)])
+    assert len(val_accuracy) == 3 and val_accuracy[-1] > 0.85, val_accuracy
+    assert float(model.evaluate(Xte, yte, verbose=0)[1]) == pytest.approx(val_accuracy[-1], abs=1e-6)

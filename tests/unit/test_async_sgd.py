@@ -137,3 +137,45 @@ def test_an_update_over_the_authenticated_wire_replayed_or_forged_is_refused():
     recorder2.sock.sendall(header + forged + b"\0" * protocol.MAC_SIZE)
     with pytest.raises(protocol.ProtocolError, match="authentication"):
         driver2.recv()
+
+
+def test_array_batches_cover_every_row_once_an_epoch_in_the_same_order_on_every_worker():
+    """Arrays under async: batch i of an epoch names rows of the global shuffled order, so the blocks the driver
+    deals (indices only) cover every row once, whichever worker trains them."""
+    from nbdist.worker.async_batches import ArrayBatches
+
+    x = np.arange(50, dtype=np.float64).reshape(25, 2)
+    y, w = np.arange(25), np.linspace(0, 1, 25).astype(np.float32)
+    workers = [ArrayBatches({"a": x}, y, w, 4, True, 7) for _ in range(2)]
+    assert len(workers[0]) == 7  # 6 of 4 rows and the short one
+    orders = []
+    for epoch in (0, 1):
+        for b in workers:
+            b.on_epoch_begin(epoch)
+        # Dealt alternately, as a driver might: each batch read on the worker that got it.
+        got = [workers[i % 2].batch(i) for i in range(len(workers[0]))]
+        assert all(np.array_equal(workers[0].batch(i)[1], got[i][1]) for i in range(7))
+        rows = np.concatenate([g[1] for g in got])
+        assert sorted(rows.tolist()) == list(range(25)) and [len(g[1]) for g in got] == [4] * 6 + [1]
+        for gx, gy, gw in got:  # x, y and weights stay row-aligned; float64 arrives as float32, as on the wire
+            assert gx["a"].dtype == np.float32 and np.array_equal(gx["a"][:, 0], 2 * gy) and np.allclose(gw, w[gy])
+        orders.append(rows)
+    assert not np.array_equal(orders[0], orders[1])  # a fresh shuffle every epoch
+    plain = ArrayBatches(x, y, None, 4, False, 7)
+    plain.on_epoch_begin(3)
+    assert len(plain.batch(0)) == 2 and plain.batch(1)[1].tolist() == [4, 5, 6, 7]
+
+
+def test_async_refuses_what_it_cannot_deal_in_one_sentence():
+    from nbdist.data import make_fit_data
+    from nbdist.driver.async_server import async_refusal, plan_arrays
+    from nbdist.driver.fit_call import FitRun
+
+    data = make_fit_data(np.zeros((100, 3), np.float32), np.zeros(100))
+    run = FitRun(callbacks=None, global_batch=10, rows=100, epochs=2, steps_per_epoch=3)
+    assert async_refusal(data, None, run, False) == ""
+    assert "Spark DataFrame or RDD" in async_refusal(object(), None, None, False)
+    with pytest.raises(NbdistError, match="drop steps_per_epoch"):
+        plan_arrays(run, 100, 2, 5)
+    whole = FitRun(callbacks=None, global_batch=10, rows=100, epochs=2, steps_per_epoch=10)  # a whole pass: fine
+    assert plan_arrays(whole, 100, 2, 5) == (5, [(0, 50), (0, 50)])

@@ -85,8 +85,22 @@ def main() -> dict[str, object]:
                        "expected": model.evaluate(x_test, y_test, verbose=0, return_dict=True)}
     predicted = nbdist.predict(model, x_test, workers=2)
     out["predict_gap"] = float(np.abs(np.asarray(predicted) - model.predict(x_test, verbose=0)).max())
+    out["async"] = async_run(x, y, x_test, y_test)
     out["driver_tensorflow_end"] = "tensorflow" in sys.modules  # train, evaluate, predict never imported it
     return out
+
+
+def async_run(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> dict[str, object]:
+    """--strategy async on this backend (issue 38): arrays, 2 workers, 3 epochs; the model ends on the shared
+    weights the workers last validated (its accuracy is the last merged val_accuracy)."""
+    model = mlp(keras.optimizers.Adam(0.01))
+    job = nbdist.train(model, x, y, workers=2, strategy="async", epochs=3, batch_size=16, ui="none",
+                       validation_data=(x_test, y_test))
+    return {"status": job.status, "val_accuracy": job.history["val_accuracy"],
+            "accuracy": float(model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]),
+            "pushed": [job.reports[r]["async_pushed"] for r in sorted(job.reports)],
+            "reports": [[job.reports[r].get(k) for k in ("keras_backend", "tensorflow_loaded")]
+                        for r in sorted(job.reports)]}
 
 
 # -- the second run per backend: the code paths that differ per backend, beyond the plain fit --------------
@@ -435,8 +449,15 @@ def seeded_cells() -> dict[str, object]:
     return out
 
 
+def async_only() -> dict[str, object]:
+    features, labels = load_digits(return_X_y=True)
+    features = (features / 16).astype("float32")
+    return async_run(features[:ROWS], labels[:ROWS].astype("int64"), features[ROWS:ROWS + 300],
+                     labels[ROWS:ROWS + 300].astype("int64"))
+
+
 if __name__ == "__main__":
     phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers"),
-              "seeded": seeded_cells}
+              "seeded": seeded_cells, "async": async_only}
     result = phases[PHASE]()
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)

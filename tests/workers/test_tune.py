@@ -284,3 +284,26 @@ def test_trials_at_once_split_the_cores_and_fork_from_a_server_warmed_with_their
             assert len(affinity) == int(threads)
     if len(cores) >= 2:
         assert not seen[0][0] & seen[1][0], seen  # each trial on cores of its own
+
+
+def test_dist_tune_trials_train_async(ip, tmp_path):
+    """Issue 38: %%dist_tune --strategy async: each trial's two workers train against its own shared model; each
+    stored value is the trial's last merged val_accuracy, which its model (best_model for the best) has."""
+    line = (f"--trials 2 --parallel 2 --workers-per-trial 2 --strategy async --objective val_accuracy "
+            f"--direction maximize --storage sqlite:///{tmp_path / 'async.db'} --pruner none --seed 1 --ui none")
+    cell = """
+import keras
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(trial.suggest_float("lr", 3e-3, 3e-2, log=True)),
+              "sparse_categorical_crossentropy", metrics=["accuracy"])
+model.fit(X, y, batch_size=32, epochs=2, validation_data=(Xv, yv), verbose=0)
+"""
+    ip.run_cell_magic("dist_tune", line, cell)
+    search, study = ip.user_ns["tune_search"], ip.user_ns["study"]
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    for number, job in search.jobs.items():
+        assert job._async is not None and min(job.reports[r]["async_pushed"] for r in range(2)) > 0, number
+        assert study.trials[number].value == job.history["val_accuracy"][-1]
+    model, xv, yv = ip.user_ns["best_model"], ip.user_ns["Xv"], ip.user_ns["yv"]
+    assert float(model.evaluate(xv, yv, verbose=0)[1]) == pytest.approx(study.best_value, abs=1e-6)
