@@ -74,11 +74,12 @@ class Coordinator:
         try:
             channel = protocol.server_handshake(sock, self.secret)
             sock.settimeout(protocol.HANDSHAKE_TIMEOUT)
-            received = channel.recv()
+            hello = read(channel.recv())  # a malformed one raises MessageError: rejected like any garbage
             sock.settimeout(None)
-            hello = read(received)
-            if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world_size:
-                raise protocol.ProtocolError(f"bad hello {received.body!r}")
+            if not isinstance(hello, Hello):
+                raise protocol.ProtocolError(f"expected a hello, got a {hello.TYPE} message")
+            if not 0 <= hello.rank < self.world_size:
+                raise protocol.ProtocolError(f"bad hello: rank {hello.rank} of {self.world_size}")
             rank = hello.rank
             with self._lock:
                 if rank in self._channels:

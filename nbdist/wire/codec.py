@@ -110,7 +110,8 @@ class Typed:
         listed = {f.name for f in fields if _ARRAY_META not in f.metadata}
         unknown = set(body) - listed - {"type", ARRAYS_KEY}
         if unknown:
-            raise MessageError(f"a {name} message has unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+            shown = ", ".join(sorted(repr(k)[:40] for k in unknown)[:5])
+            raise MessageError(f"a {name} message has unknown field(s) {shown}")
         for f in fields:
             if f.name not in listed:
                 continue
