@@ -18,11 +18,12 @@ import numpy as np
 
 from ..data import epoch_order
 from ..strategies.async_sgd import BatchPool, SharedModel, block_cap
-from ..wire.messages import MessageType
+from ..wire.commands import AsyncShared
+from ..wire.reports import AsyncPull, AsyncPush
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[int, dict[str, Any], list[np.ndarray]], None]
+Send = Callable[[int, AsyncShared], None]
 
 
 class AsyncServer:
@@ -42,10 +43,10 @@ class AsyncServer:
         self.rates: dict[int, float] = {}  # each worker's batches per second, block to block (a running mean)
         self._dealt: dict[int, tuple[float, int]] = {}  # rank -> (when, batches) of its block out
 
-    def pull(self, rank: int, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        epoch = int(body["epoch"])
+    def pull(self, rank: int, pull: AsyncPull) -> None:
+        epoch, arrays = pull.epoch, pull.weights
         if self.shared is None:
-            if not body.get("first"):
+            if not pull.first:
                 raise ValueError(f"worker {rank} pulled before any worker sent the model's weights")
             self.template = [np.array(a, copy=True) for a in arrays]
             self.exchanged = [i for i, a in enumerate(arrays) if a.dtype.kind == "f"]
@@ -61,15 +62,15 @@ class AsyncServer:
             self.pool = BatchPool(epoch_order(self.batches, self.shuffle, self.seed, epoch).tolist())
         self._next(rank)
 
-    def push(self, rank: int, body: dict[str, Any], delta: list[np.ndarray]) -> None:
+    def push(self, rank: int, push: AsyncPush) -> None:
         assert self.shared is not None and self.pool is not None
-        if int(body.get("epoch", -1)) != self.epoch:
-            raise ValueError(f"worker {rank} pushed for epoch {body.get('epoch')} during epoch {self.epoch}")
+        if push.epoch != self.epoch:
+            raise ValueError(f"worker {rank} pushed for epoch {push.epoch} during epoch {self.epoch}")
         when, count = self._dealt.pop(rank, (0.0, 0))
         if count:
             rate = count / max(1e-6, time.monotonic() - when)
             self.rates[rank] = rate if rank not in self.rates else 0.5 * (self.rates[rank] + rate)
-        verdict = self.shared.push(rank, int(body["seq"]), int(body["version"]), delta, int(body["samples"]))
+        verdict = self.shared.push(rank, push.seq, push.version, push.delta, push.samples)
         self.pool.report(rank)
         if not verdict.applied:
             log.warning("refused an update: %s", verdict.reason)
@@ -99,9 +100,7 @@ class AsyncServer:
 
     def _answer(self, rank: int, block: list[int], done: bool, refused: str) -> None:
         assert self.shared is not None
-        body = {"type": MessageType.ASYNC_SHARED, "version": self.shared.version, "batches": block,
-                "epoch_done": done, "refused": refused}
-        self.send(rank, body, self.shared.weights)
+        self.send(rank, AsyncShared(self.shared.version, block, done, refused, self.shared.weights))
 
 
 def async_refusal(data: Any, validation: Any, fit: Any, checkpointing: bool) -> str:
@@ -148,8 +147,8 @@ def start_async(job: Any, cfg: Any, world: int) -> AsyncServer:
     if refusal:
         raise NbdistError(refusal)
 
-    def send(rank: int, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        job._coordinator.send(rank, body, arrays)
+    def send(rank: int, message: AsyncShared) -> None:
+        job._coordinator.send(rank, message)
 
     # The batches of an epoch: a PyDataset's own; arrays cut into batches of one worker's rows (plan_arrays).
     batches = len(job.data) if isinstance(job.data, PyDatasetData) else -(-len(job.data) // job._batch_sizes()[0])

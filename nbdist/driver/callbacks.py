@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..wire.messages import MessageType
+from ..wire.commands import Decision
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class DriverCallbacks:
         self.list.on_epoch_begin(self.initial_epoch)
         return learning_rate(self.model)
 
-    def epoch_end(self, epoch: int, logs: dict[str, float]) -> dict[str, Any]:
+    def epoch_end(self, epoch: int, logs: dict[str, float]) -> Decision:
         """Run the epoch's end with merged logs; the decision every worker applies before going on."""
         logs = dict(logs)
         self.list.on_epoch_end(epoch, logs)
@@ -95,7 +95,7 @@ class DriverCallbacks:
         if not stop and epoch + 1 < self.epochs:
             self.list.on_epoch_begin(epoch + 1)
             stop = bool(getattr(self.model, "stop_training", False))
-        return {"type": MessageType.DECISION, "epoch": epoch, "stop": stop, "learning_rate": learning_rate(self.model)}
+        return Decision(epoch, stop, learning_rate(self.model))
 
     def end(self) -> None:
         """After the final weights are in the model (EarlyStopping may then restore its best)."""

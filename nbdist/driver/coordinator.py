@@ -1,9 +1,10 @@
 """Driver side of the wire: accepts workers, authenticates them, relays their messages.
 
-Each connection gets a reader thread that turns frames into ``Event``s on one
-queue; the run (run.py) consumes that queue on whichever thread waits for it.
-A connection that fails authentication is dropped before anything it sent is
-interpreted.
+Each connection gets a reader thread that turns frames into typed messages
+(wire/catalog.py) in ``Event``s on one queue; the run (run.py) consumes that queue
+on whichever thread waits for it. A connection that fails authentication is
+dropped before anything it sent is interpreted; one that sends a message this
+side cannot read is dropped too (its "closed" event names the protocol error).
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..wire import protocol
-from ..wire.messages import MessageType
+from ..wire.catalog import read
+from ..wire.commands import Heartbeat
+from ..wire.reports import Hello
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,7 @@ log = logging.getLogger(__name__)
 class Event:
     kind: str  # "connected" | "message" | "closed"
     rank: int
-    message: protocol.Message | None = None
+    message: Any = None  # the typed message (wire/reports.py): a Hello for "connected"
     detail: str = ""
     at: float = field(default_factory=time.monotonic)
 
@@ -71,11 +74,13 @@ class Coordinator:
         try:
             channel = protocol.server_handshake(sock, self.secret)
             sock.settimeout(protocol.HANDSHAKE_TIMEOUT)
-            hello = channel.recv()
+            hello = read(channel.recv())  # a malformed one raises MessageError: rejected like any garbage
             sock.settimeout(None)
-            rank = hello.body.get("rank")
-            if hello.type != MessageType.HELLO or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-                raise protocol.ProtocolError(f"bad hello {hello.body!r}")
+            if not isinstance(hello, Hello):
+                raise protocol.ProtocolError(f"expected a hello, got a {hello.TYPE} message")
+            if not 0 <= hello.rank < self.world_size:
+                raise protocol.ProtocolError(f"bad hello: rank {hello.rank} of {self.world_size}")
+            rank = hello.rank
             with self._lock:
                 if rank in self._channels:
                     raise protocol.ProtocolError(f"rank {rank} connected twice")
@@ -94,13 +99,13 @@ class Coordinator:
         reason = "connection closed"
         try:
             while True:
-                msg = channel.recv()
+                msg = read(channel.recv())
                 self._last_seen[rank] = time.monotonic()
-                if msg.type != MessageType.HEARTBEAT:
+                if not isinstance(msg, Heartbeat):
                     self.events.put(Event("message", rank, msg))
         except protocol.ConnectionClosed:
             pass
-        except Exception as exc:  # an authenticated peer sent garbage: drop it
+        except Exception as exc:  # an authenticated peer sent garbage (or a malformed message): drop it
             reason = f"protocol error: {exc}"
         with self._lock:
             self._channels.pop(rank, None)
@@ -109,22 +114,23 @@ class Coordinator:
 
     def _beat(self) -> None:
         while not self._closed.wait(self.heartbeat_interval):
-            self.broadcast({"type": MessageType.HEARTBEAT})
+            self.broadcast(Heartbeat())
 
-    # -- sending --------------------------------------------------------
-    def send(self, rank: int, body: dict[str, Any], arrays: Any = ()) -> None:
+    # -- sending: typed messages (wire/messages.py, wire/commands.py) ----
+    def send(self, rank: int, message: Any) -> None:
         with self._lock:
             channel = self._channels.get(rank)
         if channel is None:
             raise ConnectionError(f"worker {rank} is not connected")
-        channel.send(body, arrays)
+        channel.send(*message.encode())
 
-    def broadcast(self, body: dict[str, Any]) -> None:
+    def broadcast(self, message: Any) -> None:
+        body, arrays = message.encode()
         with self._lock:
             channels = list(self._channels.values())
         for channel in channels:
             try:
-                channel.send(body)
+                channel.send(body, arrays)
             except OSError:
                 pass  # its reader will report the closed connection
 

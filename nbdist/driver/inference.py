@@ -48,8 +48,8 @@ from ..pipelines import inference_rows
 from ..spark.backend import is_connect_session
 from ..spark.checks import SPARK_BACKENDS, check_label_classes, check_width
 from ..spark.data import SparkData, is_spark_data, is_spark_rdd, spark_dataset, sql_types
-from ..wire import protocol
-from ..wire.messages import JobMessage, MessageType
+from ..wire.messages import JobMessage
+from ..wire.reports import Done, Evaluation, Predictions
 from .run import Listener, Run
 
 log = logging.getLogger(__name__)
@@ -115,12 +115,12 @@ class InferenceJob(Run):
     """A run whose workers evaluate or predict once: one job each, one answer each."""
 
     kind = "inference"
-    answer = ""  # the message type that carries a worker's result
+    answer: type = Evaluation  # the message type (wire/reports.py) that carries a worker's result
 
     def __init__(self, model: Any, config: TrainConfig, data: FitData | PyDatasetData | SparkData,
                  namespace: dict[str, Any] | None = None, listeners: list[Listener] | None = None) -> None:
         super().__init__(model, config, data, namespace, listeners)
-        self.answers: dict[int, protocol.Message] = {}
+        self.answers: dict[int, Any] = {}  # rank -> its answer (an ``answer``)
         self._py_dataset: bytes | None = None  # a PyDataset: what every worker gets, by value (_prepare)
 
     def _make_spec(self) -> ModelSpec:
@@ -158,12 +158,12 @@ class InferenceJob(Run):
             return source.rows(*self._shards[rank])
         return {"leaves": {str(i): f.rows(*self._shards[rank]) for i, f in files.items()}} if files else None
 
-    def _on_message(self, rank: int, msg: protocol.Message) -> bool:
-        if msg.type == self.answer:
+    def _on_message(self, rank: int, msg: Any) -> bool:
+        if isinstance(msg, self.answer):
             self.answers[rank] = msg
             return True
-        if msg.type == MessageType.DONE and rank not in self.answers:
-            self._fail(rank, f"{self._name(rank)} finished without sending its {self.answer}", "")
+        if isinstance(msg, Done) and rank not in self.answers:
+            self._fail(rank, f"{self._name(rank)} finished without sending its {self.answer.TYPE}", "")
             return True
         return False
 
@@ -178,7 +178,7 @@ class InferenceJob(Run):
 
 class EvaluationJob(InferenceJob):
     kind = "evaluate"
-    answer = MessageType.EVALUATION
+    answer = Evaluation
 
     def __init__(self, *args: Any, classifier: ClassifierSpec | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -199,14 +199,13 @@ class EvaluationJob(InferenceJob):
     def result(self) -> dict[str, Any]:
         """Merged metrics: the compiled metrics by name, then the classifier report if there is one."""
         # A Spark partition may be empty: its worker has no metric state to add.
-        answers = [self.answers[r] for r in range(self.world_size) if self.answers[r].body["rows"] > 0]
+        answers: list[Evaluation] = [self.answers[r] for r in range(self.world_size) if self.answers[r].rows > 0]
         if not answers:
             raise NbdistError("the evaluation data has no rows; pass at least one labelled example.")
-        names = answers[0].body["names"]
-        n_state = len(names)
-        if any(a.body["names"] != names for a in answers):
+        names = answers[0].names
+        if any(a.names != names for a in answers):
             raise NbdistError("workers reported different metrics; rerun the evaluation.")
-        merged = sum_states([a.arrays[:n_state] for a in answers])
+        merged = sum_states([a.state for a in answers])
         if isinstance(self.data, FitData):  # the driver's copy runs Keras' evaluate on one of the rows
             first = self.data.slice(0, 1)
             build = lambda m: _evaluate_rows(m, first.x, first.y, first.sample_weight)
@@ -214,22 +213,12 @@ class EvaluationJob(InferenceJob):
             x1, y1, w1 = (*self.data.first_row, None)[:3]
             build = lambda m: _evaluate_rows(m, x1, y1, w1)
         else:  # Spark: the rows are on the executors; a worker sent one label row and its prediction
-            y_row, y_pred_row = answers[0].arrays[n_state], answers[0].arrays[n_state + 1]
+            y_row, y_pred_row = (np.zeros(0) if a is None else a for a in (answers[0].y_row, answers[0].y_pred_row))
             build = lambda m: m.compute_metrics(None, y_row, y_pred_row)
         out: dict[str, Any] = keras_results(self._spec, names, merged, build)
-        out["samples"] = int(sum(a.body["rows"] for a in answers))
+        out["samples"] = int(sum(a.rows for a in answers))
         if self.classifier is not None:
-            at = n_state + 2
-            stats = []
-            for a in answers:
-                if not a.body["has_stats"]:
-                    stats.append(None)
-                    continue
-                s = {"confusion": a.arrays[at]}
-                if a.body["has_histogram"]:
-                    s["histogram"] = a.arrays[at + 1]
-                stats.append(s)
-            report = merge_classifier_stats(stats, self.classifier)
+            report = merge_classifier_stats([a.stats for a in answers], self.classifier)
             if report is not None:
                 out.update(report)
         return out
@@ -237,25 +226,25 @@ class EvaluationJob(InferenceJob):
 
 class PredictionJob(InferenceJob):
     kind = "predict"
-    answer = MessageType.PREDICTIONS
+    answer = Predictions
 
     def result(self) -> Any:
         """Every worker's rows, in input order (shards are contiguous and in rank order), shaped as
         ``model.predict`` returns them: one array, or a list or dict of arrays for several outputs."""
         if isinstance(self.data, PyDatasetData):
             return self._py_dataset_result()
-        parts = [self.answers[r].arrays for r in range(self.world_size)]
+        parts = [self.answers[r].outputs for r in range(self.world_size)]
         outputs = [np.concatenate([p[i] for p in parts], axis=0) for i in range(len(parts[0]))]
-        return unflatten(self.answers[0].body.get("layout", "array"), iter(outputs))
+        return unflatten(self.answers[0].layout, iter(outputs))
 
     def _py_dataset_result(self) -> Any:
         """A PyDataset's predictions in its order: each worker's batches split by their rows, then put back
         in the order the workers' strided shares were dealt from (``data.strided_batches``)."""
-        answers = [self.answers[r] for r in range(self.world_size)]
-        layout = next(a.body["layout"] for a in answers if a.body["rows"] > 0)
+        answers: list[Predictions] = [self.answers[r] for r in range(self.world_size)]
+        layout = next(a.layout for a in answers if a.rows > 0)
         outputs = []
-        for i in range(len(next(a.arrays for a in answers if a.body["rows"] > 0))):
-            shares = [np.split(a.arrays[i], np.cumsum(a.body["batch_rows"])[:-1]) if a.body["rows"] > 0 else []
+        for i in range(len(next(a.outputs for a in answers if a.rows > 0))):
+            shares = [np.split(a.outputs[i], np.cumsum(a.batch_rows)[:-1]) if a.rows > 0 else []
                       for a in answers]
             outputs.append(np.concatenate(strided_batches(shares), axis=0))
         return unflatten(layout, iter(outputs))

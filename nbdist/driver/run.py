@@ -29,7 +29,8 @@ from ..placement import threads_per_worker
 from ..procs import oom_sentence
 from ..spark.data import SparkData
 from ..wire import protocol
-from ..wire.messages import JobMessage, MessageType
+from ..wire.messages import JobMessage
+from ..wire.reports import Done, Progress, State, WorkerError, WorkerWarning
 from .coordinator import Coordinator, Event
 from .resolve import resolve_backend
 from .state import RunState
@@ -150,8 +151,8 @@ class Run:
         """Each rank's batch size."""
         return [self.config.batch_size] * self.world_size
 
-    def _on_message(self, rank: int, msg: protocol.Message) -> bool:
-        """Handle a message only this kind of run expects; True when handled."""
+    def _on_message(self, rank: int, msg: Any) -> bool:
+        """Handle a typed message (wire/reports.py) only this kind of run expects; True when handled."""
         return False
 
     def _holding(self) -> bool:
@@ -427,8 +428,8 @@ class Run:
     def _handle(self, event: Event) -> None:
         if event.kind == "connected":
             self._closing.pop(event.rank, None)  # an earlier connection for this rank hung up: this one replaces it
-            body = event.message.body
-            self.state.worker_connected(event.rank, str(body.get("host", "")), body.get("pid"))
+            hello = event.message
+            self.state.worker_connected(event.rank, hello.host, hello.pid)
             if self._shards is None:
                 self._held.add(event.rank)
                 self._take_counts()
@@ -442,35 +443,33 @@ class Run:
             self._handle_message(event.rank, event.message)
 
     def _send_job(self, rank: int) -> None:
-        body, arrays = self._job_message(rank).encode()
         try:
-            self._coordinator.send(rank, body, arrays)
+            self._coordinator.send(rank, self._job_message(rank))
         except (ConnectionError, OSError) as exc:
             # It hung up right after its hello: the "closed" event behind it goes to the health check,
             # which names the cause; the event loop itself must not die of it.
             log.warning("could not send the job to worker %d: %s", rank, exc)
 
-    def _handle_message(self, rank: int, msg: protocol.Message) -> None:
+    def _handle_message(self, rank: int, msg: Any) -> None:
         if self._on_message(rank, msg):
             return
-        kind = msg.type
-        if kind in (MessageType.PROGRESS, MessageType.STATE):  # STATE: a sampled phase (training / synchronising)
-            self.state.worker_progress(rank, msg.body)
+        if isinstance(msg, (Progress, State)):  # State: a sampled phase (training / synchronising)
+            self.state.worker_progress(rank, msg)
             self._notify("progress", rank)
-        elif kind == MessageType.DONE:
+        elif isinstance(msg, Done):
             self._done.add(rank)
-            self.reports[rank] = {k: v for k, v in msg.body.items() if k != "type"}
+            self.reports[rank] = msg.report()
             self.state.worker_finished(rank, "done")
             self._notify("worker", rank)
             if len(self._done) == self.world_size:
                 self._complete()
-        elif kind == MessageType.WARNING:  # e.g. --engine horovod unavailable on a worker: said once, not fatal
-            text = str(msg.body.get("message", ""))
+        elif isinstance(msg, WorkerWarning):  # e.g. --engine horovod unavailable on a worker: said once, not fatal
+            text = msg.message
             if text not in self._warned:
                 self._warned.add(text)
                 log.warning("%s: %s", self._name(rank), text)
-        elif kind == MessageType.ERROR:
-            text = _first_line(str(msg.body.get("message", "error")))
+        elif isinstance(msg, WorkerError):
+            text = _first_line(msg.message or msg.exception or "error")
             dead = self._dead_peer(rank)
             if dead is not None:  # a peer's death broke the collective: name the cause, not the symptom
                 # The symptom's head only (a Gloo "Read error" runs to 300 characters): one short sentence.
@@ -478,7 +477,7 @@ class Run:
                                       f"(then {self._name(rank)} failed: {_first_line(text, 80)})",
                            last_traceback(dead.log_tail(400)))
                 return
-            self._fail(rank, f"{self._name(rank)} failed: {text}", str(msg.body.get("traceback", "")))
+            self._fail(rank, f"{self._name(rank)} failed: {text}", msg.traceback)
 
     def _dead_peer(self, rank: int, wait: float = 1.0) -> WorkerHandle | None:
         """Another worker that died (its exit may be reported a moment after the error it caused)."""

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..wire.reports import Epoch, Progress, State
+
 WORKER_STATES = ("starting", "training", "synchronising", "done", "failed", "stopped")
 
 
@@ -113,23 +115,22 @@ class RunState:
         w.host, w.pid = host, pid
         self.status = "running" if self.status in ("starting", "restarting") else self.status
 
-    def worker_progress(self, rank: int, body: dict[str, Any]) -> None:
+    def worker_progress(self, rank: int, progress: Progress | State) -> None:
+        """A worker's position and timing; what the message leaves out (None) stays as it was."""
+        p = progress.as_progress() if isinstance(progress, State) else progress
         w = self.workers[rank]
-        w.state = body.get("state", "training")
-        w.epoch = int(body.get("epoch", w.epoch))
-        w.batch = int(body.get("batch", w.batch))
-        w.batches = int(body.get("batches", w.batches))
-        w.samples_done = int(body.get("samples_done", w.samples_done))
-        w.compute_seconds = float(body.get("compute_seconds", w.compute_seconds))
-        w.sync_seconds = float(body.get("sync_seconds", w.sync_seconds))
-        w.device = str(body.get("device", w.device))
+        w.state = p.state
+        for name in ("epoch", "batch", "batches", "samples_done", "compute_seconds", "sync_seconds", "device"):
+            value = getattr(p, name)
+            if value is not None:
+                setattr(w, name, value)
 
-    def worker_epoch(self, rank: int, body: dict[str, Any]) -> dict[str, float] | None:
+    def worker_epoch(self, rank: int, epoch: Epoch) -> dict[str, float] | None:
         """Record one worker's epoch end; return the merged logs once every worker reported."""
-        self.worker_progress(rank, body)
-        report = {"logs": body.get("logs", {}), "samples": int(body.get("samples", 0)),
-                  "val_samples": int(body.get("val_samples", 0)), "seconds": float(body.get("seconds", 0.0))}
-        reports = self._aggregator.add(rank, int(body["epoch"]), report)
+        self.worker_progress(rank, epoch.as_progress())
+        report = {"logs": epoch.logs, "samples": epoch.samples, "val_samples": epoch.val_samples,
+                  "seconds": epoch.seconds}
+        reports = self._aggregator.add(rank, epoch.epoch, report)
         if reports is None:
             return None
         merged = merge_epoch_logs(reports)

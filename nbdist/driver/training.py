@@ -25,8 +25,9 @@ from ..model_io import ModelSpec, apply_state, spec_from_model
 from ..seeding import run_seed
 from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
-from ..wire import protocol
-from ..wire.messages import JobMessage, MessageType, Placement, TrainSettings
+from ..wire.commands import Rendezvous, Stop
+from ..wire.messages import JobMessage, Placement, TrainSettings
+from ..wire.reports import AsyncPull, AsyncPush, Epoch, Store, Weights
 from .async_server import plan_arrays, start_async
 from .keeper import CheckpointKeeper
 from .resolve import resolve_backend
@@ -58,7 +59,7 @@ class TrainingJob(Run):
         self._keeper: CheckpointKeeper | None = None  # --checkpoint-dir / --resume / --max-restarts
         self._initial_epoch = 0
         self._restart_pending: tuple[int, str, str] | None = None  # (rank, message, traceback) of the cause
-        self._rendezvous: dict[str, Any] | None = None  # where rank 0's store listens, once it says
+        self._rendezvous: Rendezvous | None = None  # where rank 0's store listens, once it says
         # (epoch, weights, number of optimizer arrays) from rank 0's last synchronisation
         self._last_weights: tuple[int, list[np.ndarray], int] | None = None
         self._applied_epoch: int | None = None  # the epoch whose state went into the model during the run
@@ -263,7 +264,7 @@ class TrainingJob(Run):
         if self._weights_every_epoch or self._coordinator is None or self._async is not None:
             return  # async: the driver holds the shared weights
         try:
-            self._coordinator.send(0, {"type": MessageType.STOP, "weights": True})
+            self._coordinator.send(0, Stop(weights=True))
         except (ConnectionError, OSError):
             return  # rank 0 is not (or no more) connected: the model keeps what it has
         deadline = time.monotonic() + STOP_WEIGHTS_WAIT
@@ -277,7 +278,7 @@ class TrainingJob(Run):
                 continue  # stopping: the other workers' news no longer matters
             if event.kind == "closed":
                 break  # rank 0 had no finished epoch to send
-            if event.kind == "message" and event.message.type == MessageType.WEIGHTS:
+            if event.kind == "message" and isinstance(event.message, Weights):
                 self._on_message(0, event.message)
                 break
 
@@ -289,45 +290,45 @@ class TrainingJob(Run):
             except (ConnectionError, OSError):
                 pass  # gone already: its "closed" event goes to the health check
 
-    def _on_message(self, rank: int, msg: protocol.Message) -> bool:
-        kind = msg.type
-        if kind == MessageType.EPOCH:
-            merged = self.state.worker_epoch(rank, msg.body)
+    def _on_message(self, rank: int, msg: Any) -> bool:
+        if isinstance(msg, Epoch):
+            merged = self.state.worker_epoch(rank, msg)
             if merged is not None:
-                self._save_checkpoint(int(msg.body["epoch"]))
+                self._save_checkpoint(msg.epoch)
                 if self.status in TERMINAL:  # the checkpoint could not be written
                     return True
                 self._notify("epoch", merged)
                 bad = non_finite(merged)
                 terminate = bad is not None and self.fit is not None and self.fit.callbacks.terminates_on_nan
                 if bad is not None and not terminate:  # diverged: stop rather than train on, keep the user's weights
-                    self._fail(rank, non_finite_message(bad, merged[bad], int(msg.body["epoch"])), "")
+                    self._fail(rank, non_finite_message(bad, merged[bad], msg.epoch), "")
                 elif self.fit is not None:
                     if terminate:  # TerminateOnNaN: stop after this epoch, its History kept (Keras stops mid-epoch)
                         self.model.stop_training = True
-                    self._fit_epoch_end(int(msg.body["epoch"]), merged)
-        elif kind == MessageType.WEIGHTS:
-            n = int(msg.body["n_weights"])
-            self._last_weights = (int(msg.body["epoch"]), msg.arrays[:n], len(msg.arrays) - n)
-            self._opt_weights = msg.arrays[n:]
-            self._iterations = msg.body.get("iterations")
-            self._layout = msg.body.get("layout") or []
-        elif kind in (MessageType.ASYNC_PULL, MessageType.ASYNC_PUSH) and self._async is not None:
+                    self._fit_epoch_end(msg.epoch, merged)
+        elif isinstance(msg, Weights):
+            self._last_weights = (msg.epoch, msg.weights, len(msg.optimizer))
+            self._opt_weights = msg.optimizer
+            self._iterations = msg.iterations
+            self._layout = msg.layout
+        elif isinstance(msg, (AsyncPull, AsyncPush)) and self._async is not None:
             self._async_message(rank, msg)
-        elif kind == MessageType.STORE:
+        elif isinstance(msg, Store):
             # Kept for workers that connect later (a warm rank 0 can be seconds ahead of a cold
             # rank 1); one that connected but has no job yet drops this copy and gets it with its job.
-            self._rendezvous = {"type": MessageType.RENDEZVOUS, "host": msg.body["host"],
-                                "port": int(msg.body["port"])}
+            self._rendezvous = Rendezvous(msg.host, msg.port)
             self._coordinator.broadcast(self._rendezvous)
         else:
             return False
         return True
 
-    def _async_message(self, rank: int, msg: protocol.Message) -> None:
+    def _async_message(self, rank: int, msg: AsyncPull | AsyncPush) -> None:
         server = self._async
         try:
-            (server.pull if msg.type == MessageType.ASYNC_PULL else server.push)(rank, msg.body, msg.arrays)
+            if isinstance(msg, AsyncPull):
+                server.pull(rank, msg)
+            else:
+                server.push(rank, msg)
         except (ValueError, ConnectionError, OSError) as exc:
             self._fail(rank, f"{self._name(rank)}: {exc}", "")
             return

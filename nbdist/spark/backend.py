@@ -38,7 +38,8 @@ from ..errors import NbdistError
 from ..keras_backend import notebook_backend
 from ..procs import ChildEnd
 from ..wire import protocol
-from ..wire.messages import MessageType
+from ..wire.catalog import read
+from ..wire.reports import TaskExit, TaskRows, TaskStarted
 from . import cluster
 from .balance import Rebalance, rebalance_frame, rebalance_rdd, rebalance_with_validation
 from .data import SparkData, barrier_safe
@@ -384,25 +385,23 @@ class SparkBackend:
             return
         try:
             while True:
-                body = channel.recv().body
-                rank = body.get("rank")
-                if not isinstance(rank, int) or not 0 <= rank < len(self.workers):
+                msg = read(channel.recv())  # a malformed message ends this task's channel, as garbage does
+                if not isinstance(msg, (TaskStarted, TaskRows, TaskExit)) or not 0 <= msg.rank < len(self.workers):
                     continue
-                w = self.workers[rank]
-                if body.get("type") == MessageType.TASK_STARTED:
-                    w.pid, w.host = int(body["pid"]), str(body.get("host", ""))
-                    w.warm = bool(body.get("warm"))
+                w = self.workers[msg.rank]
+                if isinstance(msg, TaskStarted):
+                    w.pid, w.host, w.warm = msg.pid, msg.host, msg.warm
                     if w.warm:
-                        log.info("worker %d: a warm worker on %s (pid %d)", rank, w.host, w.pid)
-                elif body.get("type") == MessageType.TASK_ROWS:
-                    w.rows = int(body["rows"])
-                elif body.get("type") == MessageType.TASK_EXIT:
-                    w.log = str(body.get("log", ""))
-                    if body.get("error"):
-                        w.error = str(body["error"])
-                    if body.get("peak_rss") is not None:  # how it ended, as its task saw it (procs.reap)
-                        w.end = ChildEnd(int(body["code"]), int(body["peak_rss"]), bool(body.get("oom_killed")))
-                    w.code = int(body["code"])
+                        log.info("worker %d: a warm worker on %s (pid %d)", msg.rank, w.host, w.pid)
+                elif isinstance(msg, TaskRows):
+                    w.rows = msg.rows
+                else:
+                    w.log = msg.log
+                    if msg.error:
+                        w.error = msg.error
+                    if msg.peak_rss is not None:  # how it ended, as its task saw it (procs.reap)
+                        w.end = ChildEnd(msg.code, msg.peak_rss, msg.oom_killed)
+                    w.code = msg.code
         except Exception:
             pass
         finally:

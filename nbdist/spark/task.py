@@ -24,7 +24,7 @@ import numpy as np
 
 from ..backends.command import job_command, worker_env
 from ..procs import ChildEnd, ProcessId, oom_kill_count, read_log_tail, reap, signal_group
-from ..wire.messages import MessageType
+from ..wire.reports import TaskExit, TaskRows, TaskStarted
 from ..wire.shardfile import DATA_ENV, VALIDATION_DIR, DiskFull, ShardWriter
 
 log = logging.getLogger(__name__)
@@ -241,10 +241,10 @@ class _Reporter:
             log.warning("%s", self.error)
             self.channel = None
 
-    def send(self, body: dict[str, Any]) -> None:
+    def send(self, message: TaskStarted | TaskRows | TaskExit) -> None:
         if self.channel is not None:
             try:
-                self.channel.send(body)
+                self.channel.send(*message.encode())
             except Exception as exc:
                 log.warning("lost the driver's status channel: %s", exc)
 
@@ -351,7 +351,7 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
             rows, val_rows = written if isinstance(written, tuple) else (written, 0)
             # The driver sizes every worker's epoch from these counts: no separate count pass, whose
             # partitions could differ from the ones read here (an uncached, recomputed DataFrame).
-            reporter.send({"type": MessageType.TASK_ROWS, "rank": rank, "rows": rows, "val_rows": val_rows})
+            reporter.send(TaskRows(rank, rows, val_rows))
             job_env[DATA_ENV] = workdir
         if pool is not None:
             proc = spark_warm.claim(pool, env, job_line(spec.address, rank, job_env), secret)
@@ -365,8 +365,7 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
                     env={**env, **job_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True)
                 hand_over(proc, secret)  # on stdin, not in the worker's command line or environment
-        reporter.send({"type": MessageType.TASK_STARTED, "rank": rank, "pid": proc.pid, "host": socket.gethostname(),
-                       "warm": isinstance(proc, spark_warm.ClaimedWorker)})
+        reporter.send(TaskStarted(rank, proc.pid, socket.gethostname(), isinstance(proc, spark_warm.ClaimedWorker)))
         if isinstance(proc, subprocess.Popen):  # its own child: reaped with its peak memory
             end = reap(proc.pid, oom_kills, block=True)
             proc.returncode = code = end.code if end is not None else proc.wait()
@@ -382,9 +381,8 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
         if proc is not None and proc.poll() is None:
             signal_group(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-        reporter.send({"type": MessageType.TASK_EXIT, "rank": rank, "code": code, "log": tail, "at": time.time(),
-                       "error": error, "oom_killed": bool(end and end.oom_killed),
-                       "peak_rss": end.peak_rss if end is not None else None})
+        reporter.send(TaskExit(rank, code, tail, time.time(), error, bool(end and end.oom_killed),
+                               end.peak_rss if end is not None else None))
         reporter.close()
         shutil.rmtree(workdir, ignore_errors=True)
         if pool is not None:  # the next job's worker imports TensorFlow while the notebook idles

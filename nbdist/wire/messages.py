@@ -1,8 +1,8 @@
-"""The contract between the driver and its workers: every message type, and the job message.
+"""The contract between the driver and its workers: the job message, and the version of every message.
 
-protocol.py moves authenticated JSON bodies and arrays; this module says what they mean.
-``MessageType`` names every message either side sends (``body["type"]``). The job message, the
-one big message (driver -> worker, once per worker and run), is a typed, versioned structure:
+protocol.py moves authenticated JSON bodies and arrays; codec.py, this module, reports.py (worker
+-> driver) and commands.py (driver -> worker) say what they mean; catalog.py reads any of them. The
+job message, the one big message (driver -> worker, once per worker and run), is a typed, versioned structure:
 ``JobMessage.encode()`` gives the JSON body and the arrays in the order ``decode`` reads them
 back, so the driver and the worker cannot disagree about an array's place.
 
@@ -15,17 +15,18 @@ stay opaque bytes (a uint8 array); only the worker opens them, after authenticat
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..data import Struct, flatten, unflatten
 from ..model_io import ModelSpec
+from .codec import MessageError, MessageType
 
-# Bump on any change to the job message's fields or their meaning.
-JOB_VERSION = 4
+# Bump on any change to the fields or meaning of any message (this job's, wire/reports.py's, wire/commands.py's):
+# the job carries it and a worker of another version refuses the job. 5: every message typed.
+JOB_VERSION = 5
 
 JOB_KINDS = ("train", "evaluate", "predict")
 # The shard came in the job's arrays / the Spark task wrote it to a file / the worker reads its rows of
@@ -34,41 +35,6 @@ DATA_SOURCES = ("wire", "task", "file")
 # A job's data fields, in the order their arrays follow the model's. Each is an array, a nested
 # dict/list of arrays (a multi-input or multi-output model's), or None.
 DATA_FIELDS = ("x", "y", "sample_weight", "x_val", "y_val", "sample_weight_val")
-
-
-class MessageType(enum.StrEnum):
-    """Every ``body["type"]`` on the wire. A StrEnum: it is the string in JSON and compares equal to it."""
-
-    # worker -> driver
-    HELLO = "hello"  # first message: rank, pid, host
-    STORE = "store"  # rank 0's Gloo store listens here (host, port)
-    PROGRESS = "progress"  # batch / epoch position and timing
-    STATE = "state"  # a sampled phase: training or synchronising (worker/phases.py)
-    EPOCH = "epoch"  # an epoch's metrics on this worker's shard
-    WEIGHTS = "weights"  # rank 0's synchronised weights and optimizer state after an epoch
-    DONE = "done"  # finished; the body is the worker's closing report
-    ERROR = "error"  # failed: one line and the traceback
-    WARNING = "warning"  # something worth saying once, not fatal
-    ASYNC_PULL = "async_pull"  # --strategy async: the shared weights and a block of batches, please
-    ASYNC_PUSH = "async_push"  # --strategy async: a block's delta (seq, the version it started from, samples)
-    EVALUATION = "evaluation"  # a shard's additive metric state
-    PREDICTIONS = "predictions"  # a shard's predictions, rows in order
-    # driver -> worker
-    JOB = "job"  # the JobMessage
-    DECISION = "decision"  # the notebook's callbacks at an epoch's end: stop? the next learning rate
-    RENDEZVOUS = "rendezvous"  # where rank 0's store listens, relayed to every worker
-    STOP = "stop"  # end now
-    ASYNC_SHARED = "async_shared"  # --strategy async: the shared weights, their version, the next block
-    # both ways
-    HEARTBEAT = "heartbeat"
-    # a Spark barrier task -> the Spark backend's status server (spark/task.py, spark/backend.py)
-    TASK_STARTED = "started"
-    TASK_ROWS = "rows"  # the rows of the partition the task wrote for its worker
-    TASK_EXIT = "exit"
-
-
-class MessageError(ValueError):
-    """A job message this side cannot read: another version, or malformed."""
 
 
 @dataclass
@@ -136,6 +102,8 @@ class Placement:
 @dataclass
 class JobMessage:
     """One worker's job: what to run (``kind``), on which model and data, with which settings."""
+
+    TYPE: ClassVar[MessageType] = MessageType.JOB
 
     kind: str  # "train" | "evaluate" | "predict"
     rank: int

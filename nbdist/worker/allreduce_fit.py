@@ -4,7 +4,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..wire.messages import JobMessage, MessageType
+from ..wire.messages import JobMessage
+from ..wire.reports import Done, WorkerWarning
 
 log = logging.getLogger("nbdist.worker")
 
@@ -64,7 +65,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     engine, warning = ("none", None) if solo else resolve_engine(train.engine, collective)
     if warning:
         log.warning("%s", warning)
-        link.send({"type": MessageType.WARNING, "message": warning})
+        link.send(WorkerWarning(warning))
     log.info("worker %d: allreduce on engine %s", rank, engine)
 
     floats = lambda vs: [v for v in vs if "float" in str(v.dtype)]
@@ -137,11 +138,8 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     if feed is not None:
         callbacks = feed.callbacks(event) + callbacks
     report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
-    done = {"type": MessageType.DONE, "sync_seconds": reducer.seconds, "rounds": reducer.steps,
-            "engine": engine, "padded_steps": sync.padded_steps,
-            "summed_by": "device" if engine == "jax" else reducer.summed_by,
-            "device": training_device(), **report}
-    link.send(done)
+    link.send(Done(sync_seconds=reducer.seconds, rounds=reducer.steps, engine=engine, padded_steps=sync.padded_steps,
+                   summed_by="device" if engine == "jax" else reducer.summed_by, device=training_device(), **report))
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",
              rank, reducer.steps, sync.padded_steps, reducer.seconds)
 
@@ -156,7 +154,7 @@ def _equal_steps_or_gloo(link: Any, collective: Any, samples: int | None, sizes:
     engine, warning = choose_jax_engine("jax", len(set(shares)) == 1 and len(set(sizes)) == 1)
     if warning:
         log.warning("%s", warning)
-        link.send({"type": MessageType.WARNING, "message": warning})
+        link.send(WorkerWarning(warning))
     return engine
 
 

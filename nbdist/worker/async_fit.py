@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from ..data import batch_rows
-from ..wire.messages import JobMessage, MessageType
+from ..wire.commands import AsyncShared, Decision
+from ..wire.messages import JobMessage
+from ..wire.reports import AsyncPull, AsyncPush, Epoch, Progress
 
 log = logging.getLogger("nbdist.worker")
 
@@ -56,7 +58,7 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
     from .fit_sync import apply_decision
 
     train = job.train
-    first: dict[str, Any] = {"first": True}  # the model's weights as the job made them: the shared model's start
+    first = True  # the first pull carries the model's weights as the job made them: the shared model's start
     every = [np.asarray(keras.ops.convert_to_numpy(w.value)) for w in model.weights]
     seq, pushed, refused = 0, 0, 0
     waited = validating = reading = 0.0  # seconds, for the closing report
@@ -66,18 +68,17 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
         logs: dict[str, float] = {}
         samples = 0
         data.on_epoch_begin(epoch)
-        link.send({"type": MessageType.PROGRESS, "state": "training", "epoch": epoch, "batch": 0,
-                   "batches": len(data), "samples_done": 0})
-        link.send({"type": MessageType.ASYNC_PULL, "epoch": epoch, **first}, every if first else [])
-        first, every = {}, []
-        reply = link.expect(MessageType.ASYNC_SHARED, timeout)
+        link.send(Progress("training", epoch, 0, len(data), 0))
+        link.send(AsyncPull(epoch, first, every if first else []))
+        first, every = False, []
+        reply = link.expect(AsyncShared, timeout)
         while True:
-            _assign(variables, reply.arrays)
-            if reply.body["epoch_done"]:
+            _assign(variables, reply.weights)
+            if reply.epoch_done:
                 break
-            base, rows = reply.arrays, 0
+            base, rows = reply.weights, 0
             # Read ahead on one thread: the next batch is read while this one trains, as fit's reader does.
-            reads = [reader.submit(data.batch, int(i)) for i in reply.body["batches"]]
+            reads = [reader.submit(data.batch, int(i)) for i in reply.batches]
             for read in reads:
                 t0 = time.perf_counter()
                 batch = read.result(timeout=timeout)
@@ -87,15 +88,14 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
                 rows += batch_rows(batch)
             samples += rows
             delta = [now - before for now, before in zip(_read(variables), base)]
-            link.send({"type": MessageType.ASYNC_PUSH, "seq": seq, "version": int(reply.body["version"]),
-                       "samples": rows, "epoch": epoch}, delta)
+            link.send(AsyncPush(seq, reply.version, rows, epoch, delta))
             seq += 1
             t0 = time.perf_counter()
-            reply = link.expect(MessageType.ASYNC_SHARED, timeout)
+            reply = link.expect(AsyncShared, timeout)
             waited += time.perf_counter() - t0
-            if reply.body.get("refused"):
+            if reply.refused:
                 refused += 1
-                log.warning("the driver refused block %d: %s", seq - 1, reply.body["refused"])
+                log.warning("the driver refused block %d: %s", seq - 1, reply.refused)
             else:
                 pushed += 1
         data.on_epoch_end()
@@ -106,11 +106,9 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
             val_samples = batch_rows((job.x_val,))
             logs.update(_validate(model, job, val_samples))
         validating += time.perf_counter() - t0
-        link.send({"type": MessageType.EPOCH, "epoch": epoch, "logs": logs, "samples": samples,
-                   "val_samples": val_samples, "seconds": time.perf_counter() - started})
+        link.send(Epoch(epoch, logs, samples, val_samples, time.perf_counter() - started))
         if train.epoch_decisions:
-            body = link.expect(MessageType.DECISION, timeout).body
-            apply_decision(model, body)
+            apply_decision(model, link.expect(Decision, timeout))
         if getattr(model, "stop_training", False):
             break
     return {"async_pushed": pushed, "async_refused": refused, "async_wait_seconds": waited,

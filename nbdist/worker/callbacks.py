@@ -1,6 +1,7 @@
 """Keras callbacks that run inside a worker: averaging rounds and the event stream."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -12,7 +13,7 @@ import numpy as np
 from ..model_io import host_array
 from ..strategies.averaging import WeightedAverager, batch_sizes, sync_after
 from ..strategies.backend_grads import synced_state
-from ..wire.messages import MessageType
+from ..wire.reports import Epoch, Progress, Weights
 from .blocks import BatchSpan
 
 
@@ -104,25 +105,22 @@ class EventCallback(keras.callbacks.Callback):
         self._epoch = epoch
         self._epoch_start = time.perf_counter()
         self.span.reset()
-        self.send({"type": MessageType.PROGRESS, "state": "training", "epoch": epoch, "batch": 0,
-                   "batches": len(self.sizes), "samples_done": self._samples_done, **self._timing()})
+        self.send(Progress("training", epoch, 0, len(self.sizes), self._samples_done, **self._timing()))
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self._samples_done += sum(self.sizes[b] for b in self.span.advance(batch))
         now = time.perf_counter()
         if now - self._last_sent >= self.interval:
             self._last_sent = now
-            self.send({"type": MessageType.PROGRESS, "state": "training", "epoch": self._epoch,
-                       "batch": self.span.next,
-                       "batches": len(self.sizes), "samples_done": self._samples_done, **self._timing()})
+            self.send(Progress("training", self._epoch, self.span.next, len(self.sizes), self._samples_done,
+                               **self._timing()))
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if self.ship_weights is not None:
             self.ship_weights(epoch)
-        self.send({"type": MessageType.EPOCH, "epoch": epoch, "logs": _floats(logs), "samples": self.samples,
-                   "val_samples": self.val_samples, "batch": len(self.sizes), "batches": len(self.sizes),
-                   "samples_done": self._samples_done, "state": "training",
-                   "seconds": time.perf_counter() - self._epoch_start, **self._timing()})
+        self.send(Epoch(epoch, _floats(logs), self.samples, self.val_samples, time.perf_counter() - self._epoch_start,
+                        batch=len(self.sizes), batches=len(self.sizes), samples_done=self._samples_done,
+                        **self._timing()))
 
 
 def weights_and_optimizer(model: Any) -> tuple[list[np.ndarray], list[list[int]]]:
@@ -189,8 +187,9 @@ class WeightShipper:
         self.send, self.model, self.every_epoch = send, model, every_epoch
         self.final_epoch = epochs - 1 if epochs else None
         self.sent = 0  # weight messages sent (the closing report says how many)
-        # The latest epoch's message, not yet sent, and its state (None: the model's own, training over).
-        self._last: tuple[dict[str, Any], list[np.ndarray] | None] | None = None
+        # The latest epoch's message (its state not in it yet), not yet sent, and its state (None: the model's
+        # own, training over).
+        self._last: tuple[Weights, list[np.ndarray] | None] | None = None
         self._copies: list[np.ndarray] = []
         self._lock = threading.Lock()  # the copy is written here and sent from the reader thread
         self._epoch: int | None = None  # the latest epoch shipped or kept
@@ -200,26 +199,25 @@ class WeightShipper:
 
         self._epoch = epoch
         model = self.model
-        body = {"type": MessageType.WEIGHTS, "epoch": epoch, "n_weights": len(model.weights),  # get_weights()'s
-                "iterations": optimizer_steps(model), "layout": optimizer_layout(model)}
+        head = Weights(epoch, optimizer_steps(model), optimizer_layout(model))
         if self.every_epoch:
-            self._send(body, weights_and_optimizer(model)[0])
+            self._send(head, weights_and_optimizer(model)[0])
             return
         with self._lock:
             if epoch == self.final_epoch:
-                self._last = (body, None)
+                self._last = (head, None)
                 return
             kept = device_copies([*model.weights, *optimizer_state_variables(model)], self._copies)
             if kept is not None:  # on a GPU: kept there until sent
                 self._copies = kept
-                self._last = (body, kept)
+                self._last = (head, kept)
                 return
             weights = weights_and_optimizer(model)[0]
             if [(a.shape, a.dtype) for a in self._copies] != [(w.shape, w.dtype) for w in weights]:
                 self._copies = [np.empty_like(w) for w in weights]
             for copy, w in zip(self._copies, weights):
                 np.copyto(copy, w)
-            self._last = (body, self._copies)
+            self._last = (head, self._copies)
 
     def finish(self) -> None:
         """Training ended: send the last epoch's weights if they have not gone yet.
@@ -241,10 +239,12 @@ class WeightShipper:
         with self._lock:  # held while sending: the next epoch's copy waits (the worker exits after a stop)
             last, self._last = self._last, None
             if last is not None:
-                body, weights = last
+                head, weights = last
                 state = [host_copy(w) for w in weights] if weights is not None else None
-                self._send(body, state if state is not None else weights_and_optimizer(self.model)[0])
+                self._send(head, state if state is not None else weights_and_optimizer(self.model)[0])
 
-    def _send(self, body: dict[str, Any], weights: list[np.ndarray]) -> None:
-        self.send(body, weights)
+    def _send(self, head: Weights, state: list[np.ndarray]) -> None:
+        """``head`` with the state: the model's weights (``get_weights()``'s), then the optimizers'."""
+        n = len(self.model.weights)
+        self.send(dataclasses.replace(head, weights=state[:n], optimizer=state[n:]))
         self.sent += 1

@@ -23,7 +23,8 @@ import numpy as np
 
 from ..keras_backend import OPTIONAL_AT_IMPORT
 from ..strategies.backend_grads import synced_state
-from ..wire.messages import JobMessage, MessageType
+from ..wire.commands import Decision
+from ..wire.messages import JobMessage
 from .validation import KeepValidationIterator, reads_whole_passes
 
 log = logging.getLogger("nbdist.worker")
@@ -167,17 +168,17 @@ class DecisionCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self.last_epoch = epoch
         while True:
-            body = self.link.expect(MessageType.DECISION, timeout=self.timeout).body
-            if int(body["epoch"]) == epoch:
+            decision = self.link.expect(Decision, timeout=self.timeout)
+            if decision.epoch == epoch:
                 break
-            log.warning("ignoring the driver's decision for epoch %s at epoch %d", body["epoch"], epoch)
-        apply_decision(self.model, body, self.lr_factor)
+            log.warning("ignoring the driver's decision for epoch %s at epoch %d", decision.epoch, epoch)
+        apply_decision(self.model, decision, self.lr_factor)
 
 
-def apply_decision(model: Any, body: dict[str, Any], lr_factor: float = 1.0) -> None:
-    if body.get("stop"):
+def apply_decision(model: Any, decision: Decision, lr_factor: float = 1.0) -> None:
+    if decision.stop:
         model.stop_training = True
-    lr = body.get("learning_rate")
+    lr = decision.learning_rate
     if lr is not None and hasattr(model.optimizer.learning_rate, "assign"):
         model.optimizer.learning_rate.assign(float(lr) * lr_factor)
 

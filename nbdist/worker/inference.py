@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from ..data import flatten, has_text
-from ..wire.messages import JobMessage, MessageType
+from ..wire.messages import JobMessage
+from ..wire.reports import Done, Evaluation, Predictions, Progress
 from .datasets import sample_count, tf_structure, uses_tf_data
 
 log = logging.getLogger("nbdist.worker")
@@ -121,22 +122,17 @@ def _run_share(link: Any, job: JobMessage, model: Any, share: Any) -> int:
     ``evaluate`` computes them. A worker with no batch (fewer batches than workers) answers with no rows."""
     if job.kind == "evaluate":
         if not share.count:
-            link.send({"type": MessageType.EVALUATION, "rows": 0, "names": [], "has_stats": False,
-                       "has_histogram": False})
+            link.send(Evaluation(rows=0))
             return 0
         model.evaluate(share.pipeline(), steps=share.count, verbose=0)
         state = [np.asarray(v.numpy()) for v in model.metrics_variables]
-        # Always two (empty) arrays after the state, as evaluate_shard's answer has: the driver builds its
-        # metric variables from the dataset's first row itself.
-        link.send({"type": MessageType.EVALUATION, "rows": share.last_pass_rows,
-                   "names": [v.path for v in model.metrics_variables], "has_stats": False, "has_histogram": False},
-                  state + [np.zeros(0), np.zeros(0)])
+        # No label row: the driver builds its metric variables from the dataset's first row itself.
+        link.send(Evaluation(share.last_pass_rows, [v.path for v in model.metrics_variables], state))
         return share.last_pass_rows
     layout, outputs = _flat_predictions(model.predict(share.pipeline(), steps=share.count, verbose=0)) \
         if share.count else (None, [])
     # Each batch's rows: the driver puts the workers' strided batches back in the dataset's order.
-    link.send({"type": MessageType.PREDICTIONS, "rows": share.last_pass_rows, "layout": layout,
-               "batch_rows": share.last_pass_batch_rows}, outputs)
+    link.send(Predictions(share.last_pass_rows, layout, outputs, list(share.last_pass_batch_rows)))
     return share.last_pass_rows
 
 
@@ -169,12 +165,10 @@ def run_inference(link: Any, job: JobMessage) -> None:
     x, y, batch_size = job.x, job.y, job.batch_size
     share = py_dataset_share(job)
     if share is not None:
-        link.send({"type": MessageType.PROGRESS, "state": job.kind + "ing", "epoch": 0, "batch": 0,
-                   "batches": share.count})
+        link.send(Progress(job.kind + "ing", epoch=0, batch=0, batches=share.count))
         started = time.perf_counter()
         rows = _run_share(link, job, model, share)
-        link.send({"type": MessageType.DONE, "seconds": time.perf_counter() - started,
-                   "tensorflow_loaded": "tensorflow" in sys.modules})
+        link.send(Done(seconds=time.perf_counter() - started, tensorflow_loaded="tensorflow" in sys.modules))
         log.info("worker %d %s %d rows of a PyDataset in %.2f s", job.rank, job.kind, rows,
                  time.perf_counter() - started)
         return
@@ -182,30 +176,20 @@ def run_inference(link: Any, job: JobMessage) -> None:
         x, rows = file_features(job.data_file, batch_size)
     else:
         rows = sample_count(x)
-    link.send({"type": MessageType.PROGRESS, "state": job.kind + "ing", "epoch": 0, "batch": 0,
-               "batches": -(-rows // batch_size)})
+    link.send(Progress(job.kind + "ing", epoch=0, batch=0, batches=-(-rows // batch_size)))
     started = time.perf_counter()
     x = _fit_input(model, x)
     if job.kind == "evaluate" and rows == 0:  # an empty Spark partition: nothing to add
-        link.send({"type": MessageType.EVALUATION, "rows": 0, "names": [], "has_stats": False,
-                   "has_histogram": False})
+        link.send(Evaluation(rows=0))
     elif job.kind == "predict":
         layout, outputs = predict_shard(model, x, batch_size)
-        link.send({"type": MessageType.PREDICTIONS, "rows": rows, "layout": layout}, outputs)
+        link.send(Predictions(rows, layout, outputs))
     elif job.kind == "evaluate":
         names, state, extra = evaluate_shard(model, x, y, batch_size, job.classifier, job.sample_weight)
-        stats = extra.get("stats")
-        # Always two arrays after the state (empty when the driver needs no label row): stats stay in place.
-        arrays = state + [extra.get("y_row", np.zeros(0)), extra.get("y_pred_row", np.zeros(0))]
-        if stats is not None:
-            arrays.append(stats["confusion"])
-            if "histogram" in stats:
-                arrays.append(stats["histogram"])
-        link.send({"type": MessageType.EVALUATION, "rows": rows, "names": names,
-                   "has_stats": stats is not None, "has_histogram": bool(stats and "histogram" in stats)},
-                  arrays)
+        stats = extra.get("stats") or {}
+        link.send(Evaluation(rows, names, state, extra.get("y_row"), extra.get("y_pred_row"), stats.get("confusion"),
+                             stats.get("histogram")))
     else:
         raise ValueError(f"unknown job kind {job.kind!r}")
-    link.send({"type": MessageType.DONE, "seconds": time.perf_counter() - started,
-               "tensorflow_loaded": "tensorflow" in sys.modules})
+    link.send(Done(seconds=time.perf_counter() - started, tensorflow_loaded="tensorflow" in sys.modules))
     log.info("worker %d %s %d rows in %.2f s", job.rank, job.kind, rows, time.perf_counter() - started)

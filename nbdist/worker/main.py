@@ -18,13 +18,17 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import NbdistError
 from ..wire import protocol
-from ..wire.messages import MessageType
+from ..wire.catalog import read
+from ..wire.codec import MessageError
+from ..wire.commands import Heartbeat, Stop
+from ..wire.reports import Hello, WorkerError
 
 log = logging.getLogger("nbdist.worker")
+T = TypeVar("T")
 
 
 def read_secret(stream: Any = None) -> bytes | None:
@@ -48,7 +52,8 @@ class DriverLink:
     def __init__(self, channel: protocol.Channel, heartbeat_interval: float = 2.0,
                  heartbeat_timeout: float = 60.0) -> None:
         self.channel = channel
-        self.inbox: queue.Queue[protocol.Message] = queue.Queue()
+        # Typed messages from the driver; a MessageError where one could not be read (raised by ``expect``).
+        self.inbox: queue.Queue[Any] = queue.Queue()
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self._last_heard = time.monotonic()
@@ -58,33 +63,42 @@ class DriverLink:
         threading.Thread(target=self._read, name="nbdist-driver-reader", daemon=True).start()
         threading.Thread(target=self._beat, name="nbdist-heartbeat", daemon=True).start()
 
-    def send(self, body: dict[str, Any], arrays: Any = ()) -> None:
-        self.channel.send(body, arrays)
+    def send(self, message: Any) -> None:
+        """Send a typed message (wire/reports.py)."""
+        self.channel.send(*message.encode())
 
-    def expect(self, kind: str, timeout: float) -> protocol.Message:
+    def expect(self, kind: type[T], timeout: float) -> T:
+        """The next message of type ``kind`` (others are dropped); a malformed one raises MessageError."""
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"no '{kind}' message from the driver within {timeout:.0f} s")
+                raise TimeoutError(f"no '{kind.TYPE}' message from the driver within {timeout:.0f} s")
             try:
                 msg = self.inbox.get(timeout=remaining)
             except queue.Empty:
                 continue
-            if msg.type == kind:
+            if isinstance(msg, MessageError):
+                raise msg
+            if isinstance(msg, kind):
                 return msg
-            log.debug("ignoring %s while waiting for %s", msg.type, kind)
+            log.debug("ignoring %s while waiting for %s", msg.TYPE, kind.TYPE)
 
     def _read(self) -> None:
         try:
             while True:
-                msg = self.channel.recv()
+                received = self.channel.recv()
                 self._last_heard = time.monotonic()
-                if msg.type == MessageType.HEARTBEAT:
+                try:
+                    msg = read(received)
+                except MessageError as exc:  # the job's thread fails with it and reports it
+                    self.inbox.put(exc)
                     continue
-                if msg.type == MessageType.STOP:
+                if isinstance(msg, Heartbeat):
+                    continue
+                if isinstance(msg, Stop):
                     log.info("driver asked this worker to stop")
-                    if msg.body.get("weights") and self.on_stop is not None:
+                    if msg.weights and self.on_stop is not None:
                         try:
                             self.on_stop()
                         except Exception:  # the driver then keeps what it has; the worker ends all the same
@@ -103,7 +117,7 @@ class DriverLink:
                 log.error("driver silent for %.0f s; exiting", self.heartbeat_timeout)
                 os._exit(4)
             try:
-                self.send({"type": MessageType.HEARTBEAT})
+                self.send(Heartbeat())
             except Exception:
                 return
 
@@ -294,7 +308,7 @@ def _work(address: str, rank: int, secret: bytes) -> int:
         log.error("%s %s:%s from %s: %s", UNREACHABLE, host, port, socket.gethostname(), why)
         return protocol.EXIT_UNREACHABLE
     link = DriverLink(channel)
-    link.send({"type": MessageType.HELLO, "rank": rank, "pid": os.getpid(), "host": socket.gethostname()})
+    link.send(Hello(rank, os.getpid(), socket.gethostname()))
     try:
         problem = backend_problem()
         if problem is not None:
@@ -303,7 +317,9 @@ def _work(address: str, rank: int, secret: bytes) -> int:
 
         import_keras()  # first, before anything imports Keras with its optional packages
 
-        job = unpack_job(link.expect(MessageType.JOB, timeout=300))
+        from ..wire.messages import JobMessage
+
+        job = unpack_job(link.expect(JobMessage, timeout=300))
         if job.kind == "train":
             from .training import run_training
 
@@ -316,7 +332,7 @@ def _work(address: str, rank: int, secret: bytes) -> int:
         tb = traceback.format_exc()
         log.error("training failed:\n%s", tb)
         try:
-            link.send({"type": MessageType.ERROR, "message": summarise(exc), "traceback": tb})
+            link.send(WorkerError(type(exc).__name__, summarise(exc), tb))
         except Exception:
             pass
         channel.closed = True

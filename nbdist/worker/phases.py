@@ -2,7 +2,7 @@
 
 Marking a phase per batch is cheap (two clock reads), but a message per batch would cost
 throughput, so the phase is *sampled*: a thread looks at it every ``tick`` seconds and sends
-``{"type": MessageType.STATE, ...}`` when the phase changed (at most once per tick) or, unchanged,
+a ``State`` message (wire/reports.py) when the phase changed (at most once per tick) or, unchanged,
 once every ``interval`` seconds. A sync is only reported as "synchronising" once it has
 lasted ``min_sync`` seconds: a worker blocked on a slow peer shows up, the few-millisecond
 rounds of a healthy run do not make the dashboard flicker. Synchronisation time includes
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..wire.messages import MessageType
+from ..wire.reports import State
 
 log = logging.getLogger("nbdist.worker")
 
@@ -95,7 +95,7 @@ class PhaseCollective:
 class PhaseReporter:
     """Samples a ``PhaseClock`` on a thread and sends state messages at a modest rate."""
 
-    def __init__(self, send: Callable[[dict[str, Any]], None], clock: PhaseClock, tick: float = 0.25,
+    def __init__(self, send: Callable[[State], None], clock: PhaseClock, tick: float = 0.25,
                  interval: float = 1.0, min_sync: float = 0.1) -> None:
         self.send = send
         self.clock = clock
@@ -116,7 +116,7 @@ class PhaseReporter:
         state, now = self.phase(), self.clock.clock()
         if not force and state == self._last_state and now - self._last_sent < self.interval:
             return False
-        self.send({"type": MessageType.STATE, "state": state, **self.clock.timing()})
+        self.send(State(state, **self.clock.timing()))
         self._last_state, self._last_sent = state, now
         self.sent += 1
         return True
@@ -165,7 +165,7 @@ def phase_timer(collective: Any, strategy_timer: Any) -> Any:
     return clock
 
 
-def phase_callbacks(send: Callable[[dict[str, Any]], None], collective: Any) -> list[Any]:
+def phase_callbacks(send: Callable[[State], None], collective: Any) -> list[Any]:
     """The phase reporter's callback, if ``collective`` is watched by a ``PhaseClock``."""
     clock = getattr(collective, "clock", None)
     if not isinstance(clock, PhaseClock) or collective.world_size < 2:

@@ -1,8 +1,6 @@
 """What every job needs on a worker, whatever its kind: its message decoded, its thread budget."""
 from __future__ import annotations
 
-from typing import Any
-
 from ..keras_backend import configured_backend, optional_packages_hidden
 from ..placement import interop_threads
 from ..wire.messages import JobMessage
@@ -32,9 +30,8 @@ def pin_threads(threads: int) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(interop_threads(threads))
 
 
-def unpack_job(msg: Any) -> JobMessage:
-    """The job message decoded (wire/messages.py), with the shard its Spark task wrote, if any."""
-    job = JobMessage.decode(msg.body, msg.arrays)
+def unpack_job(job: JobMessage) -> JobMessage:
+    """The job message (decoded by the link, wire/messages.py), with the shard its Spark task wrote, if any."""
     # The Spark task wrote this worker's shard next to it: training streams it (datasets.job_inputs),
     # evaluation and prediction read it whole.
     if job.data_source == "task" and job.kind != "train":

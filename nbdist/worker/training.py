@@ -5,7 +5,9 @@ import logging
 import os
 from typing import Any
 
-from ..wire.messages import JobMessage, MessageType
+from ..wire.commands import Rendezvous
+from ..wire.messages import JobMessage
+from ..wire.reports import Done, Progress, Store, WorkerWarning
 from .runtime import pin_threads
 
 log = logging.getLogger("nbdist.worker")
@@ -39,9 +41,9 @@ def connect_collective(link: Any, job: JobMessage) -> Any:
         if place.store_on_link:  # on a Spark executor: this host's address toward the driver
             bind = advertise = link.channel.sock.getsockname()[0]
         listen_fd, port = open_store_listener(bind)
-        link.send({"type": MessageType.STORE, "host": advertise, "port": port})
-    rdv = link.expect(MessageType.RENDEZVOUS, timeout=float(train.startup_timeout)).body
-    return GlooCollective(rank, world, rdv["host"], int(rdv["port"]), float(train.sync_timeout),
+        link.send(Store(advertise, port))
+    rdv = link.expect(Rendezvous, timeout=float(train.startup_timeout))
+    return GlooCollective(rank, world, rdv.host, rdv.port, float(train.sync_timeout),
                           listen_fd=listen_fd, ifname=place.gloo_ifname)
 
 
@@ -90,15 +92,15 @@ def run_training(link: Any, job: JobMessage) -> None:
     from .device import training_device
 
     device = training_device()  # in the run's state and dashboard from here on, and in the closing report
-    link.send({"type": MessageType.PROGRESS, "state": "starting", "epoch": train.initial_epoch, "device": device})
+    link.send(Progress("starting", epoch=train.initial_epoch, device=device))
     missing = gpu_missing_notice(train.engine, device, os.environ.get(GPUS_ASKED) == "1")
     if missing and (train.engine != "nccl" or job.world_size == 1):  # else the engine's choice refuses it
-        link.send({"type": MessageType.WARNING, "message": missing})
+        link.send(WorkerWarning(missing))
 
     if train.strategy == "async":  # no collective: every exchange is with the driver (async_fit.py)
         from .async_fit import fit_async
 
-        link.send({"type": MessageType.DONE, "device": device, **fit_async(link, job, model)})
+        link.send(Done(device=device, **fit_async(link, job, model)))
         return
     from .phases import EpochPhases, PhaseClock, PhaseCollective, phase_callbacks, phase_timer, phase_times_enabled
 
@@ -164,9 +166,8 @@ def run_training(link: Any, job: JobMessage) -> None:
         if feed is not None:
             callbacks = feed.callbacks(event) + callbacks
         report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
-        done = {"type": MessageType.DONE, "sync_seconds": averager.seconds, "rounds": averager.rounds,
-                "summed_by": averager.summed_by, "device": device, **report}
-        link.send(done)
+        link.send(Done(sync_seconds=averager.seconds, rounds=averager.rounds, summed_by=averager.summed_by,
+                       device=device, **report))
     finally:
         if averager is not None:
             averager.close()

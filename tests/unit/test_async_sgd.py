@@ -1,6 +1,8 @@
 """The asynchronous strategy's server logic (strategies/async_sgd.py): scaling, bounds, refusals, dealing."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -100,25 +102,24 @@ def test_an_update_over_the_authenticated_wire_replayed_or_forged_is_refused():
     sequence number) is refused by the server, the shared weights unchanged."""
     from nbdist.driver.async_server import AsyncServer
     from nbdist.wire import protocol
-    from nbdist.wire.messages import MessageType
+    from nbdist.wire.catalog import read
+    from nbdist.wire.reports import AsyncPull, AsyncPush
 
     from .test_protocol import Recorder, pair
 
     answers: list = []
     server = AsyncServer(2, batches=4, k=2, shuffle=False, seed=0,
-                         send=lambda rank, body, arrays: answers.append((rank, body, [a.copy() for a in arrays])))
+                         send=lambda rank, shared: answers.append((rank, shared)))
     secret = protocol.new_secret()
     driver, worker = pair(secret, secret)
     worker.sock = recorder = Recorder(worker.sock)
     start = [np.zeros((2, 2), np.float32)]
-    worker.send({"type": MessageType.ASYNC_PULL, "epoch": 0, "first": True}, start)
-    msg = driver.recv()
-    server.pull(0, msg.body, msg.arrays)
-    assert answers[-1][1]["batches"] == [0, 1] and answers[-1][1]["version"] == 0
-    push = {"type": MessageType.ASYNC_PUSH, "seq": 0, "version": 0, "samples": 64, "epoch": 0}
-    worker.send(push, [np.ones((2, 2), np.float32)])
-    msg = driver.recv()
-    server.push(0, msg.body, msg.arrays)
+    worker.send(*AsyncPull(0, True, start).encode())
+    server.pull(0, read(driver.recv()))
+    assert answers[-1][1].batches == [0, 1] and answers[-1][1].version == 0
+    push = AsyncPush(seq=0, version=0, samples=64, epoch=0, delta=[np.ones((2, 2), np.float32)])
+    worker.send(*push.encode())
+    server.push(0, read(driver.recv()))
     applied = server.shared.weights[0].copy()
     np.testing.assert_allclose(applied, 0.5)  # 1/N of the delta, staleness 0
     recorder.sock.sendall(recorder.sent[-1])  # the push frame's bytes again: a replay on the wire
@@ -126,12 +127,11 @@ def test_an_update_over_the_authenticated_wire_replayed_or_forged_is_refused():
         driver.recv()
     driver2, worker2 = pair(secret, secret)
     worker2.sock = recorder2 = Recorder(worker2.sock)
-    worker2.send({**push, "version": 1}, [np.ones((2, 2), np.float32)])  # the same update again, a fresh frame
-    msg = driver2.recv()
-    server.push(0, msg.body, msg.arrays)
-    assert "replays" in answers[-1][1]["refused"]
+    worker2.send(*dataclasses.replace(push, version=1).encode())  # the same update again, a fresh frame
+    server.push(0, read(driver2.recv()))
+    assert "replays" in answers[-1][1].refused
     np.testing.assert_array_equal(server.shared.weights[0], applied)
-    forged = b'{"type":"async_push","seq":9,"version":1,"samples":64,"epoch":0}'  # in sequence, without the key
+    forged = b'{"type":"async_push","seq":9,"version":1,"samples":64,"epoch":0,"arrays":{"delta":0}}'  # no key
     header = protocol.HEADER.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, protocol.KIND_JSON, len(recorder2.sent),
                                   len(forged))
     recorder2.sock.sendall(header + forged + b"\0" * protocol.MAC_SIZE)

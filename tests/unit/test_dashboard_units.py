@@ -18,6 +18,7 @@ from nbdist.ui.html import HtmlRenderer, progress_html
 from nbdist.ui.summary import summary_html
 from nbdist.ui.text import TextRenderer
 from nbdist.ui.view import Throttle, metric_groups, overview, status_sentence, worker_rows
+from nbdist.wire.reports import Epoch, Progress
 
 
 class Shown:
@@ -46,9 +47,9 @@ def running_state() -> RunState:
 def epoch(st: RunState, e: int) -> dict:
     merged = None
     for r in range(2):
-        merged = st.worker_epoch(r, {"epoch": e, "batch": 10, "batches": 10, "samples": 100, "val_samples": 0,
-                                     "seconds": 0.5, "compute_seconds": 1.0 + e, "sync_seconds": 0.2 * (e + 1),
-                                     "logs": {"loss": 1.0 / (e + 1), "accuracy": 0.5 + 0.1 * e}})
+        merged = st.worker_epoch(r, Epoch(epoch=e, batch=10, batches=10, samples=100, val_samples=0,
+                                          seconds=0.5, compute_seconds=1.0 + e, sync_seconds=0.2 * (e + 1),
+                                          logs={"loss": 1.0 / (e + 1), "accuracy": 0.5 + 0.1 * e}))
     return merged
 
 
@@ -70,7 +71,7 @@ def test_widget_redraws_are_throttled_to_five_per_second(dashboard):
     start_draws, t0 = dash.draws, time.monotonic()
     sent = 0
     while time.monotonic() - t0 < 1.5:  # a flood of progress events for 1.5 s
-        st.worker_progress(sent % 2, {"state": "training", "epoch": 0, "batch": sent % 10, "batches": 10})
+        st.worker_progress(sent % 2, Progress("training", epoch=0, batch=sent % 10, batches=10))
         dash("progress", st, sent % 2)
         sent += 1
         time.sleep(0.001)
@@ -84,9 +85,9 @@ def test_the_last_event_before_a_pause_is_drawn(dashboard):
     dash, _ = dashboard
     st = running_state()
     dash("start", st, None)
-    st.worker_progress(0, {"state": "training", "epoch": 0, "batch": 3, "batches": 10})
+    st.worker_progress(0, Progress("training", epoch=0, batch=3, batches=10))
     dash("progress", st, 0)
-    st.worker_progress(0, {"state": "synchronising", "epoch": 0, "batch": 7, "batches": 10})
+    st.worker_progress(0, Progress("synchronising", epoch=0, batch=7, batches=10))
     dash("progress", st, 0)  # inside the throttle window: drawn later by the timer, not lost
     time.sleep(0.5)
     assert "synchronising" in dash.worker_states[0].value
@@ -229,10 +230,10 @@ def finished_state(epochs: int = 3) -> RunState:
         st.worker_connected(r, "127.0.0.1", 100 + r)
     for e in range(epochs):
         for r in range(2):
-            st.worker_epoch(r, {"epoch": e, "batch": 10, "batches": 10, "samples": 100, "val_samples": 20,
-                                "seconds": 0.5, "compute_seconds": 0.4 * (e + 1), "sync_seconds": 0.1 * (e + 1),
-                                "logs": {"loss": 1.0 / (e + 1), "accuracy": 0.5 + 0.1 * e,
-                                         "val_loss": 1.2 / (e + 1), "val_accuracy": 0.4 + 0.1 * e}})
+            st.worker_epoch(r, Epoch(epoch=e, batch=10, batches=10, samples=100, val_samples=20,
+                                     seconds=0.5, compute_seconds=0.4 * (e + 1), sync_seconds=0.1 * (e + 1),
+                                     logs={"loss": 1.0 / (e + 1), "accuracy": 0.5 + 0.1 * e,
+                                           "val_loss": 1.2 / (e + 1), "val_accuracy": 0.4 + 0.1 * e}))
     for r in range(2):
         st.worker_finished(r, "done")
     st.finish("done")
@@ -253,7 +254,7 @@ def test_view_of_a_finished_run():
 
 def test_worker_fraction_counts_epochs_and_batches():
     st = RunState(world_size=1, epochs=4)
-    st.worker_progress(0, {"state": "training", "epoch": 1, "batch": 5, "batches": 10})
+    st.worker_progress(0, Progress("training", epoch=1, batch=5, batches=10))
     assert worker_rows(st)[0].fraction == pytest.approx(1.5 / 4)
     assert st.eta is None and overview(st).eta == "–"
 

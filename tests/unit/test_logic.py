@@ -1,6 +1,8 @@
 """Pure logic: configuration, sharding, the averaging schedule, metric merging. Milliseconds."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from nbdist.data import make_fit_data, shard_bounds
 from nbdist.driver.state import RunState, merge_epoch_logs
 from nbdist.errors import NbdistError
 from nbdist.strategies.averaging import batch_sizes, rounds_per_epoch, sync_after
+from nbdist.wire.reports import Epoch
 
 
 def test_shards_cover_everything_and_differ_by_at_most_one():
@@ -39,10 +42,10 @@ def test_epoch_metrics_are_weighted_by_samples():
 
 def test_run_state_builds_history_once_every_worker_reported():
     st = RunState(world_size=2, epochs=3)
-    body = {"epoch": 0, "logs": {"loss": 1.0}, "samples": 10, "val_samples": 0, "seconds": 0.5}
+    body = Epoch(epoch=0, logs={"loss": 1.0}, samples=10, val_samples=0, seconds=0.5)
     assert st.worker_epoch(0, body) is None
     assert st.history == {}
-    assert st.worker_epoch(1, {**body, "logs": {"loss": 3.0}}) == {"loss": 2.0}
+    assert st.worker_epoch(1, dataclasses.replace(body, logs={"loss": 3.0})) == {"loss": 2.0}
     assert st.history == {"loss": [2.0]} and st.epochs_done == 1
     assert st.throughput == pytest.approx(40.0)
 

@@ -18,7 +18,7 @@ def _model() -> keras.Model:
 
 def _shipper(model: keras.Model, epochs: int) -> tuple[WeightShipper, list]:
     sent: list = []
-    ship = WeightShipper(lambda body, arrays: sent.append((body["epoch"], [np.array(a) for a in arrays])),
+    ship = WeightShipper(lambda msg: sent.append((msg.epoch, [np.array(a) for a in msg.weights + msg.optimizer])),
                          model, every_epoch=False, epochs=epochs)
     return ship, sent
 

@@ -18,6 +18,7 @@ from nbdist.driver.keeper import CheckpointKeeper
 from nbdist.driver.state import RunState
 from nbdist.errors import NbdistError
 from nbdist.ui.text import TextRenderer
+from nbdist.wire.reports import Epoch
 
 from ..conftest import mlp
 
@@ -178,9 +179,9 @@ def test_restart_rewinds_the_run_state_in_place():
     live = st.history
     for epoch in range(3):
         for rank in range(2):
-            st.worker_epoch(rank, {"epoch": epoch, "logs": {"loss": 1.0 / (epoch + 1)}, "samples": 10,
-                                   "val_samples": 0, "seconds": 1.0})
-    st.worker_epoch(0, {"epoch": 3, "logs": {"loss": 0.2}, "samples": 10, "val_samples": 0})  # rank 1 died
+            st.worker_epoch(rank, Epoch(epoch=epoch, logs={"loss": 1.0 / (epoch + 1)}, samples=10,
+                                        val_samples=0, seconds=1.0))
+    st.worker_epoch(0, Epoch(epoch=3, logs={"loss": 0.2}, samples=10, val_samples=0, seconds=0.0))  # rank 1 died
     st.restarting(completed=2)
     assert st.status == "restarting" and st.restarts == 1
     assert st.history is live and live == {"loss": [1.0, 0.5]} and st.epochs_done == 2
@@ -188,8 +189,8 @@ def test_restart_rewinds_the_run_state_in_place():
     st.worker_connected(0, "h", 1)
     assert st.status == "running"
     # Epoch 3 is reported afresh by both new workers, not merged with the dead run's half.
-    assert st.worker_epoch(0, {"epoch": 2, "logs": {"loss": 0.3}, "samples": 10, "val_samples": 0}) is None
-    assert st.worker_epoch(1, {"epoch": 2, "logs": {"loss": 0.3}, "samples": 10, "val_samples": 0}) is not None
+    assert st.worker_epoch(0, Epoch(epoch=2, logs={"loss": 0.3}, samples=10, val_samples=0, seconds=0.0)) is None
+    assert st.worker_epoch(1, Epoch(epoch=2, logs={"loss": 0.3}, samples=10, val_samples=0, seconds=0.0)) is not None
     assert live["loss"] == [1.0, 0.5, 0.3]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import queue
 import socket
@@ -76,9 +77,18 @@ def _frame(key: bytes, payload: bytes, seq: int = 0, kind: int = protocol.KIND_J
 
 
 def _hello(rank) -> bytes:
-    import json
-
     return json.dumps({"type": "hello", "rank": rank, "pid": 1, "host": "fuzz"}).encode()
+
+
+# First messages the coordinator must refuse though they authenticate (wire/reports.py's Hello is rank, pid, host).
+MALFORMED_HELLOS = [
+    {"type": "hello", "rank": 0}, {"type": "hello", "rank": 0, "pid": "1", "host": "fuzz"},
+    {"type": "hello", "rank": True, "pid": 1, "host": "fuzz"}, {"type": "hello", "rank": 0, "pid": 1, "host": 7},
+    {"type": "hello", "rank": 0, "pid": 1, "host": "fuzz", "extra": 1},
+    {"type": "hello", "rank": 0, "pid": 1, "host": "fuzz", "arrays": {"x": 1}},
+    {"type": "epoch", "epoch": 0, "logs": {}, "samples": 1, "val_samples": 0, "seconds": 0.1},
+    {"type": "done"}, {"type": "no-such-type"}, {"rank": 0, "pid": 1, "host": "fuzz"},
+]
 
 
 class Attacker:
@@ -140,6 +150,8 @@ class Attacker:
             frame = _frame(key, _hello(a % 2))
         elif what == "bad-rank":
             frame = _frame(key, _hello([-1, 2, 99, "0", None, 1.5][a % 6]))
+        elif what == "malformed-hello":  # authenticated, a valid frame, but not a hello this side can read
+            frame = _frame(key, json.dumps(MALFORMED_HELLOS[a % len(MALFORMED_HELLOS)]).encode())
         elif what == "replay":
             frame = self.captured or _frame(key, _hello(0))
             self.captured = _frame(key, _hello(0))  # valid in this session only: replayed in a later one
@@ -157,7 +169,8 @@ cases = st.one_of(
     st.tuples(st.sampled_from(["bit-flip"]), st.integers(0, 10_000), st.integers(0, 7)),
     st.tuples(st.just("truncated"), st.integers(0, 10_000), st.none()),
     st.tuples(st.just("oversized"), st.integers(0, 2**31), st.none()),
-    st.tuples(st.sampled_from(["bad-version", "out-of-sequence", "taken-rank", "bad-rank", "replay"]),
+    st.tuples(st.sampled_from(["bad-version", "out-of-sequence", "taken-rank", "bad-rank", "replay",
+                               "malformed-hello"]),
               st.integers(0, 250), st.none()),
     st.tuples(st.just("bad-magic"), st.binary(min_size=4, max_size=4), st.none()),
     st.tuples(st.just("not-json"), _bytes, st.none()),

@@ -1,0 +1,54 @@
+"""What the driver tells its workers after their job (wire/messages.py), and the heartbeat both sides send."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .codec import MessageType, Typed, arrays
+
+
+@dataclass(frozen=True)
+class Decision(Typed):
+    """The notebook's callbacks at an epoch's end: stop? the learning rate for the next epoch (None: as is)."""
+
+    TYPE = MessageType.DECISION
+    epoch: int
+    stop: bool
+    learning_rate: float | None = None
+
+
+@dataclass(frozen=True)
+class Rendezvous(Typed):
+    """Where rank 0's store listens, relayed to every worker."""
+
+    TYPE = MessageType.RENDEZVOUS
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Stop(Typed):
+    """End now; ``weights``: rank 0 first sends its last epoch's weights (they travel only at the end)."""
+
+    TYPE = MessageType.STOP
+    weights: bool = False
+
+
+@dataclass(frozen=True)
+class AsyncShared(Typed):
+    """--strategy async: the shared weights and their version, and the worker's next block of batches, or
+    ``epoch_done`` (no batches) once the epoch's every batch was trained; ``refused``: why the worker's last
+    push was not applied ("" when it was)."""
+
+    TYPE = MessageType.ASYNC_SHARED
+    version: int
+    batches: list[int]
+    epoch_done: bool
+    refused: str = ""
+    weights: list[np.ndarray] = arrays()
+
+
+@dataclass(frozen=True)
+class Heartbeat(Typed):
+    TYPE = MessageType.HEARTBEAT
