@@ -20,13 +20,13 @@ train.__doc__ = "Train a compiled Keras model data-parallel; see nbdist.api.trai
 
 
 def evaluate(*args, **kwargs):
-    from .driver.inference import evaluate as _evaluate
+    from .inference_api import evaluate as _evaluate
 
     return _evaluate(*args, **kwargs)
 
 
 def predict(*args, **kwargs):
-    from .driver.inference import predict as _predict
+    from .inference_api import predict as _predict
 
     return _predict(*args, **kwargs)
 
@@ -41,8 +41,8 @@ tune.__doc__ = ("Search hyperparameters with Optuna, several trials at once, eac
                 "metrics; see nbdist.search.tune.")
 
 evaluate.__doc__ = ("Evaluate a compiled Keras model sharded over workers, metrics merged exactly; "
-                    "see nbdist.driver.inference.evaluate.")
-predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist.driver.inference.predict."
+                    "see nbdist.inference_api.evaluate.")
+predict.__doc__ = "Predict sharded over workers, rows in input order; see nbdist.inference_api.predict."
 
 
 def load_ipython_extension(ipython) -> None:

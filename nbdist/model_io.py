@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import model_graph
+from .checks import check_trainable
 from .data import all_zero, leaves, map_struct
 from .errors import NbdistError
 
@@ -45,21 +46,6 @@ def is_keras_model(obj: Any) -> bool:
 
 def _keras_if_loaded() -> Any:
     return sys.modules.get("keras")
-
-
-def check_trainable(model: Any, name: str = "model", *, built: bool = True) -> None:
-    """A compiled Keras model; with ``built``, one that has its weights (``fit``'s arguments build an
-    unbuilt one first, as Keras' own fit does: ``ensure_built``)."""
-    if not is_keras_model(model):
-        raise NbdistError(f"{name} is a {type(model).__name__}, not a Keras model; pass a keras.Model.")
-    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
-        raise NbdistError(
-            f"{name} is not compiled; call {name}.compile(optimizer, loss, metrics=[...]) in the cell."
-        )
-    if built and not model.built and not model.weights:  # a GAN's outer model is not built but holds built parts
-        raise NbdistError(
-            f"{name} has no weights yet; give it an input shape, e.g. keras.Input((64,)) as its first layer."
-        )
 
 
 def ensure_built(model: Any, x: Any, y: Any, *, width: int | None = None) -> None:
