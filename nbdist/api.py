@@ -82,7 +82,8 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
 
 def fit_arguments(x: Any, y: Any, config: TrainConfig, **given: Any) -> FitCall:
     """``model.fit``'s arguments for ``x``/``y`` and ``given`` (``--data X,y``, ``nbdist.train``): their sugar."""
-    return FitCall.of(x, y, epochs=config.epochs, shuffle=config.shuffle, **given)
+    return FitCall(x=x, y=y, epochs=config.epochs, shuffle=config.shuffle,
+                   **{k: v for k, v in given.items() if v is not None})
 
 
 def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tuple[Any, ...] | None,
@@ -118,12 +119,13 @@ def prepare_fit(model: Any, config: TrainConfig, fit: FitCall, global_batch: int
                 namespace: dict[str, Any] | None = None, listeners: list[Any] | None = None) -> TrainingJob:
     """A job for one ``model.fit(...)``'s arguments (driver/fit_call.py), not yet started: the door of every
     in-memory run (``nbdist.train``, ``--data X,y``, a cell's fit, a trial's), where they are checked once."""
-    piped = is_pipeline(fit.x)
-    fit = fit_from_pipelines(fit)  # an input pipeline: read once into the arrays it yields
-    if piped and global_batch is None:  # --data ds, nbdist.train(model, ds): its batch is the global one, as in fit
-        global_batch = fit.batch_size
-        config = config.replace(shuffle=fit.shuffle,
-                                **({"lr_scaling": "none"} if config.lr_scaling == "auto" else {}))
+    if is_pipeline(fit.x) or is_pipeline(fit.validation_data):  # read once into the arrays it yields
+        piped = is_pipeline(fit.x)
+        fit = fit_from_pipelines(fit)
+        if piped and global_batch is None:  # --data ds, nbdist.train(model, ds): its batch is the global one
+            global_batch = fit.batch_size
+            config = config.replace(shuffle=fit.shuffle,
+                                    **({"lr_scaling": "none"} if config.lr_scaling == "auto" else {}))
     spark_in_fit(fit.x, fit.validation_data)
     kind = None if is_py_dataset(fit.x) else not_in_memory(fit.x)
     if kind is not None:  # named first: dropping steps_per_epoch or the like would not make it trainable
@@ -142,7 +144,9 @@ def fit_job(model: Any, config: TrainConfig, fit: FitCall, explicit: dict[str, A
             namespace: dict[str, Any] | None = None) -> TrainingJob:
     """A job for a cell's ``model.fit(...)`` (``%%dist_train``, a trial of ``%%dist_tune``): its arguments
     agreed with the magic line's ``explicit`` options, then checked as every in-memory run is."""
-    fit, changes, global_batch = fit_plan(fit, explicit, lr_scaling_given)
+    if is_pipeline(fit.x) or is_pipeline(fit.validation_data):  # read first: its batch is the global batch
+        fit = fit_from_pipelines(fit)
+    changes, global_batch = fit_plan(fit, explicit, lr_scaling_given)
     return prepare_fit(model, config.replace(**changes), fit, global_batch, namespace)
 
 

@@ -1,14 +1,11 @@
-"""One ``model.fit(...)`` call's arguments as a typed value: a cell's own call (``FitCall.bind``) or
-``nbdist.train``'s (``FitCall.of``). Defaults are Keras' fit's; ``given`` names the arguments the cell spelled
-out, which the magic line's options must agree with (driver/fit_call.py ``reconcile``)."""
+"""One ``model.fit(...)`` call's arguments as a typed value: a cell's own call (driver/fit_call.py
+``bind_fit``) or ``nbdist.train``'s (api.py ``fit_arguments``). Defaults are Keras' fit's; ``given`` names the
+arguments the cell spelled out, which the magic line's options must agree with (fit_call.py ``reconcile``)."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass
 from typing import Any
-
-from .errors import NbdistError
 
 
 @dataclass(frozen=True)
@@ -35,22 +32,9 @@ class FitCall:
     given: frozenset[str] = frozenset()
 
     @classmethod
-    def bind(cls, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sig: inspect.Signature) -> FitCall:
-        """A cell's ``model.fit(*args, **kwargs)`` bound to Keras' own fit signature ``sig``."""
-        try:
-            bound = sig.bind(model, *args, **kwargs)
-        except TypeError as exc:
-            raise NbdistError(f"model.fit(...) {exc}; call it as you would without the magic.") from None
-        given = set(bound.arguments) - {"self"}
-        bound.apply_defaults()
-        known = {f.name for f in dataclasses.fields(cls)} - {"given"}
-        return cls(**{k: v for k, v in bound.arguments.items() if k in known}, given=frozenset(given))
-
-    @classmethod
-    def of(cls, x: Any, y: Any, *, epochs: int, shuffle: bool, **given: Any) -> FitCall:
-        """``nbdist.train``'s (or ``--data X,y``'s) arguments: the options' epochs and shuffle, and what
-        was passed (None meaning not passed)."""
-        return cls(x=x, y=y, epochs=epochs, shuffle=shuffle, **{k: v for k, v in given.items() if v is not None})
+    def names(cls) -> set[str]:
+        """fit's argument names."""
+        return {f.name for f in dataclasses.fields(cls)} - {"given"}
 
     def replace(self, **changes: Any) -> FitCall:
         return dataclasses.replace(self, **changes)

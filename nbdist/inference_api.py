@@ -24,7 +24,7 @@ from .data import FitData, PyDatasetData, check_workers, is_py_dataset, make_fit
 from .driver.inference import EvaluationJob, PredictionJob, inference_spec
 from .errors import NbdistError
 from .metrics import ClassifierSpec, check_labels, classifier_spec, compiled_loss
-from .pipelines import inference_rows
+from .pipelines import inference_rows, is_pipeline
 from .spark.backend import is_connect_session
 from .spark.checks import SPARK_BACKENDS, check_label_classes, check_width
 from .spark.data import is_spark_data, is_spark_rdd, spark_dataset, sql_types
@@ -52,7 +52,8 @@ def inference_request(model: Any, x: Any, y: Any, sample_weight: Any, need_label
     config = inference_config(options)
     check_inference_model(model, name, need_compiled=need_labels)
     what = "evaluation data" if need_labels else "prediction data"
-    x, y, sample_weight = inference_rows(x, y, sample_weight, what)  # an input pipeline: its arrays
+    if is_pipeline(x):  # read once into the arrays it yields
+        x, y, sample_weight = inference_rows(x, y, sample_weight, what)
     data: FitData | PyDatasetData
     if is_py_dataset(x):  # fewer batches than workers is fine: a worker without one adds nothing
         for arg, value in (("y", y), ("sample_weight", sample_weight)):

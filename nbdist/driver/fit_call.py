@@ -127,6 +127,18 @@ def uniform_epoch_steps(rows: int, batch: int, steps_per_epoch: int | None, epoc
 
 
 # -- fit's arguments -----------------------------------------------------------
+def bind_fit(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sig: inspect.Signature) -> FitCall:
+    """A cell's ``model.fit(*args, **kwargs)`` bound to Keras' own fit signature ``sig``: defaults filled in,
+    ``given`` naming those spelled out."""
+    try:
+        bound = sig.bind(model, *args, **kwargs)
+    except TypeError as exc:
+        raise NbdistError(f"model.fit(...) {exc}; call it as you would without the magic.") from None
+    given = frozenset(bound.arguments) - {"self"}
+    bound.apply_defaults()
+    return FitCall(**{k: v for k, v in bound.arguments.items() if k in FitCall.names()}, given=given)
+
+
 def check_fit_arguments(fit: FitCall) -> None:
     """One sentence for what cannot be distributed soundly, before any worker starts."""
     for name in ("steps_per_epoch", "validation_steps", "validation_batch_size"):
@@ -229,20 +241,16 @@ def py_dataset_fit_data(fit: FitCall) -> tuple[PyDatasetData, FitData | PyDatase
     return data, validation
 
 
-def fit_plan(fit: FitCall, explicit: dict[str, Any], lr_scaling_given: bool
-             ) -> tuple[FitCall, dict[str, Any], int | None]:
-    """For a cell's ``model.fit(...)`` under the magic's ``explicit`` options: its arguments (an input
-    pipeline read into arrays, pipelines.py), the config changes they make, and the global batch."""
-    from ..pipelines import fit_from_pipelines
-
-    fit = fit_from_pipelines(fit)
+def fit_plan(fit: FitCall, explicit: dict[str, Any], lr_scaling_given: bool) -> tuple[dict[str, Any], int | None]:
+    """For a cell's ``model.fit(...)`` (an input pipeline already read into arrays, pipelines.py) under the
+    magic's ``explicit`` options: the config changes they make, and the global batch."""
     agreed = reconcile(fit, explicit)
     changes = {"epochs": agreed["epochs"], "shuffle": agreed["shuffle"]}
     if agreed["global_batch"] is not None and not lr_scaling_given:
         changes["lr_scaling"] = "none"  # the global batch is the local one: no rescaling
     if "batch_size" in agreed:
         changes["batch_size"] = agreed["batch_size"]
-    return fit, changes, agreed["global_batch"]
+    return changes, agreed["global_batch"]
 
 
 def reconcile(fit: FitCall, magic: dict[str, Any]) -> dict[str, Any]:
@@ -316,7 +324,7 @@ def intercept_fit(run: Callable[[Any, FitCall], Any]) -> Iterator[list[BaseExcep
 
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return run(self, FitCall.bind(self, args, kwargs, signature))
+            return run(self, bind_fit(self, args, kwargs, signature))
         except (NbdistError, KeyboardInterrupt) as exc:
             errors.append(exc)
             raise FitAborted(exc) from None
@@ -329,5 +337,5 @@ def intercept_fit(run: Callable[[Any, FitCall], Any]) -> Iterator[list[BaseExcep
         keras.Model.fit = original
 
 
-__all__ = ["FitRun", "FitAborted", "check_fit_arguments", "fit_data", "intercept_fit", "reconcile",
+__all__ = ["FitRun", "FitAborted", "bind_fit", "check_fit_arguments", "fit_data", "intercept_fit", "reconcile",
            "prepare_fit_run", "pipeline_message"]

@@ -12,9 +12,8 @@ import pytest
 from IPython.core.error import UsageError
 
 import nbdist
-from nbdist.driver.fit_call import fit_data, reconcile
+from nbdist.driver.fit_call import bind_fit, fit_data, reconcile
 from nbdist.errors import NbdistError
-from nbdist.fit_arguments import FitCall
 
 from ..conftest import mlp, relative_error
 from ..models_and_fit import SEEN_AND_MODEL
@@ -200,7 +199,7 @@ def test_list_inputs_cell_matches_local(ip, digits_split):
 # -- refusals: one sentence, before any worker starts --------------------------------
 def _bound(**kwargs):
     model = mlp()
-    return FitCall.bind(model, (), kwargs, __import__("inspect").signature(keras.Model.fit))
+    return bind_fit(model, (), kwargs, __import__("inspect").signature(keras.Model.fit))
 
 
 def test_magic_options_and_fit_arguments_must_agree():
