@@ -273,6 +273,15 @@ def check_class_ids(model: Any, y: Any, what: str) -> None:
                           f"{spec.classes}-output model; check y or the model's last layer.")
 
 
+def check_label_column(model: Any, label: str | None) -> None:
+    """A DataFrame's numeric label column (one value per row) as the target of the model's one output."""
+    from .metrics import check_labels, compiled_loss
+
+    output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
+    if output_shape:
+        check_labels((1,), output_shape, compiled_loss(model), what=f"label column {label!r} values")
+
+
 def check_fits_model(model: Any, train_set: FitData | PyDatasetData, val_set: FitData | PyDatasetData | None) -> None:
     """Training and validation data (FitData; a PyDataset's batches are read by the workers) against the
     model, built on them already (``model_io.ensure_built``), as its fit would."""

@@ -15,6 +15,7 @@ import numpy as np
 from .checks import (
     check_inference_data,
     check_inference_model,
+    check_label_column,
     check_single_output_on_spark,
     no_columns,
     outputs,
@@ -23,7 +24,7 @@ from .config import TrainConfig
 from .data import FitData, PyDatasetData, check_workers, is_py_dataset, make_fit_data, make_py_dataset_data
 from .driver.inference import EvaluationJob, PredictionJob, inference_spec
 from .errors import NbdistError
-from .metrics import ClassifierSpec, check_labels, classifier_spec, compiled_loss
+from .metrics import ClassifierSpec, classifier_spec, compiled_loss
 from .pipelines import inference_rows, is_pipeline
 from .spark.backend import is_connect_session
 from .spark.checks import SPARK_BACKENDS, check_label_classes, check_width
@@ -141,8 +142,7 @@ def evaluate_spark(model: Any, x: Any, y: Any, features: str | Sequence[str] | N
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
     classifier = classifier_spec(loss, output_shape)
     if data.dataframe is not None:  # a numeric label column: one value per row
-        if output_shape:
-            check_labels((1,), output_shape, loss, what=f"label column {label!r} values")
+        check_label_column(model, label)
         if classifier is not None and classifier.kind == "multiclass" and classifier.sparse_labels:
             check_label_classes(data, classifier.classes)
     job = EvaluationJob(model, config, data, namespace, classifier=classifier)
