@@ -6,7 +6,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .checks import check_fits_model, check_no_custom_loop, check_not_stateful, check_trainable, no_columns
+from .checks import (
+    check_built,
+    check_fits_model,
+    check_no_custom_loop,
+    check_not_stateful,
+    check_trainable,
+    no_columns,
+)
 from .config import TrainConfig, implied_strategy
 from .data import (
     FitData,
@@ -105,13 +112,14 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
             raise NbdistError("validation_data must be (x_val, y_val), (x_val, y_val, val_sample_weight) or, "
                               "with a training DataFrame, a Spark DataFrame with the same columns.")
         val_set = make_fit_data(*validation_data, what="validation data")
+    check_trainable(model, built=False)
     check_not_stateful(model)
-    if getattr(model, "compiled", False):
-        # The rows are on the executors, but a model built with build(shape) must have every weight
-        # here too: the workers' weights come back into it.
-        ensure_built(model, None, None)
-        if not model.built and not model.weights:  # no input shape: built on a zero row as wide as the columns
-            ensure_built(model, None, None, width=feature_width(train_set))
+    # The rows are on the executors, but a model built with build(shape) must have every weight
+    # here too: the workers' weights come back into it.
+    ensure_built(model, None, None)
+    if not model.built and not model.weights:  # no input shape: built on a zero row as wide as the columns
+        ensure_built(model, None, None, width=feature_width(train_set))
+    check_built(model)
     return _job(model, config, train_set, val_set, namespace, listeners)
 
 
@@ -135,6 +143,7 @@ def prepare_fit(model: Any, config: TrainConfig, fit: FitCall, global_batch: int
     check_not_stateful(model)
     train_set, val_set = fit_data(fit)
     _build_on(model, train_set)
+    check_built(model)
     check_fits_model(model, train_set, val_set)
     run = prepare_fit_run(model, fit, config.epochs, global_batch, len(train_set))
     return _job(model, config, train_set, val_set, namespace, listeners, fit, run)

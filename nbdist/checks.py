@@ -203,14 +203,20 @@ def check_keras_model(model: Any, name: str) -> None:
 
 
 def check_trainable(model: Any, name: str = "model", *, built: bool = True) -> None:
-    """A compiled Keras model; with ``built``, one that has its weights (``fit``'s arguments build an
-    unbuilt one first, as Keras' own fit does: ``model_io.ensure_built``)."""
+    """A compiled Keras model; with ``built``, one that has its weights (the door builds an unbuilt one on
+    its data first, as Keras' own fit does: ``model_io.ensure_built``, then ``check_built``)."""
     check_keras_model(model, name)
     if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
         raise NbdistError(
             f"{name} is not compiled; call {name}.compile(optimizer, loss, metrics=[...]) in the cell."
         )
-    if built and not model.built and not model.weights:  # a GAN's outer model is not built but holds built parts
+    if built:
+        check_built(model, name)
+
+
+def check_built(model: Any, name: str = "model") -> None:
+    """Every weight exists (after ``ensure_built``): the workers' weights come back into them."""
+    if not model.built and not model.weights:  # a GAN's outer model is not built but holds built parts
         raise NbdistError(
             f"{name} has no weights yet; give it an input shape, e.g. keras.Input((64,)) as its first layer."
         )

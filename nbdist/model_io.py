@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from . import model_graph
-from .checks import check_trainable
 from .data import all_zero, leaves, map_struct
 from .errors import NbdistError
 
@@ -210,11 +209,7 @@ def chosen_strategy(model: Any, strategy: str | None) -> tuple[str, str | None]:
 
 def travelling_model(model: Any, *, optimizer: bool = True) -> ModelSpec:
     """The spec (notebook classes and functions travel inside the pickled model); without ``optimizer``,
-    for inference: its state is neither pickled nor sent."""
-    if optimizer:
-        check_trainable(model)
-    elif not model.built and not model.weights:
-        raise NbdistError("the model has no weights yet; build it (or train it) before evaluating or predicting.")
+    for inference: its state is neither pickled nor sent. The model was checked at the door (checks.py)."""
     held = model_graph.check_resources(model)
     if held is not None:
         raise NbdistError(f"{held} that cannot be sent to the workers and that it cannot restore (it has no "

@@ -64,3 +64,10 @@ def test_training_refusals_name_the_training_data(model):
     assert "the validation data features have shape (7,)" in _refusal(
         lambda: nbdist.train(model, x, np.zeros(8), validation_data=(np.zeros((4, 7)), np.zeros(4)), workers=2))
     assert _refusal(lambda: nbdist.train(3, x, np.zeros(8))) == "model is a int, not a Keras model; pass a keras.Model."
+
+
+def test_an_uncompiled_model_is_refused_at_the_door():
+    """Checked once, at the entry: the job never receives an unchecked model (the spec no longer re-checks)."""
+    plain = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    assert _refusal(lambda: nbdist.train(plain, np.zeros((8, 5)), np.zeros(8), workers=2)) == (
+        "model is not compiled; call model.compile(optimizer, loss, metrics=[...]) in the cell.")
