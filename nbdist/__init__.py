@@ -22,9 +22,9 @@ def __getattr__(name: str) -> Any:
     if name == "train":
         from .api import train as function
     elif name == "evaluate":
-        from .driver.inference import evaluate as function
+        from .inference_api import evaluate as function
     elif name == "predict":
-        from .driver.inference import predict as function
+        from .inference_api import predict as function
     elif name == "tune":
         function = _public_tune()
     else:

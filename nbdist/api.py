@@ -1,12 +1,19 @@
-"""The Python API under the magics: ``train()`` and ``TrainingJob``."""
+"""The Python API, and the one door under the magics: ``train()``, ``evaluate()``, ``predict()``
+(inference_api.py) and ``TrainingJob``. Each entry turns what it is given into one checked request here
+(checks.py holds every check of a model against its data); the driver receives it checked."""
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-import numpy as np
-
-from .checks import check_labels_fit_loss, check_model_fits_data, check_not_stateful, check_text_inputs
+from .checks import (
+    check_built,
+    check_fits_model,
+    check_no_custom_loop,
+    check_not_stateful,
+    check_trainable,
+    no_columns,
+)
 from .config import TrainConfig, implied_strategy
 from .data import (
     FitData,
@@ -17,14 +24,16 @@ from .data import (
     not_in_memory,
     pipeline_message,
 )
-from .driver.inference import evaluate, predict  # noqa: F401 - the API under %dist_evaluate / %dist_predict
+from .driver.fit_call import check_fit_arguments, fit_data, fit_plan, intercept_fit, prepare_fit_run
 from .driver.training import TrainingJob
 from .errors import NbdistError
-from .model_io import check_trainable, chosen_strategy, ensure_built
+from .fit_arguments import FitCall
+from .inference_api import evaluate, predict
+from .model_io import chosen_strategy, ensure_built, is_keras_model
 from .pipelines import check_any, fit_from_pipelines, is_pipeline
 from .spark.checks import feature_width
 from .spark.data import is_spark_data, spark_dataset, spark_validation
-from .tracking import track
+from .tracking import track, wanted
 from .ui import make_renderer
 
 log = logging.getLogger(__name__)
@@ -78,14 +87,10 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
     return job
 
 
-def fit_arguments(x: Any, y: Any, config: TrainConfig, **given: Any) -> dict[str, Any]:
+def fit_arguments(x: Any, y: Any, config: TrainConfig, **given: Any) -> FitCall:
     """``model.fit``'s arguments for ``x``/``y`` and ``given`` (``--data X,y``, ``nbdist.train``): their sugar."""
-    fit = {"x": x, "y": y, "batch_size": None, "epochs": config.epochs, "callbacks": None,
-           "validation_split": 0.0, "validation_data": None, "shuffle": config.shuffle, "class_weight": None,
-           "sample_weight": None, "initial_epoch": 0, "steps_per_epoch": None, "validation_steps": None,
-           "validation_freq": 1}
-    fit.update({k: v for k, v in given.items() if v is not None})
-    return fit
+    return FitCall(x=x, y=y, epochs=config.epochs, shuffle=config.shuffle,
+                   **{k: v for k, v in given.items() if v is not None})
 
 
 def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tuple[Any, ...] | None,
@@ -107,39 +112,69 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
             raise NbdistError("validation_data must be (x_val, y_val), (x_val, y_val, val_sample_weight) or, "
                               "with a training DataFrame, a Spark DataFrame with the same columns.")
         val_set = make_fit_data(*validation_data, what="validation data")
+    check_trainable(model, built=False)
     check_not_stateful(model)
-    if getattr(model, "compiled", False):
-        # The rows are on the executors, but a model built with build(shape) must have every weight
-        # here too: the workers' weights come back into it.
-        ensure_built(model, None, None)
-        if not model.built and not model.weights:  # no input shape: built on a zero row as wide as the columns
-            ensure_built(model, None, None, width=feature_width(train_set))
+    # The rows are on the executors, but a model built with build(shape) must have every weight
+    # here too: the workers' weights come back into it.
+    ensure_built(model, None, None)
+    if not model.built and not model.weights:  # no input shape: built on a zero row as wide as the columns
+        ensure_built(model, None, None, width=feature_width(train_set))
+    check_built(model)
     return _job(model, config, train_set, val_set, namespace, listeners)
 
 
-def prepare_fit(model: Any, config: TrainConfig, fit: dict[str, Any], global_batch: int | None,
+def prepare_fit(model: Any, config: TrainConfig, fit: FitCall, global_batch: int | None,
                 namespace: dict[str, Any] | None = None, listeners: list[Any] | None = None) -> TrainingJob:
-    """A job for one ``model.fit(...)``'s arguments (driver/fit_call.py), not yet started."""
-    from .driver.fit_call import check_fit_arguments, fit_data, prepare_fit_run
-
-    piped = is_pipeline(fit.get("x"))
-    fit = fit_from_pipelines(fit)  # an input pipeline: read once into the arrays it yields
-    if piped and global_batch is None:  # --data ds, nbdist.train(model, ds): its batch is the global one, as in fit
-        global_batch = fit["batch_size"]
-        config = config.replace(shuffle=fit["shuffle"],
-                                **({"lr_scaling": "none"} if config.lr_scaling == "auto" else {}))
-    x = fit.get("x")
-    spark_in_fit(x, fit.get("validation_data"))
-    kind = None if is_py_dataset(x) else not_in_memory(x)
+    """A job for one ``model.fit(...)``'s arguments (driver/fit_call.py), not yet started: the door of every
+    in-memory run (``nbdist.train``, ``--data X,y``, a cell's fit, a trial's), where they are checked once."""
+    if is_pipeline(fit.x) or is_pipeline(fit.validation_data):  # read once into the arrays it yields
+        piped = is_pipeline(fit.x)
+        fit = fit_from_pipelines(fit)
+        if piped and global_batch is None:  # --data ds, nbdist.train(model, ds): its batch is the global one
+            global_batch = fit.batch_size
+            config = config.replace(shuffle=fit.shuffle,
+                                    **({"lr_scaling": "none"} if config.lr_scaling == "auto" else {}))
+    spark_in_fit(fit.x, fit.validation_data)
+    kind = None if is_py_dataset(fit.x) else not_in_memory(fit.x)
     if kind is not None:  # named first: dropping steps_per_epoch or the like would not make it trainable
         raise NbdistError(pipeline_message(kind, "training data x"))
     check_fit_arguments(fit)
     check_trainable(model, built=False)  # a model without an input shape is built on the data, as fit does
     check_not_stateful(model)
     train_set, val_set = fit_data(fit)
+    _build_on(model, train_set)
+    check_built(model)
     check_fits_model(model, train_set, val_set)
     run = prepare_fit_run(model, fit, config.epochs, global_batch, len(train_set))
     return _job(model, config, train_set, val_set, namespace, listeners, fit, run)
+
+
+def fit_job(model: Any, config: TrainConfig, fit: FitCall, explicit: dict[str, Any], lr_scaling_given: bool,
+            namespace: dict[str, Any] | None = None) -> TrainingJob:
+    """A job for a cell's ``model.fit(...)`` (``%%dist_train``, a trial of ``%%dist_tune``): its arguments
+    agreed with the magic line's ``explicit`` options, then checked as every in-memory run is."""
+    if is_pipeline(fit.x) or is_pipeline(fit.validation_data):  # read first: its batch is the global batch
+        fit = fit_from_pipelines(fit)
+    changes, global_batch = fit_plan(fit, explicit, lr_scaling_given)
+    return prepare_fit(model, config.replace(**changes), fit, global_batch, namespace)
+
+
+def check_training_line(config: TrainConfig, x: Any, y: Any, features: str | list[str] | None, label: str | None,
+                        cell_source: str) -> None:
+    """What ``%%dist_train`` can refuse before its cell runs, so a typo costs nothing: the ``--data``
+    (Spark: its schema only), the backend, MLflow, and a cell that trains with its own loop."""
+    from .driver.resolve import resolve_backend
+
+    if x is not None:
+        training_data(x, y, features, label)
+    resolve_backend(config)  # e.g. --backend spark with no SparkContext
+    wanted(config.mlflow)  # --mlflow without MLflow installed
+    check_no_custom_loop(cell_source)  # a hand-written loop would run in full before anything could tell
+
+
+def labels_in_batches(x: Any) -> bool:
+    """Whether ``x`` carries its labels itself (Spark data, a PyDataset, an input pipeline), as evaluate takes it."""
+    return is_spark_data(x) or is_py_dataset(x) or is_pipeline(x)
 
 
 def spark_validation_data(validation_data: Any) -> bool:
@@ -162,7 +197,7 @@ def spark_in_fit(x: Any, validation_data: Any) -> None:
 
 
 def _job(model: Any, config: TrainConfig, train_set: Any, val_set: Any, namespace: dict[str, Any] | None,
-         listeners: list[Any] | None, fit: dict[str, Any] | None = None, fit_run: Any = None) -> TrainingJob:
+         listeners: list[Any] | None, fit: FitCall | None = None, fit_run: Any = None) -> TrainingJob:
     strategy, notice = chosen_strategy(model, config.strategy)
     if notice is not None:
         log.warning("%s", notice)
@@ -177,27 +212,13 @@ def _job(model: Any, config: TrainConfig, train_set: Any, val_set: Any, namespac
     return job
 
 
-def check_fits_model(model: Any, train_set: Any, val_set: Any) -> None:
-    """One sentence, before launch, when the data cannot feed the model (a worker's traceback otherwise)."""
+def _build_on(model: Any, train_set: Any) -> None:
+    """Every weight created on the training data's first rows, as ``fit``'s first step would."""
     if isinstance(train_set, FitData):
         ensure_built(model, train_set.x, train_set.y)
     elif isinstance(train_set, PyDatasetData) and train_set.first_row:
         row = train_set.first_row
         ensure_built(model, row[0], row[1] if len(row) > 1 else None)
-    for data, what in ((train_set, "training data"), (val_set, "validation data")):
-        if not isinstance(data, FitData):
-            continue
-        if isinstance(data.x, np.ndarray) and (data.y is None or isinstance(data.y, np.ndarray)):
-            check_model_fits_data(model, data.x, data.y, what, data.sample_weight)
-        else:
-            check_text_inputs(model, data.x, what)
-            check_labels_fit_loss(model, data.y, data.sample_weight, what)  # several outputs: labels per output
-
-
-def no_columns(features: Any, label: Any) -> None:
-    if features is not None or label is not None:
-        raise NbdistError("--features and --label name the columns of a Spark DataFrame; with numpy or "
-                          "pandas data pass --data X,y instead.")
 
 
 def training_data(x: Any, y: Any, features: str | list[str] | None = None, label: str | None = None) -> Any:
@@ -210,3 +231,8 @@ def training_data(x: Any, y: Any, features: str | list[str] | None = None, label
     if is_pipeline(x):  # read once, when the fit's arguments are (pipelines.fit_from_pipelines)
         return check_any(x, "the training data x")
     return make_fit_data(x, y, what="training data")
+
+
+__all__ = ["FitCall", "TrainingJob", "check_training_line", "evaluate", "fit_arguments", "fit_job", "intercept_fit",
+           "is_keras_model", "is_spark_data", "labels_in_batches", "predict", "prepare", "prepare_fit", "train",
+           "training_data"]

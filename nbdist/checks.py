@@ -1,6 +1,7 @@
 """Cheap checks that the model and the data fit together, and that training stays finite.
 
-Run on the driver before any worker starts (a mismatch otherwise surfaces as a
+Every check of a model against its data lives here, called once at each entry's door (api.py,
+inference_api.py), on the driver before any worker starts (a mismatch otherwise surfaces as a
 TensorFlow traceback from a worker) and on every merged epoch (a loss that went
 NaN or infinite ends the run with one sentence instead of training on garbage).
 """
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .data import FitData, PyDatasetData
 from .errors import NbdistError
 
 
@@ -65,22 +67,13 @@ def fits_input(row: tuple[Any, ...], expected: tuple[Any, ...]) -> bool:
 def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what: str = "training data",
                           sample_weight: Any = None) -> None:
     """One sentence if ``x`` cannot feed the model or ``y`` cannot be the target of its loss."""
-    from .metrics import classifier_spec, compiled_loss, labels_are_classes
-
     check_text_inputs(model, x, what)
     expected = input_shape(model)
     if expected is not None and not fits_input(tuple(x.shape[1:]), expected):
         raise NbdistError(f"the {what} features have shape {tuple(x.shape[1:])} per row but the model expects "
                           f"{expected}; pass data shaped like the model's input or change keras.Input.")
     check_labels_fit_loss(model, y, sample_weight, what)
-    out = _output_shape(model)
-    if y is None or out is None:
-        return
-    loss = compiled_loss(model)
-    spec = classifier_spec(loss, out)
-    if spec is not None and spec.kind == "multiclass" and spec.sparse_labels and not labels_are_classes(y, spec):
-        raise NbdistError(f"the {what} labels must be whole class ids from 0 to {spec.classes - 1} for this "
-                          f"{spec.classes}-output model; check y or the model's last layer.")
+    check_class_ids(model, y, f"{what} ")
 
 
 def check_labels_fit_loss(model: Any, y: Any, sample_weight: Any, what: str = "training data") -> None:
@@ -194,3 +187,136 @@ def check_not_stateful(model: Any) -> None:
                               "batch continues a stream from the same row of the previous batch, and nbdist "
                               "splits every batch over the workers, so no worker would see whole streams; "
                               "train it with a local model.fit, or set stateful=False.")
+
+
+# -- the model against its data: every entry (train, a cell's fit, evaluate, predict, a trial) checks here -----
+def _keras_model(obj: Any) -> bool:
+    import sys
+
+    keras = sys.modules.get("keras")  # a Keras model exists only once keras is imported
+    return keras is not None and isinstance(obj, keras.Model)
+
+
+def check_keras_model(model: Any, name: str) -> None:
+    if not _keras_model(model):
+        raise NbdistError(f"{name} is a {type(model).__name__}, not a Keras model; pass a keras.Model.")
+
+
+def check_trainable(model: Any, name: str = "model", *, built: bool = True) -> None:
+    """A compiled Keras model; with ``built``, one that has its weights (the door builds an unbuilt one on
+    its data first, as Keras' own fit does: ``model_io.ensure_built``, then ``check_built``)."""
+    check_keras_model(model, name)
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+        raise NbdistError(
+            f"{name} is not compiled; call {name}.compile(optimizer, loss, metrics=[...]) in the cell."
+        )
+    if built:
+        check_built(model, name)
+
+
+def check_built(model: Any, name: str = "model") -> None:
+    """Every weight exists (after ``ensure_built``): the workers' weights come back into them."""
+    if not model.built and not model.weights:  # a GAN's outer model is not built but holds built parts
+        raise NbdistError(
+            f"{name} has no weights yet; give it an input shape, e.g. keras.Input((64,)) as its first layer."
+        )
+
+
+def check_inference_model(model: Any, name: str, need_compiled: bool) -> None:
+    """A built model for predict; compiled too (its loss and metrics) for evaluate."""
+    import warnings
+
+    check_keras_model(model, name)
+    if not model.built or not model.weights:
+        raise NbdistError(f"{name} has no weights yet (it was never built or trained); train it first, "
+                          "e.g. with %%dist_train or model.fit.")
+    if need_compiled and not getattr(model, "compiled", False):
+        raise NbdistError(f"{name} is not compiled, so it has no loss or metrics to evaluate; call "
+                          f"{name}.compile(optimizer, loss, metrics=[...]) first.")
+    if need_compiled and not _has_trained(model):
+        warnings.warn(f"{name} has never been trained (its optimizer took no step); the metrics describe its "
+                      "initial weights — ignore this if you loaded trained weights.", stacklevel=3)
+
+
+def _has_trained(model: Any) -> bool:
+    """model.fit builds the optimizer and counts steps; %%dist_train builds it but leaves the count at 0."""
+    opt = getattr(model, "optimizer", None)
+    try:
+        return opt is None or bool(opt.built) or int(np.asarray(opt.iterations)) > 0
+    except Exception:  # an optimizer without a step counter: nothing to judge by
+        return True
+
+
+def outputs(model: Any) -> int:
+    return len(getattr(model, "outputs", None) or [None])
+
+
+def check_single_output_on_spark(model: Any, what: str) -> None:
+    """A DataFrame's label and prediction are one column each: Spark takes single-output models."""
+    if outputs(model) > 1:
+        raise NbdistError(f"the model has several outputs, and a Spark DataFrame is {what} with one label or "
+                          "prediction column; pass the rows in memory as a dict or list per output (e.g. from "
+                          "df.toPandas()), or a single-output model.")
+
+
+def no_columns(features: Any, label: Any) -> None:
+    """Column names belong to Spark data only."""
+    if features is not None or label is not None:
+        raise NbdistError("--features and --label name the columns of a Spark DataFrame; with numpy or "
+                          "pandas data pass --data X,y instead.")
+
+
+def check_class_ids(model: Any, y: Any, what: str) -> None:
+    """Sparse class ids within the classes of a single-output classifier (``what``: whose labels)."""
+    from .metrics import classifier_spec, compiled_loss, labels_are_classes
+
+    out = _output_shape(model)
+    if y is None or out is None:
+        return
+    spec = classifier_spec(compiled_loss(model), out)
+    if spec is not None and spec.kind == "multiclass" and spec.sparse_labels and not labels_are_classes(y, spec):
+        raise NbdistError(f"the {what}labels must be whole class ids from 0 to {spec.classes - 1} for this "
+                          f"{spec.classes}-output model; check y or the model's last layer.")
+
+
+def check_label_column(model: Any, label: str | None) -> None:
+    """A DataFrame's numeric label column (one value per row) as the target of the model's one output."""
+    from .metrics import check_labels, compiled_loss
+
+    output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
+    if output_shape:
+        check_labels((1,), output_shape, compiled_loss(model), what=f"label column {label!r} values")
+
+
+def check_fits_model(model: Any, train_set: FitData | PyDatasetData, val_set: FitData | PyDatasetData | None) -> None:
+    """Training and validation data (FitData; a PyDataset's batches are read by the workers) against the
+    model, built on them already (``model_io.ensure_built``), as its fit would."""
+    for data, what in ((train_set, "training data"), (val_set, "validation data")):
+        if not isinstance(data, FitData):
+            continue
+        if isinstance(data.x, np.ndarray) and (data.y is None or isinstance(data.y, np.ndarray)):
+            check_model_fits_data(model, data.x, data.y, what, data.sample_weight)
+        else:
+            check_text_inputs(model, data.x, what)
+            check_labels_fit_loss(model, data.y, data.sample_weight, what)  # several outputs: labels per output
+
+
+def check_inference_data(model: Any, data: FitData | PyDatasetData, what: str, name: str, need_labels: bool) -> None:
+    """evaluate's or predict's rows (FitData) or PyDataset (its first batch) against the model."""
+    batches = isinstance(data, PyDatasetData)
+    if batches and need_labels and len(data.first_row) < 2:
+        raise NbdistError(f"the {what} is a PyDataset whose batches hold no labels; return (x, y) or "
+                          "(x, y, sample_weight) from its __getitem__ to evaluate on it.")
+    x = data.first_row[0] if batches else data.x
+    expected = input_shape(model)
+    if expected is not None and isinstance(x, np.ndarray) and not fits_input(x.shape[1:], expected):
+        if batches:
+            raise NbdistError(f"the PyDataset's batches have features of shape {tuple(x.shape[1:])} per row but "
+                              f"{name} expects {expected}; return batches shaped like the training data.")
+        raise NbdistError(f"the features have shape {tuple(x.shape[1:])} per row but {name} expects "
+                          f"{expected}; pass data shaped like the training data.")
+    check_text_inputs(model, x, what)
+    if need_labels and not batches and isinstance(data.y, np.ndarray) and outputs(model) == 1:
+        check_labels_fit_loss(model, data.y, data.sample_weight, what)
+        if data.sample_weight is None:  # the classifier report counts rows: weighted, it has none
+            check_class_ids(model, data.y, "")

@@ -47,21 +47,6 @@ def _keras_if_loaded() -> Any:
     return sys.modules.get("keras")
 
 
-def check_trainable(model: Any, name: str = "model", *, built: bool = True) -> None:
-    """A compiled Keras model; with ``built``, one that has its weights (``fit``'s arguments build an
-    unbuilt one first, as Keras' own fit does: ``ensure_built``)."""
-    if not is_keras_model(model):
-        raise NbdistError(f"{name} is a {type(model).__name__}, not a Keras model; pass a keras.Model.")
-    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
-        raise NbdistError(
-            f"{name} is not compiled; call {name}.compile(optimizer, loss, metrics=[...]) in the cell."
-        )
-    if built and not model.built and not model.weights:  # a GAN's outer model is not built but holds built parts
-        raise NbdistError(
-            f"{name} has no weights yet; give it an input shape, e.g. keras.Input((64,)) as its first layer."
-        )
-
-
 def ensure_built(model: Any, x: Any, y: Any, *, width: int | None = None) -> None:
     """Create every weight now, as ``fit``'s first step would: a subclassed model built with
     ``model.build(shape)`` has no weights in its inner layers until it is called, and a model without
@@ -224,11 +209,7 @@ def chosen_strategy(model: Any, strategy: str | None) -> tuple[str, str | None]:
 
 def travelling_model(model: Any, *, optimizer: bool = True) -> ModelSpec:
     """The spec (notebook classes and functions travel inside the pickled model); without ``optimizer``,
-    for inference: its state is neither pickled nor sent."""
-    if optimizer:
-        check_trainable(model)
-    elif not model.built and not model.weights:
-        raise NbdistError("the model has no weights yet; build it (or train it) before evaluating or predicting.")
+    for inference: its state is neither pickled nor sent. The model was checked at the door (checks.py)."""
     held = model_graph.check_resources(model)
     if held is not None:
         raise NbdistError(f"{held} that cannot be sent to the workers and that it cannot restore (it has no "

@@ -20,6 +20,7 @@ import numpy as np
 
 from .data import leaves, memory_budget, not_in_memory, standardize_batch
 from .errors import NbdistError
+from .fit_arguments import FitCall
 
 log = logging.getLogger(__name__)
 
@@ -199,31 +200,31 @@ def _concat(parts: list[Any]) -> Any:
     return np.concatenate(parts, axis=0)
 
 
-def fit_from_pipelines(fit: dict[str, Any]) -> dict[str, Any]:
+def fit_from_pipelines(fit: FitCall) -> FitCall:
     """``model.fit``'s arguments with its tf.data pipelines (x, validation_data) as the arrays they yield,
     and the batch size and shuffling they had."""
-    x, vd = fit.get("x"), fit.get("validation_data")
+    x, vd = fit.x, fit.validation_data
     if not is_pipeline(x) and not is_pipeline(vd):
         return fit
-    out = dict(fit)
+    out = fit
     if is_pipeline(x):
         rows = read_any(x, "the training data x")
         for name in ("y", "sample_weight"):
-            if fit.get(name) is not None:
+            if getattr(fit, name) is not None:
                 raise NbdistError(f"model.fit got an input pipeline as x and {name} too; drop {name}: the "
                                   "pipeline's batches hold the labels and weights, (x, y) or (x, y, sample_weight).")
         if rows.y is None:
             raise NbdistError("the training data x is an input pipeline whose batches hold no labels; yield "
                               "(x, y) batches to train on it.")
-        out.update(x=rows.x, y=rows.y, sample_weight=rows.sample_weight, batch_size=rows.batch_size,
-                   shuffle=rows.shuffled)
+        out = out.replace(x=rows.x, y=rows.y, sample_weight=rows.sample_weight, batch_size=rows.batch_size,
+                          shuffle=rows.shuffled)
         log.info("read the input pipeline into %d rows, batch %d, %s", len(leaves(rows.x)[0]), rows.batch_size,
                  "shuffled each epoch" if rows.shuffled else "in order")
     if is_pipeline(vd):
         val = read_any(vd, "validation_data")
         if val.y is None:
             raise NbdistError("validation_data is an input pipeline whose batches hold no labels; yield (x, y).")
-        out["validation_data"] = tuple(p for p in (val.x, val.y, val.sample_weight) if p is not None)
+        out = out.replace(validation_data=tuple(p for p in (val.x, val.y, val.sample_weight) if p is not None))
     return out
 
 

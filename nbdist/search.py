@@ -29,6 +29,7 @@ from .config import TrainConfig, implied_strategy
 from .driver.run import TERMINAL, interrupts_held
 from .driver.search_state import SearchState, TrialRow
 from .errors import NbdistError
+from .fit_arguments import FitCall
 from .model_io import is_keras_model
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class TrialRun:
     job: Any
     row: TrialRow
     slot: int  # its share of the machine's cores while it runs (TrainConfig.local_slot)
-    fit: dict[str, Any] | None = None  # the cell's model.fit arguments (None: trained on --data)
+    fit: FitCall | None = None  # the cell's model.fit arguments (None: trained on --data)
     prune: bool = False
 
 
@@ -282,13 +283,13 @@ class Search:
             self._asked = None
         self._notify("trial", number)
 
-    def _build_job(self, trial: Any, slot: int) -> tuple[Any, dict[str, Any] | None]:
+    def _build_job(self, trial: Any, slot: int) -> tuple[Any, FitCall | None]:
         """Run the trial's cell (or function) up to its model.fit, and make the job it asks for."""
         from .driver.fit_call import intercept_fit
 
-        captured: list[tuple[Any, dict[str, Any]]] = []
+        captured: list[tuple[Any, FitCall]] = []
 
-        def on_fit(model: Any, fit: dict[str, Any]) -> Any:
+        def on_fit(model: Any, fit: FitCall) -> Any:
             captured.append((model, fit))
             raise FitCaptured()
 
@@ -310,12 +311,10 @@ class Search:
         return self.config.replace(ui="none", background=False, mlflow=False, local_share=self.state.parallel,
                                    local_slot=slot, **changes)
 
-    def _fit_job(self, model: Any, fit: dict[str, Any], slot: int) -> Any:
-        from .api import prepare_fit
-        from .driver.fit_call import fit_plan
+    def _fit_job(self, model: Any, fit: FitCall, slot: int) -> Any:
+        from .api import fit_job
 
-        fit, changes, global_batch = fit_plan(fit, self.explicit, self.lr_scaling_given)
-        return prepare_fit(model, self._trial_config(slot, **changes), fit, global_batch, namespace=self.namespace)
+        return fit_job(model, self._trial_config(slot), fit, self.explicit, self.lr_scaling_given, self.namespace)
 
     def _data_job(self, model: Any, slot: int) -> Any:
         from .api import prepare

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 from .config import TrainConfig
 from .errors import NbdistError
+from .fit_arguments import FitCall
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def _text(value: Any) -> str:
     return text if len(text) <= PARAM_CHARS else text[: PARAM_CHARS - 3] + "..."
 
 
-def run_params(config: TrainConfig, model: Any, fit: dict[str, Any] | None = None) -> dict[str, str]:
+def run_params(config: TrainConfig, model: Any, fit: FitCall | None = None) -> dict[str, str]:
     """Parameters of one run: the options (magic line or API), the cell's fit arguments as given
     (``fit.*``; ``fit.batch_size`` is the global batch), the optimizer's config (``optimizer.*``)
     and the model's size. Workers and backend are added once the run knows them."""
@@ -116,14 +117,13 @@ def run_params(config: TrainConfig, model: Any, fit: dict[str, Any] | None = Non
             continue
         params[name] = _text(value)
     if fit is not None:
-        given = fit.get("given", set())
         for name in FIT_PARAMS:
-            if name in given and fit.get(name) is not None:
-                params[f"fit.{name}"] = _text(fit[name])
-        if fit.get("callbacks"):
-            params["fit.callbacks"] = _text(",".join(type(c).__name__ for c in fit["callbacks"]))
+            if name in fit.given and getattr(fit, name) is not None:
+                params[f"fit.{name}"] = _text(getattr(fit, name))
+        if fit.callbacks:
+            params["fit.callbacks"] = _text(",".join(type(c).__name__ for c in fit.callbacks))
         for name in ("validation_data", "sample_weight"):
-            if fit.get(name) is not None:
+            if getattr(fit, name) is not None:
                 params[f"fit.{name}"] = "given"
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
@@ -321,7 +321,7 @@ class SearchRun:
             self._fail(exc)
 
 
-def tracker_for(config: TrainConfig, model: Any, fit: dict[str, Any] | None = None,
+def tracker_for(config: TrainConfig, model: Any, fit: FitCall | None = None,
                 **options: Any) -> RunTracker | None:
     """The tracker of a run, or None when this run is not tracked (see ``wanted``)."""
     if not wanted(config.mlflow):
@@ -331,7 +331,7 @@ def tracker_for(config: TrainConfig, model: Any, fit: dict[str, Any] | None = No
                       log_model=bool(autolog.get("log_models", True)), **options)
 
 
-def track(job: Any, config: TrainConfig, fit: dict[str, Any] | None = None) -> None:
+def track(job: Any, config: TrainConfig, fit: FitCall | None = None) -> None:
     """Log ``job`` to MLflow when the notebook tracks (a listener after the dashboard)."""
     tracker = tracker_for(config, job.model, fit)
     if tracker is not None:

@@ -35,6 +35,7 @@ from ..data import (
     to_struct,
 )
 from ..errors import NbdistError
+from ..fit_arguments import FitCall
 from .callbacks import DriverCallbacks
 
 log = logging.getLogger(__name__)
@@ -126,53 +127,51 @@ def uniform_epoch_steps(rows: int, batch: int, steps_per_epoch: int | None, epoc
 
 
 # -- fit's arguments -----------------------------------------------------------
-def bind_fit(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sig: inspect.Signature) -> dict[str, Any]:
-    """fit's arguments by name (``sig``: Keras' own fit), defaults filled in; ``given`` lists those spelled out."""
+def bind_fit(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sig: inspect.Signature) -> FitCall:
+    """A cell's ``model.fit(*args, **kwargs)`` bound to Keras' own fit signature ``sig``: defaults filled in,
+    ``given`` naming those spelled out."""
     try:
         bound = sig.bind(model, *args, **kwargs)
     except TypeError as exc:
         raise NbdistError(f"model.fit(...) {exc}; call it as you would without the magic.") from None
-    given = set(bound.arguments) - {"self"}
+    given = frozenset(bound.arguments) - {"self"}
     bound.apply_defaults()
-    out = dict(bound.arguments)
-    out.pop("self", None)
-    out["given"] = given
-    return out
+    return FitCall(**{k: v for k, v in bound.arguments.items() if k in FitCall.names()}, given=given)
 
 
-def check_fit_arguments(fit: dict[str, Any]) -> None:
+def check_fit_arguments(fit: FitCall) -> None:
     """One sentence for what cannot be distributed soundly, before any worker starts."""
     for name in ("steps_per_epoch", "validation_steps", "validation_batch_size"):
-        value = fit.get(name)
+        value = getattr(fit, name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise NbdistError(f"{name} must be a whole number of at least 1 (or None), got {value!r}.")
-        streamed = is_py_dataset(fit.get("x")) or is_py_dataset(fit.get("validation_data"))
+        streamed = is_py_dataset(fit.x) or is_py_dataset(fit.validation_data)
         if name != "validation_batch_size" and streamed:
             raise NbdistError(f"{name} is not supported with a PyDataset yet (each worker reads its share of "
                               f"the PyDataset's batches every epoch); drop {name}, or make the PyDataset shorter.")
-    freq = fit.get("validation_freq", 1)
+    freq = fit.validation_freq
     if isinstance(freq, bool) or not isinstance(freq, (int, np.integer)) or freq < 1:
         raise NbdistError(f"validation_freq must be a whole number of epochs of at least 1, got {freq!r} (Keras 3 "
                           "takes an integer: validate every that many epochs).")
-    if freq != 1 and (is_py_dataset(fit.get("x")) or is_py_dataset(fit.get("validation_data"))):
+    if freq != 1 and (is_py_dataset(fit.x) or is_py_dataset(fit.validation_data)):
         raise NbdistError("validation_freq other than 1 is not supported with a PyDataset yet (its reader reads "
                           "every epoch's validation share); drop it to validate every epoch.")
-    if fit.get("class_weight") is not None and fit.get("sample_weight") is not None:
+    if fit.class_weight is not None and fit.sample_weight is not None:
         raise NbdistError("class_weight and sample_weight cannot be used together (as in Keras); fold the class "
                           "weights into sample_weight.")
     for name in ("epochs", "initial_epoch"):
-        value = fit.get(name)
+        value = getattr(fit, name)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise NbdistError(f"{name} must be a whole number, got {value!r}.")
-    if fit["initial_epoch"] >= fit["epochs"]:
-        raise NbdistError(f"initial_epoch={fit['initial_epoch']} is not below epochs={fit['epochs']}: nothing to "
+    if fit.initial_epoch >= fit.epochs:
+        raise NbdistError(f"initial_epoch={fit.initial_epoch} is not below epochs={fit.epochs}: nothing to "
                           "train; epochs is the index of the last epoch, as in Keras.")
-    batch = fit.get("batch_size")
+    batch = fit.batch_size
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1):
         raise NbdistError(f"batch_size must be a whole number of at least 1, got {batch!r}.")
-    cbs = fit.get("callbacks")
+    cbs = fit.callbacks
     if cbs is not None and not isinstance(cbs, (list, tuple)):
         raise NbdistError("callbacks must be a list of keras.callbacks.Callback objects, e.g. callbacks=[cb].")
     for cb in cbs or []:
@@ -189,16 +188,16 @@ def check_batch_frequency(callback: Any) -> None:
                           f"{name}(save_freq='epoch') (the default).")
 
 
-def fit_data(fit: dict[str, Any]) -> tuple[FitData | PyDatasetData, FitData | PyDatasetData | None]:
+def fit_data(fit: FitCall) -> tuple[FitData | PyDatasetData, FitData | PyDatasetData | None]:
     """Training and validation data exactly as Keras' fit would take them from these arguments."""
-    x = fit.get("x")
+    x = fit.x
     if x is None:
         raise NbdistError("model.fit(...) was called without x; pass the training data, e.g. model.fit(X, y).")
     if is_py_dataset(x):
         return py_dataset_fit_data(fit)
-    data = make_fit_data(x, fit.get("y"), fit.get("sample_weight"), "training data")
+    data = make_fit_data(x, fit.y, fit.sample_weight, "training data")
     validation = None
-    vd = fit.get("validation_data")
+    vd = fit.validation_data
     if is_py_dataset(vd):
         validation = make_py_dataset_data(vd, "validation_data")
     elif vd is not None:
@@ -212,25 +211,25 @@ def fit_data(fit: dict[str, Any]) -> tuple[FitData | PyDatasetData, FitData | Py
             raise NbdistError("validation_data must be (x_val, y_val) or (x_val, y_val, val_sample_weight) "
                               "with in-memory arrays.")
         validation = make_fit_data(vd[0], vd[1], vd[2] if len(vd) == 3 else None, "validation data")
-    elif fit.get("validation_split"):
-        data, validation = split_validation(data, fit["validation_split"])
-    cw = fit.get("class_weight")
+    elif fit.validation_split:
+        data, validation = split_validation(data, fit.validation_split)
+    cw = fit.class_weight
     if cw is not None:  # Keras weights the training rows only
         data = FitData(data.x, data.y, class_weight_to_sample_weight(data.y, cw))
     return data, validation
 
 
-def py_dataset_fit_data(fit: dict[str, Any]) -> tuple[PyDatasetData, FitData | PyDatasetData | None]:
+def py_dataset_fit_data(fit: FitCall) -> tuple[PyDatasetData, FitData | PyDatasetData | None]:
     """A PyDataset's fit: Keras' own rules (no y, sample_weight or validation_split beside it)."""
     for name, why in (("y", "the PyDataset's batches hold the labels"),
                       ("sample_weight", "return (x, y, sample_weight) from its __getitem__ instead"),
                       ("validation_split", "pass validation_data (arrays or another PyDataset) instead")):
-        value = fit.get(name)
+        value = getattr(fit, name)
         if value is not None and not (isinstance(value, (int, float)) and value == 0):  # 0.0: the default split
             raise NbdistError(f"model.fit(...) was given a PyDataset and {name}; drop {name} ({why}), "
                               "as Keras requires.")
-    data = make_py_dataset_data(fit["x"], "training data", fit.get("class_weight"))
-    vd = fit.get("validation_data")
+    data = make_py_dataset_data(fit.x, "training data", fit.class_weight)
+    vd = fit.validation_data
     validation: FitData | PyDatasetData | None = None
     if is_py_dataset(vd):
         validation = make_py_dataset_data(vd, "validation_data")
@@ -242,29 +241,25 @@ def py_dataset_fit_data(fit: dict[str, Any]) -> tuple[PyDatasetData, FitData | P
     return data, validation
 
 
-def fit_plan(fit: dict[str, Any], explicit: dict[str, Any], lr_scaling_given: bool
-             ) -> tuple[dict[str, Any], dict[str, Any], int | None]:
-    """For a cell's ``model.fit(...)`` under the magic's ``explicit`` options: its arguments (an input
-    pipeline read into arrays, pipelines.py), the config changes they make, and the global batch."""
-    from ..pipelines import fit_from_pipelines
-
-    fit = fit_from_pipelines(fit)
+def fit_plan(fit: FitCall, explicit: dict[str, Any], lr_scaling_given: bool) -> tuple[dict[str, Any], int | None]:
+    """For a cell's ``model.fit(...)`` (an input pipeline already read into arrays, pipelines.py) under the
+    magic's ``explicit`` options: the config changes they make, and the global batch."""
     agreed = reconcile(fit, explicit)
     changes = {"epochs": agreed["epochs"], "shuffle": agreed["shuffle"]}
     if agreed["global_batch"] is not None and not lr_scaling_given:
         changes["lr_scaling"] = "none"  # the global batch is the local one: no rescaling
     if "batch_size" in agreed:
         changes["batch_size"] = agreed["batch_size"]
-    return fit, changes, agreed["global_batch"]
+    return changes, agreed["global_batch"]
 
 
-def reconcile(fit: dict[str, Any], magic: dict[str, Any]) -> dict[str, Any]:
+def reconcile(fit: FitCall, magic: dict[str, Any]) -> dict[str, Any]:
     """TrainConfig options for this fit call: the magic line's and the call's must agree.
 
     ``magic`` holds only the options typed on the magic line. Returns the options to use,
     including ``global_batch`` (None: ``batch_size`` per worker times the workers).
     """
-    given = fit["given"]
+    given = fit.given
     out: dict[str, Any] = {}
     if magic.get("data") is not None:
         raise NbdistError("the cell calls model.fit(...) with its own data and the magic line has --data; "
@@ -272,36 +267,34 @@ def reconcile(fit: dict[str, Any], magic: dict[str, Any]) -> dict[str, Any]:
     if magic.get("validation_data") is not None and ("validation_data" in given or "validation_split" in given):
         raise NbdistError("--validation-data on the magic line and validation data in model.fit(...) both set "
                           "the validation data; keep one.")
-    if "epochs" in magic and "epochs" in given and magic["epochs"] != fit["epochs"]:
-        raise NbdistError(f"--epochs {magic['epochs']} on the magic line but model.fit(epochs={fit['epochs']}) in "
+    if "epochs" in magic and "epochs" in given and magic["epochs"] != fit.epochs:
+        raise NbdistError(f"--epochs {magic['epochs']} on the magic line but model.fit(epochs={fit.epochs}) in "
                           "the cell; keep one (they must agree).")
-    out["epochs"] = int(magic["epochs"] if "epochs" in magic and "epochs" not in given else fit["epochs"])
-    if is_py_dataset(fit.get("x")):  # its own batches; one step of all workers reads `workers` of them
-        if fit.get("batch_size") is not None or "batch_size" in magic:
+    out["epochs"] = int(magic["epochs"] if "epochs" in magic and "epochs" not in given else fit.epochs)
+    if is_py_dataset(fit.x):  # its own batches; one step of all workers reads `workers` of them
+        if fit.batch_size is not None or "batch_size" in magic:
             raise NbdistError("a PyDataset makes its own batches: drop batch_size from model.fit(...) and "
                               "--batch-size from the magic line (each worker reads whole batches of it).")
         out["global_batch"] = None
         out["py_dataset"] = True
-        out["shuffle"] = bool(fit.get("shuffle", True))
+        out["shuffle"] = bool(fit.shuffle)
         return out
-    if "batch_size" in magic and fit.get("batch_size") is not None:
+    if "batch_size" in magic and fit.batch_size is not None:
         raise NbdistError(f"--batch-size {magic['batch_size']} (per worker) on the magic line and "
-                          f"model.fit(batch_size={fit['batch_size']}) (the global batch, split over the workers) "
+                          f"model.fit(batch_size={fit.batch_size}) (the global batch, split over the workers) "
                           "both set the batch; keep one.")
     if "batch_size" in magic:
         out["batch_size"], out["global_batch"] = int(magic["batch_size"]), None
     else:
-        out["global_batch"] = int(fit["batch_size"] or KERAS_DEFAULT_BATCH)
-    out["shuffle"] = bool(fit.get("shuffle", True))
+        out["global_batch"] = int(fit.batch_size or KERAS_DEFAULT_BATCH)
+    out["shuffle"] = bool(fit.shuffle)
     return out
 
 
-def prepare_fit_run(model: Any, fit: dict[str, Any], epochs: int, global_batch: int | None,
-                    rows: int) -> FitRun:
-    callbacks = DriverCallbacks(model, list(fit.get("callbacks") or []), epochs, int(fit.get("initial_epoch") or 0))
-    return FitRun(callbacks, int(fit.get("initial_epoch") or 0), global_batch, rows,
-                  int(fit.get("validation_freq") or 1), int(epochs), fit.get("steps_per_epoch"),
-                  fit.get("validation_steps"), fit.get("validation_batch_size"))
+def prepare_fit_run(model: Any, fit: FitCall, epochs: int, global_batch: int | None, rows: int) -> FitRun:
+    callbacks = DriverCallbacks(model, list(fit.callbacks or []), epochs, int(fit.initial_epoch or 0))
+    return FitRun(callbacks, int(fit.initial_epoch or 0), global_batch, rows, int(fit.validation_freq or 1),
+                  int(epochs), fit.steps_per_epoch, fit.validation_steps, fit.validation_batch_size)
 
 
 # -- interception ----------------------------------------------------------------
@@ -317,7 +310,7 @@ class FitAborted(Exception):
 
 
 @contextlib.contextmanager
-def intercept_fit(run: Callable[[Any, dict[str, Any]], Any]) -> Iterator[list[BaseException]]:
+def intercept_fit(run: Callable[[Any, FitCall], Any]) -> Iterator[list[BaseException]]:
     """While the cell runs, ``keras.Model.fit`` calls ``run(model, fit_arguments)`` instead.
 
     Yields a list that receives the cause when a call fails (NbdistError, TrainingFailed,

@@ -1,4 +1,4 @@
-"""``%dist_evaluate`` and ``%dist_predict``: thin glue from a line to ``nbdist.driver.inference``."""
+"""``%dist_evaluate`` and ``%dist_predict``: thin glue from a line to ``nbdist.api``'s evaluate and predict."""
 from __future__ import annotations
 
 import sys
@@ -8,9 +8,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..data import is_py_dataset
+from ..api import evaluate, is_spark_data, labels_in_batches, predict
 from ..errors import NbdistError, TrainingFailed
-from ..pipelines import is_pipeline
 from .args import apply, data_arguments, lookup_pair, worker_arguments
 
 _batch = argument("--batch-size", type=int, default=256, help="rows per batch on each worker (default: 256)")
@@ -85,12 +84,11 @@ class EvaluateMagics(Magics):
     def _evaluate(self, line: str) -> None:
         from IPython.display import display
 
-        from ..driver.inference import evaluate
         from ..ui.report import EvaluationReport
 
         args, ns, out, model, (x, y) = self._inputs(self.dist_evaluate, line)
         # A PyDataset's or an input pipeline's batches hold the labels.
-        if y is None and not _is_spark(x) and not is_py_dataset(x) and not is_pipeline(x):
+        if y is None and not labels_in_batches(x):
             raise NbdistError("--data needs features and labels to evaluate; write it as --data X,y.")
         weights = None
         if args.sample_weight is not None:
@@ -130,23 +128,15 @@ class EvaluateMagics(Magics):
         _run(lambda: self._predict(line))
 
     def _predict(self, line: str) -> None:
-        from ..driver.inference import predict
-
         args, ns, out, model, (x, y) = self._inputs(self.dist_predict, line)
         if y is not None:
             raise NbdistError("--data for %dist_predict names only the features, e.g. --data X.")
         result = predict(model, x, namespace=ns, workers=args.workers, backend=args.backend,
                          batch_size=args.batch_size, features=args.features, prediction_col=args.prediction_col)
         ns[out] = result
-        if _is_spark(result):
+        if is_spark_data(result):
             print(f"{out}: a Spark DataFrame with column {args.prediction_col!r}, computed on the executors "
                   "when you use it")
             return
         shape = getattr(result, "shape", None)
         print(f"{out}: predictions of shape {shape} in input order")
-
-
-def _is_spark(obj: Any) -> bool:
-    from ..spark.data import is_spark_data
-
-    return is_spark_data(obj)

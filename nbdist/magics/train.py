@@ -8,10 +8,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..checks import check_no_custom_loop
+from ..api import FitCall, check_training_line, fit_job, intercept_fit, is_keras_model, prepare
 from ..config import TrainConfig, implied_strategy
 from ..errors import NbdistError, TrainingFailed
-from ..model_io import is_keras_model
 from .args import apply, data_arguments, lookup_pair, tracking_arguments, tracking_options, worker_arguments
 
 
@@ -198,25 +197,11 @@ class DistMagics(Magics):
         if args.validation_data:
             xv, yv = lookup_pair(args.validation_data, ns, "--validation-data")
             validation = (xv, yv)
-        from ..api import prepare, training_data
-
-        # Check the data before running the cell, so a typo costs nothing (Spark: schema only).
-        if args.data is not None:
-            training_data(x, y, args.features, args.label)
-        from ..driver.resolve import resolve_backend
-
-        resolve_backend(config)  # e.g. --backend spark with no SparkContext: say so before the cell runs
-        from ..tracking import wanted
-
-        wanted(config.mlflow)  # --mlflow without MLflow installed: say so before the cell runs
-
-        # A hand-written loop would run here in full before anything could tell: read the cell instead.
-        check_no_custom_loop(self.shell.transform_cell(cell))
+        # Before the cell runs, so a typo costs nothing: --data, the backend, MLflow, a hand-written loop.
+        check_training_line(config, x, y, args.features, args.label, self.shell.transform_cell(cell))
         before = {name: id(value) for name, value in ns.items()}
         fit_calls: list[Any] = []
-        runner = self._fit_runner(options, explicit, args, out_given, ns, fit_calls)
-        from ..driver.fit_call import intercept_fit
-
+        runner = self._fit_runner(config, explicit, args, out_given, ns, fit_calls)
         with intercept_fit(runner) as fit_errors:
             result = self.shell.run_cell(cell, store_history=False, silent=False)
         if fit_errors:  # the cell's model.fit was refused or failed: report the cause, not a traceback
@@ -250,20 +235,16 @@ class DistMagics(Magics):
         finally:
             ns[args.out] = dict(job.history)
 
-    def _fit_runner(self, options: dict[str, Any], explicit: dict[str, Any], args: Any, out_given: bool,
+    def _fit_runner(self, config: TrainConfig, explicit: dict[str, Any], args: Any, out_given: bool,
                     ns: dict[str, Any], calls: list[Any]) -> Any:
         """What the cell's ``model.fit(...)`` does under the magic: train on the workers, return a History."""
-        from ..api import prepare_fit
-        from ..driver.fit_call import fit_plan
 
-        def run(model: Any, fit: dict[str, Any]) -> Any:
-            fit, changes, global_batch = fit_plan(fit, explicit, args.lr_scaling is not None)
-            config = TrainConfig(**{**options, **changes})
-            job = prepare_fit(model, config, fit, global_batch, namespace=ns)
+        def run(model: Any, fit: FitCall) -> Any:
+            job = fit_job(model, config, fit, explicit, args.lr_scaling is not None, namespace=ns)
             job.start()  # on this (main) thread: workers end with the thread that started them
             calls.append(job)
             ns[f"{args.out}_job"] = job
-            if config.background:
+            if job.config.background:
                 if out_given:
                     ns[args.out] = job.history
                 return job.run_in_background().fit_history

@@ -157,7 +157,7 @@ def test_spark_data_in_model_fit_is_one_sentence_naming_the_way(spark, frame, wh
 
     df, X, y = frame
     given = {"x": df, "y": None} if where == "x" else {"x": X, "y": y, "validation_data": df}
-    fit = {**fit_arguments(given.pop("x"), given.pop("y"), TrainConfig(), **given), "given": {}}
+    fit = fit_arguments(given.pop("x"), given.pop("y"), TrainConfig(), **given)
     model = small_model()
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(NbdistError, match="--data df --features" if where == "x" else "needs a training DataFrame") \

@@ -10,6 +10,7 @@ import pytest
 
 from nbdist.driver.fit_call import check_fit_arguments, keras_epoch_steps, uniform_epoch_steps
 from nbdist.errors import NbdistError
+from nbdist.fit_arguments import FitCall
 
 
 def keras_own_epochs(rows: int, batch: int, steps_per_epoch: int, epochs: int) -> list[int]:
@@ -50,7 +51,7 @@ def test_alike_epochs_run_and_the_others_are_refused_in_one_sentence():
 @pytest.mark.parametrize("name, value", [("steps_per_epoch", 0), ("validation_steps", 1.5),
                                          ("steps_per_epoch", True)])
 def test_bad_step_counts_are_one_sentence(name, value):
-    fit = {"x": np.zeros((8, 2)), "epochs": 1, "initial_epoch": 0, name: value}
+    fit = FitCall(x=np.zeros((8, 2)), epochs=1, initial_epoch=0, **{name: value})
     with pytest.raises(NbdistError, match=name):
         check_fit_arguments(fit)
 
@@ -60,7 +61,7 @@ def test_bad_step_counts_are_one_sentence(name, value):
 def test_callbacks_saving_every_n_batches_are_refused(tmp_path, callback):
     """Their batch hooks would never run (the batches run on the workers): one sentence, not no backup."""
     cb = callback(str(tmp_path))
-    fit = {"x": np.zeros((8, 2)), "epochs": 1, "initial_epoch": 0, "callbacks": [cb]}
+    fit = FitCall(x=np.zeros((8, 2)), epochs=1, initial_epoch=0, callbacks=[cb])
     with pytest.raises(NbdistError) as info:
         check_fit_arguments(fit)
     message = str(info.value)

@@ -7,6 +7,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from nbdist.errors import NbdistError  # noqa: E402
+from nbdist.fit_arguments import FitCall  # noqa: E402
 from nbdist.pipelines import fit_from_pipelines, read_pipeline  # noqa: E402
 
 X = np.arange(40, dtype="float32").reshape(20, 2)
@@ -27,16 +28,16 @@ def test_rows_batch_size_and_shuffle_come_from_the_pipeline():
 def test_several_inputs_weights_and_a_validation_pipeline():
     inputs = {"a": X, "b": X[:, :1]}
     weights = np.linspace(0.5, 1.5, 20).astype("float32")
-    fit = {"x": tf.data.Dataset.from_tensor_slices((inputs, Y, weights)).batch(6), "y": None, "sample_weight": None,
-           "batch_size": None, "shuffle": True,
-           "validation_data": tf.data.Dataset.from_tensor_slices(((X, X), Y)).batch(5)}
+    fit = FitCall(x=tf.data.Dataset.from_tensor_slices((inputs, Y, weights)).batch(6),
+                  validation_data=tf.data.Dataset.from_tensor_slices(((X, X), Y)).batch(5))
     out = fit_from_pipelines(fit)
-    assert set(out["x"]) == {"a", "b"} and out["x"]["b"].shape == (20, 1)
-    np.testing.assert_allclose(out["sample_weight"], weights)
-    assert out["batch_size"] == 6 and out["shuffle"] is False
-    xv, yv = out["validation_data"]
+    assert set(out.x) == {"a", "b"} and out.x["b"].shape == (20, 1)
+    np.testing.assert_allclose(out.sample_weight, weights)
+    assert out.batch_size == 6 and out.shuffle is False
+    xv, yv = out.validation_data
     assert isinstance(xv, list) and len(xv) == 2 and yv.shape == (20,)
-    assert fit_from_pipelines({"x": X, "validation_data": None}) == {"x": X, "validation_data": None}
+    plain = FitCall(x=X)
+    assert fit_from_pipelines(plain) is plain
 
 
 @pytest.mark.parametrize("make, words", [

@@ -10,6 +10,7 @@ import pytest
 from nbdist.config import TrainConfig
 from nbdist.driver.search_state import SearchState
 from nbdist.errors import NbdistError
+from nbdist.fit_arguments import FitCall
 from nbdist.search import infer_direction
 from nbdist.tracking import run_params, unreachable
 from nbdist.ui.search import search_rows, search_sentence, search_text
@@ -55,8 +56,8 @@ def test_run_params_hold_options_fit_arguments_and_optimizer_config():
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
-    fit = {"given": {"batch_size", "epochs", "class_weight"}, "batch_size": 64, "epochs": 3, "shuffle": True,
-           "class_weight": {0: 2.0}, "callbacks": [keras.callbacks.EarlyStopping()], "validation_data": None}
+    fit = FitCall(given=frozenset({"batch_size", "epochs", "class_weight"}), batch_size=64, epochs=3, shuffle=True,
+                  class_weight={0: 2.0}, callbacks=[keras.callbacks.EarlyStopping()], validation_data=None)
     params = run_params(TrainConfig(epochs=3, strategy="allreduce", seed=7), model, fit)
     assert params["fit.batch_size"] == "64" and params["fit.class_weight"] == "{0: 2.0}"
     assert "fit.shuffle" not in params  # not given in the call

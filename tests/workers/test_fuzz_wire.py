@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nbdist.api import prepare_fit
+from nbdist.api import FitCall, prepare_fit
 from nbdist.config import TrainConfig
 from nbdist.wire import protocol
 
@@ -210,10 +210,7 @@ def _run(x, y, during=None):
             underway.set()
 
     config = _config()
-    fit = {"x": x, "y": y, "batch_size": None, "epochs": EPOCHS, "callbacks": [_holder(attack_over)],
-           "validation_split": 0.0, "validation_data": None, "shuffle": True, "class_weight": None,
-           "sample_weight": None, "initial_epoch": 0, "steps_per_epoch": None, "validation_steps": None,
-           "validation_freq": 1}
+    fit = FitCall(x=x, y=y, epochs=EPOCHS, callbacks=[_holder(attack_over)])
     job = prepare_fit(model, config, fit, None, listeners=[listener])
     job.start()
     job.run_in_background()  # the pump runs on a thread; this one attacks

@@ -29,14 +29,15 @@ def test_a_memory_map_trains_as_the_array_in_memory(digits, tmp_path, strategy, 
 def test_evaluate_and_predict_read_a_memory_map_from_the_file(digits, tmp_path, no_leftover_workers):
     """%dist_evaluate / %dist_predict on a memory map: local workers read their rows from the file (none
     cross the wire), in batches of the whole pass; the results are the local evaluate's and predict's."""
-    from nbdist.driver.inference import EvaluationJob, PredictionJob, _prepare
+    from nbdist.driver.inference import EvaluationJob, PredictionJob
+    from nbdist.inference_api import inference_request
 
     X, y = digits
     np.save(tmp_path / "x.npy", X[:301].astype("float64"))
     mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
     model = mlp()
     model.fit(X[:300], y[:300], epochs=1, verbose=0)
-    config, data = _prepare(model, mapped, y[:301], None, True, {"workers": 2, "batch_size": 64}, "the model")
+    config, data = inference_request(model, mapped, y[:301], None, True, {"workers": 2, "batch_size": 64}, "the model")
     job = EvaluationJob(model, config, data)
     got = job.run()
     sent = job._job_message(1)
@@ -45,7 +46,7 @@ def test_evaluate_and_predict_read_a_memory_map_from_the_file(digits, tmp_path, 
     want = model.evaluate(X[:301], y[:301], batch_size=64, verbose=0, return_dict=True)
     for name, value in want.items():
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
-    config, data = _prepare(model, mapped, None, None, False, {"workers": 2, "batch_size": 64}, "the model")
+    config, data = inference_request(model, mapped, None, None, False, {"workers": 2, "batch_size": 64}, "the model")
     predicted = PredictionJob(model, config, data).run()
     np.testing.assert_allclose(predicted, model.predict(X[:301], verbose=0), rtol=0, atol=1e-5)
 
@@ -65,7 +66,8 @@ def test_a_memory_map_among_several_inputs_is_read_from_its_file(digits, tmp_pat
     """A dict of inputs with one memory-mapped .npy: local workers read their rows of it from the file (none
     cross the wire or pass through the notebook), the other input travels; training and evaluation are those
     of the arrays in memory."""
-    from nbdist.driver.inference import EvaluationJob, _prepare
+    from nbdist.driver.inference import EvaluationJob
+    from nbdist.inference_api import inference_request
 
     X, y = digits
     X, y = X[:600], y[:600]
@@ -80,7 +82,7 @@ def test_a_memory_map_among_several_inputs_is_read_from_its_file(digits, tmp_pat
     assert sent.data_file["leaves"]["0"]["deal"] == [600, 64, 2, 1]
     for a, b in zip(from_file.get_weights(), in_memory.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
-    config, data = _prepare(from_file, inputs, y, None, True, {"workers": 2, "batch_size": 64}, "the model")
+    config, data = inference_request(from_file, inputs, y, None, True, {"workers": 2, "batch_size": 64}, "the model")
     evaluation = EvaluationJob(from_file, config, data)
     got = evaluation.run()
     assert evaluation._job_message(0).x["pixels"] is None
@@ -92,7 +94,8 @@ def test_a_memory_map_among_several_inputs_is_read_from_its_file(digits, tmp_pat
 def test_sample_weights_with_a_memory_map_weigh_as_in_memory(digits, tmp_path, no_leftover_workers):
     """The file path streams features and labels; sample weights must still weigh every row (training
     and evaluation), as they do for the same array in memory."""
-    from nbdist.driver.inference import EvaluationJob, _prepare
+    from nbdist.driver.inference import EvaluationJob
+    from nbdist.inference_api import inference_request
 
     X, y = digits
     X, y = X[:512], y[:512]
@@ -105,7 +108,7 @@ def test_sample_weights_with_a_memory_map_weigh_as_in_memory(digits, tmp_path, n
     nbdist.train(in_memory, X, y, sample_weight=w, **options)
     for a, b in zip(from_file.get_weights(), in_memory.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
-    config, data = _prepare(in_memory, mapped, y, w, True, {"workers": 2, "batch_size": 64}, "the model")
+    config, data = inference_request(in_memory, mapped, y, w, True, {"workers": 2, "batch_size": 64}, "the model")
     got = EvaluationJob(in_memory, config, data).run()
     want = in_memory.evaluate(X, y, sample_weight=w, batch_size=64, verbose=0, return_dict=True)
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)

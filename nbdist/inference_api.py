@@ -1,0 +1,209 @@
+"""The public ``evaluate()`` and ``predict()``: each turns its model, data and options into one checked
+request (``inference_request``: a config and FitData or PyDatasetData, checked against the model by
+checks.py) and hands it to its job (driver/inference.py); Spark data is checked and evaluated in place, or
+predicted as a lazy DataFrame."""
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .checks import (
+    check_inference_data,
+    check_inference_model,
+    check_label_column,
+    check_single_output_on_spark,
+    no_columns,
+    outputs,
+)
+from .config import TrainConfig
+from .data import FitData, PyDatasetData, check_workers, is_py_dataset, make_fit_data, make_py_dataset_data
+from .driver.inference import EvaluationJob, PredictionJob, inference_spec
+from .errors import NbdistError
+from .metrics import ClassifierSpec, classifier_spec, compiled_loss
+from .pipelines import inference_rows, is_pipeline
+from .spark.backend import is_connect_session
+from .spark.checks import SPARK_BACKENDS, check_label_classes, check_width
+from .spark.data import is_spark_data, is_spark_rdd, spark_dataset, sql_types
+
+log = logging.getLogger(__name__)
+
+# Options of TrainConfig that make sense for inference; the rest are training's.
+INFERENCE_OPTIONS = {"workers", "backend", "batch_size", "startup_timeout", "heartbeat_interval",
+                     "heartbeat_timeout"}
+
+
+def inference_config(options: dict[str, Any]) -> TrainConfig:
+    unknown = set(options) - INFERENCE_OPTIONS
+    if unknown:
+        raise NbdistError(f"unknown option(s) {', '.join(sorted(unknown))}; use "
+                          f"{', '.join(sorted(INFERENCE_OPTIONS))}.")
+    options.setdefault("ui", "none")
+    options.setdefault("batch_size", 256)
+    return TrainConfig(epochs=1, **options)
+
+
+def inference_request(model: Any, x: Any, y: Any, sample_weight: Any, need_labels: bool, options: dict[str, Any],
+                      name: str) -> tuple[TrainConfig, FitData | PyDatasetData]:
+    """In-memory data for evaluate (``need_labels``) or predict, as one checked config and data."""
+    config = inference_config(options)
+    check_inference_model(model, name, need_compiled=need_labels)
+    what = "evaluation data" if need_labels else "prediction data"
+    if is_pipeline(x):  # read once into the arrays it yields
+        x, y, sample_weight = inference_rows(x, y, sample_weight, what)
+    data: FitData | PyDatasetData
+    if is_py_dataset(x):  # fewer batches than workers is fine: a worker without one adds nothing
+        for arg, value in (("y", y), ("sample_weight", sample_weight)):
+            if value is not None:
+                raise NbdistError(f"the {what} is a keras.utils.PyDataset and {arg} was given too; drop {arg}: the "
+                                  "PyDataset's batches hold the labels and weights, (x, y) or (x, y, sample_weight), "
+                                  "as in model.evaluate(dataset).")
+        data = make_py_dataset_data(x, f"the {what}")
+    else:
+        if need_labels and y is None:
+            raise NbdistError("evaluation needs labels; pass them as y (or --data X,y).")
+        data = make_fit_data(x, y, sample_weight, what)
+    check_inference_data(model, data, what, name, need_labels)
+    if config.workers is not None and isinstance(data, FitData):
+        check_workers(len(data), config.workers, what)
+    return config, data
+
+
+def _classifier(model: Any, data: FitData | PyDatasetData) -> ClassifierSpec | None:
+    """The classifier report's spec: single-output array labels without sample weights (the report counts
+    rows, which weighted metrics do not); Keras' metrics only otherwise."""
+    if isinstance(data, PyDatasetData) or not isinstance(data.y, np.ndarray) or outputs(model) != 1:
+        return None
+    if data.sample_weight is not None:
+        return None
+    output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
+    return classifier_spec(compiled_loss(model), output_shape)
+
+
+def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None,
+             namespace: dict[str, Any] | None = None, features: str | list[str] | None = None,
+             label: str | None = None, **options: Any) -> dict[str, Any]:
+    """Evaluate ``model`` on ``x``/``y`` sharded over workers, with exact merged metrics.
+
+    ``x``, ``y`` and ``sample_weight`` are what ``model.evaluate`` takes (arrays, pandas, dicts or
+    lists of them for several inputs and outputs; data.py). Returns the compiled metrics by name
+    (``loss``, ``accuracy``, ``cls_loss``, ...), as ``model.evaluate(..., return_dict=True)`` would
+    compute them on the whole data, plus ``samples``; for a single-output classifier without
+    sample weights also ``confusion_matrix`` (rows: true class), ``per_class``
+    (precision, recall, f1, support) and ``averages`` (accuracy, macro and weighted
+    F1, and for a binary classifier the positive class's precision/recall/F1 and
+    the exact ROC AUC). Options: workers, backend, batch_size (default 256).
+    ``x`` may be a Spark DataFrame (name its columns with ``features`` and ``label``) or an
+    RDD of (features, label) pairs: each Spark task then evaluates its partition in place. ``x`` may
+    be a ``keras.utils.PyDataset`` of (x, y) or (x, y, sample_weight) batches (no ``y`` beside it):
+    each worker evaluates batches rank, rank + workers, ...; Keras' metrics only, no classifier report.
+    """
+    if is_spark_data(x):
+        if sample_weight is not None:
+            raise NbdistError("sample_weight is for in-memory data; a Spark DataFrame is evaluated unweighted "
+                              "(evaluate a weighted sample in memory instead, e.g. df.limit(n).toPandas()).")
+        return evaluate_spark(model, x, y, features, label, namespace, options)
+    no_columns(features, label)
+    config, data = inference_request(model, x, y, sample_weight, True, dict(options), "the model")
+    return EvaluationJob(model, config, data, namespace, classifier=_classifier(model, data)).run()
+
+
+def predict(model: Any, x: Any, *, namespace: dict[str, Any] | None = None,
+            features: str | list[str] | None = None, prediction_col: str = "prediction", **options: Any) -> Any:
+    """``model.predict(x)`` sharded over workers; rows come back in input order, as ``model.predict``
+    returns them (one array, or a list or dict of arrays for a model with several outputs). A
+    ``keras.utils.PyDataset`` is predicted batch by batch as ``model.predict(ds)`` reads it, rows in its order.
+
+    For a Spark DataFrame (``features`` names its columns) it returns a new DataFrame with
+    ``prediction_col`` added, computed lazily on the executors; no row visits the driver.
+    """
+    if is_spark_data(x):
+        return predict_spark(model, x, features, namespace, options, prediction_col)
+    no_columns(features, None)
+    config, data = inference_request(model, x, None, None, False, dict(options), "the model")
+    return PredictionJob(model, config, data, namespace).run()
+
+
+# -- Spark data: partitions evaluated where they live, predictions as a lazy DataFrame ----------
+def evaluate_spark(model: Any, x: Any, y: Any, features: str | Sequence[str] | None, label: str | None,
+                   namespace: dict[str, Any] | None, options: dict[str, Any]) -> dict[str, Any]:
+    """``nbdist.evaluate`` on a DataFrame (or an RDD of (features, label)): partitions evaluated in place."""
+    config = inference_config(dict(options))
+    _check_spark_backend(config.backend, "evaluated")
+    check_inference_model(model, "the model", need_compiled=True)
+    check_single_output_on_spark(model, "evaluated")
+    data = spark_dataset(x, y, features, label)
+    check_width(model, data)
+    loss = compiled_loss(model)
+    output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
+    classifier = classifier_spec(loss, output_shape)
+    if data.dataframe is not None:  # a numeric label column: one value per row
+        check_label_column(model, label)
+        if classifier is not None and classifier.kind == "multiclass" and classifier.sparse_labels:
+            check_label_classes(data, classifier.classes)
+    job = EvaluationJob(model, config, data, namespace, classifier=classifier)
+    return job.run()
+
+
+def predict_spark(model: Any, df: Any, features: str | Sequence[str] | None, namespace: dict[str, Any] | None,
+                  options: dict[str, Any], prediction_col: str = "prediction") -> Any:
+    """A new DataFrame: ``df``'s columns plus ``prediction_col``, computed lazily on the executors.
+
+    One output value per row gives a double column, several an array<double> column.
+    """
+    from .spark.predict import PredictSpec, predict_batches
+
+    options = dict(options)
+    if options.get("workers") is not None:
+        raise NbdistError("prediction on a Spark DataFrame runs in the DataFrame's own partitions; drop --workers "
+                          "(repartition the DataFrame to change how many tasks run).")
+    options.pop("workers", None)
+    config = inference_config(options)
+    _check_spark_backend(config.backend, "predicted")
+    if is_spark_rdd(df):
+        raise NbdistError("prediction on Spark returns a DataFrame with a prediction column, so it needs a "
+                          "DataFrame; convert the RDD first, e.g. spark.createDataFrame(rdd, ['features']).")
+    check_inference_model(model, "the model", need_compiled=False)
+    check_single_output_on_spark(model, "predicted")
+    if not isinstance(prediction_col, str) or not prediction_col:
+        raise NbdistError(f"the prediction column needs a name, got {prediction_col!r}; "
+                          "e.g. prediction_col='prediction'.")
+    if prediction_col in df.columns:
+        raise NbdistError(f"the DataFrame already has a column {prediction_col!r}; drop it or choose another "
+                          "prediction column name.")
+    data = spark_dataset(df, None, features, None, label_required=False)
+    in_shape = check_width(model, data)
+    out_shape = tuple(model.outputs[0].shape[1:])
+    if any(d is None for d in out_shape):
+        raise NbdistError("the model's output size depends on its input; nbdist predicts fixed-size outputs only.")
+    scalar = int(np.prod(out_shape)) == 1
+    spec = inference_spec(model)
+    spark_types = sql_types()
+    session = df.sparkSession
+    # The model (its objects and weights) goes inside Spark's own broadcast or task closure, as any UDF's
+    # code does: nbdist opens no channel of its own to the executors here.
+    payload = {"spec": spec}
+    if not is_connect_session(session):
+        payload = session.sparkContext.broadcast(payload)  # once per executor, not per task
+    # Over Connect there is no broadcast: the model travels inside the function's closure.
+    task = PredictSpec(model=payload, key=uuid.uuid4().hex, features=data.layout.features, column=prediction_col,
+                       batch_size=config.batch_size,
+                       input_shape=in_shape if in_shape is not None and len(in_shape) > 1 else None,
+                       scalar=scalar, threads=max(1, int(session.conf.get("spark.task.cpus", "1") or 1)),
+                       udt_columns=tuple((f.name, f.dataType) for f in df.schema.fields
+                                         if isinstance(f.dataType, spark_types.UserDefinedType)))
+    kind = spark_types.DoubleType() if scalar else spark_types.ArrayType(spark_types.DoubleType(), containsNull=False)
+    column = spark_types.StructField(prediction_col, kind, nullable=False)
+    schema = spark_types.StructType(list(df.schema.fields) + [column])
+    log.info("prediction column %r added lazily (%d feature columns)", prediction_col, len(task.features))
+    return df.mapInPandas(functools.partial(predict_batches, task), schema)
+
+
+def _check_spark_backend(backend: str | None, what: str) -> None:
+    if (backend or "auto") not in SPARK_BACKENDS:
+        raise NbdistError(f"Spark data is {what} on the Spark backend, where it lives; drop --backend {backend} "
+                          "(or convert it first, e.g. df.toPandas(), if it fits in memory).")
