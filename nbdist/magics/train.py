@@ -46,7 +46,7 @@ class DistMagics(Magics):
     @argument("--strategy", default=None,
               help="allreduce | averaging | async (default: allreduce, the step local Keras takes; averaging, said "
                    "in one line, for a model whose train_step applies optimizers of its own, e.g. a GAN's two; "
-                   "async: workers of unequal speed, blocks of batches to whoever is free, README)")
+                   "async: workers of unequal speed, blocks of batches to whoever is free, docs/async.md)")
     @argument("--max-staleness", type=int, default=None, metavar="S",
               help="--strategy async: refuse a block computed from shared weights more than S versions old "
                    "(default: 4 x workers)")
@@ -145,10 +145,10 @@ class DistMagics(Magics):
         through host memory, said in one line (``--engine nccl`` then refused in one sentence); on JAX
         only Gloo (the gradients leave the jitted step through a host call), so ``--engine nccl`` or
         ``horovod`` is said in one warning and runs over Gloo. Each worker's device is in the dashboard
-        and ``job.reports``. Not yet run on a GPU (README, "GPUs"). Horovod 0.28.1 as released does
+        and ``job.reports``. Not yet run on a GPU (docs/gpus.md). Horovod 0.28.1 as released does
         not build against torch 2.13, and ``--engine horovod`` on torch is one warning too. What differs
-        on JAX and torch: one step per call into the backend, and dense gradients only. See the README's
-        "Keras backends".
+        on JAX and torch: one step per call into the backend, and dense gradients only. See
+        docs/backends.md.
 
         Every run's ``TrainingJob`` is stored in the notebook as ``<out>_job``
         (``history_job`` by default): after a failure, ``job.error`` and
