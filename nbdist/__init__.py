@@ -48,7 +48,7 @@ def _public_tune() -> Callable[..., Any]:
     import inspect
     from inspect import Parameter
 
-    from . import search
+    from .search import entry as search
 
     own = inspect.signature(search.tune)
     if [p.kind for p in own.parameters.values()] != [Parameter.POSITIONAL_OR_KEYWORD, Parameter.VAR_KEYWORD]:

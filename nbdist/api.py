@@ -6,35 +6,21 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .checks import (
-    check_built,
-    check_fits_model,
-    check_no_custom_loop,
-    check_not_stateful,
-    check_trainable,
-    no_columns,
-)
+from .checks import check_built, check_fits_model, check_no_custom_loop, check_not_stateful, check_trainable, no_columns
 from .config import TrainConfig, implied_strategy
-from .data import (
-    FitData,
-    PyDatasetData,
-    is_py_dataset,
-    make_fit_data,
-    make_py_dataset_data,
-    not_in_memory,
-    pipeline_message,
-)
+from .data.files import not_in_memory, pipeline_message
+from .data.inputs import FitData, PyDatasetData, is_py_dataset, make_fit_data, make_py_dataset_data
+from .data.pipelines import check_any, fit_from_pipelines, is_pipeline
 from .driver.fit_call import check_fit_arguments, fit_data, fit_plan, intercept_fit, prepare_fit_run
 from .driver.training import TrainingJob
 from .errors import NbdistError
 from .fit_arguments import FitCall
 from .inference_api import evaluate, predict
-from .model_io import chosen_strategy, ensure_built, is_keras_model
-from .pipelines import check_any, fit_from_pipelines, is_pipeline
+from .model.spec import chosen_strategy, ensure_built, is_keras_model
 from .spark.checks import feature_width
 from .spark.data import is_spark_data, spark_dataset, spark_validation
-from .tracking import track, wanted
 from .ui import make_renderer
+from .ui.tracking import track, wanted
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import FitData, PyDatasetData
+from .data.inputs import FitData, PyDatasetData
 from .errors import NbdistError
 
 
@@ -79,7 +79,7 @@ def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what:
 def check_labels_fit_loss(model: Any, y: Any, sample_weight: Any, what: str = "training data") -> None:
     """One sentence, with Keras' reason, where the model's own loss refuses these labels (label_check.py):
     only where the local fit would fail too (a class id per time step or per pixel is Keras' to take)."""
-    from .label_check import loss_refusal
+    from .model.labels import loss_refusal
 
     reason = loss_refusal(model, y, sample_weight)
     if reason is None:
@@ -268,7 +268,7 @@ def no_columns(features: Any, label: Any) -> None:
 
 def check_class_ids(model: Any, y: Any, what: str) -> None:
     """Sparse class ids within the classes of a single-output classifier (``what``: whose labels)."""
-    from .metrics import classifier_spec, compiled_loss, labels_are_classes
+    from .model.metrics import classifier_spec, compiled_loss, labels_are_classes
 
     out = _output_shape(model)
     if y is None or out is None:
@@ -281,7 +281,7 @@ def check_class_ids(model: Any, y: Any, what: str) -> None:
 
 def check_label_column(model: Any, label: str | None) -> None:
     """A DataFrame's numeric label column (one value per row) as the target of the model's one output."""
-    from .metrics import check_labels, compiled_loss
+    from .model.metrics import check_labels, compiled_loss
 
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
     if output_shape:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import NbdistError
-from .placement import ENGINES
+from .machine.placement import ENGINES
 
 STRATEGIES = ("averaging", "allreduce", "async")
 BACKENDS = ("auto", "local", "spark", "containers")

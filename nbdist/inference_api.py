@@ -21,11 +21,12 @@ from .checks import (
     outputs,
 )
 from .config import TrainConfig
-from .data import FitData, PyDatasetData, check_workers, is_py_dataset, make_fit_data, make_py_dataset_data
+from .data.inputs import FitData, PyDatasetData, is_py_dataset, make_fit_data, make_py_dataset_data
+from .data.pipelines import inference_rows, is_pipeline
+from .data.sharding import check_workers
 from .driver.inference import EvaluationJob, PredictionJob, inference_spec
 from .errors import NbdistError
-from .metrics import ClassifierSpec, classifier_spec, compiled_loss
-from .pipelines import inference_rows, is_pipeline
+from .model.metrics import ClassifierSpec, classifier_spec, compiled_loss
 from .spark.backend import is_connect_session
 from .spark.checks import SPARK_BACKENDS, check_label_classes, check_width
 from .spark.data import is_spark_data, is_spark_rdd, spark_dataset, sql_types

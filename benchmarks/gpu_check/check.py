@@ -519,7 +519,7 @@ def step_env(rec: Recorder, args) -> None:
         rec.run(f"import_{backend}", probe, need_s=15)
 
     def placement():
-        from nbdist import placement as pl
+        from nbdist.machine import placement as pl
 
         count = pl.count_host_gpus()
         res = {"count_host_gpus": count,

@@ -13,9 +13,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..keras_backend import ENV as BACKEND_ENV
-from ..keras_backend import notebook_backend
-from ..placement import GPUS_ASKED, interop_threads
+from ..machine.keras_backend import ENV as BACKEND_ENV
+from ..machine.keras_backend import notebook_backend
+from ..machine.placement import GPUS_ASKED, interop_threads
 
 WORKER_MODULE = "nbdist.worker"
 # The variables a worker's start depends on: two environments that agree on these can share a

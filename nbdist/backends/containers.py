@@ -37,8 +37,8 @@ from typing import Any
 
 from ..config import TrainConfig, default_local_workers
 from ..errors import NbdistError
-from ..placement import core_slices, usable_cores
-from ..procs import read_log_tail
+from ..machine.placement import core_slices, usable_cores
+from ..machine.processes import read_log_tail
 from ..wire.secret import hand_over
 from .command import container_env, job_command, package_root
 

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import placement
 from ..config import default_local_workers
-from ..placement import count_host_gpus, local_gpu_env, shared_core_slices, usable_cores
-from ..procs import ChildEnd, oom_kill_count, pin_to_cores, read_log_tail, reap, signal_group
+from ..machine import placement
+from ..machine.placement import count_host_gpus, local_gpu_env, shared_core_slices, usable_cores
+from ..machine.processes import ChildEnd, oom_kill_count, pin_to_cores, read_log_tail, reap, signal_group
 from ..wire.secret import hand_over
 from .command import job_command, worker_env
 from .warm import POOL, ForkedWorker, warm_enabled, worker_end

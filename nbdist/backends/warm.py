@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..procs import ChildEnd, ProcessId, oom_killed, remove_quietly, signal_group
+from ..machine.processes import ChildEnd, ProcessId, oom_killed, remove_quietly, signal_group
 from ..wire.handover import READY
 from .command import fork_server_command, startup_env
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data import epoch_order
+from ..data.sharding import epoch_order
 from ..strategies.async_sgd import BatchPool, SharedModel, block_cap
 from ..wire.commands import AsyncShared
 from ..wire.reports import AsyncPull, AsyncPush
@@ -105,7 +105,7 @@ class AsyncServer:
 
 def async_refusal(data: Any, validation: Any, fit: Any, checkpointing: bool) -> str:
     """Why this run cannot train with --strategy async (one sentence), or ""."""
-    from ..data import FitData, PyDatasetData
+    from ..data.inputs import FitData, PyDatasetData
 
     if fit is None or not isinstance(data, (PyDatasetData, FitData)):
         return ("--strategy async deals batches of in-memory arrays or of a keras.utils.PyDataset to whichever "
@@ -124,7 +124,7 @@ def plan_arrays(fit: Any, rows: int, world: int, per_worker_batch: int) -> tuple
     """Arrays under --strategy async: every worker holds them whole and trains batches of ``unit`` rows (its
     share of fit's global batch) as the driver deals them; returns ``unit`` and each worker's estimated rows
     (progress only: a fast worker takes more). One sentence for what cannot be dealt."""
-    from ..data import check_workers, rank_batch_sizes, share_count
+    from ..data.sharding import check_workers, rank_batch_sizes, share_count
     from ..errors import NbdistError
 
     check_workers(rows, world)
@@ -139,7 +139,7 @@ def plan_arrays(fit: Any, rows: int, world: int, per_worker_batch: int) -> tuple
 
 def start_async(job: Any, cfg: Any, world: int) -> AsyncServer:
     """The run's server, after the door's checks (one sentence on what does not fit)."""
-    from ..data import PyDatasetData
+    from ..data.inputs import PyDatasetData
     from ..errors import NbdistError
 
     refusal = async_refusal(job.data, job.validation_data, job.fit,

@@ -21,19 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from ..data import (
+from ..data.files import pipeline_message
+from ..data.inputs import (
     FitData,
     PyDatasetData,
     class_weight_to_sample_weight,
-    deal_rows,
     is_py_dataset,
     make_fit_data,
     make_py_dataset_data,
-    pipeline_message,
-    rank_batch_sizes,
     split_validation,
-    to_struct,
 )
+from ..data.sharding import deal_rows, rank_batch_sizes
+from ..data.structures import to_struct
 from ..errors import NbdistError
 from ..fit_arguments import FitCall
 from .callbacks import DriverCallbacks

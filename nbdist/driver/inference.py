@@ -14,20 +14,12 @@ from typing import Any
 import numpy as np
 
 from ..config import TrainConfig
-from ..data import (
-    FitData,
-    PyDatasetData,
-    batch_bounds,
-    flatten,
-    has_text,
-    share_count,
-    strided_batches,
-    tf_structure,
-    unflatten,
-)
+from ..data.inputs import FitData, PyDatasetData
+from ..data.sharding import batch_bounds, share_count, strided_batches
+from ..data.structures import flatten, has_text, tf_structure, unflatten
 from ..errors import NbdistError
-from ..metrics import ClassifierSpec, merge_classifier_stats, sum_states
-from ..model_io import ModelSpec, model_from_spec, travelling_model
+from ..model.metrics import ClassifierSpec, merge_classifier_stats, sum_states
+from ..model.spec import ModelSpec, model_from_spec, travelling_model
 from ..spark.data import SparkData
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Evaluation, Predictions

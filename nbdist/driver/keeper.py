@@ -19,7 +19,7 @@ import numpy as np
 
 from ..config import TrainConfig
 from ..errors import NbdistError
-from ..model_io import ModelSpec
+from ..model.spec import ModelSpec
 from . import checkpoint
 from .state import RunState
 

@@ -22,11 +22,12 @@ from typing import Any, Self
 
 from ..backends import Backend, WorkerHandle
 from ..config import TrainConfig
-from ..data import FitData, PyDatasetData, batches_per_epoch, check_workers, shard_bounds
+from ..data.inputs import FitData, PyDatasetData
+from ..data.sharding import batches_per_epoch, check_workers, shard_bounds
 from ..errors import NbdistError, TrainingFailed
-from ..model_io import ModelSpec
-from ..placement import threads_per_worker
-from ..procs import oom_sentence
+from ..machine.placement import threads_per_worker
+from ..machine.processes import oom_sentence
+from ..model.spec import ModelSpec
 from ..spark.data import SparkData
 from ..wire import protocol
 from ..wire.messages import JobMessage

@@ -19,10 +19,12 @@ import numpy as np
 
 from ..checks import non_finite, non_finite_message
 from ..config import TrainConfig
-from ..data import FitData, PyDatasetData, check_workers, map_struct, shard_bounds, share_count
+from ..data.inputs import FitData, PyDatasetData
+from ..data.sharding import check_workers, shard_bounds, share_count
+from ..data.structures import map_struct
 from ..errors import NbdistError, TrainingFailed
-from ..model_io import ModelSpec, apply_state, spec_from_model
-from ..seeding import run_seed
+from ..model.seeding import run_seed
+from ..model.spec import ModelSpec, apply_state, spec_from_model
 from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
 from ..wire.commands import Rendezvous, Stop

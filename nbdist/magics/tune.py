@@ -1,4 +1,4 @@
-"""``%%dist_tune``: thin glue from a cell to ``nbdist.search.tune`` (a search whose trials are nbdist runs)."""
+"""``%%dist_tune``: thin glue from a cell to ``nbdist.search.entry.tune`` (a search whose trials are nbdist runs)."""
 from __future__ import annotations
 
 from typing import Any
@@ -84,7 +84,9 @@ class TuneMagics(Magics):
             raise UsageError(str(exc)) from None
 
     def _tune(self, line: str, cell: str) -> Any:
-        from ..search import FitCaptured, import_optuna, make_search
+        from ..search.entry import make_search
+        from ..search.scheduler import FitCaptured
+        from ..search.study import import_optuna
 
         args = parse_argstring(self.dist_tune, line)
         import_optuna()  # not installed: one sentence before anything runs

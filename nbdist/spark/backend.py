@@ -35,8 +35,8 @@ from typing import Any
 
 from ..backends.warm import warm_enabled
 from ..errors import NbdistError
-from ..keras_backend import notebook_backend
-from ..procs import ChildEnd
+from ..machine.keras_backend import notebook_backend
+from ..machine.processes import ChildEnd
 from ..wire import protocol
 from ..wire.catalog import read
 from ..wire.reports import TaskExit, TaskRows, TaskStarted

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..data import check_workers
+from ..data.sharding import check_workers
 from .task import VALIDATION_COLUMN
 
 INDEX_COLUMN = "__nbdist_index"  # a row's place in the data (position in the DataFrame's partition order)

@@ -64,7 +64,7 @@ def _model(spec: PredictSpec) -> Any:
             # Use the task's cores only; TensorFlow refuses once this Python worker already ran it.
             with contextlib.suppress(RuntimeError):
                 pin_threads(spec.threads)
-            from ..model_io import model_from_spec
+            from ..model.spec import model_from_spec
 
             payload = spec.model.value if hasattr(spec.model, "value") else spec.model  # a broadcast, or the dict
             model = model_from_spec(payload["spec"])

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.command import job_command, worker_env
-from ..procs import ChildEnd, ProcessId, oom_kill_count, read_log_tail, reap, signal_group
+from ..machine.processes import ChildEnd, ProcessId, oom_kill_count, read_log_tail, reap, signal_group
 from ..wire.reports import TaskExit, TaskRows, TaskStarted
 from ..wire.shardfile import DATA_ENV, VALIDATION_DIR, DiskFull, ShardWriter
 
@@ -52,7 +52,7 @@ def cuda_visible_devices(resources: Mapping[str, Any]) -> str | None:
 
 def task_visible_devices(resources: Mapping[str, Any]) -> str | None:
     """The one GPU this task's worker uses (allreduce pins one per worker); None: Spark assigned none."""
-    from ..placement import spark_task_visible_devices
+    from ..machine.placement import spark_task_visible_devices
 
     devices = cuda_visible_devices(resources)
     return None if devices is None else spark_task_visible_devices(devices.split(","))

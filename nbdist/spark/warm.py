@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from ..backends.command import STARTUP_KEYS, warm_socket_command
-from ..procs import remove_quietly
+from ..machine.processes import remove_quietly
 from ..wire.handover import log_path_of, read_line
 
 log = logging.getLogger(__name__)

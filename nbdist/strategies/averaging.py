@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..model_io import host_array, view_of
+from ..model.spec import host_array, view_of
 from .collective import Collective
 from .ring import aligned_offsets
 

@@ -64,8 +64,8 @@ from typing import Any
 
 import numpy as np
 
-from ..placement import usable_cores
-from ..procs import ProcessId, remove_quietly
+from ..machine.placement import usable_cores
+from ..machine.processes import ProcessId, remove_quietly
 from .direct import add_in_rank_order
 from .ring import ALIGN, block_bounds, pieces, segment_bounds
 

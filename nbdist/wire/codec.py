@@ -56,7 +56,11 @@ class MessageType(enum.StrEnum):
 
 
 class MessageError(ValueError):
-    """A message this side cannot read: another version, or malformed."""
+    """A message this side cannot read: another version, or malformed. Always one line: it quotes what the
+    peer sent, which may hold newlines."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
 
 
 def arrays() -> Any:
@@ -139,13 +143,13 @@ def _take_arrays(cls: type[Typed], body: dict[str, Any], pending: list[np.ndarra
               if _ARRAY_META in f.metadata]
     counts = body.get(ARRAYS_KEY, {})
     if not isinstance(counts, dict) or set(counts) != {field for field, _ in layout}:
-        raise MessageError(f"a {name} message describes its arrays as {str(counts)[:80]}, not by "
+        raise MessageError(f"a {name} message describes its arrays as {repr(counts)[:80]}, not by "
                            f"{', '.join(field for field, _ in layout) or 'nothing'}")
     out: dict[str, Any] = {}
     for field, how in layout:
         n = counts[field]
         if type(n) is not int or n < 0 or (how == "one" and n > 1):
-            raise MessageError(f"a {name} message has a bad array count for {field}: {str(n)[:40]}")
+            raise MessageError(f"a {name} message has a bad array count for {field}: {repr(n)[:40]}")
         if n > len(pending):
             raise MessageError(f"a {name} message has fewer arrays than its body describes")
         taken, pending[:n] = pending[:n], []

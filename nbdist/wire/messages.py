@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..data import Struct, flatten, unflatten
-from ..model_io import ModelSpec
+from ..data.structures import Struct, flatten, unflatten
+from ..model.spec import ModelSpec
 from .codec import MessageError, MessageType
 
 # Bump on any change to the fields or meaning of any message (this job's, wire/reports.py's, wire/commands.py's):

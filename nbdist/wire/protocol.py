@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data import all_zero
+from ..data.structures import all_zero
 
 PROTOCOL_VERSION = 2  # 2: an all-zero array travels as its description alone
 MAGIC = b"NBDS"

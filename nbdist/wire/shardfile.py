@@ -178,7 +178,7 @@ class NpyRows:
     BLOCK_BYTES = 4 * 2**20
 
     def __init__(self, data_file: dict, y: np.ndarray | None) -> None:
-        from ..data import file_index
+        from ..data.files import file_index
 
         self.path = str(data_file["path"])
         self.dtype = np.dtype(data_file["dtype"])

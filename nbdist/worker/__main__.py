@@ -72,7 +72,7 @@ def quiet_tensorflow_import() -> None:
 
 
 if __name__ == "__main__":
-    from ..keras_backend import configured_backend, optional_packages_hidden
+    from ..machine.keras_backend import configured_backend, optional_packages_hidden
 
     # KERAS_BACKEND is the notebook's (backends/command.py): a JAX or torch worker never loads TensorFlow.
     # A fork server on a machine with GPUs imports nothing that picks a device (placement.warm_server_env).

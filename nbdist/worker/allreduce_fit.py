@@ -14,7 +14,7 @@ def jax_engine(requested: str | None, collective: Any = None) -> tuple[str, str 
     """The engine on Keras' JAX backend (``placement.choose_jax_engine``): Gloo through a host call by default;
     ``jax`` sums inside the jitted step over JAX's own collectives (strategies/jax_device_sum.py), where every
     worker with a GPU has its own (every worker asked the same, so every one sums the GPUs)."""
-    from ..placement import choose_jax_engine
+    from ..machine.placement import choose_jax_engine
     from .device import worker_gpus
 
     gpus = worker_gpus(collective) if requested == "jax" and collective is not None else ()
@@ -24,7 +24,7 @@ def jax_engine(requested: str | None, collective: Any = None) -> tuple[str, str 
 def resolve_engine(requested: str | None, collective: Any) -> tuple[str, str | None]:
     import keras
 
-    from ..placement import choose_engine, choose_torch_engine, horovod_import_error, nccl_or_gloo
+    from ..machine.placement import choose_engine, choose_torch_engine, horovod_import_error, nccl_or_gloo
     from .device import worker_gpus
 
     backend = keras.backend.backend()
@@ -45,8 +45,8 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
                   lr_factor: float = 1.0) -> None:
     import keras
 
-    from ..data import share_count
-    from ..model_io import averaged_optimizer_variables
+    from ..data.sharding import share_count
+    from ..model.spec import averaged_optimizer_variables
     from ..strategies.allreduce_hook import AllreduceCallback, GradientAllreduce, broadcast_state, wrap_optimizer
     from ..strategies.averaging import WeightedAverager, batch_sizes
     from ..strategies.backend_grads import HostGradientAllreduce, wrap_jax_optimizer, wrap_torch_optimizer
@@ -147,7 +147,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
 def _equal_steps_or_gloo(link: Any, collective: Any, samples: int | None, sizes: list[int]) -> str:
     """``jax`` where every worker has the same rows at every step (array data, equal shares and batch sizes),
     else ``gloo`` with its one sentence. ``samples`` None: a PyDataset feed, whose last batches may differ."""
-    from ..placement import choose_jax_engine
+    from ..machine.placement import choose_jax_engine
     from ..strategies.gradient_sum import shard_samples
 
     shares = shard_samples(collective, samples) if samples is not None else []

@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ..data import epoch_order, leaves, map_struct, standardize_batch
+from ..data.inputs import standardize_batch
+from ..data.sharding import epoch_order
+from ..data.structures import leaves, map_struct
 from ..wire.messages import JobMessage
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data import batch_rows
+from ..data.inputs import batch_rows
 from ..wire.commands import AsyncShared, Decision
 from ..wire.messages import JobMessage
 from ..wire.reports import AsyncPull, AsyncPush, Epoch, Progress

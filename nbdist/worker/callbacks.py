@@ -10,7 +10,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from ..model_io import host_array
+from ..model.spec import host_array
 from ..strategies.averaging import WeightedAverager, batch_sizes, sync_after
 from ..strategies.backend_grads import synced_state
 from ..wire.reports import Epoch, Progress, Weights
@@ -126,7 +126,7 @@ class EventCallback(keras.callbacks.Callback):
 def weights_and_optimizer(model: Any) -> tuple[list[np.ndarray], list[list[int]]]:
     """The whole trained state (weights, then every optimizer's), and where each optimizer's variables are:
     read where it lies when it can be (``host_array``), so send it at once or copy it (``WeightShipper``)."""
-    from ..model_io import optimizer_layout, optimizer_state_variables
+    from ..model.spec import optimizer_layout, optimizer_state_variables
 
     variables = [*model.weights, *optimizer_state_variables(model)]
     return [host_array(v) for v in variables], optimizer_layout(model)
@@ -195,7 +195,7 @@ class WeightShipper:
         self._epoch: int | None = None  # the latest epoch shipped or kept
 
     def __call__(self, epoch: int) -> None:
-        from ..model_io import optimizer_layout, optimizer_state_variables, optimizer_steps
+        from ..model.spec import optimizer_layout, optimizer_state_variables, optimizer_steps
 
         self._epoch = epoch
         model = self.model

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..data import batches_per_epoch, tf_structure
+from ..data.sharding import batches_per_epoch
+from ..data.structures import tf_structure
 from ..wire.messages import JobMessage
 from .tfdata import without_autotune
 

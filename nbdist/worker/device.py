@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..placement import describe_device
+from ..machine.placement import describe_device
 
 
 def _host_index() -> str:
@@ -82,7 +82,7 @@ def device_averager(collective: Any, variables: list[Any]) -> Any:
 
     if collective.world_size == 1 or keras.backend.backend() != "torch":
         return None
-    from ..placement import choose_torch_engine
+    from ..machine.placement import choose_torch_engine
     from ..strategies.backend_grads import device_sum_forced
     from ..strategies.device_sum import TorchDeviceAverage, device_group
 

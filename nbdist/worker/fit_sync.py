@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from ..keras_backend import OPTIONAL_AT_IMPORT
+from ..machine.keras_backend import OPTIONAL_AT_IMPORT
 from ..strategies.backend_grads import synced_state
 from ..wire.commands import Decision
 from ..wire.messages import JobMessage

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data import flatten, has_text
+from ..data.structures import flatten, has_text
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Evaluation, Predictions, Progress
 from .datasets import sample_count, tf_structure, uses_tf_data
@@ -24,7 +24,7 @@ def evaluate_shard(model: Any, x: Any, y: Any, batch_size: int, classifier: dict
                    sample_weight: Any = None) -> tuple[list[str], list[np.ndarray], dict[str, Any]]:
     """Metric variables after evaluating this shard (``x``, ``y``, ``sample_weight`` as ``model.evaluate``
     takes them: arrays, or lists or dicts of arrays), plus the classifier's additive counts."""
-    from ..metrics import ClassifierSpec, shard_statistics
+    from ..model.metrics import ClassifierSpec, shard_statistics
 
     model.evaluate(_unsized_batches(x, y, sample_weight, batch_size), verbose=0)
     names = [v.path for v in model.metrics_variables]
@@ -156,7 +156,7 @@ def _fit_input(model: Any, x: Any) -> Any:
 
 
 def run_inference(link: Any, job: JobMessage) -> None:
-    from ..model_io import model_from_spec
+    from ..model.spec import model_from_spec
     from .runtime import pin_threads
 
     link.heartbeat_timeout = float(job.heartbeat_timeout)

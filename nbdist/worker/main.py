@@ -194,7 +194,7 @@ def _import_for_training() -> None:
 
 def backend_problem() -> str | None:
     """One sentence when this worker cannot run the notebook's Keras backend (its package is absent)."""
-    from ..keras_backend import configured_backend, missing_package
+    from ..machine.keras_backend import configured_backend, missing_package
 
     return missing_package(configured_backend())
 
@@ -223,7 +223,7 @@ def wait_warm_socket(path: str, watch: str) -> tuple[str, int, bytes, socket.soc
     away or nobody came. Once taken, the worker dies with that connection, as a child started
     with ``--die-with-parent`` dies with its task.
     """
-    from ..procs import ProcessId
+    from ..machine.processes import ProcessId
     from . import warm_socket
 
     pid, start = (int(v) for v in watch.split(":"))

@@ -30,14 +30,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from ..data import (
-    PyDatasetData,
-    batch_rows,
-    epoch_order,
-    share_count,
-    share_indices,
-    standardize_batch,
-)
+from ..data.inputs import PyDatasetData, batch_rows, standardize_batch
+from ..data.sharding import epoch_order, share_count, share_indices
 from ..strategies.allreduce_hook import AllreduceCallback
 from ..wire.messages import JobMessage
 from .datasets import tf_structure, uses_tf_data

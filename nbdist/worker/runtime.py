@@ -1,8 +1,8 @@
 """What every job needs on a worker, whatever its kind: its message decoded, its thread budget."""
 from __future__ import annotations
 
-from ..keras_backend import configured_backend, optional_packages_hidden
-from ..placement import interop_threads
+from ..machine.keras_backend import configured_backend, optional_packages_hidden
+from ..machine.placement import interop_threads
 from ..wire.messages import JobMessage
 
 
@@ -39,7 +39,7 @@ def unpack_job(job: JobMessage) -> JobMessage:
 
         job.x, job.y = load_task_data()
     if job.data_file is not None and "leaves" in job.data_file:  # memory-mapped inputs of several
-        from ..data import fill_leaves
+        from ..data.structures import fill_leaves
         from ..wire.shardfile import read_rows
 
         job.x = fill_leaves(job.x, {int(i): read_rows(where) for i, where in job.data_file["leaves"].items()})

@@ -53,7 +53,7 @@ def run_training(link: Any, job: JobMessage) -> None:
     pin_threads(job.threads)
     import keras
 
-    from ..model_io import build_optimizer, model_from_spec
+    from ..model.spec import build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager, open_averaging_sum
     from .blocks import StepBlocks, block_size
     from .callbacks import AveragingCallback, EventCallback, WeightShipper
@@ -61,7 +61,7 @@ def run_training(link: Any, job: JobMessage) -> None:
     from .pydatasets import job_feed
 
     if train.seed is not None:  # the run's seed (seeding.py): without importing TensorFlow on JAX or torch
-        from ..seeding import seed_worker
+        from ..model.seeding import seed_worker
 
         seed_worker(int(train.seed) + rank, keras.backend.backend())
     # The notebook's model as it is, with its whole state; the step count comes with it (Adam's bias
@@ -88,7 +88,7 @@ def run_training(link: Any, job: JobMessage) -> None:
     set_initial_learning_rate(model, job)
     # async too: each delta counts 1/N on the driver, so the scaled local rate gives the shared model allreduce's step.
     lr_factor = scale_learning_rate(model, train.lr_scaling, job.world_size)
-    from ..placement import GPUS_ASKED, gpu_missing_notice
+    from ..machine.placement import GPUS_ASKED, gpu_missing_notice
     from .device import training_device
 
     device = training_device()  # in the run's state and dashboard from here on, and in the closing report
@@ -116,7 +116,7 @@ def run_training(link: Any, job: JobMessage) -> None:
         return
     averager = None
     try:
-        from ..model_io import averaged_optimizer_variables
+        from ..model.spec import averaged_optimizer_variables
 
         variables = [w for w in model.weights if "float" in str(w.dtype)]
         if train.average_optimizer:

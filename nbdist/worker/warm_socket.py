@@ -12,7 +12,7 @@ import struct
 import time
 from collections.abc import Callable
 
-from ..procs import remove_quietly
+from ..machine.processes import remove_quietly
 from ..wire.handover import IDLE_LIMIT, log_path_of, read_line
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from nbdist.backends.command import worker_env
-from nbdist.procs import ProcessId
+from nbdist.machine.processes import ProcessId
 from nbdist.spark import warm as spark_warm
 from nbdist.wire import protocol
 from nbdist.wire.handover import job_line

@@ -7,7 +7,7 @@ import pytest
 
 from nbdist.config import TrainConfig
 from nbdist.errors import NbdistError
-from nbdist.placement import (
+from nbdist.machine.placement import (
     choose_engine,
     count_host_gpus,
     cuda_visible_devices_for_rank,
@@ -68,7 +68,7 @@ def test_config_engine_and_strategy():
 def test_engine_on_jax_is_gloo_and_any_other_request_is_one_sentence_saying_why():
     """Issue 25: on JAX the default sums through a host call over Gloo; --engine nccl or horovod is said once,
     with the reason, and the run goes on over Gloo, never silently."""
-    from nbdist.placement import choose_jax_engine
+    from nbdist.machine.placement import choose_jax_engine
     from nbdist.worker.allreduce_fit import jax_engine
 
     assert jax_engine(None) == ("gloo", None)
@@ -85,7 +85,7 @@ def test_engine_jax_is_chosen_only_by_name_with_equal_steps_and_a_gpu_of_its_own
     GPUs; it needs the same rows per step on every worker (one program on every process) and, where workers
     have GPUs, one each (XLA sums over NCCL, which refuses two ranks on one device); otherwise one sentence
     and Gloo. On TensorFlow and torch it is refused in one sentence naming the fix."""
-    from nbdist.placement import ENGINES, choose_engine, choose_jax_engine, choose_torch_engine
+    from nbdist.machine.placement import ENGINES, choose_engine, choose_jax_engine, choose_torch_engine
 
     assert "jax" in ENGINES
     assert TrainConfig(strategy="allreduce", engine="jax").engine == "jax"
@@ -110,7 +110,7 @@ def test_engine_on_torch_is_nccl_only_when_every_worker_has_a_gpu_of_its_own():
     run crashed), said in one line where there are GPUs; --engine nccl then is one sentence naming the
     workers; Horovod is said once and the default sums. The identities stand for what each worker's
     torch.cuda reports (worker/device.py; no GPU here: NCCL itself has not run)."""
-    from nbdist.placement import choose_torch_engine
+    from nbdist.machine.placement import choose_torch_engine
 
     assert choose_torch_engine(None, ["h/0", "h/1"]) == ("nccl", None)
     assert choose_torch_engine(None, [0, 0]) == ("gloo", None)  # CPU workers: nothing to say
@@ -141,7 +141,7 @@ def test_engine_on_torch_is_nccl_only_when_every_worker_has_a_gpu_of_its_own():
 
 def test_tensorflow_keeps_nccl_only_where_each_worker_has_its_own_gpu():
     """TensorFlow's engine is chosen by each worker from its own GPU; checked against every worker's."""
-    from nbdist.placement import nccl_or_gloo
+    from nbdist.machine.placement import nccl_or_gloo
 
     assert nccl_or_gloo("nccl", None, None, ["h/0", "h/1"]) == ("nccl", None)
     engine, notice = nccl_or_gloo("nccl", None, None, ["h/0", "h/0"])
@@ -155,7 +155,7 @@ def test_workers_default_to_one_per_visible_gpu_and_jax_shares_without_prealloca
     """Issue 36: with GPUs and no --workers, one worker per visible GPU, said in one line; JAX workers sharing
     a GPU allocate as they go (each would preallocate 75% of it: the first GPU run failed so), a setting of
     the user's stands, and a worker with a GPU of its own keeps JAX's default."""
-    from nbdist.placement import default_worker_count, jax_memory_env, visible_gpu_count, workers_per_gpu
+    from nbdist.machine.placement import default_worker_count, jax_memory_env, visible_gpu_count, workers_per_gpu
 
     assert default_worker_count(0, 2) == (2, None)
     count, line = default_worker_count(4, 2)
@@ -173,7 +173,7 @@ def test_workers_default_to_one_per_visible_gpu_and_jax_shares_without_prealloca
 
 
 def test_the_device_a_report_names():
-    from nbdist.placement import describe_device, gpu_missing_notice
+    from nbdist.machine.placement import describe_device, gpu_missing_notice
 
     assert describe_device("cpu") == "CPU" and describe_device("gpu", "3", "NVIDIA H200") == "GPU 3 (NVIDIA H200)"
     assert describe_device("cuda", None, None) == "GPU"

@@ -167,7 +167,7 @@ def test_array_batches_cover_every_row_once_an_epoch_in_the_same_order_on_every_
 
 
 def test_async_refuses_what_it_cannot_deal_in_one_sentence():
-    from nbdist.data import make_fit_data
+    from nbdist.data.inputs import make_fit_data
     from nbdist.driver.async_server import async_refusal, plan_arrays
     from nbdist.driver.fit_call import FitRun
 

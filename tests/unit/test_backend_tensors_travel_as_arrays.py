@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import torch
 
-from nbdist.model_io import model_from_spec, travelling_model
+from nbdist.model.spec import model_from_spec, travelling_model
 
 
 class HoldsTorch(keras.layers.Layer):

@@ -6,7 +6,7 @@ import sys
 import keras
 import numpy as np
 
-from nbdist.model_io import model_from_spec, travelling_model
+from nbdist.model.spec import model_from_spec, travelling_model
 
 
 def test_a_keras_application_deeper_than_pythons_recursion_limit_travels_whole():

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_support, roc_auc_score
 
-from nbdist.data import shard_bounds
+from nbdist.data.sharding import shard_bounds
 from nbdist.errors import NbdistError
-from nbdist.metrics import (
+from nbdist.model.metrics import (
     ClassifierSpec,
     check_labels,
     classifier_spec,

@@ -4,14 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nbdist.data import (
-    FitData,
-    class_weight_to_sample_weight,
-    deal_rows,
-    make_fit_data,
-    rank_batch_sizes,
-    split_validation,
-)
+from nbdist.data.inputs import FitData, class_weight_to_sample_weight, make_fit_data, split_validation
+from nbdist.data.sharding import deal_rows, rank_batch_sizes
 from nbdist.errors import NbdistError
 from nbdist.strategies.averaging import batch_sizes
 
@@ -53,7 +47,7 @@ def test_rows_that_do_not_line_up_are_one_sentence():
 def test_py_dataset_shares_are_strided_disjoint_and_cover_every_batch():
     """Worker r of N reads order[r::N]: step j of all workers reads N consecutive batches of the epoch;
     every worker computes the same order from the job seed, shuffled anew each epoch."""
-    from nbdist.data import epoch_order, share_count, share_indices
+    from nbdist.data.sharding import epoch_order, share_count, share_indices
 
     assert list(share_indices(epoch_order(7, False, 0, 0), 1, 2)) == [1, 3, 5]
     assert [share_count(7, r, 3) for r in range(3)] == [3, 2, 2]
@@ -68,7 +62,7 @@ def test_py_dataset_shares_are_strided_disjoint_and_cover_every_batch():
 @pytest.mark.parametrize("batches,world", [(8, 3), (2, 3), (5, 1)])
 def test_strided_shares_go_back_in_the_datasets_order(batches, world):
     """Prediction on a PyDataset: each worker's batches in its order (share_indices) put back as one pass."""
-    from nbdist.data import epoch_order, share_indices, strided_batches
+    from nbdist.data.sharding import epoch_order, share_indices, strided_batches
 
     shares = [list(share_indices(epoch_order(batches, False, 0, 0), r, world)) for r in range(world)]
     assert strided_batches(shares) == list(range(batches))
@@ -77,7 +71,8 @@ def test_strided_shares_go_back_in_the_datasets_order(batches, world):
 def test_a_scipy_sparse_matrix_is_its_dense_rows_or_one_sentence_when_too_large():
     """TfidfVectorizer's output, as Keras' fit takes it: a Dense layer computes alike on the dense rows."""
     sparse = pytest.importorskip("scipy.sparse")
-    from nbdist.data import dense_from_sparse, make_fit_data
+    from nbdist.data.inputs import make_fit_data
+    from nbdist.data.structures import dense_from_sparse
 
     matrix = sparse.random(30, 12, density=0.2, format="csr", random_state=0, dtype="float64")
     data = make_fit_data(matrix, np.arange(30) % 2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from nbdist.backends.command import STARTUP_KEYS, worker_env
-from nbdist.keras_backend import configured_backend, missing_package
+from nbdist.machine.keras_backend import configured_backend, missing_package
 
 
 def test_a_worker_is_given_the_notebooks_backend_whatever_its_own_environment_says(monkeypatch):
@@ -45,7 +45,7 @@ def test_a_process_on_another_backend_refuses_the_model_in_one_sentence():
     import pytest
 
     from nbdist.errors import NbdistError
-    from nbdist.model_io import apply_settings, keras_settings
+    from nbdist.model.spec import apply_settings, keras_settings
 
     settings = keras_settings()
     assert settings["backend"] == keras.backend.backend()
@@ -60,7 +60,7 @@ def test_the_compiled_loss_is_described_as_keras_serializer_describes_it():
     what the checks and the classifier report read from it is the same as from Keras' own description."""
     import keras
 
-    from nbdist.metrics import _keras_loss, compiled_loss, loss_identity
+    from nbdist.model.metrics import _keras_loss, compiled_loss, loss_identity
 
     def my_loss(y_true, y_pred):
         return keras.losses.mean_squared_error(y_true, y_pred)

@@ -11,7 +11,7 @@ import pytest
 
 from nbdist.checks import check_labels_fit_loss
 from nbdist.errors import NbdistError
-from nbdist.label_check import ROWS
+from nbdist.model.labels import ROWS
 
 N = ROWS  # the local fit sees as many rows as nbdist's check, so Keras' words name the same shapes
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from nbdist.config import TrainConfig
-from nbdist.data import make_fit_data, shard_bounds
+from nbdist.data.inputs import make_fit_data
+from nbdist.data.sharding import shard_bounds
 from nbdist.driver.state import RunState, merge_epoch_logs
 from nbdist.errors import NbdistError
 from nbdist.strategies.averaging import batch_sizes, rounds_per_epoch, sync_after
@@ -116,7 +117,8 @@ def test_last_traceback_keeps_the_head_of_a_long_traceback() -> None:
                                    np.array(["a", "b"], dtype=object)])
 def test_text_inputs_are_data_as_keras_takes_them(value):
     """Strings for a model's own StringLookup or TextVectorization: fixed-width arrays that cross the wire."""
-    from nbdist.data import make_fit_data, to_struct
+    from nbdist.data.inputs import make_fit_data
+    from nbdist.data.structures import to_struct
 
     for arr in (make_fit_data(value).x, to_struct(value, "x")):
         assert arr.dtype.kind in "US" and len(arr) == 2

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nbdist.config import TrainConfig
-from nbdist.model_io import ModelSpec
+from nbdist.model.spec import ModelSpec
 from nbdist.wire import protocol
 from nbdist.wire.messages import (
     DATA_FIELDS,

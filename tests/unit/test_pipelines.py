@@ -6,9 +6,9 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
+from nbdist.data.pipelines import fit_from_pipelines, read_pipeline  # noqa: E402
 from nbdist.errors import NbdistError  # noqa: E402
 from nbdist.fit_arguments import FitCall  # noqa: E402
-from nbdist.pipelines import fit_from_pipelines, read_pipeline  # noqa: E402
 
 X = np.arange(40, dtype="float32").reshape(20, 2)
 Y = np.arange(20, dtype="int64")
@@ -69,7 +69,7 @@ def test_a_torch_loader_over_tensors_is_its_tensors_its_batch_and_its_shuffle():
     torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader, TensorDataset
 
-    from nbdist.pipelines import read_any
+    from nbdist.data.pipelines import read_any
 
     weights = torch.linspace(0.5, 1.5, 20)
     rows = read_any(DataLoader(TensorDataset(torch.from_numpy(X), torch.from_numpy(Y), weights), batch_size=6,
@@ -85,7 +85,7 @@ def test_what_a_torch_loader_cannot_keep_when_read_once_is_one_sentence():
     torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-    from nbdist.pipelines import read_any
+    from nbdist.data.pipelines import read_any
 
     tensors = TensorDataset(torch.from_numpy(X), torch.from_numpy(Y))
     cases = [

@@ -11,9 +11,9 @@ from nbdist.config import TrainConfig
 from nbdist.driver.search_state import SearchState
 from nbdist.errors import NbdistError
 from nbdist.fit_arguments import FitCall
-from nbdist.search import infer_direction
-from nbdist.tracking import run_params, unreachable
+from nbdist.search.study import infer_direction
 from nbdist.ui.search import search_rows, search_sentence, search_text
+from nbdist.ui.tracking import run_params, unreachable
 
 
 def test_search_state_tracks_the_best_complete_trial_in_its_direction():
@@ -146,7 +146,8 @@ def test_an_interrupt_as_a_trial_is_asked_for_stops_the_search_and_marks_that_tr
     """The kernel's interrupt landing while the study hands out a trial (held to the end of that step): the
     search stops with the trial told failed (interrupted) in the study and in the run state, no KeyError."""
     optuna = pytest.importorskip("optuna")
-    from nbdist.search import INTERRUPTED, make_search
+    from nbdist.search.entry import make_search
+    from nbdist.search.study import INTERRUPTED
 
     search = make_search(lambda trial: None, trials=2, parallel=1, objective="val_loss", backend="containers",
                          storage=f"sqlite:///{tmp_path / 'study.db'}", models_dir=False)
@@ -174,7 +175,7 @@ def test_best_model_is_the_study_best_trials_when_two_trials_tie(storage, order,
     import types
 
     optuna = pytest.importorskip("optuna")
-    from nbdist.search import Search, TrialRun
+    from nbdist.search.scheduler import Search, TrialRun
 
     url = None if storage == "memory" else f"sqlite:///{tmp_path / 'tie.db'}"
     study = optuna.create_study(storage=url, direction="maximize")
@@ -202,7 +203,8 @@ def test_a_search_without_trials_runs_the_default_number_and_says_so_first(tmp_p
     from IPython.core.magic_arguments import parse_argstring
 
     from nbdist.magics.tune import TuneMagics
-    from nbdist.search import DEFAULT_TRIALS, make_search
+    from nbdist.search.entry import make_search
+    from nbdist.search.study import DEFAULT_TRIALS
 
     assert parse_argstring(TuneMagics.dist_tune, "--objective val_accuracy").trials is None
     with caplog.at_level("WARNING", logger="nbdist.search"):

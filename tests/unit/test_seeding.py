@@ -8,7 +8,7 @@ import random
 import keras
 import numpy as np
 
-from nbdist.seeding import run_seed, seed_worker
+from nbdist.model.seeding import run_seed, seed_worker
 
 
 def test_a_seeded_notebook_draws_the_same_run_seed_and_an_unseeded_one_a_new_one():

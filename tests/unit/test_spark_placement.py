@@ -6,7 +6,7 @@ one GPU per worker -> NCCL or Gloo), not that NCCL runs. Unverified on a GPU.
 import pytest
 
 from nbdist.errors import NbdistError
-from nbdist.placement import spark_task_placement, spark_task_visible_devices
+from nbdist.machine.placement import spark_task_placement, spark_task_visible_devices
 from nbdist.spark.task import task_visible_devices
 
 

@@ -7,15 +7,7 @@ import itertools
 import pytest
 
 from nbdist.driver.state import RunState
-from nbdist.spark.balance import (
-    Rebalance,
-    balanced,
-    equal_shares,
-    offsets,
-    partition_keys,
-    spark_hash_long,
-    worker_of,
-)
+from nbdist.spark.balance import Rebalance, balanced, equal_shares, offsets, partition_keys, spark_hash_long, worker_of
 from nbdist.ui.text import TextRenderer
 
 

@@ -77,7 +77,8 @@ def test_a_small_window_keeps_rows_near_their_block_order():
 
 
 def test_a_whole_npy_memory_map_is_read_by_rows_from_its_file(tmp_path, monkeypatch):
-    from nbdist.data import make_fit_data, npy_file
+    from nbdist.data.files import npy_file
+    from nbdist.data.inputs import make_fit_data
     from nbdist.wire.shardfile import NpyRows
 
     x = np.arange(40, dtype=np.float64).reshape(10, 2, 2)

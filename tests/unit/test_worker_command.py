@@ -25,7 +25,7 @@ from nbdist.backends.command import (
 )
 from nbdist.backends.containers import Engine, cpuset_available, run_command
 from nbdist.config import TrainConfig
-from nbdist.procs import read_log_tail
+from nbdist.machine.processes import read_log_tail
 from nbdist.worker.main import _parse
 
 THREADS = {"OMP_NUM_THREADS": "3", "TF_NUM_INTRAOP_THREADS": "3", "TF_NUM_INTEROP_THREADS": "2"}

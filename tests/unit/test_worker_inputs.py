@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nbdist.placement import core_slices, shared_core_slices
+from nbdist.machine.placement import core_slices, shared_core_slices
 from nbdist.strategies.averaging import batch_sizes
 from nbdist.worker.datasets import epoch_steps, fit_inputs, fit_steps, repeated_batches, sample_count, shuffle_seed
 

@@ -234,7 +234,7 @@ def device_paths(x: np.ndarray, y: np.ndarray, plain: dict, per_worker: dict) ->
     tensors (the GPU's code, over Gloo here: NBDIST_TORCH_DEVICE_SUM=1) equal the local fit."""
     import pickletools
 
-    from nbdist.model_io import travelling_model
+    from nbdist.model.spec import travelling_model
 
     out: dict[str, object] = {}
     local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))

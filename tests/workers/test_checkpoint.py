@@ -207,7 +207,7 @@ def test_restart_without_a_finished_epoch_starts_over_and_temp_dir_is_removed():
     model = mlp(0)
     keeper = CheckpointKeeper.for_run(TrainConfig(max_restarts=2), model)
     assert keeper.temporary and os.path.isdir(keeper.directory)
-    from nbdist.model_io import spec_from_model
+    from nbdist.model.spec import spec_from_model
 
     spec = spec_from_model(model)
     assert keeper.start_point(spec) == (spec, 0)

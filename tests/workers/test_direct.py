@@ -29,7 +29,7 @@ def test_rows_are_added_in_rank_order():
 
 
 def test_small_buckets_go_direct_large_ones_by_the_ring():
-    from nbdist.strategies.gradient_sum import direct_sum_fits  # no Keras (the ranks below import this module)
+    from nbdist.strategies.gradient_sum import direct_sum_fits
 
     mib = 2**20
     assert direct_sum_fits(117 * 1024, 2, 4 * mib)  # a small CNN's gradients

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import nbdist
-import nbdist.model_io as model_io
+import nbdist.model.spec as model_io
 from nbdist.errors import TrainingFailed
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import nbdist
-from nbdist.model_graph import optimizers_of
+from nbdist.model.graph import optimizers_of
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 

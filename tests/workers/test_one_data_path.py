@@ -110,7 +110,8 @@ def test_evaluate_and_predict_take_what_keras_takes(ip, digits):
 def test_a_dealt_memory_map_reads_its_rows_from_the_file(tmp_path):
     """A local worker's dealt rows of a memory-mapped .npy (every global batch split over the workers)
     are read from the file: the rows ``deal_rows`` gives that rank, in that order."""
-    from nbdist.data import deal_rows, make_fit_data
+    from nbdist.data.inputs import make_fit_data
+    from nbdist.data.sharding import deal_rows
     from nbdist.wire.shardfile import NpyRows
 
     x = np.arange(23 * 3, dtype=np.float32).reshape(23, 3)

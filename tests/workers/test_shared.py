@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from nbdist.procs import ProcessId
+from nbdist.machine.processes import ProcessId
 from nbdist.strategies import shared
 from nbdist.strategies.shared import SharedMemorySum, row_stride, segment_bytes, should_spin
 

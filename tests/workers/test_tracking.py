@@ -115,11 +115,11 @@ def test_tracking_server_down_costs_one_warning_and_mlflow_absent_logs_nothing(d
     with caplog.at_level(logging.WARNING, logger="nbdist"):
         job = nbdist.train(mlp(), x[:400], y[:400], epochs=2, workers=2)
     assert len(job.history["loss"]) == 2 and job.status == "done"
-    warnings = [r for r in caplog.records if r.name == "nbdist.tracking"]
+    warnings = [r for r in caplog.records if r.name == "nbdist.ui.tracking"]
     assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
 
     # MLflow not installed (the import fails), though the environment names a tracking store.
-    from nbdist.tracking import import_mlflow, wanted
+    from nbdist.ui.tracking import import_mlflow, wanted
 
     monkeypatch.setitem(sys.modules, "mlflow", None)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import nbdist
-from nbdist.data import deal_rows
+from nbdist.data.sharding import deal_rows
 
 from ..conftest import mlp, relative_error
 

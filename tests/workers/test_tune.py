@@ -244,7 +244,7 @@ def test_trials_at_once_split_the_cores_and_fork_from_a_server_warmed_with_their
     thread budget (1 thread each on 2 cores), forked from a fork server the search started before the first
     trial with the trials' own environment, so no trial waits for TensorFlow's import."""
     from nbdist.backends.warm import POOL
-    from nbdist.search import make_search
+    from nbdist.search.entry import make_search
 
     from ..conftest import mlp
 

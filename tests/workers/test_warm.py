@@ -24,8 +24,8 @@ from nbdist.backends import warm
 from nbdist.backends.command import startup_env, worker_env
 from nbdist.backends.local import start_warm_workers
 from nbdist.backends.warm import POOL
-from nbdist.placement import threads_per_worker
-from nbdist.procs import pin_to_cores
+from nbdist.machine.placement import threads_per_worker
+from nbdist.machine.processes import pin_to_cores
 from nbdist.wire import protocol
 
 from ..conftest import ipython_shell, wait_no_workers

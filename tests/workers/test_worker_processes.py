@@ -99,7 +99,7 @@ def test_a_worker_imports_keras_without_the_packages_it_never_uses(digits, no_le
     import keras
 
     import nbdist
-    from nbdist.keras_backend import OPTIONAL_AT_IMPORT
+    from nbdist.machine.keras_backend import OPTIONAL_AT_IMPORT
 
     if keras.backend.backend() != "tensorflow":
         pytest.skip("the TensorFlow backend's workers")

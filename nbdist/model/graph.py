@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .backend_tensors import tensor_as_array, tensor_from_array, without_torch_params
+from .tensors import tensor_as_array, tensor_from_array, without_torch_params
 
 # Compiled step functions: bound to this process's graphs; Keras makes them again when None.
 _DROPPED = frozenset({"train_function", "test_function", "predict_function"})

@@ -19,9 +19,9 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
-from .config import TrainConfig
-from .errors import NbdistError
-from .fit_arguments import FitCall
+from ..config import TrainConfig
+from ..errors import NbdistError
+from ..fit_arguments import FitCall
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class RunTracker:
             client.set_terminated(run_id, RUN_STATUS.get(state.status, "FINISHED"))
 
     def _log_figure(self, state: Any, tmp: str) -> None:
-        from .ui.summary import chart_png
+        from .summary import chart_png
 
         png = chart_png(state)  # the dashboard's end-of-run chart; None without matplotlib or metrics
         if png is None:

@@ -1,50 +1,26 @@
-"""``nbdist.tune``: an Optuna search whose trials are nbdist runs, several at once, pruned on merged metrics.
-
-Each trial builds a model with Optuna's ``trial`` (a function of yours, or the ``%%dist_tune``
-cell) and trains it as an nbdist run on ``workers_per_trial`` workers of the backend; up to
-``parallel`` trials run at once. Everything happens on the calling (notebook's main) thread,
-which pumps every running trial's events in turn: a trial's merged epoch is reported to Optuna
-there (``trial.report``), and when its pruner says so that trial's workers are stopped at once,
-freeing its slot for the next trial. The study lives in Optuna's storage (an SQLite file by
-default), so a search that was interrupted resumes where it was: finished trials count towards
-``trials`` and are not run again. An interrupt stops every trial's workers and tells the storage
-those trials failed (marked ``nbdist_interrupted``), leaving no trial RUNNING.
-
-The trial's cell runs up to its ``model.fit(...)``: that call's arguments are the trial's run, and
-what follows it in the cell does not run (the objective is the merged metric named ``objective``,
-its value at the last epoch). A cell without ``model.fit`` returns (or assigns) a compiled model,
-trained on ``x``/``y`` with the options.
-"""
+"""``Search``: the trials run as nbdist jobs, several at once, pumped on the notebook's thread and
+pruned on merged metrics."""
 from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig, implied_strategy
-from .driver.run import TERMINAL, interrupts_held
-from .driver.search_state import SearchState, TrialRow
-from .errors import NbdistError
-from .fit_arguments import FitCall
-from .model_io import is_keras_model
+from ..config import TrainConfig
+from ..driver.run import TERMINAL, interrupts_held
+from ..driver.search_state import SearchState, TrialRow
+from ..errors import NbdistError
+from ..fit_arguments import FitCall
+from ..model.spec import is_keras_model
+from .study import INTERRUPTED, MODEL_ATTR, check_count, finished_before
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STORAGE = "sqlite:///nbdist_tune.db"
-DEFAULT_STUDY = "nbdist-tune"
-# Trials when none are asked for: keras-tuner's default max_trials, and the random start of Optuna's
-# TPE sampler (n_startup_trials=10), so the default is a coarse sweep; a rerun with more continues it.
-DEFAULT_TRIALS = 10
 # Seconds the loop waits on each running trial's events per turn.
 PUMP_SLICE = 0.05
-DIRECTIONS = ("maximize", "minimize")
-PRUNERS = ("median", "percentile", "hyperband", "successive-halving", "none")
-INTERRUPTED = "nbdist_interrupted"  # user attribute of a trial an interrupt ended
-MODEL_ATTR = "nbdist_model"  # user attribute of a complete trial: the .keras file of its trained model
 
 
 class FitCaptured(Exception):
@@ -52,89 +28,6 @@ class FitCaptured(Exception):
 
     def _render_traceback_(self) -> list[str]:  # IPython shows nothing: this is how the cell hands over
         return []
-
-
-def import_optuna() -> Any:
-    try:
-        import optuna
-    except ImportError:
-        raise NbdistError("a search needs Optuna, which is not installed; pip install 'nbdist[track]' "
-                          "(or pip install optuna).") from None
-    return optuna
-
-
-def infer_direction(objective: str) -> str:
-    """minimize a loss or an error, maximize anything else (accuracy, AUC, ...)."""
-    name = objective.lower()
-    return "minimize" if any(w in name for w in ("loss", "error", "crossentropy", "mse", "mae")) else "maximize"
-
-
-def make_pruner(optuna: Any, spec: Any) -> Any:
-    """``median`` (Optuna's MedianPruner, its defaults), ``percentile`` (25th), ``hyperband``,
-    ``successive-halving``, ``none``, or a pruner object."""
-    if spec is None:
-        spec = "median"
-    if isinstance(spec, optuna.pruners.BasePruner):
-        return spec
-    makers = {"median": lambda: optuna.pruners.MedianPruner(),
-              "percentile": lambda: optuna.pruners.PercentilePruner(25.0),
-              "hyperband": lambda: optuna.pruners.HyperbandPruner(),
-              "successive-halving": lambda: optuna.pruners.SuccessiveHalvingPruner(),
-              "none": lambda: optuna.pruners.NopPruner()}
-    if spec not in makers:
-        raise NbdistError(f"unknown pruner {spec!r}; use one of: {', '.join(PRUNERS)}, or an Optuna pruner object "
-                          "(a notebook variable's name on the magic line).")
-    return makers[spec]()
-
-
-def open_study(optuna: Any, *, study: Any, storage: str | None, study_name: str | None, direction: str,
-               sampler: Any, pruner: Any, seed: int | None) -> Any:
-    """The given study, or the one named in ``storage`` (made, or loaded to resume)."""
-    if study is not None:
-        if study.direction.name.lower() != direction:
-            raise NbdistError(f"the study {study.study_name!r} was made to {study.direction.name.lower()}, "
-                              f"not to {direction}; pass --direction {study.direction.name.lower()}.")
-        return study
-    if sampler is None:
-        sampler = optuna.samplers.TPESampler(seed=seed)
-    name = study_name or DEFAULT_STUDY
-    try:
-        return optuna.create_study(storage=storage or DEFAULT_STORAGE, study_name=name, direction=direction,
-                                   sampler=sampler, pruner=pruner, load_if_exists=True)
-    except ValueError as exc:  # e.g. the stored study was made in the other direction
-        raise NbdistError(f"the study {name!r} in {storage or DEFAULT_STORAGE} cannot be used: {exc}; "
-                          "give another --study name or the stored study's --direction.") from None
-    except Exception as exc:  # a storage URL that does not open
-        raise NbdistError(f"Optuna's storage {storage or DEFAULT_STORAGE!r} could not be opened "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); pass an RDB URL such as "
-                          "sqlite:///search.db.") from None
-
-
-def models_dir_for(storage: str | None, study_name: str, models_dir: str | os.PathLike | bool | None,
-                   study_given: bool) -> Path | None:
-    """Where complete trials' models are saved: ``models_dir`` when given (False: nowhere); by default
-    beside an SQLite storage's file (``nbdist_tune.db`` -> ``nbdist_tune_models/<study>/``), else
-    ``nbdist_tune_models/<study>/`` in the working directory; nowhere for a study passed in
-    without ``models_dir`` (its storage may live in memory only)."""
-    if models_dir is False:
-        return None
-    if models_dir is not None and models_dir is not True:
-        return Path(models_dir).expanduser().absolute() / study_name
-    if study_given:
-        return None
-    url = storage or DEFAULT_STORAGE
-    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-        db = Path(url[len("sqlite:///"):].split("?", 1)[0])
-        return (db.parent / f"{db.stem}_models").absolute() / study_name
-    return Path("nbdist_tune_models").absolute() / study_name
-
-
-def finished_before(optuna: Any, study: Any) -> int:
-    """Trials the study finished earlier: complete, pruned, or failed by themselves (not by an interrupt)."""
-    states = optuna.trial.TrialState
-    return sum(1 for t in study.get_trials(deepcopy=False)
-               if t.state in (states.COMPLETE, states.PRUNED)
-               or (t.state == states.FAIL and not t.user_attrs.get(INTERRUPTED)))
 
 
 @dataclass
@@ -222,10 +115,10 @@ class Search:
         """Local trials fork their workers from a fork server started (or kept) now with their own
         startup environment, the thread budget of ``parallel`` trials sharing the machine, so that
         none of them waits for TensorFlow's import (backends/warm.py)."""
-        from .driver.resolve import runs_locally
+        from ..driver.resolve import runs_locally
 
         if runs_locally(self.config):
-            from .backends.local import start_warm_workers
+            from ..backends.local import start_warm_workers
 
             start_warm_workers(self.state.parallel * (self.config.workers or 1))
 
@@ -285,7 +178,7 @@ class Search:
 
     def _build_job(self, trial: Any, slot: int) -> tuple[Any, FitCall | None]:
         """Run the trial's cell (or function) up to its model.fit, and make the job it asks for."""
-        from .driver.fit_call import intercept_fit
+        from ..driver.fit_call import intercept_fit
 
         captured: list[tuple[Any, FitCall]] = []
 
@@ -312,12 +205,12 @@ class Search:
                                    local_slot=slot, **changes)
 
     def _fit_job(self, model: Any, fit: FitCall, slot: int) -> Any:
-        from .api import fit_job
+        from ..api import fit_job
 
         return fit_job(model, self._trial_config(slot), fit, self.explicit, self.lr_scaling_given, self.namespace)
 
     def _data_job(self, model: Any, slot: int) -> Any:
-        from .api import prepare
+        from ..api import prepare
 
         if not is_keras_model(model):
             raise NbdistError("the trial built no model to train: the cell must call model.fit(...), or assign "
@@ -328,7 +221,7 @@ class Search:
         return prepare(model, self._trial_config(slot), self.x, self.y, self.validation_data, namespace=self.namespace)
 
     def _epoch_listener(self, tr: TrialRun) -> Callable[[str, Any, Any], None]:
-        from .tracking import metric_step
+        from ..ui.tracking import metric_step
 
         def on_event(kind: str, state: Any, merged: Any) -> None:
             if kind == "worker" and all(w.pid is not None for w in state.workers):
@@ -352,7 +245,7 @@ class Search:
     def _track(self, tr: TrialRun) -> None:
         if self.mlflow_run is None or self.mlflow_run.run_id is None:
             return
-        from .tracking import RunTracker, run_params
+        from ..ui.tracking import RunTracker, run_params
 
         params = run_params(tr.job.config, tr.job.model, tr.fit)
         for key, value in tr.trial.params.items():
@@ -493,8 +386,8 @@ class Search:
 
     def ensemble(self, n: int) -> Any:
         """One Keras model averaging the predictions of the best ``n`` trials' models (soft voting for a
-        classifier), compiled as the best one is (``nbdist.ensemble``)."""
-        from .ensemble import make_ensemble
+        classifier), compiled as the best one is (``nbdist.model.ensemble``)."""
+        from ..model.ensemble import make_ensemble
 
         check_count("--ensemble", n, 3)
         ranked = self.ranked_models(n)
@@ -533,101 +426,3 @@ class Search:
                 listener(kind, self.state, payload)
             except Exception:  # a broken view must not break the search
                 log.exception("search listener failed")
-
-
-def check_count(option: str, value: Any, example: int) -> None:
-    """One sentence unless ``value`` is a whole number of at least 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise NbdistError(f"{option} must be a whole number of at least 1, got {value!r}; "
-                          f"for example {option} {example}.")
-
-
-def tune(build: Callable[[Any], Any], **kwargs: Any) -> Search:
-    """Search hyperparameters with Optuna, ``parallel`` trials at once, each an nbdist run.
-
-    ``build(trial)`` builds and compiles a model using ``trial.suggest_*``, then either calls
-    ``model.fit(...)`` (that call is the trial's run: its arguments, callbacks and all; the
-    function stops there) or returns the model (trained on ``x``/``y`` with the options).
-    Keyword arguments: ``trials`` (DEFAULT_TRIALS, 10, said in a first line), ``parallel`` (2),
-    ``objective`` ("val_loss"; a merged metric, its value at the last epoch is the trial's value),
-    ``direction`` ("maximize" or "minimize"; default: minimize a loss or error, else maximize),
-    ``workers_per_trial`` (1),
-    ``pruner`` ("median" by default, "percentile", "hyperband", "successive-halving", "none", or an
-    Optuna pruner: it may stop a trial after any epoch), ``sampler``, and the study: ``study``, else
-    ``study_name`` in ``storage`` (an RDB URL, default ``sqlite:///nbdist_tune.db``), loaded when it
-    exists so that an interrupted search resumes (``trials`` counts the study's finished trials).
-    Other options are TrainConfig's (epochs, batch_size, strategy, backend, seed, mlflow, run_name,
-    ...; ``ui`` draws the table of trials, "none" by default). Each complete trial's trained model is
-    saved as ``trial-<n>.keras`` in ``models_dir`` (default: ``<db>_models/<study>/`` beside an SQLite
-    storage's file, ``nbdist_tune_models/<study>/`` otherwise; False saves none; a passed ``study`` saves
-    only with ``models_dir``), so that a resumed search loads its best model. Returns the ``Search``:
-    ``.study``, ``.best_model`` (the best trial's trained model, loaded from its file when it ran in an
-    earlier session), ``.best_params``; with ``ensemble=N``, ``.best_ensemble``: one Keras model averaging
-    the predictions of the best N trials' models (soft voting for a classifier; ``nbdist.ensemble``), which
-    evaluates, predicts, saves and loads like any model (``.ensemble(n)`` makes one of another size).
-    """
-    return make_search(build, **kwargs).run()
-
-
-def make_search(build: Callable[[Any], Any], *, trials: int | None = None, parallel: int = 2,
-         objective: str = "val_loss", direction: str | None = None, workers_per_trial: int = 1,
-         storage: str | None = None,
-         study_name: str | None = None, study: Any = None, pruner: Any = None, sampler: Any = None,
-         x: Any = None, y: Any = None, validation_data: tuple[Any, Any] | None = None,
-         namespace: dict[str, Any] | None = None,
-         listeners: list[Callable[[str, SearchState, Any], None]] | None = None,
-         explicit: dict[str, Any] | None = None, lr_scaling_given: bool = False,
-         models_dir: str | os.PathLike | bool | None = None, ensemble: int | None = None, **options: Any) -> Search:
-    """The search ``tune`` runs, checked and its study opened, not started."""
-    optuna = import_optuna()
-    study_given = study is not None
-    if trials is None:
-        trials = DEFAULT_TRIALS
-        log.warning("no --trials given: the study runs until it has %d finished trials (add --trials N to "
-                    "choose; a rerun with a larger N continues it)", trials)
-    if ensemble is not None:
-        check_count("--ensemble", ensemble, 3)
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise NbdistError(f"--trials must be a whole number of at least 1, got {trials!r}; for example --trials 20.")
-    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
-        raise NbdistError(f"--parallel must be a whole number of at least 1, got {parallel!r}; "
-                          "for example --parallel 2.")
-    if not isinstance(objective, str) or not objective.strip():
-        raise NbdistError("--objective must name a metric the runs log, e.g. --objective val_accuracy.")
-    if direction is None:
-        direction = study.direction.name.lower() if study is not None else infer_direction(objective)
-    if direction not in DIRECTIONS:
-        raise NbdistError(f"--direction {direction!r}: use maximize or minimize.")
-    unknown = set(options) - TrainConfig.field_names()
-    if unknown:
-        raise NbdistError(f"unknown option(s) {', '.join(sorted(unknown))}; see help(nbdist.TrainConfig).")
-    if "workers" in options:
-        raise NbdistError("a search sets each trial's workers with workers_per_trial (--workers-per-trial), "
-                          "not workers.")
-    ui = options.pop("ui", "none")
-    if explicit is None:  # the API's epochs / batch_size must agree with a fit call's, as on a magic line
-        explicit = {k: options[k] for k in ("epochs", "batch_size") if k in options}
-    config = TrainConfig(**implied_strategy(options), workers=workers_per_trial)
-    from .tracking import SearchRun, wanted
-
-    tracked = wanted(config.mlflow)
-    study = open_study(optuna, study=study, storage=storage, study_name=study_name, direction=direction,
-                       sampler=sampler, pruner=make_pruner(optuna, pruner), seed=config.seed)
-    from .ui import make_search_view
-
-    view = make_search_view(ui)
-    mlflow_run = None
-    if tracked:
-        mlflow_run = SearchRun(config.run_name or study.study_name,
-                               {"objective": objective, "direction": direction, "trials": str(trials),
-                                "parallel": str(parallel), "workers_per_trial": str(workers_per_trial),
-                                "pruner": type(study.pruner).__name__, "sampler": type(study.sampler).__name__},
-                               active=config.mlflow_active)
-    return Search(build, study=study, optuna=optuna, n_trials=trials, parallel=parallel, objective=objective,
-                    config=config, x=x, y=y, validation_data=validation_data, explicit=explicit,
-                    lr_scaling_given=lr_scaling_given, namespace=namespace,
-                  listeners=[*([view] if view else []), *(listeners or [])], mlflow_run=mlflow_run,
-                  models_dir=models_dir_for(storage, study.study_name, models_dir, study_given), ensemble_size=ensemble)
-
-
-__all__ = ["FitCaptured", "Search", "make_search", "infer_direction", "make_pruner", "open_study", "tune"]

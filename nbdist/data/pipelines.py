@@ -18,9 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from .data import leaves, memory_budget, not_in_memory, standardize_batch
-from .errors import NbdistError
-from .fit_arguments import FitCall
+from ..errors import NbdistError
+from ..fit_arguments import FitCall
+from .files import memory_budget, not_in_memory
+from .inputs import standardize_batch
+from .structures import leaves
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from . import model_graph
-from .data import all_zero, leaves, map_struct
-from .errors import NbdistError
+from ..data.structures import all_zero, leaves, map_struct
+from ..errors import NbdistError
+from . import graph as model_graph
 
 _ITERATION_NAMES = ("iteration", "iterations", "step_counter")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import NbdistError
+from ..errors import NbdistError
 
 _BINARY_LOSSES = {"binarycrossentropy", "binaryfocalcrossentropy"}
 _ONE_HOT_LOSSES = {"categoricalcrossentropy", "categoricalfocalcrossentropy", "categoricalhinge"}

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import NbdistError
+from ..errors import NbdistError
 
 ENGINES = ("gloo", "nccl", "horovod", "jax")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import keras
 
-from .errors import NbdistError
+from ..errors import NbdistError
 
 
 @keras.saving.register_keras_serializable(package="nbdist")

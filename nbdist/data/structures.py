@@ -1,0 +1,215 @@
+"""Nested data (an array, a list or a dict of them): conversion to arrays, flattening for the wire and back."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import NbdistError
+from .files import memory_budget, not_in_memory, npy_file, pipeline_message
+
+# An array, a list of Structs or a dict of Structs (or None: not given).
+Struct = Any
+
+
+def is_scipy_sparse(value: Any) -> bool:
+    """A scipy.sparse matrix or array (told by its module, so this module needs no scipy)."""
+    return type(value).__module__.startswith("scipy.sparse") and hasattr(value, "toarray")
+
+
+def dense_from_sparse(value: Any, what: str, budget: int | None = None) -> np.ndarray:
+    """A scipy sparse matrix (TfidfVectorizer's, OneHotEncoder's) as the dense rows Keras' Dense layers compute
+    on alike; refused in one sentence when that would not fit in memory."""
+    rows, cols = value.shape
+    dtype = np.float32 if value.dtype.kind in "fb" or value.dtype.itemsize > 4 else value.dtype
+    size = rows * cols * np.dtype(dtype).itemsize
+    limit = memory_budget() if budget is None else budget
+    if size > limit:
+        raise NbdistError(f"{what} is a scipy sparse matrix of {rows} x {cols}, {size / 2**30:.1f} GiB as dense rows "
+                          f"(more than {limit / 2**30:.1f} GiB); reduce its columns (e.g. max_features=...) or "
+                          "train from a Spark DataFrame, which streams.")
+    return np.asarray(value.toarray(), dtype=dtype)
+
+
+def as_array(value: Any, what: str) -> np.ndarray:
+    """numpy arrays, pandas objects and nested lists as one array, or one sentence."""
+    kind = not_in_memory(value)
+    if kind is not None:  # every entry point refuses a stream with the same sentence
+        raise NbdistError(pipeline_message(kind, what))
+    if is_scipy_sparse(value):
+        return dense_from_sparse(value, what)
+    if hasattr(value, "to_numpy") and callable(value.to_numpy):  # pandas DataFrame / Series
+        value = value.to_numpy()
+    try:
+        return np.asarray(value)
+    except Exception as exc:  # ragged lists and the like
+        raise NbdistError(f"{what} cannot be turned into an array ({exc}); pass a numpy array.") from None
+
+
+def as_text(arr: np.ndarray) -> np.ndarray | None:
+    """Strings as Keras takes them (a ``StringLookup`` or ``TextVectorization`` input): numpy str or bytes
+    arrays as they are, and object arrays (a list of str, a pandas string column) of only str, or only
+    bytes, as fixed-width ones, which cross the wire as raw buffers. None for anything else."""
+    if arr.dtype.kind in "US":
+        return arr
+    if arr.dtype != object or arr.size == 0:
+        return None
+    flat = arr.ravel()
+    if all(isinstance(v, str) for v in flat):
+        return arr.astype(str)
+    if all(isinstance(v, bytes) for v in flat):
+        return arr.astype(bytes)
+    return None
+
+
+def has_text(struct: Any) -> bool:
+    """Whether any array of ``struct`` (an array, or a dict or list of them) holds numpy str or bytes."""
+    return any(getattr(a, "dtype", None) is not None and a.dtype.kind in ("U", "S") for a in flatten(struct)[1])
+
+
+def tf_structure(struct: Any) -> Any:
+    """Lists as tuples: tf.data takes a list for ONE tensor (stacking it) and a tuple for several, so
+    a list of inputs (``model.fit([x_a, x_b], y)``) must cross tf.data as a tuple."""
+    if isinstance(struct, dict):
+        return {k: tf_structure(v) for k, v in struct.items()}
+    if isinstance(struct, (list, tuple)):
+        return tuple(tf_structure(v) for v in struct)
+    return struct
+
+
+def non_finite(arr: np.ndarray, block_bytes: int = 16 * 2**20) -> int:
+    """NaN and infinite values in ``arr``, counted a block of rows at a time. A whole-file memory map
+    is read with plain file reads: pages read through the map would stay in the notebook's RSS."""
+    if arr.ndim == 0 or len(arr) == 0:
+        return 0
+    step = max(1, block_bytes // max(1, arr[:1].nbytes))
+    source = npy_file(arr)
+    if source is None:
+        return sum(int(np.size(arr[i:i + step]) - np.count_nonzero(np.isfinite(arr[i:i + step])))
+                   for i in range(0, len(arr), step))
+    per_row = int(np.prod(arr.shape[1:], dtype=np.int64))
+    bad = 0
+    with open(source.path, "rb") as f:
+        f.seek(source.offset)
+        for i in range(0, len(arr), step):
+            block = np.fromfile(f, dtype=arr.dtype, count=min(step, len(arr) - i) * per_row)
+            bad += int(block.size - np.count_nonzero(np.isfinite(block)))
+    return bad
+
+
+def to_struct(value: Any, what: str) -> Struct:
+    """numpy/pandas leaves, lists and dicts of them; one sentence for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if not value:
+            raise NbdistError(f"{what} is an empty dict; give one array per model input or output.")
+        return {str(k): to_struct(v, f"{what}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if value and all(np.isscalar(v) or _row(v) for v in value):  # a list of numbers or of rows: one array
+            return _leaf(value, what)
+        if not value:
+            raise NbdistError(f"{what} is empty; pass at least one example per worker.")
+        return [to_struct(v, f"{what}[{i}]") for i, v in enumerate(value)]
+    kind = not_in_memory(value)
+    if kind is not None:
+        raise NbdistError(pipeline_message(kind, what))
+    return _leaf(value, what)
+
+
+def _row(value: Any) -> bool:
+    """A plain list (or tuple) of numbers: one row of a table given as nested lists."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(np.isscalar(v) for v in value)
+
+
+def _leaf(value: Any, what: str) -> np.ndarray:
+    arr = as_array(value, what)
+    text = as_text(arr)
+    if text is not None:  # strings for the model's own text layers
+        if text.ndim == 0:
+            raise NbdistError(f"{what} is a single value, not a dataset; pass one row per example.")
+        return text
+    if arr.dtype == object:
+        raise NbdistError(f"{what} holds Python objects, not numbers in one array; pass a numpy array per "
+                          "input (several inputs as a dict or list of arrays), e.g. .astype('float32').")
+    if arr.dtype.kind == "b":
+        arr = arr.astype("float32")
+    if arr.dtype.kind not in "iuf":
+        raise NbdistError(f"{what} has dtype {arr.dtype}, not numbers; convert it first, e.g. .astype('float32').")
+    if arr.ndim == 0:
+        raise NbdistError(f"{what} is a single value, not a dataset; pass one row per example.")
+    if npy_file(value) is not None:  # stays on disk: local workers read (and cast) their rows themselves
+        return value
+    if arr.dtype == np.float64:  # Keras trains in float32; halve what crosses the wire
+        arr = arr.astype(np.float32)
+    return arr
+
+
+def leaves(struct: Struct) -> list[np.ndarray]:
+    if struct is None:
+        return []
+    if isinstance(struct, dict):
+        return [a for v in struct.values() for a in leaves(v)]
+    if isinstance(struct, list):
+        return [a for v in struct for a in leaves(v)]
+    return [struct]
+
+
+def fill_leaves(struct: Struct, values: dict[int, Any]) -> Struct:
+    """``struct`` (a dict or list) with its leaves at places ``values`` (their order in ``leaves``; a leaf
+    left out as None keeps its place) replaced by those values."""
+    place = 0
+
+    def put(node: Any) -> Any:
+        nonlocal place
+        if isinstance(node, dict):
+            return {k: put(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [put(v) for v in node]
+        place += 1
+        return values.get(place - 1, node)
+
+    return put(struct)
+
+
+def map_struct(fn: Any, struct: Struct) -> Struct:
+    if struct is None:
+        return None
+    if isinstance(struct, dict):
+        return {k: map_struct(fn, v) for k, v in struct.items()}
+    if isinstance(struct, list):
+        return [map_struct(fn, v) for v in struct]
+    return fn(struct)
+
+
+def flatten(struct: Struct) -> tuple[Any, list[np.ndarray]]:
+    """A JSON layout and the arrays in order; ``unflatten`` reverses it."""
+    if struct is None:
+        return None, []
+    if isinstance(struct, dict):
+        parts = [flatten(v) for v in struct.values()]
+        return {"dict": list(struct), "items": [p[0] for p in parts]}, [a for p in parts for a in p[1]]
+    if isinstance(struct, list):
+        parts = [flatten(v) for v in struct]
+        return {"list": [p[0] for p in parts]}, [a for p in parts for a in p[1]]
+    return "array", [struct]
+
+
+def unflatten(layout: Any, arrays: Iterator[np.ndarray]) -> Struct:
+    if layout is None:
+        return None
+    if layout == "array":
+        return next(arrays)
+    if "dict" in layout:
+        return {k: unflatten(sub, arrays) for k, sub in zip(layout["dict"], layout["items"])}
+    return [unflatten(sub, arrays) for sub in layout["list"]]
+
+
+def all_zero(a: np.ndarray, min_bytes: int = 0) -> bool:
+    """Whether a numeric array (of ``min_bytes`` or more) holds only zeros, as a fresh optimizer's slots do:
+    a sparse sample first, so an array of data is rarely read whole for it."""
+    if a.nbytes < max(min_bytes, 1) or a.dtype.kind not in "biuf":
+        return False
+    flat = a.reshape(-1)
+    return not flat[::max(1, flat.size // 256)].any() and not flat.any()
