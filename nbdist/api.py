@@ -41,7 +41,7 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
     ``validation_data`` may be a DataFrame with the same columns: each task writes its share of
     it too, and the workers stream it as they stream their training rows.
 
-    Otherwise this is ``model.fit(x, y, ...)`` on the workers (the same data path, data.py):
+    Otherwise this is ``model.fit(x, y, ...)`` on the workers (the same data path, data/):
     ``x``/``y`` as arrays, pandas, dicts or lists of them, or a ``keras.utils.PyDataset``;
     ``callbacks``, ``class_weight``, ``sample_weight``, ``validation_split``, ``validation_data``
     (2- or 3-tuples, or a PyDataset) and ``initial_epoch`` mean what they mean in ``model.fit``:

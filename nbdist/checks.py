@@ -77,7 +77,7 @@ def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what:
 
 
 def check_labels_fit_loss(model: Any, y: Any, sample_weight: Any, what: str = "training data") -> None:
-    """One sentence, with Keras' reason, where the model's own loss refuses these labels (label_check.py):
+    """One sentence, with Keras' reason, where the model's own loss refuses these labels (model/labels.py):
     only where the local fit would fail too (a class id per time step or per pixel is Keras' to take)."""
     from .model.labels import loss_refusal
 

@@ -78,7 +78,7 @@ class TrainConfig:
     container_cpus: float | None = None
     container_memory: str | None = None
     container_gpus: str | None = None
-    # MLflow tracking (nbdist/tracking.py): None logs when the notebook uses MLflow (a tracking URI set,
+    # MLflow tracking (nbdist/ui/tracking.py): None logs when the notebook uses MLflow (a tracking URI set,
     # autologging or an active run), True always (--mlflow), False never (--no-mlflow). run_name names
     # the MLflow run; mlflow_active says what an MLflow run active in the notebook is: "nest" (this
     # run's parent) or "use" (this run logs into it).

@@ -91,7 +91,7 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None,
     """Evaluate ``model`` on ``x``/``y`` sharded over workers, with exact merged metrics.
 
     ``x``, ``y`` and ``sample_weight`` are what ``model.evaluate`` takes (arrays, pandas, dicts or
-    lists of them for several inputs and outputs; data.py). Returns the compiled metrics by name
+    lists of them for several inputs and outputs; data/). Returns the compiled metrics by name
     (``loss``, ``accuracy``, ``cls_loss``, ...), as ``model.evaluate(..., return_dict=True)`` would
     compute them on the whole data, plus ``samples``; for a single-output classifier without
     sample weights also ``confusion_matrix`` (rows: true class), ``per_class``

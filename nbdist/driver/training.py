@@ -52,7 +52,7 @@ class TrainingJob(Run):
                  validation: FitData | PyDatasetData | None = None, namespace: dict[str, Any] | None = None,
                  listeners: list[Callable[[str, RunState, Any], None]] | None = None) -> None:
         super().__init__(model, config, train, namespace, listeners)
-        # Drawn now, at the fit: the notebook's seeded generators give the same seed every run (seeding.py).
+        # Drawn now, at the fit: the notebook's seeded generators give the same seed every run (model/seeding.py).
         # A relaunch after a failure keeps it.
         self.run_seed = run_seed(config.seed)
         self.validation_data = validation

@@ -18,7 +18,7 @@ worker_arguments = [
     argument("--backend", default="auto", help="auto | local | spark | containers (default: auto)"),
 ]
 
-# MLflow tracking (nbdist/tracking.py); %%dist_train and %%dist_tune share them.
+# MLflow tracking (nbdist/ui/tracking.py); %%dist_train and %%dist_tune share them.
 tracking_arguments = [
     argument("--mlflow", dest="mlflow", action="store_const", const=True, default=None,
              help="log this run to MLflow (default: when the notebook uses MLflow: a tracking URI set, "

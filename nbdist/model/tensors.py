@@ -1,4 +1,4 @@
-"""A framework's tensors as the arrays they travel as (model_graph.py pickles the model with these).
+"""A framework's tensors as the arrays they travel as (model/graph.py pickles the model with these).
 
 Only arrays cross the wire: a torch tensor pickled as torch does carries its device, and a worker without
 that device (a CPU executor, a container without --gpus) cannot load it ("Attempting to deserialize object

@@ -1,6 +1,6 @@
 """Which device this worker trains on, read from the framework that trains (the worker's own side).
 
-A worker sees at most one GPU (CUDA_VISIBLE_DEVICES per rank, placement.py), so its GPU is its device 0;
+A worker sees at most one GPU (CUDA_VISIBLE_DEVICES per rank, machine/placement.py), so its GPU is its device 0;
 the report names it by the host's numbering (the id in CUDA_VISIBLE_DEVICES) and by its product name.
 NOT VERIFIED ON A GPU for TensorFlow (no TensorFlow on the GPU machines); torch and JAX are read as the
 GPU check reads them (benchmarks/gpu_check).

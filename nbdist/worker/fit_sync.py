@@ -239,7 +239,7 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
             feed.close()
     report = closing_report(decision)
     report["keras_backend"] = keras.backend.backend()
-    report["tensorflow_loaded"] = "tensorflow" in sys.modules  # never on JAX or torch (keras_backend.py)
+    report["tensorflow_loaded"] = "tensorflow" in sys.modules  # never on JAX or torch (machine/keras_backend.py)
     # Installed packages Keras and TensorFlow would have loaded for nothing (keras_backend.OPTIONAL_AT_IMPORT).
     report["optional_imports"] = sorted(m for m in OPTIONAL_AT_IMPORT if m in sys.modules)
     if phases is not None:

@@ -60,7 +60,7 @@ def run_training(link: Any, job: JobMessage) -> None:
     from .datasets import job_inputs, rank_batch_size
     from .pydatasets import job_feed
 
-    if train.seed is not None:  # the run's seed (seeding.py): without importing TensorFlow on JAX or torch
+    if train.seed is not None:  # the run's seed (model/seeding.py): without importing TensorFlow on JAX or torch
         from ..model.seeding import seed_worker
 
         seed_worker(int(train.seed) + rank, keras.backend.backend())

@@ -1,4 +1,4 @@
-"""Reading a tf.data pipeline once (nbdist/pipelines.py): what it yields, and what it refuses, in one sentence."""
+"""Reading a tf.data pipeline once (nbdist/data/pipelines.py): what it yields, and what it refuses, in one sentence."""
 from __future__ import annotations
 
 import numpy as np

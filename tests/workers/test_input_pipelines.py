@@ -1,6 +1,6 @@
 """A finite tf.data pipeline or a torch DataLoader over tensors where in-memory data goes: read once in the
 notebook into the arrays it yields, with its batch size as the global batch and its shuffle as the per-epoch
-shuffle (nbdist/pipelines.py)."""
+shuffle (nbdist/data/pipelines.py)."""
 from __future__ import annotations
 
 import keras
