@@ -223,7 +223,7 @@ class TaskSpec:
     threads: int
     layout: Layout | None = None  # None: the data comes over the wire from the driver
     warm: bool = False  # take a warm worker if one waits, and leave one for the next job (spark_warm.py)
-    keras_backend: str | None = None  # the notebook's (machine/keras_backend.py): the worker runs it, whatever the executor's
+    keras_backend: str | None = None  # the notebook's (machine/keras_backend.py), whatever the executor's
     validation: bool = False  # the partition also holds validation rows (VALIDATION_COLUMN true)
 
 
