@@ -418,7 +418,8 @@ def row_p13(quick: bool, workdir: Path) -> Row:
 
     epochs = 3 if quick else 10
     # --quick uses Elephas only if its venv is already there (as P3): installing it needs PyPI.
-    m = async_spark.measure(epochs=epochs, repeats=1 if quick else 3, install=not quick)
+    # 2 repeats: about 5.5 min on 2 loaded cores (3 took 491 s, benchmarks/RESULTS.md).
+    m = async_spark.measure(epochs=epochs, repeats=1 if quick else 2, install=not quick)
 
     def mid(key: str) -> str:
         runs = m.get(f"{key}_wall" if key.startswith("elephas") else f"{key}_seconds")
