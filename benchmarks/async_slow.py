@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,12 @@ model.fit(SlowBatches(Xa, ya, 64, PAUSE, CLAIM), epochs=EPOCHS, validation_data=
 """
 
 
-def measure(epochs: int = 10, pause: float = 0.06, repeats: int = 1) -> dict[str, Any]:
+def measure(epochs: int = 10, pause: float = 0.06, repeats: int = 1, backend: str = "local",
+            before: Callable[[], None] | None = None) -> dict[str, Any]:
+    """``backend="spark"``: the workers are tasks of the active SparkSession (P13), after a one-epoch
+    warm-up run, unreported; ``before()`` runs before each measured run (P13: until warm workers wait)."""
+    import time
+
     from IPython.core.interactiveshell import InteractiveShell
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -66,19 +72,31 @@ def measure(epochs: int = 10, pause: float = 0.06, repeats: int = 1) -> dict[str
     shell.run_line_magic("load_ext", "nbdist")
     shell.run_cell(SLOW)
     shell.user_ns.update(Xa=xa, ya=ya, Xt=xt, yt=yt, PAUSE=pause, EPOCHS=epochs)
-    out: dict[str, Any] = {"ratio": [], "epochs": epochs, "pause": pause}
+    out: dict[str, Any] = {"ratio": [], "epochs": epochs, "pause": pause, "backend": backend}
+    line = f"--workers 2 --backend {backend} --ui none --strategy"
+    if backend != "local":
+        shell.user_ns.update(CLAIM=None, EPOCHS=1)
+        shell.run_cell_magic("dist_train", f"{line} allreduce", FIT)
+        if shell.user_ns["history_job"].status != "done":
+            raise RuntimeError(f"the warm-up run failed: {shell.user_ns['history_job'].error}")
+        shell.user_ns["EPOCHS"] = epochs
     with tempfile.TemporaryDirectory(prefix="nbdist-p12-") as tmp:
         for r in range(repeats):
             for slowed in (False, True):
                 for strategy in ("allreduce", "async"):
                     shell.user_ns["CLAIM"] = str(Path(tmp) / f"{r}-{strategy}.pid") if slowed else None
-                    shell.run_cell_magic("dist_train", f"--workers 2 --strategy {strategy} --ui none", FIT)
+                    if before is not None:
+                        before()
+                    t0 = time.perf_counter()
+                    shell.run_cell_magic("dist_train", f"{line} {strategy}", FIT)
+                    wall = time.perf_counter() - t0
                     job = shell.user_ns["history_job"]
                     if job.status != "done":
                         raise RuntimeError(f"{strategy} failed: {job.error}")
                     _, accuracy = shell.user_ns["model"].evaluate(xt, yt, verbose=0)
                     key = f"{strategy}{'_slow' if slowed else ''}"
                     out.setdefault(f"{key}_seconds", []).append(sum(job.state.epoch_seconds))
+                    out.setdefault(f"{key}_wall", []).append(wall)  # the cell, start to return
                     out.setdefault(f"{key}_accuracy", []).append(float(accuracy))
             out["ratio"].append(out["async_slow_seconds"][-1] / out["allreduce_slow_seconds"][-1])
     return out

@@ -41,6 +41,9 @@ Rows (issue 9):
      without the magic                                                       goal <= 1.0
   P12 two local workers, one 3x slower (a PyDataset that sleeps longer in it): --strategy async's epoch
      time / allreduce's, with both test accuracies, slowed and not          goal <= 0.6
+  P13 P12 on Spark local[2] (the workers are Spark tasks), beside Elephas 7.3's asynchronous and hogwild
+     parameter server on the same Spark settings, data, model, epochs and slowdown (its time and accuracy
+     in the detail)                                                          goal <= 0.6, acc within 1 pt
   P11 a 12-trial digits search, %%dist_tune with 2 trials at once on local workers / the same Optuna
      search (same trials, epochs, seeds) run sequentially in the notebook with plain fit; beside it,
      the epochs trained in total with the median pruner                      goal <= 0.6
@@ -71,7 +74,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ROWS = ("P1", "P2", "P3", "P3C", "P4", "P4M", "P5", "P6", "P7", "P8", "P9M", "P9S", "P9R", "P9L", "P10", "P10S", "P10M",
-        "P11", "P12")
+        "P11", "P12", "P13")
 log = logging.getLogger("nbdist.bench")
 
 
@@ -131,6 +134,7 @@ GOALS = {
     "P10M": ("MobileNetV2 cell, 2 warm workers / the cell without the magic", "<= 1.0", "x"),
     "P11": ("12-trial search, 2 at once / sequential Optuna with plain fit", "<= 0.6", "x"),
     "P12": ("one worker 3x slower: --strategy async / allreduce epoch time", "<= 0.6", "x"),
+    "P13": ("P12 on Spark local[2], beside Elephas async", "<= 0.6", "x"),
 }
 
 
@@ -409,11 +413,47 @@ def row_p12(quick: bool, workdir: Path) -> Row:
                extra=m)
 
 
+def row_p13(quick: bool, workdir: Path) -> Row:
+    import async_spark
+
+    epochs = 3 if quick else 10
+    # --quick uses Elephas only if its venv is already there (as P3): installing it needs PyPI.
+    # 2 repeats: about 5.5 min on 2 loaded cores (3 took 491 s, benchmarks/RESULTS.md).
+    m = async_spark.measure(epochs=epochs, repeats=1 if quick else 2, install=not quick)
+
+    def mid(key: str) -> str:
+        runs = m.get(f"{key}_wall" if key.startswith("elephas") else f"{key}_seconds")
+        if not runs:
+            return f"not run ({m.get(f'{key}_error') or m.get('elephas_skipped')})"
+        time = statistics.median(runs)
+        wall = "" if key.startswith("elephas") else f" ({statistics.median(m[f'{key}_wall']):.1f} s cell)"
+        return f"{time:.1f} s{wall}, acc {statistics.median(m[f'{key}_accuracy']):.4f}"
+
+    def acc(key: str) -> float:
+        return statistics.median(m[f"{key}_accuracy"])
+
+    parts = [f"{name} {mid(key)}" for name, key in (
+        ("allreduce", "allreduce_slow"), ("async", "async_slow"), ("Elephas async", "elephas_asynchronous_slow"),
+        ("hogwild", "elephas_hogwild_slow"))]
+    plain = [f"{name} {mid(key)}" for name, key in (
+        ("allreduce", "allreduce"), ("async", "async"), ("Elephas async", "elephas_asynchronous"),
+        ("hogwild", "elephas_hogwild"))]
+    row = Row("P13", *GOALS["P13"], runs=m["ratio"], extra=m,
+              detail=f"slowed: {'; '.join(parts)}. Not slowed: {'; '.join(plain)}. nbdist: summed epoch times "
+                     f"(cell start to return); Elephas: its fit's wall time. Digits MLP, {epochs} epochs, 64-row "
+                     "batches sleeping 0.06 s (0.18 s on one of the two workers), local[2]")
+    row.accuracy_ok = all(abs(acc(f"async{s}") - acc(f"allreduce{s}")) <= 0.01 for s in ("", "_slow"))
+    if m.get("elephas_skipped"):
+        row.skipped = f"Elephas not run: {m['elephas_skipped']}" + (
+            " (--quick never installs it; the full run does)" if quick else "")
+    return row
+
+
 ROW_FUNCS: dict[str, Callable[[bool, Path], Row | list[Row]]] = {
     "P1": row_p1, "P2": row_p2, "P3": row_p3, "P3C": row_p3c, "P4": row_p4, "P4M": row_p4m, "P5": row_p5,
     "P6": row_p6, "P7": row_p7,
     "P8": row_p8, "P9M": row_p9m, "P9S": row_p9s, "P9R": row_p9r, "P9L": row_p9l, "P10": row_p10, "P10S": row_p10s,
-    "P10M": row_p10m, "P11": row_p11, "P12": row_p12}
+    "P10M": row_p10m, "P11": row_p11, "P12": row_p12, "P13": row_p13}
 
 
 # -- the parent: run each row in a child, then print, save and draw -------

@@ -63,3 +63,38 @@ def test_async_trains_arrays_on_spark_tasks(spark, data):
     print("async val_accuracy", val_accuracy, "refused", [job.reports[r]["async_refused"] for r in range(2)])
     assert len(val_accuracy) == 3 and val_accuracy[-1] > 0.85, val_accuracy
     assert float(model.evaluate(Xte, yte, verbose=0)[1]) == pytest.approx(val_accuracy[-1], abs=1e-6)
+
+
+def test_async_trains_a_notebook_pydataset_on_spark_tasks(spark, data, tmp_path):
+    """Issue 38 (benchmark row P13): a PyDataset class defined in the notebook travels by value to the Spark
+    tasks' workers, each reads the batches the driver deals it, and the shared model learns."""
+    import os
+
+    import keras
+
+    from ..conftest import mlp
+
+    Xtr, Xte, ytr, yte = data
+    readers = tmp_path / "readers"
+
+    class Batches(keras.utils.PyDataset):  # defined here, as in a notebook cell: pickled by value
+        def __init__(self, x, y, batch, log):
+            super().__init__()
+            self.x, self.y, self.batch, self.log = x, y, batch, log
+
+        def __len__(self):
+            return -(-len(self.x) // self.batch)
+
+        def __getitem__(self, i):
+            with open(self.log, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            return self.x[i * self.batch:(i + 1) * self.batch], self.y[i * self.batch:(i + 1) * self.batch]
+
+    model = mlp(seed=0, optimizer=keras.optimizers.Adam(0.01))
+    job = nbdist.train(model, Batches(Xtr, ytr, 32, str(readers)), epochs=2, workers=2, strategy="async",
+                       backend="spark", validation_data=(Xte, yte), ui="none")
+    assert job.status == "done" and job.state.backend == "spark", job.error
+    workers = set(readers.read_text().split()) - {str(os.getpid())}  # the driver reads batch 0 to check it
+    assert len(workers) == 2, workers
+    assert min(job.reports[r]["async_pushed"] for r in range(2)) > 0
+    assert job.history["val_accuracy"][-1] > 0.8, job.history
