@@ -7,8 +7,10 @@ it, or what an earlier call on the road returned (FitData, a fit call, a tuple o
 (any keras.Model). Tracing stops where the job is made (``Run.__init__``, driver/run.py), so no worker starts.
 The road is the sequence of modules of those calls, consecutive repeats collapsed; "modules" counts the distinct
 ones (the entry's own module included) where a call carries the object (hands a form of it back, or passes it
-further down), "returns" the carrying calls that hand a form of it back up into another module; calls that only
-look at it (a check, a predicate) are listed apart, as where it is checked.
+further down); "returns" the road's turns: distinct (callee, caller) module pairs in different packages where a
+form of it is handed back up (a package's modules handing each other forms are one place, and the same helper
+called for x, y and the weights is one turn; --verbose also gives every returning call). Calls that only look
+at it (a check, a predicate) are listed apart, as where it is checked.
 
     PYTHONPATH=$PWD python scripts/door_paths.py [--verbose | --crossings]
 """
@@ -40,6 +42,11 @@ def _module(frame: Any) -> str | None:
     return rel[:-9] if rel.endswith(".__init__") else rel
 
 
+def _package(module: str) -> str:
+    """nbdist.data.inputs -> data; nbdist.api -> api."""
+    return module.removeprefix("nbdist.").split(".")[0]
+
+
 def _holds_arrays(value: Any) -> bool:
     """An nbdist value holding arrays (FitData: the data as numpy), one level deep."""
     fields = getattr(value, "__dict__", None)
@@ -66,6 +73,10 @@ class Road:
         self.carry_modules: list[str] = []
         self.look_modules: list[str] = []
         self.returns = 0
+        # Distinct (callee, caller) pairs across packages where a form of it is handed back up: the road's
+        # turns. A package's own modules handing each other forms (data.inputs <- data.structures) are
+        # one place; the same helper called for x, y and the weights is one turn.
+        self.return_edges: set[tuple[str, str]] = set()
         self.crossings: list[str] = []  # module.function of each carrying crossing, as it ended
 
     def carries(self, value: Any, depth: int = 0) -> bool:
@@ -128,12 +139,15 @@ class Road:
             self.on_road[id(caller)][1] = True
             if handed_back:
                 self.returns += 1
+                caller_module = self.on_road[id(caller)][0]
+                if _package(module) != _package(caller_module):
+                    self.return_edges.add((module, caller_module))
 
     def summary(self) -> tuple[int, int, list[str], list[str]]:
         """Modules it was carried in (in the order it left them), returns, and modules it was looked at in."""
         modules = list(dict.fromkeys(self.carry_modules))
         looks = sorted(set(self.look_modules))
-        return len(modules), self.returns, modules, looks
+        return len(modules), len(self.return_edges), modules, looks
 
 
 def trace(run: Any, data: Any) -> tuple[Road, Road]:
@@ -218,6 +232,10 @@ def main() -> None:
             for what, mods, looks in (("data", dp, dl), ("model", mp, ml)):
                 print(f"   {what:5} carried in: {', '.join(m.removeprefix('nbdist.') for m in mods)}")
                 print(f"   {what:5} looked at in: {', '.join(m.removeprefix('nbdist.') for m in looks)}")
+            for what, road in (("data", data_road), ("model", model_road)):
+                turns = sorted(f"{a.removeprefix('nbdist.')} -> {b.removeprefix('nbdist.')}"
+                               for a, b in road.return_edges)
+                print(f"   {what:5} handed back up: {', '.join(turns) or 'never'} ({road.returns} returning calls)")
             if crossings:
                 print("   data crossings:", ", ".join(data_road.crossings))
 

@@ -11,13 +11,11 @@ blocking mode), so a kernel interrupt lands here and stops every worker.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any, Self
 
 from ..backends import Backend, WorkerHandle
@@ -26,72 +24,24 @@ from ..data.inputs import FitData, PyDatasetData
 from ..data.sharding import batches_per_epoch, check_workers, shard_bounds
 from ..errors import NbdistError, TrainingFailed
 from ..machine.placement import threads_per_worker
-from ..machine.processes import oom_sentence
 from ..model.spec import ModelSpec
 from ..spark.data import SparkData
 from ..wire import protocol
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Progress, State, WorkerError, WorkerWarning
 from .coordinator import Coordinator, Event
+from .failures import describe_exit, first_line, last_traceback
+from .health import HealthChecks
+from .interrupts import interrupts_held
 from .resolve import resolve_backend
-from .state import RunState
+from .state import TERMINAL, RunState
 
 log = logging.getLogger(__name__)
 
-TERMINAL = ("done", "failed", "stopped")
-# How long after a worker's connection drops we wait for its process to report an exit code.
-EXIT_GRACE = 2.0
 
 Listener = Callable[[str, RunState, Any], None]
 
-# Spark aborts a failed barrier ResultStage rather than retrying it ("Could not recover from a failed barrier
-# ResultStage"), whatever spark.task.maxFailures allows; nbdist's own relaunch writes every partition afresh.
-LOST_TASK = ("was lost with its Spark task (its Python process or executor died; Spark does not retry a barrier "
-             "stage, so rerun, or pass --max-restarts N to relaunch the run from its last epoch)")
-
-
-def _describe_exit(code: int, handle: Any = None) -> str:
-    """How a worker ended, in words; the out-of-memory killer named when its handle knows it was that."""
-    end = getattr(handle, "end", None)
-    if end is not None and end.oom_killed:
-        return oom_sentence(end.peak_rss)
-    if getattr(handle, "lost", False):  # a Spark task that died without reporting (spark/backend.py)
-        return LOST_TASK
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _raised(worker_traceback: str) -> str:
-    """': <the exception>' from a worker's traceback (its last line), so the message says why."""
-    if not worker_traceback.startswith("Traceback"):
-        return ""
-    lines = [line.strip() for line in worker_traceback.strip().splitlines() if line.strip()]
-    return f": {_first_line(lines[-1])}" if len(lines) > 1 else ""
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    """The head of an exception message: the whole of it is in the worker's traceback."""
-    line = text.strip().splitlines()[0] if text.strip() else "error"
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def last_traceback(log_text: str, fallback_lines: int = 30) -> str:
-    """The last whole Python traceback in a worker's log, else the log's last lines.
-
-    A worker logs its traceback before it exits; TensorFlow's can run to hundreds of lines,
-    so a fixed-size tail would cut off its head ("Traceback (most recent call last)").
-    """
-    start = log_text.rfind("Traceback (most recent call last)")
-    if start >= 0:
-        return log_text[start:]
-    return "\n".join(log_text.splitlines()[-fallback_lines:])
-
-
-class Run:
+class Run(HealthChecks):
     """Workers started for one job: ``.status``, ``.wait()``, ``.stop()``, ``.state``, ``.reports``."""
 
     # The sentence for Spark data given to another backend; subclasses say what they do with it.
@@ -353,7 +303,7 @@ class Run:
 
         An interrupt pressed again meanwhile is held back until the stop is complete: a stop
         cut short would leave workers running and the model half-written."""
-        with _interrupts_held():
+        with interrupts_held():
             self._stop_once(reason)
 
     def _stop_once(self, reason: str) -> None:
@@ -470,85 +420,15 @@ class Run:
                 self._warned.add(text)
                 log.warning("%s: %s", self._name(rank), text)
         elif isinstance(msg, WorkerError):
-            text = _first_line(msg.message or msg.exception or "error")
+            text = first_line(msg.message or msg.exception or "error")
             dead = self._dead_peer(rank)
             if dead is not None:  # a peer's death broke the collective: name the cause, not the symptom
                 # The symptom's head only (a Gloo "Read error" runs to 300 characters): one short sentence.
-                self._fail(dead.rank, f"{dead.describe()} {_describe_exit(dead.exit_status(), dead)} during training "
-                                      f"(then {self._name(rank)} failed: {_first_line(text, 80)})",
+                self._fail(dead.rank, f"{dead.describe()} {describe_exit(dead.exit_status(), dead)} during training "
+                                      f"(then {self._name(rank)} failed: {first_line(text, 80)})",
                            last_traceback(dead.log_tail(400)))
                 return
             self._fail(rank, f"{self._name(rank)} failed: {text}", msg.traceback)
-
-    def _dead_peer(self, rank: int, wait: float = 1.0) -> WorkerHandle | None:
-        """Another worker that died (its exit may be reported a moment after the error it caused)."""
-        deadline = time.monotonic() + wait
-        while True:
-            for h in self._handles:
-                code = h.exit_status()
-                # Exit code 1: that worker raised and reported its own error; it is not the cause.
-                lost = getattr(h, "lost", False)  # a lost Spark task's worker: the job's failure set its code 1
-                if h.rank != rank and h.rank not in self._done and code is not None and (code not in (0, 1) or lost):
-                    return h
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
-
-    def _check_health(self) -> None:
-        now = time.monotonic()
-        for h in likely_causes_first(self._handles):
-            if h.rank in self._done:
-                continue
-            code = h.exit_status()
-            closing = self._closing.get(h.rank)
-            if code is not None and code != 0 or (code is None and closing and now - closing > EXIT_GRACE):
-                self._drain_errors()
-                if self.status in TERMINAL:
-                    return
-                how = _describe_exit(code, h) if code is not None else "closed its connection"
-                if code == protocol.EXIT_UNREACHABLE:  # it never connected: where it tried, and what to change
-                    host, port = self._coordinator.address
-                    hint = self._backend.unreachable_hint
-                    self._fail(h.rank, f"{h.describe()} cannot reach the notebook's coordinator at {host}:{port}"
-                                       + (f"; {hint}." if hint else "."), h.log_tail(30))
-                    return
-                tb = last_traceback(h.log_tail(400))
-                self._fail(h.rank, f"{h.describe()} {how} during training{_raised(tb)}", tb)
-                return
-            if code == 0 and h.rank not in self._done:
-                self._drain_errors()
-                if self.status in TERMINAL or h.rank in self._done:
-                    return
-                # A worker sends "done" and exits: its last messages may still be on their way through the
-                # coordinator's reader, which reports the closed connection only after them.
-                exited = self._exited.setdefault(h.rank, now)
-                if h.rank not in self._closing and now - exited < EXIT_GRACE:
-                    continue
-                self._fail(h.rank, f"{h.describe()} exited before finishing", last_traceback(h.log_tail(400)))
-                return
-        connected = self._coordinator.connected() | self._done | set(self._closing)
-        if len(connected) < self.world_size and now - self._launched_at > self.config.startup_timeout:
-            missing = sorted(set(range(self.world_size)) - connected)
-            h = self._handles[missing[0]]
-            self._fail(missing[0], f"{h.describe()} did not connect within {self.config.startup_timeout:.0f} s",
-                       h.log_tail(30))
-            return
-        for rank in self._coordinator.connected():
-            if self._coordinator.silent_for(rank) > self.config.heartbeat_timeout:
-                self._fail(rank, f"{self._name(rank)} sent nothing for {self.config.heartbeat_timeout:.0f} s "
-                                 "and is presumed hung", self._handles[rank].log_tail(30))
-                return
-
-    def _drain_errors(self) -> None:
-        """A worker that raised sends its traceback before exiting: prefer that to the exit code."""
-        while True:
-            try:
-                event = self._coordinator.events.get_nowait()
-            except queue.Empty:
-                return
-            self._handle(event)
-            if self.status in TERMINAL or self._holding():
-                return
 
     # -- endings --------------------------------------------------------
     def _fail(self, rank: int | None, message: str, worker_traceback: str) -> None:
@@ -611,40 +491,3 @@ def data_parts(data: FitData | None) -> tuple[Any, Any, Any]:
     if data is None or isinstance(data, PyDatasetData):  # a PyDataset travels whole (TrainingJob)
         return None, None, None
     return data.x, data.y, data.sample_weight
-
-
-def likely_causes_first(handles: Sequence[Any]) -> list[Any]:
-    """Workers in the order their ends are looked at: a lost Spark task's worker first (Spark then cancelled
-    its peers' tasks, which end at the same moment), then one killed or crashed, then the rest by rank (one
-    that exited 1 raised, often because a peer's death broke the collective)."""
-    return sorted(handles, key=lambda h: (not getattr(h, "lost", False), h.exit_status() in (None, 0, 1), h.rank))
-
-
-@contextlib.contextmanager
-def _interrupts_held(defer: bool = False) -> Iterator[None]:
-    """On the main thread, turn SIGINT into a log line for the duration (Python raises
-    KeyboardInterrupt only there, and only its handler can be swapped).
-
-    ``defer``: raise it once the block ends instead, so a few steps that must happen together (a
-    search's trial asked for and registered) are never cut between."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield
-        return
-    pressed: list[int] = []
-
-    def hold(signum: int, frame: Any) -> None:
-        if not pressed and not defer:
-            log.warning("still stopping the workers; they will be gone in a few seconds")
-        pressed.append(signum)
-
-    previous = signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if defer and pressed:
-        raise KeyboardInterrupt
-
-
-# Public name for the other runners in the notebook (nbdist.tune stops several runs at once under it).
-interrupts_held = _interrupts_held

@@ -11,6 +11,8 @@ from typing import Any
 
 from ..wire.reports import Epoch, Progress, State
 
+# A run's status once it has ended.
+TERMINAL = ("done", "failed", "stopped")
 WORKER_STATES = ("starting", "training", "synchronising", "done", "failed", "stopped")
 
 

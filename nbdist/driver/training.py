@@ -31,10 +31,11 @@ from ..wire.commands import Rendezvous, Stop
 from ..wire.messages import JobMessage, Placement, TrainSettings
 from ..wire.reports import AsyncPull, AsyncPush, Epoch, Store, Weights
 from .async_server import plan_arrays, start_async
+from .failures import last_traceback
 from .keeper import CheckpointKeeper
 from .resolve import resolve_backend
-from .run import TERMINAL, Run, data_parts, last_traceback
-from .state import RunState
+from .run import Run, data_parts
+from .state import TERMINAL, RunState
 
 log = logging.getLogger(__name__)
 

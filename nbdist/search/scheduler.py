@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrainConfig
-from ..driver.run import TERMINAL, interrupts_held
+from ..driver.interrupts import interrupts_held
 from ..driver.search_state import SearchState, TrialRow
+from ..driver.state import TERMINAL
 from ..errors import NbdistError
 from ..fit_arguments import FitCall
 from ..model.spec import is_keras_model

@@ -102,7 +102,7 @@ def test_lr_scaling_keeps_plain_sgd_exact_and_scales_adaptive_optimizers():
 
 
 def test_last_traceback_keeps_the_head_of_a_long_traceback() -> None:
-    from nbdist.driver.run import last_traceback
+    from nbdist.driver.failures import last_traceback
 
     frames = "\n".join(f'  File "x.py", line {i}, in f' for i in range(300))
     log = f"INFO starting\nTraceback (most recent call last):\n  old\nValueError: first\n" \

@@ -57,7 +57,7 @@ def test_a_lost_spark_task_is_looked_at_before_the_peers_cancelled_with_it() -> 
     1 at once, and the one Spark named (lost) is the cause to report, whatever its rank."""
     from types import SimpleNamespace
 
-    from nbdist.driver.run import likely_causes_first
+    from nbdist.driver.failures import likely_causes_first
 
     def worker(rank, code, lost=False):
         return SimpleNamespace(rank=rank, lost=lost, exit_status=lambda: code)
