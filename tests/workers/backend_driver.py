@@ -230,8 +230,7 @@ def masked() -> dict[str, object]:
 def device_paths(x: np.ndarray, y: np.ndarray, plain: dict, per_worker: dict) -> dict[str, object]:
     """Issue 36 on this backend: one allreduce worker trains with Keras' own step (0 rounds, engine "none")
     and says where (CPU here); the model travels with no torch tensor in its pickle (Keras' torch layers hold
-    their variables' tensors in ``_torch_params``); on torch, 2 workers summing their gradients as torch
-    tensors (the GPU's code, over Gloo here: NBDIST_TORCH_DEVICE_SUM=1) equal the local fit."""
+    their variables' tensors in ``_torch_params``). torch's device sum: ``torch_device_sums``."""
     import pickletools
 
     from nbdist.model_io import travelling_model
@@ -248,26 +247,54 @@ def device_paths(x: np.ndarray, y: np.ndarray, plain: dict, per_worker: dict) ->
     graph = travelling_model(remote).graph
     out["graph_torch_names"] = [arg for op, arg, _ in pickletools.genops(graph)
                                 if isinstance(arg, str) and (arg.startswith("torch") or "rebuild_" in arg)]
-    if BACKEND == "torch":
-        local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
-        expected = local.fit(x, y, epochs=2, verbose=0, **plain).history
-        local_sgd, remote_sgd = mlp(keras.optimizers.SGD(0.1)), mlp(keras.optimizers.SGD(0.1))
-        expected_sgd = local_sgd.fit(x, y, epochs=2, verbose=0, **plain).history
-        os.environ["NBDIST_TORCH_DEVICE_SUM"] = "1"  # the workers inherit it
+    return out
+
+
+def torch_device_sums() -> dict[str, object]:
+    """Issue 36 on torch: 2 workers summing their gradients as torch tensors (the GPU's code, over Gloo here:
+    NBDIST_TORCH_DEVICE_SUM=1) in buckets of 1 KiB (4 for this MLP), started during the backward pass (the
+    default) and at apply (NBDIST_TORCH_OVERLAP=0), against the numpy exchange and the local fit; the
+    averaging strategy's rounds on the device too."""
+    features, labels = load_digits(return_X_y=True)
+    rows = ROWS + 1  # shares of 257 and 256 rows: worker 1 joins the last step of each epoch with zeros (a pad step)
+    x, y = (features[:rows] / 16).astype("float32"), labels[:rows].astype("int64")
+    plain = {"batch_size": GLOBAL_BATCH, "shuffle": False, "epochs": 2}
+    per_worker = {**plain, "batch_size": GLOBAL_BATCH // 2, "workers": 2, "lr_scaling": "none", "ui": "none"}
+    out: dict[str, object] = {}
+    local = mlp(keras.optimizers.Adam(0.01))
+    expected = local.fit(x, y, verbose=0, **plain).history
+    settings = {"overlapped": {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_BUCKET_BYTES": "1024"},
+                "at_apply": {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_BUCKET_BYTES": "1024",
+                             "NBDIST_TORCH_OVERLAP": "0"},
+                "numpy": {}}
+    models = {}
+    for name, env in settings.items():
+        os.environ.update(env)  # the workers inherit it
         try:
-            job = nbdist.train(remote, x, y, workers=2, epochs=2, strategy="allreduce", lr_scaling="none", ui="none",
-                               **{**plain, **per_worker})
-            averaged = nbdist.train(remote_sgd, x, y, workers=2, epochs=2, strategy="averaging", averaging_frequency=1,
-                                    lr_scaling="none", ui="none", **{**plain, **per_worker})
+            models[name] = mlp(keras.optimizers.Adam(0.01))
+            job = nbdist.train(models[name], x, y, strategy="allreduce", **per_worker)
         finally:
-            del os.environ["NBDIST_TORCH_DEVICE_SUM"]
-        out["device_sum"] = {"history": job.fit_history.history, "expected": expected,
-                             "weight_gap": weight_gap(remote, local),
-                             "summed_by": [job.reports[r]["summed_by"] for r in range(2)]}
-        # The averaging strategy's rounds on the device too (every step with SGD: the local step).
-        out["device_average"] = {"history": averaged.fit_history.history, "expected": expected_sgd,
-                                 "weight_gap": weight_gap(remote_sgd, local_sgd),
-                                 "summed_by": [averaged.reports[r]["summed_by"] for r in range(2)]}
+            for key in env:
+                del os.environ[key]
+        out[name] = {"history": job.fit_history.history, "expected": expected,
+                     "weight_gap": weight_gap(models[name], local),
+                     "summed_by": [job.reports[r]["summed_by"] for r in range(2)],
+                     "padded": [job.reports[r]["padded_steps"] for r in range(2)]}
+    out["overlapped_vs_at_apply"] = weight_gap(models["overlapped"], models["at_apply"])
+    out["overlapped_vs_numpy"] = weight_gap(models["overlapped"], models["numpy"])
+    out["notebook_hooks"] = sum(len(getattr(v.value, "_post_accumulate_grad_hooks", None) or {})
+                                for v in models["overlapped"].trainable_variables)
+    # The averaging strategy's rounds on the device too (every step with SGD: the local step).
+    local_sgd, remote_sgd = mlp(keras.optimizers.SGD(0.1)), mlp(keras.optimizers.SGD(0.1))
+    expected_sgd = local_sgd.fit(x, y, verbose=0, **plain).history
+    os.environ["NBDIST_TORCH_DEVICE_SUM"] = "1"
+    try:
+        averaged = nbdist.train(remote_sgd, x, y, strategy="averaging", averaging_frequency=1, **per_worker)
+    finally:
+        del os.environ["NBDIST_TORCH_DEVICE_SUM"]
+    out["device_average"] = {"history": averaged.fit_history.history, "expected": expected_sgd,
+                             "weight_gap": weight_gap(remote_sgd, local_sgd),
+                             "summed_by": [averaged.reports[r]["summed_by"] for r in range(2)]}
     return out
 
 
@@ -458,6 +485,6 @@ def async_only() -> dict[str, object]:
 
 if __name__ == "__main__":
     phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers"),
-              "seeded": seeded_cells, "async": async_only}
+              "seeded": seeded_cells, "async": async_only, "device_sum": torch_device_sums}
     result = phases[PHASE]()
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)
