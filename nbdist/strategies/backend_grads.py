@@ -6,7 +6,8 @@ them (shared memory, one round of messages, or the ring), weighted by each worke
 
 - torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
   ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between. When every
-  worker has a GPU of its own they are summed there instead, over NCCL (``device_sum.py``).
+  worker has a GPU of its own they are summed there instead, over NCCL (``device_sum.py``), in buckets that
+  start during the backward pass (``torch_overlap.py``).
 - JAX: the train step is one jitted, stateless function that ends in ``optimizer.stateless_apply``.
   The wrapped ``stateless_apply`` sums the gradients through an ordered ``io_callback``: a host call
   inside the compiled step, so the step stays jitted; it reuses nbdist's exchange, its timeouts and

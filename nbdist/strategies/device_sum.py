@@ -6,7 +6,9 @@ CPU proves (weighting, bucketing, None gradients, dtypes, the rows check, pad st
 NOT VERIFIED ON A GPU beyond a one-rank group: there was none where this was written (docs/gpus.md).
 
 Buckets of ``BUCKET_BYTES`` (PyTorch DDP's default size): each bucket's all-reduce starts, asynchronously,
-as soon as it is filled, while the next is being filled. They are preallocated once and reused every step
+as soon as it is filled, while the next is being filled. This is the sum at ``apply``, after the backward pass;
+by default the buckets start during it instead (torch_overlap.py), and this path stays for the cases that
+cannot be overlapped soundly and for a step summed again. They are preallocated once and reused every step
 (the optimizer has consumed last step's sums before the next backward pass writes new gradients: stream
 order on the GPU, program order on the CPU). The last bucket carries this worker's rows in its last slot:
 the summed rows must equal the step's total, as the host exchange checks. On a GPU that check reads the

@@ -295,6 +295,55 @@ def torch_device_sums() -> dict[str, object]:
     out["device_average"] = {"history": averaged.fit_history.history, "expected": expected_sgd,
                              "weight_gap": weight_gap(remote_sgd, local_sgd),
                              "summed_by": [averaged.reports[r]["summed_by"] for r in range(2)]}
+    out["in_process"] = overlapped_keras_steps(x[:ROWS], y[:ROWS])
+    return out
+
+
+def overlapped_keras_steps(x: np.ndarray, y: np.ndarray) -> dict[str, object]:
+    """Keras' own torch train_step with the overlap, in this process on a one-rank Gloo group (the sum is the
+    identity): plain, under a LossScaleOptimizer and with gradient_accumulation_steps=2, every step's early
+    buckets held what ``apply`` got (none summed again), the weights equal the plain fit's, and ``close``
+    leaves no hook on the model's tensors."""
+    import torch.distributed as dist
+
+    from nbdist.strategies.backend_grads import HostGradientAllreduce, wrap_torch_optimizer
+    from nbdist.strategies.collective import SoloCollective
+
+    class Rows(keras.callbacks.Callback):
+        def __init__(self, owner: HostGradientAllreduce) -> None:
+            super().__init__()
+            self.owner = owner
+
+        def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
+            self.owner.set_weight(GLOBAL_BATCH, GLOBAL_BATCH)
+
+    optimizers = {"adam": lambda: keras.optimizers.Adam(0.01),
+                  "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+                  "accumulate": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)}
+    env = {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_BUCKET_BYTES": "1024"}
+    out: dict[str, object] = {}
+    os.environ.update(env)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for name, make in optimizers.items():
+            local, model = mlp(make()), mlp(make())
+            local.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+            owner = HostGradientAllreduce(SoloCollective(), model.trainable_variables)
+            wrap_torch_optimizer(model.optimizer, owner)
+            refused = owner.overlap_backward(model)
+            overlap = owner._overlap
+            hooks = sum(len(v.value._post_accumulate_grad_hooks or {}) for v in model.trainable_variables)
+            model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[Rows(owner)])
+            owner.close()
+            out[name] = {"refused": refused, "hooks": hooks, "steps": owner.steps, "buckets": len(overlap.plan),
+                         "early": overlap.early_launches, "resummed": overlap.resummed,
+                         "weight_gap": weight_gap(model, local),
+                         "hooks_left": sum(len(v.value._post_accumulate_grad_hooks or {})
+                                           for v in model.trainable_variables)}
+    finally:
+        dist.destroy_process_group()
+        for key in env:
+            del os.environ[key]
     return out
 
 

@@ -21,6 +21,7 @@ from nbdist.backends.command import package_root
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
 DRIVER = Path(__file__).with_name("backend_driver.py")
+ROWS = 512  # backend_driver.py's digits rows
 
 
 def run_driver(backend: str, phase: str = "core", *more: str) -> dict:
@@ -123,8 +124,10 @@ def test_torch_device_sum_overlapped_with_backward_equals_it_at_apply_the_numpy_
     """Issue 36, torch: 2 workers summing their gradients as torch tensors (Gloo here, NCCL's code) in 4
     buckets started during the backward pass (the default: "device-overlapped") train the same weights as
     the buckets started at apply (NBDIST_TORCH_OVERLAP=0) and as the numpy exchange, to 1e-6, and the local
-    fit to 1e-5; the notebook's model holds no hook; the averaging strategy's rounds on the device equal
-    the local SGD step."""
+    fit to 1e-5, with a pad step per epoch on one worker; the notebook's model holds no hook; Keras' own step
+    (plain, LossScaleOptimizer, gradient_accumulation_steps=2) in one process on a one-rank group: every
+    step's early buckets held the gradients apply got (none summed again), the weights equal the plain fit's,
+    no hook is left after the run; the averaging strategy's rounds on the device equal the local SGD step."""
     result = run_driver("torch", "device_sum")
     assert result["overlapped"]["summed_by"] == ["device-overlapped"] * 2, result["overlapped"]
     assert result["overlapped"]["padded"] == [0, 2]  # worker 1's pad steps: zeros, every bucket at apply
@@ -132,6 +135,11 @@ def test_torch_device_sum_overlapped_with_backward_equals_it_at_apply_the_numpy_
     assert result["numpy"]["summed_by"] == ["shared", "shared"], result["numpy"]
     assert result["overlapped_vs_at_apply"] <= 1e-6 and result["overlapped_vs_numpy"] <= 1e-6, result
     assert result["notebook_hooks"] == 0
+    # Keras' own step in one process (one rank): the hooks saw the very gradients apply got, every step.
+    for name, run in result["in_process"].items():
+        assert run["refused"] is None and run["hooks"] == 4 and run["steps"] == ROWS // 64, (name, run)
+        assert run["early"] == run["steps"] * (run["buckets"] - 1) and run["resummed"] == 0, (name, run)
+        assert run["weight_gap"] == 0.0 and run["hooks_left"] == 0, (name, run)
     for case in ("overlapped", "at_apply", "numpy", "device_average"):
         run = result[case]
         assert_same_history(run["history"], run["expected"])
