@@ -227,7 +227,7 @@ def masked() -> dict[str, object]:
     return {"history": job.fit_history.history, "expected": expected, "weight_gap": weight_gap(remote, local)}
 
 
-def device_paths(x: np.ndarray, y: np.ndarray, plain: dict, per_worker: dict) -> dict[str, object]:
+def device_paths(x: np.ndarray, y: np.ndarray, plain: dict) -> dict[str, object]:
     """Issue 36 on this backend: one allreduce worker trains with Keras' own step (0 rounds, engine "none")
     and says where (CPU here); the model travels with no torch tensor in its pickle (Keras' torch layers hold
     their variables' tensors in ``_torch_params``). torch's device sum: ``torch_device_sums``."""
@@ -367,7 +367,7 @@ def more() -> dict[str, object]:
     tensorflow["one_worker"] = "tensorflow" in sys.modules
     out["one_worker"] = {"history": job.fit_history.history, "expected": expected,
                          "weight_gap": weight_gap(remote, local)}
-    out.update(device_paths(x, y, plain, per_worker))
+    out.update(device_paths(x, y, plain))
 
     # A small CNN under allreduce, and EarlyStopping(restore_best_weights=True) in the notebook.
     def stopper() -> keras.callbacks.EarlyStopping:
