@@ -8,14 +8,19 @@ them) and launched strictly in bucket order, so every worker calls the same coll
 whatever order its hooks fire in. Each bucket is weighted as ``TorchDeviceSum`` weights it (copied, then
 multiplied by rows / total rows), so the sums are the same numbers.
 
-The last bucket always waits for ``apply``: it carries this worker's rows and a flag, 1 where this worker's
-early buckets may not hold the gradients ``apply`` was given (a gradient that arrived twice: backward called
-again, by the step or a callback; a gradient tensor at ``apply`` that is not the one the hook copied; one that
-came early and is None at ``apply``). At ``apply`` the buckets not yet launched (a variable without a gradient
-this step, a pad step's zeros, hooks that fired before the step's rows were set) are filled from the gradients
-``apply`` got, the last one too, and after the sums every worker reads the summed flag (one read of the device
-per step): if any worker set it, all of them sum the step again through ``TorchDeviceSum``, so an odd step
-costs a second sum and never a wrong one.
+The last bucket always waits for ``apply``: it carries this worker's rows. Each worker also knows, on the host
+(the hooks run there), whether its early buckets may not hold the gradients ``apply`` was given (a gradient that
+arrived twice: backward called again, by the step or a callback; a gradient tensor at ``apply`` that is not the
+one the hook copied; one that came early and is None at ``apply``): that flag is agreed on the host, one integer
+all-reduced (MAX) per step over a Gloo group of its own (made beside the sum's group, on the same ranks),
+started before the last bucket. Not over the sum's group, even on a CPU: a worker may launch a bucket early
+that another launches at ``apply``, and the flag issued between them would pair with a bucket. At ``apply``
+the buckets not yet launched (a variable without a gradient this step, a pad step's zeros, hooks that fired
+before the step's rows were set) are filled from the gradients ``apply`` got, the last one too; if any worker
+set the flag, all of them sum the step again through ``TorchDeviceSum``, so an odd step costs a second sum and
+never a wrong one. No step reads the device for the flag: the summed rows are checked as ``TorchDeviceSum``
+checks them (every step on a CPU, every ``CHECK_EVERY`` steps on a GPU, a mismatch kept on the device
+meanwhile), so the host runs ahead of the GPU as it does without the overlap.
 
 Not overlapped (``overlap_refusal`` says why; ``TorchDeviceSum`` alone, as before): one bucket (nothing to
 overlap), NBDIST_TORCH_OVERLAP=0, a model with its own ``train_step`` (it may change gradients in place between
@@ -34,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .device_sum import BUCKET_BYTES, bucket_plan
+from .device_sum import BUCKET_BYTES, RowsCheck, bucket_plan
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ class BucketReadiness:
 
     ``arrive(i)`` for each gradient the backward pass finishes returns the buckets to launch now, in bucket
     order: a bucket is launched once all its gradients arrived and every bucket before it was launched. The
-    last bucket is never launched early (``apply`` launches it with the rows and the flag). A gradient that
+    last bucket is never launched early (``apply`` launches it with the rows). A gradient that
     arrives twice in a step marks the step ``repeated``.
     """
 
@@ -110,9 +115,12 @@ def overlap_refusal(model: Any, tensors: Sequence[Any], buckets: int) -> str | N
 
 class TorchOverlap:
     """The device sum of ``summer`` (TorchDeviceSum: its device and group, and its path for steps summed again),
-    started by hooks on ``tensors`` (the trainable variables' torch tensors, in ``owner.shapes``' order)."""
+    started by hooks on ``tensors`` (the trainable variables' torch tensors, in ``owner.shapes``' order).
+    ``flag_group``: the Gloo group the flag is agreed on (default: a new one on the same ranks; every worker
+    makes its ``TorchOverlap`` at the same point, as ``new_group`` needs)."""
 
-    def __init__(self, summer: Any, tensors: Sequence[Any], owner: Any, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, summer: Any, tensors: Sequence[Any], owner: Any, bucket_bytes: int = BUCKET_BYTES,
+                 flag_group: Any = None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -123,8 +131,11 @@ class TorchOverlap:
         self.ready = BucketReadiness(self.plan)
         lengths = [sum(self.sizes[i] for i in b) for b in self.plan]
         self.rows_at = lengths[-1]
-        lengths[-1] += 2  # this worker's rows, then its flag (1: its early buckets may be wrong)
+        lengths[-1] += 1  # this worker's rows
         self.buckets = [torch.zeros(n, dtype=torch.float32, device=summer.device) for n in lengths]
+        self.rows = RowsCheck(summer.device, summer.check_every)
+        self.flag_group = dist.new_group(backend="gloo") if flag_group is None else flag_group
+        self._flag = torch.zeros(1, dtype=torch.int32)  # on the host: 1 where this worker's early buckets may be wrong
         self._seen: list[Any] = [None] * len(self.sizes)  # the gradient tensor each hook copied from
         self._pending: list[Any] = []
         self.events: list[tuple[str, int]] | None = None  # a list: ("grad", i) and ("launch", k) recorded (tests)
@@ -141,10 +152,10 @@ class TorchOverlap:
                 self.events.append(("grad", i))
             self._seen[i] = tensor.grad
             for k in self.ready.arrive(i):
-                self._launch(k, self._seen, *queued[0], flag=0.0)
+                self._launch(k, self._seen, *queued[0])
         return ready
 
-    def _launch(self, k: int, grads: Sequence[Any], n: float, total: float, flag: float) -> None:
+    def _launch(self, k: int, grads: Sequence[Any], n: float, total: float) -> None:
         """Bucket ``k`` filled with ``grads`` weighted by n / total (as TorchDeviceSum), its all-reduce started."""
         torch = self._torch
         bucket, at = self.buckets[k], 0
@@ -159,7 +170,6 @@ class TorchOverlap:
                 at += size
             if k == len(self.plan) - 1:
                 bucket[at] = n
-                bucket[at + 1] = flag
             bucket[:at].mul_(n / total)
             self._pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.summer.group,
                                                        async_op=True))
@@ -174,23 +184,25 @@ class TorchOverlap:
         early = self.ready.launched
         sound = not self.ready.repeated and all(
             self._seen[i] is not None and self._seen[i] is grads[i] for i in self.ready.early_members())
+        self._flag[0] = 0 if sound else 1
         try:
+            agreed = self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self.flag_group,
+                                           async_op=True)  # host memory, Gloo: no wait for the device
             for k in self.ready.rest():
-                self._launch(k, grads, n, total, flag=0.0 if sound else 1.0)
-            pending, self._pending = self._pending, []
+                self._launch(k, grads, n, total)
+            pending, self._pending = self._pending + [agreed], []
             for work in pending:
-                work.wait()  # on a GPU: the compute stream waits for the sum, the host does not
-            summed_rows, flagged = self.buckets[-1][self.rows_at:].tolist()  # one read of the device
+                work.wait()  # on a GPU: the compute stream waits for the sums, the host does not
         finally:
             self.ready.start_step()
             self._seen = [None] * len(self.sizes)
-        if flagged:
+        if int(self._flag[0]):
             self.resummed += 1
             log.info("a worker's gradients changed after the backward pass: this step is summed again")
             owner.seconds += time.perf_counter() - t0
             return self.summer.reduce(owner, grads)
-        if summed_rows != total:
-            raise RuntimeError(f"workers disagree on this step's samples: {summed_rows:g} summed, {total:g} expected")
+        with torch.no_grad():
+            self.rows.add(self.buckets[-1][self.rows_at], total)  # read every step on a CPU, every 50 on a GPU
         out: list[Any] = [None] * len(grads)
         with torch.no_grad():
             for members, bucket in zip(self.plan, self.buckets):
@@ -213,4 +225,4 @@ class TorchOverlap:
         for handle in handles:
             handle.remove()
         self._pending, self._seen, self.buckets = [], [], []
-        self.summer = self.owner = None
+        self.summer = self.owner = self.flag_group = None

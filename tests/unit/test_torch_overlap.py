@@ -4,7 +4,9 @@ The bookkeeping is pure logic (which bucket may start after which gradients, in 
 on a real torch model's backward pass over a one-rank Gloo group (a one-rank sum is the identity, so the
 overlapped step must hand back exactly what the buckets-at-apply step does): the first bucket starts before
 the backward pass's last gradient, a second backward before ``apply`` makes the step summed again, a variable
-without a gradient keeps None, and no hook is left after ``close``. Two workers: tests/workers/test_backends.py.
+without a gradient keeps None, and no hook is left after ``close``. The flag is agreed on the host: at a GPU's
+rows-check cadence no step reads the device, and another worker's flag (simulated: one rank) re-sums the step
+here too. Two workers: tests/workers/test_backends.py.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from nbdist.strategies.backend_grads import HostGradientAllreduce
 from nbdist.strategies.collective import SoloCollective
-from nbdist.strategies.device_sum import TorchDeviceSum
+from nbdist.strategies.device_sum import CHECK_EVERY, TorchDeviceSum, check_every_for
 from nbdist.strategies.torch_overlap import BucketReadiness, TorchOverlap, backward_plan
 
 BUCKET_BYTES = 400  # 100 floats: this model's 6 tensors in 4 buckets
@@ -34,7 +36,7 @@ def test_a_bucket_starts_once_its_gradients_and_all_buckets_before_it_are_there_
     assert ready.arrive(3) == []
     assert ready.arrive(1) == []  # bucket 1 is complete, but bucket 0 has not started: it waits its turn
     assert ready.arrive(2) == [0, 1]
-    assert ready.arrive(0) == []  # the last bucket always waits for apply (it carries the rows and the flag)
+    assert ready.arrive(0) == []  # the last bucket always waits for apply (it carries the rows)
     assert ready.rest() == [2] and ready.early_members() == [3, 2, 1] and not ready.repeated
     assert ready.arrive(3) == [] and ready.repeated  # a second backward in the same step
 
@@ -63,11 +65,11 @@ def model(unused: bool = False) -> torch.nn.Module:
     return net
 
 
-def summer(net: torch.nn.Module, overlap: bool) -> HostGradientAllreduce:
+def summer(net: torch.nn.Module, overlap: bool, check_every: int | None = None) -> HostGradientAllreduce:
     """The reducer as a torch worker with its device sum holds it (this process's Keras is not on torch)."""
     params = list(net.parameters())
     owner = HostGradientAllreduce(SoloCollective(), [np.zeros(tuple(p.shape), np.float32) for p in params])
-    owner._engine_impl = TorchDeviceSum(owner.shapes, "cpu", bucket_bytes=BUCKET_BYTES)
+    owner._engine_impl = TorchDeviceSum(owner.shapes, "cpu", bucket_bytes=BUCKET_BYTES, check_every=check_every)
     if overlap:
         owner._overlap = TorchOverlap(owner._engine_impl, params, owner, BUCKET_BYTES)
     return owner
@@ -139,3 +141,55 @@ def test_hooks_fire_only_inside_a_step_and_none_is_left_after_close():
     owner.close()
     assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
     assert owner._overlap is None and overlap.summer is None and owner.summed_by == "device-overlapped"
+
+
+
+def test_the_rows_are_read_every_step_on_a_cpu_and_every_check_every_steps_on_a_gpu():
+    assert check_every_for("cpu") == 1
+    assert check_every_for("cuda") == CHECK_EVERY > 1  # pure logic: no GPU here
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_at_a_gpus_cadence_no_step_reads_the_device_and_a_flagged_step_is_still_summed_again():
+    """CPU tensors with a CUDA device's rows check (simulated: ``check_every_for("cuda")``, the only part that
+    depends on the device): the flag is agreed over a Gloo group of its own on the host, so a step reads the
+    device only when the rows check is due, flagged or not; on a CPU's cadence, every step."""
+    net, plain = model(), model()
+    owner, reference = summer(net, True, check_every_for("cuda")), summer(plain, False, check_every_for("cuda"))
+    overlap = owner._overlap
+    assert train(net, owner, steps=4) == train(plain, reference, steps=4)
+    assert overlap.resummed == 0 and overlap.rows.reads == 0 and owner._engine_impl.rows.reads == 0
+    assert train(net, owner, steps=2, backwards=2) == train(plain, reference, steps=2, backwards=2)
+    assert overlap.resummed == 2 and overlap.rows.reads == 0 and owner._engine_impl.rows.reads == 0
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), plain.parameters()))
+    assert overlap.flag_group is not None and overlap.flag_group is not owner._engine_impl.group
+
+    on_cpu = summer(model(), True)
+    train(model(), on_cpu, steps=3)
+    assert on_cpu._overlap.rows.reads == 3
+
+
+class AnotherWorkerFlagged:
+    """torch.distributed as this worker sees it when another worker set the flag: the MAX over the flag group
+    comes back 1 (simulated on a one-rank group; the real one-rank all-reduce still runs)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor: torch.Tensor, op: object, group: object = None, async_op: bool = False) -> object:
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        if op == dist.ReduceOp.MAX:
+            work.wait()
+            tensor.fill_(1)
+        return work
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_another_workers_flag_sums_the_step_again_here_though_this_workers_buckets_were_sound():
+    net, plain = model(), model()
+    owner = summer(net, overlap=True)
+    owner._overlap._dist = AnotherWorkerFlagged()
+    assert train(net, owner) == train(plain, summer(plain, overlap=False))
+    assert owner._overlap.resummed == 3  # every step summed again: its early buckets unused
+    assert owner._overlap.early_launches == 0
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), plain.parameters()))
