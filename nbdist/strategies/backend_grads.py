@@ -6,7 +6,8 @@ them (shared memory, one round of messages, or the ring), weighted by each worke
 
 - torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
   ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between. When every
-  worker has a GPU of its own they are summed there instead, over NCCL (``device_sum.py``).
+  worker has a GPU of its own they are summed there instead, over NCCL (``device_sum.py``), in buckets that
+  start during the backward pass (``torch_overlap.py``).
 - JAX: the train step is one jitted, stateless function that ends in ``optimizer.stateless_apply``.
   The wrapped ``stateless_apply`` sums the gradients through an ordered ``io_callback``: a host call
   inside the compiled step, so the step stays jitted; it reuses nbdist's exchange, its timeouts and
@@ -67,14 +68,24 @@ def device_sum_forced() -> bool:
     return os.environ.get("NBDIST_TORCH_DEVICE_SUM", "") == "1"
 
 
+def bucket_bytes() -> int:
+    """The torch device sum's bucket size: NBDIST_TORCH_BUCKET_BYTES (tests, tuning), else PyTorch DDP's 25 MiB."""
+    from .device_sum import BUCKET_BYTES
+
+    return int(os.environ.get("NBDIST_TORCH_BUCKET_BYTES", "") or BUCKET_BYTES)
+
+
 class HostGradientAllreduce(GradientAllreduce):
     """``GradientAllreduce`` for gradients that arrive as numpy arrays (JAX's host call, torch's ``.grad``), or,
     on torch with engine ``nccl``, as tensors on the GPU, summed there (``device_sum.TorchDeviceSum``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, loss_scaling=False, **kwargs)
+    def __init__(self, collective: Any, variables: Sequence[Any], *args: Any, **kwargs: Any) -> None:
+        self._variables = list(variables)
+        super().__init__(collective, variables, *args, loss_scaling=False, **kwargs)
         self.prescaled = False  # scaled by rows while copied into the bucket (``exchange``)
         self._queued: collections.deque[tuple[float, float | None]] = collections.deque()
+        self._overlap: Any = None  # torch_overlap.TorchOverlap: the device sum's buckets started during backward
+        self.overlapped = False  # whether any step's buckets started during its backward pass
 
     def _open_engine(self, engine: str) -> tuple[Any, Any]:
         """torch: NCCL sums the CUDA gradients where they are (device_sum.py); Gloo sums through the numpy
@@ -90,15 +101,39 @@ class HostGradientAllreduce(GradientAllreduce):
             if engine == "nccl":
                 torch.cuda.set_device(0)  # the worker's one GPU (CUDA_VISIBLE_DEVICES per rank)
             device = torch.device("cuda", 0) if engine == "nccl" else torch.device("cpu")
-            return TorchDeviceSum(self.shapes, device, device_group(engine)), None
+            return TorchDeviceSum(self.shapes, device, device_group(engine), bucket_bytes()), None
         if engine == "gloo":
             return None, None
         raise ValueError(f"engine {engine!r} is not wired on Keras' {keras.backend.backend()} backend")
 
     @property
     def summed_by(self) -> str | None:
-        """"device" where the gradients are summed as tensors where they are (device_sum.py)."""
-        return "device" if self._engine_impl is not None else super().summed_by
+        """"device" where the gradients are summed as tensors where they are (device_sum.py), "device-overlapped"
+        where buckets started during the backward pass (torch_overlap.py)."""
+        if self._engine_impl is None:
+            return super().summed_by
+        return "device-overlapped" if self.overlapped else "device"
+
+    def overlap_backward(self, model: Any) -> str | None:
+        """The device sum's buckets started during the backward pass, by hooks on the variables' torch tensors
+        (torch_overlap.py), where that is sound; otherwise the reason, and the buckets start at ``apply``."""
+        from .device_sum import TorchDeviceSum
+        from .torch_overlap import TorchOverlap, backward_plan, overlap_refusal
+
+        if not isinstance(self._engine_impl, TorchDeviceSum):
+            return "no device sum"
+        tensors = [v.value for v in self._variables]
+        reason = overlap_refusal(model, tensors, len(backward_plan(self.sizes, max(1, bucket_bytes() // 4))))
+        if reason is None:
+            self._overlap = TorchOverlap(self._engine_impl, tensors, self, bucket_bytes())
+        return reason
+
+    def close(self) -> None:
+        """The run's end: no hook stays on the model's tensors."""
+        overlap, self._overlap = self._overlap, None
+        if overlap is not None:
+            self.overlapped = self.overlapped or overlap.early_launches > 0
+            overlap.close()
 
     def set_weight(self, samples: float, total: float | None = None) -> None:
         self._queued.append((float(samples), None if total is None else float(total)))
@@ -126,6 +161,10 @@ class HostGradientAllreduce(GradientAllreduce):
         if self._engine_impl is not None:
             self._take_weight()
             self._check_present(list(grads))
+            if self._overlap is not None:
+                out = self._overlap.reduce(self, list(grads))
+                self.overlapped = self.overlapped or self._overlap.early_launches > 0
+                return out
             return self._engine_impl.reduce(self, list(grads))
         arrays = [None if g is None else g.detach().to("cpu", torch.float32).numpy() for g in grads]
         summed = self.reduce_arrays(arrays)

@@ -6,7 +6,9 @@ CPU proves (weighting, bucketing, None gradients, dtypes, the rows check, pad st
 NOT VERIFIED ON A GPU beyond a one-rank group: there was none where this was written (docs/gpus.md).
 
 Buckets of ``BUCKET_BYTES`` (PyTorch DDP's default size): each bucket's all-reduce starts, asynchronously,
-as soon as it is filled, while the next is being filled. They are preallocated once and reused every step
+as soon as it is filled, while the next is being filled. This is the sum at ``apply``, after the backward pass;
+by default the buckets start during it instead (torch_overlap.py), and this path stays for the cases that
+cannot be overlapped soundly and for a step summed again. They are preallocated once and reused every step
 (the optimizer has consumed last step's sums before the next backward pass writes new gradients: stream
 order on the GPU, program order on the CPU). The last bucket carries this worker's rows in its last slot:
 the summed rows must equal the step's total, as the host exchange checks. On a GPU that check reads the
@@ -36,6 +38,44 @@ def bucket_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
     return buckets
 
 
+def check_every_for(device_type: str) -> int:
+    """Steps between reads of the summed rows: every step on a CPU (reading it costs nothing), every
+    ``CHECK_EVERY`` elsewhere (a read waits for the device to finish the step)."""
+    return 1 if device_type == "cpu" else CHECK_EVERY
+
+
+class RowsCheck:
+    """The summed rows against each step's total, kept on the device and read every ``every`` steps: a
+    mismatch accumulates there meanwhile (``reads`` counts the reads of the device, for tests)."""
+
+    def __init__(self, device: Any, every: int) -> None:
+        import torch
+
+        self.every = every
+        self._mismatch = torch.zeros((), dtype=torch.float32, device=device)
+        self._unchecked = 0
+        self._summed: Any = None
+        self.reads = 0
+
+    def add(self, summed: Any, total: float) -> None:
+        """``summed``: the step's summed rows, a one-element tensor on the device (not read here)."""
+        self._mismatch += (summed - total).abs()
+        self._summed = summed
+        self._unchecked += 1
+        if self._unchecked >= self.every:
+            self.check(total)
+
+    def check(self, total: float | None = None) -> None:
+        """Raise if any step since the last check summed rows other than its total (reads the device)."""
+        self._unchecked = 0
+        self.reads += 1
+        if float(self._mismatch) != 0.0:
+            summed = float(self._summed)
+            self._mismatch.zero_()
+            said = f"{summed:g} summed" + (f", {total:g} expected" if total is not None else "")
+            raise RuntimeError(f"workers disagree on this step's samples: {said}")
+
+
 class TorchDeviceSum:
     """sum_w (n_w / total) g_w over the workers, on the gradients' device (``owner``: HostGradientAllreduce)."""
 
@@ -53,9 +93,8 @@ class TorchDeviceSum:
         lengths = [sum(self.sizes[i] for i in b) for b in self.plan]
         lengths[-1] += 1  # this worker's rows
         self.buckets = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in lengths]
-        self.check_every = check_every or (1 if self.device.type == "cpu" else CHECK_EVERY)
-        self._mismatch = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._unchecked = 0
+        self.check_every = check_every or check_every_for(self.device.type)
+        self.rows = RowsCheck(self.device, self.check_every)
 
     def zeros(self, shapes: Sequence[tuple[int, ...]], present: Sequence[bool]) -> list[Any]:
         """A pad step's gradients: zeros on the device (None where no gradient comes)."""
@@ -87,11 +126,7 @@ class TorchDeviceSum:
                                                      async_op=True))
             for work in pending:
                 work.wait()  # on a GPU: the compute stream waits for the sum, the host does not
-            last = self.buckets[-1]
-            self._mismatch += (last[-1] - total).abs()
-            self._unchecked += 1
-            if self._unchecked >= self.check_every:
-                self.check(total)
+            self.rows.add(self.buckets[-1][-1], total)
             for members, bucket in zip(self.plan, self.buckets):
                 at = 0
                 for i in members:
@@ -107,12 +142,7 @@ class TorchDeviceSum:
 
     def check(self, total: float | None = None) -> None:
         """Raise if any step since the last check summed rows other than its total (reads the device)."""
-        self._unchecked = 0
-        if float(self._mismatch) != 0.0:
-            summed = float(self.buckets[-1][-1])
-            self._mismatch.zero_()
-            said = f"{summed:g} summed" + (f", {total:g} expected" if total is not None else "")
-            raise RuntimeError(f"workers disagree on this step's samples: {said}")
+        self.rows.check(total)
 
 
 class TorchDeviceAverage:

@@ -104,6 +104,10 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         reducer.set_weight = lambda *args: None  # the step weights by its own rows (no pad steps: equal shares)
     else:
         original_apply = model.optimizer.apply if solo else wrap(model.optimizer, reducer)
+    if backend == "torch" and not solo:  # the device sum's buckets during the backward pass (torch_overlap.py)
+        refused = reducer.overlap_backward(model)
+        if refused != "no device sum":
+            log.info("worker %d: device sum buckets %s", rank, f"at apply ({refused})" if refused else "overlapped")
     if collective.world_size > 1:  # masked losses normalised by the global batch's valid entries
         from .global_mask import GlobalMaskNormaliser
 
@@ -137,7 +141,11 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         callbacks.insert(0, blocks.install(model))
     if feed is not None:
         callbacks = feed.callbacks(event) + callbacks
-    report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
+    try:
+        report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
+    finally:
+        if host:
+            reducer.close()  # no hook stays on the model's tensors
     link.send(Done(sync_seconds=reducer.seconds, rounds=reducer.steps, engine=engine, padded_steps=sync.padded_steps,
                    summed_by="device" if engine == "jax" else reducer.summed_by, device=training_device(), **report))
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",

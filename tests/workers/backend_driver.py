@@ -227,11 +227,10 @@ def masked() -> dict[str, object]:
     return {"history": job.fit_history.history, "expected": expected, "weight_gap": weight_gap(remote, local)}
 
 
-def device_paths(x: np.ndarray, y: np.ndarray, plain: dict, per_worker: dict) -> dict[str, object]:
+def device_paths(x: np.ndarray, y: np.ndarray, plain: dict) -> dict[str, object]:
     """Issue 36 on this backend: one allreduce worker trains with Keras' own step (0 rounds, engine "none")
     and says where (CPU here); the model travels with no torch tensor in its pickle (Keras' torch layers hold
-    their variables' tensors in ``_torch_params``); on torch, 2 workers summing their gradients as torch
-    tensors (the GPU's code, over Gloo here: NBDIST_TORCH_DEVICE_SUM=1) equal the local fit."""
+    their variables' tensors in ``_torch_params``). torch's device sum: ``torch_device_sums``."""
     import pickletools
 
     from nbdist.model.spec import travelling_model
@@ -248,26 +247,103 @@ def device_paths(x: np.ndarray, y: np.ndarray, plain: dict, per_worker: dict) ->
     graph = travelling_model(remote).graph
     out["graph_torch_names"] = [arg for op, arg, _ in pickletools.genops(graph)
                                 if isinstance(arg, str) and (arg.startswith("torch") or "rebuild_" in arg)]
-    if BACKEND == "torch":
-        local, remote = mlp(keras.optimizers.Adam(0.01)), mlp(keras.optimizers.Adam(0.01))
-        expected = local.fit(x, y, epochs=2, verbose=0, **plain).history
-        local_sgd, remote_sgd = mlp(keras.optimizers.SGD(0.1)), mlp(keras.optimizers.SGD(0.1))
-        expected_sgd = local_sgd.fit(x, y, epochs=2, verbose=0, **plain).history
-        os.environ["NBDIST_TORCH_DEVICE_SUM"] = "1"  # the workers inherit it
+    return out
+
+
+def torch_device_sums() -> dict[str, object]:
+    """Issue 36 on torch: 2 workers summing their gradients as torch tensors (the GPU's code, over Gloo here:
+    NBDIST_TORCH_DEVICE_SUM=1) in buckets of 1 KiB (4 for this MLP), started during the backward pass (the
+    default) and at apply (NBDIST_TORCH_OVERLAP=0), against the numpy exchange and the local fit; the
+    averaging strategy's rounds on the device too."""
+    features, labels = load_digits(return_X_y=True)
+    rows = ROWS + 1  # shares of 257 and 256 rows: worker 1 joins the last step of each epoch with zeros (a pad step)
+    x, y = (features[:rows] / 16).astype("float32"), labels[:rows].astype("int64")
+    plain = {"batch_size": GLOBAL_BATCH, "shuffle": False, "epochs": 2}
+    per_worker = {**plain, "batch_size": GLOBAL_BATCH // 2, "workers": 2, "lr_scaling": "none", "ui": "none"}
+    out: dict[str, object] = {}
+    local = mlp(keras.optimizers.Adam(0.01))
+    expected = local.fit(x, y, verbose=0, **plain).history
+    settings = {"overlapped": {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_BUCKET_BYTES": "1024"},
+                "at_apply": {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_BUCKET_BYTES": "1024",
+                             "NBDIST_TORCH_OVERLAP": "0"},
+                "numpy": {}}
+    models = {}
+    for name, env in settings.items():
+        os.environ.update(env)  # the workers inherit it
         try:
-            job = nbdist.train(remote, x, y, workers=2, epochs=2, strategy="allreduce", lr_scaling="none", ui="none",
-                               **{**plain, **per_worker})
-            averaged = nbdist.train(remote_sgd, x, y, workers=2, epochs=2, strategy="averaging", averaging_frequency=1,
-                                    lr_scaling="none", ui="none", **{**plain, **per_worker})
+            models[name] = mlp(keras.optimizers.Adam(0.01))
+            job = nbdist.train(models[name], x, y, strategy="allreduce", **per_worker)
         finally:
-            del os.environ["NBDIST_TORCH_DEVICE_SUM"]
-        out["device_sum"] = {"history": job.fit_history.history, "expected": expected,
-                             "weight_gap": weight_gap(remote, local),
-                             "summed_by": [job.reports[r]["summed_by"] for r in range(2)]}
-        # The averaging strategy's rounds on the device too (every step with SGD: the local step).
-        out["device_average"] = {"history": averaged.fit_history.history, "expected": expected_sgd,
-                                 "weight_gap": weight_gap(remote_sgd, local_sgd),
-                                 "summed_by": [averaged.reports[r]["summed_by"] for r in range(2)]}
+            for key in env:
+                del os.environ[key]
+        out[name] = {"history": job.fit_history.history, "expected": expected,
+                     "weight_gap": weight_gap(models[name], local),
+                     "summed_by": [job.reports[r]["summed_by"] for r in range(2)],
+                     "padded": [job.reports[r]["padded_steps"] for r in range(2)]}
+    out["overlapped_vs_at_apply"] = weight_gap(models["overlapped"], models["at_apply"])
+    out["overlapped_vs_numpy"] = weight_gap(models["overlapped"], models["numpy"])
+    out["notebook_hooks"] = sum(len(getattr(v.value, "_post_accumulate_grad_hooks", None) or {})
+                                for v in models["overlapped"].trainable_variables)
+    # The averaging strategy's rounds on the device too (every step with SGD: the local step).
+    local_sgd, remote_sgd = mlp(keras.optimizers.SGD(0.1)), mlp(keras.optimizers.SGD(0.1))
+    expected_sgd = local_sgd.fit(x, y, verbose=0, **plain).history
+    os.environ["NBDIST_TORCH_DEVICE_SUM"] = "1"
+    try:
+        averaged = nbdist.train(remote_sgd, x, y, strategy="averaging", averaging_frequency=1, **per_worker)
+    finally:
+        del os.environ["NBDIST_TORCH_DEVICE_SUM"]
+    out["device_average"] = {"history": averaged.fit_history.history, "expected": expected_sgd,
+                             "weight_gap": weight_gap(remote_sgd, local_sgd),
+                             "summed_by": [averaged.reports[r]["summed_by"] for r in range(2)]}
+    out["in_process"] = overlapped_keras_steps(x[:ROWS], y[:ROWS])
+    return out
+
+
+def overlapped_keras_steps(x: np.ndarray, y: np.ndarray) -> dict[str, object]:
+    """Keras' own torch train_step with the overlap, in this process on a one-rank Gloo group (the sum is the
+    identity): plain, under a LossScaleOptimizer and with gradient_accumulation_steps=2, every step's early
+    buckets held what ``apply`` got (none summed again), the weights equal the plain fit's, and ``close``
+    leaves no hook on the model's tensors."""
+    import torch.distributed as dist
+
+    from nbdist.strategies.backend_grads import HostGradientAllreduce, wrap_torch_optimizer
+    from nbdist.strategies.collective import SoloCollective
+
+    class Rows(keras.callbacks.Callback):
+        def __init__(self, owner: HostGradientAllreduce) -> None:
+            super().__init__()
+            self.owner = owner
+
+        def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
+            self.owner.set_weight(GLOBAL_BATCH, GLOBAL_BATCH)
+
+    optimizers = {"adam": lambda: keras.optimizers.Adam(0.01),
+                  "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+                  "accumulate": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)}
+    env = {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_BUCKET_BYTES": "1024"}
+    out: dict[str, object] = {}
+    os.environ.update(env)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for name, make in optimizers.items():
+            local, model = mlp(make()), mlp(make())
+            local.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+            owner = HostGradientAllreduce(SoloCollective(), model.trainable_variables)
+            wrap_torch_optimizer(model.optimizer, owner)
+            refused = owner.overlap_backward(model)
+            overlap = owner._overlap
+            hooks = sum(len(v.value._post_accumulate_grad_hooks or {}) for v in model.trainable_variables)
+            model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[Rows(owner)])
+            owner.close()
+            out[name] = {"refused": refused, "hooks": hooks, "steps": owner.steps, "buckets": len(overlap.plan),
+                         "early": overlap.early_launches, "resummed": overlap.resummed,
+                         "weight_gap": weight_gap(model, local),
+                         "hooks_left": sum(len(v.value._post_accumulate_grad_hooks or {})
+                                           for v in model.trainable_variables)}
+    finally:
+        dist.destroy_process_group()
+        for key in env:
+            del os.environ[key]
     return out
 
 
@@ -291,7 +367,7 @@ def more() -> dict[str, object]:
     tensorflow["one_worker"] = "tensorflow" in sys.modules
     out["one_worker"] = {"history": job.fit_history.history, "expected": expected,
                          "weight_gap": weight_gap(remote, local)}
-    out.update(device_paths(x, y, plain, per_worker))
+    out.update(device_paths(x, y, plain))
 
     # A small CNN under allreduce, and EarlyStopping(restore_best_weights=True) in the notebook.
     def stopper() -> keras.callbacks.EarlyStopping:
@@ -458,6 +534,6 @@ def async_only() -> dict[str, object]:
 
 if __name__ == "__main__":
     phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers"),
-              "seeded": seeded_cells, "async": async_only}
+              "seeded": seeded_cells, "async": async_only, "device_sum": torch_device_sums}
     result = phases[PHASE]()
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)

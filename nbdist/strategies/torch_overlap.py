@@ -1,0 +1,228 @@
+"""The torch device sum's buckets overlapped with the backward pass (PyTorch DDP's design): a bucket's all-reduce
+starts as soon as the backward pass has produced all its gradients, while it goes on with earlier layers.
+
+``TorchDeviceSum`` (device_sum.py) fills and all-reduces its buckets at ``optimizer.apply``, after the backward
+pass. Here a post-accumulate-grad hook on each trainable variable's torch tensor tells ``BucketReadiness`` that
+its gradient is final; the buckets are planned in the variables' reverse order (the order backward produces
+them) and launched strictly in bucket order, so every worker calls the same collectives in the same order
+whatever order its hooks fire in. Each bucket is weighted as ``TorchDeviceSum`` weights it (copied, then
+multiplied by rows / total rows), so the sums are the same numbers.
+
+The last bucket always waits for ``apply``: it carries this worker's rows. Each worker also knows, on the host
+(the hooks run there), whether its early buckets may not hold the gradients ``apply`` was given (a gradient that
+arrived twice: backward called again, by the step or a callback; a gradient tensor at ``apply`` that is not the
+one the hook copied; one that came early and is None at ``apply``): that flag is agreed on the host, one integer
+all-reduced (MAX) per step over a Gloo group of its own (made beside the sum's group, on the same ranks),
+started before the last bucket. Not over the sum's group, even on a CPU: a worker may launch a bucket early
+that another launches at ``apply``, and the flag issued between them would pair with a bucket. At ``apply``
+the buckets not yet launched (a variable without a gradient this step, a pad step's zeros, hooks that fired
+before the step's rows were set) are filled from the gradients ``apply`` got, the last one too; if any worker
+set the flag, all of them sum the step again through ``TorchDeviceSum``, so an odd step costs a second sum and
+never a wrong one. No step reads the device for the flag: the summed rows are checked as ``TorchDeviceSum``
+checks them (every step on a CPU, every ``CHECK_EVERY`` steps on a GPU, a mismatch kept on the device
+meanwhile), so the host runs ahead of the GPU as it does without the overlap.
+
+Not overlapped (``overlap_refusal`` says why; ``TorchDeviceSum`` alone, as before): one bucket (nothing to
+overlap), NBDIST_TORCH_OVERLAP=0, a model with its own ``train_step`` (it may change gradients in place between
+backward and ``apply``, which no check would see), ``jit_compile=True`` (not tried), torch older than 2.1, a
+trainable variable whose tensor is not a leaf that requires grad. Unchanged by it: mixed precision's loss scale
+(the hook copies ``.grad``, the scaled gradient ``apply`` gets; the wrapped ``apply`` unscales after the sum, as
+before), ``gradient_accumulation_steps`` (Keras' step zeroes ``.grad`` every step and accumulates inside
+``apply``, after the sum, so each step's sum is the same either way), pad steps (no backward: every bucket at
+``apply``, from the zeros). The hooks are removed when the run ends (``close``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .device_sum import BUCKET_BYTES, RowsCheck, bucket_plan
+
+log = logging.getLogger(__name__)
+
+OVERLAP_ENV = "NBDIST_TORCH_OVERLAP"  # "0": the buckets only at apply time (TorchDeviceSum alone)
+
+
+def backward_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
+    """Buckets of variable indices in the order the backward pass produces them: the variables reversed, then
+    consecutive ones grouped into buckets of at most ``limit_elements`` (a larger one alone)."""
+    order = list(range(len(sizes)))[::-1]
+    return [[order[j] for j in bucket] for bucket in bucket_plan([sizes[i] for i in order], limit_elements)]
+
+
+class BucketReadiness:
+    """Which buckets may start after which gradients: pure bookkeeping, one step at a time.
+
+    ``arrive(i)`` for each gradient the backward pass finishes returns the buckets to launch now, in bucket
+    order: a bucket is launched once all its gradients arrived and every bucket before it was launched. The
+    last bucket is never launched early (``apply`` launches it with the rows). A gradient that
+    arrives twice in a step marks the step ``repeated``.
+    """
+
+    def __init__(self, plan: Sequence[Sequence[int]]) -> None:
+        self.plan = [list(b) for b in plan]
+        self.bucket_of = {i: k for k, members in enumerate(self.plan) for i in members}
+        self.early = max(0, len(self.plan) - 1)  # buckets that may start before apply
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.arrivals = dict.fromkeys(self.bucket_of, 0)
+        self.missing = [len(members) for members in self.plan]
+        self.launched = 0  # buckets 0 .. launched-1 have started
+        self.repeated = False
+
+    def arrive(self, i: int) -> list[int]:
+        self.arrivals[i] += 1
+        if self.arrivals[i] > 1:
+            self.repeated = True
+            return []
+        self.missing[self.bucket_of[i]] -= 1
+        start = self.launched
+        while self.launched < self.early and self.missing[self.launched] == 0:
+            self.launched += 1
+        return list(range(start, self.launched))
+
+    def rest(self) -> list[int]:
+        """The buckets ``apply`` launches: those not started during the backward pass, the last one always."""
+        return list(range(self.launched, len(self.plan)))
+
+    def early_members(self) -> list[int]:
+        return [i for k in range(self.launched) for i in self.plan[k]]
+
+
+def overlap_refusal(model: Any, tensors: Sequence[Any], buckets: int) -> str | None:
+    """Why the buckets cannot start during the backward pass (None: they can)."""
+    import torch
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    if os.environ.get(OVERLAP_ENV, "1") == "0":
+        return f"{OVERLAP_ENV}=0"
+    if buckets < 2:
+        return "one bucket: nothing to overlap"
+    if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+        return f"torch {torch.__version__} has no post-accumulate-grad hooks (2.1 or later)"
+    if getattr(type(model), "train_step", None) is not TorchTrainer.train_step:
+        return "the model has its own train_step"
+    if getattr(model, "jit_compile", False) is True:
+        return "jit_compile=True"
+    if not all(isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad for t in tensors):
+        return "a trainable variable's tensor is not a leaf that requires grad"
+    return None
+
+
+class TorchOverlap:
+    """The device sum of ``summer`` (TorchDeviceSum: its device and group, and its path for steps summed again),
+    started by hooks on ``tensors`` (the trainable variables' torch tensors, in ``owner.shapes``' order).
+    ``flag_group``: the Gloo group the flag is agreed on (default: a new one on the same ranks; every worker
+    makes its ``TorchOverlap`` at the same point, as ``new_group`` needs)."""
+
+    def __init__(self, summer: Any, tensors: Sequence[Any], owner: Any, bucket_bytes: int = BUCKET_BYTES,
+                 flag_group: Any = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist = torch, dist
+        self.summer, self.owner = summer, owner
+        self.sizes, self.shapes = summer.sizes, summer.shapes
+        self.plan = backward_plan(self.sizes, max(1, bucket_bytes // 4))
+        self.ready = BucketReadiness(self.plan)
+        lengths = [sum(self.sizes[i] for i in b) for b in self.plan]
+        self.rows_at = lengths[-1]
+        lengths[-1] += 1  # this worker's rows
+        self.buckets = [torch.zeros(n, dtype=torch.float32, device=summer.device) for n in lengths]
+        self.rows = RowsCheck(summer.device, summer.check_every)
+        self.flag_group = dist.new_group(backend="gloo") if flag_group is None else flag_group
+        self._flag = torch.zeros(1, dtype=torch.int32)  # on the host: 1 where this worker's early buckets may be wrong
+        self._seen: list[Any] = [None] * len(self.sizes)  # the gradient tensor each hook copied from
+        self._pending: list[Any] = []
+        self.events: list[tuple[str, int]] | None = None  # a list: ("grad", i) and ("launch", k) recorded (tests)
+        self.early_launches = 0  # buckets started during a backward pass, over the run
+        self.resummed = 0  # steps summed again (a flag was set)
+        self._handles = [t.register_post_accumulate_grad_hook(self._hook(i)) for i, t in enumerate(tensors)]
+
+    def _hook(self, i: int) -> Callable[[Any], None]:
+        def ready(tensor: Any) -> None:
+            queued = self.owner._queued  # the step's (rows, total rows), set before the step
+            if not self._handles or not queued or not queued[0][1]:
+                return  # not inside a step: apply fills the bucket from its gradients
+            if self.events is not None:
+                self.events.append(("grad", i))
+            self._seen[i] = tensor.grad
+            for k in self.ready.arrive(i):
+                self._launch(k, self._seen, *queued[0])
+        return ready
+
+    def _launch(self, k: int, grads: Sequence[Any], n: float, total: float) -> None:
+        """Bucket ``k`` filled with ``grads`` weighted by n / total (as TorchDeviceSum), its all-reduce started."""
+        torch = self._torch
+        bucket, at = self.buckets[k], 0
+        with torch.no_grad():
+            for i in self.plan[k]:
+                size, g = self.sizes[i], grads[i]
+                part = bucket[at:at + size]
+                if g is None:
+                    part.zero_()
+                else:
+                    part.copy_(g.detach().reshape(-1))  # casts to float32 and moves, in one copy
+                at += size
+            if k == len(self.plan) - 1:
+                bucket[at] = n
+            bucket[:at].mul_(n / total)
+            self._pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.summer.group,
+                                                       async_op=True))
+        if self.events is not None:
+            self.events.append(("launch", k))
+
+    def reduce(self, owner: Any, grads: list[Any]) -> list[Any]:
+        """At ``apply`` (the step's rows taken by ``owner``): the rest of the buckets, then every sum awaited."""
+        torch = self._torch
+        t0 = time.perf_counter()
+        n, total = owner.weight, owner._check_total()
+        early = self.ready.launched
+        sound = not self.ready.repeated and all(
+            self._seen[i] is not None and self._seen[i] is grads[i] for i in self.ready.early_members())
+        self._flag[0] = 0 if sound else 1
+        try:
+            agreed = self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, group=self.flag_group,
+                                           async_op=True)  # host memory, Gloo: no wait for the device
+            for k in self.ready.rest():
+                self._launch(k, grads, n, total)
+            pending, self._pending = self._pending + [agreed], []
+            for work in pending:
+                work.wait()  # on a GPU: the compute stream waits for the sums, the host does not
+        finally:
+            self.ready.start_step()
+            self._seen = [None] * len(self.sizes)
+        if int(self._flag[0]):
+            self.resummed += 1
+            log.info("a worker's gradients changed after the backward pass: this step is summed again")
+            owner.seconds += time.perf_counter() - t0
+            return self.summer.reduce(owner, grads)
+        with torch.no_grad():
+            self.rows.add(self.buckets[-1][self.rows_at], total)  # read every step on a CPU, every 50 on a GPU
+        out: list[Any] = [None] * len(grads)
+        with torch.no_grad():
+            for members, bucket in zip(self.plan, self.buckets):
+                at = 0
+                for i in members:
+                    g, size = grads[i], self.sizes[i]
+                    if g is not None:
+                        view = bucket[at:at + size].view(self.shapes[i])
+                        out[i] = view if view.dtype == g.dtype and view.device == g.device else view.to(
+                            device=g.device, dtype=g.dtype)
+                    at += size
+        self.early_launches += early
+        owner.seconds += time.perf_counter() - t0
+        owner.steps += 1
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks (the model's tensors keep none, nor a reference to the group); drop the buckets."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        self._pending, self._seen, self.buckets = [], [], []
+        self.summer = self.owner = self.flag_group = None
