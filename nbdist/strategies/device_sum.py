@@ -76,6 +76,21 @@ class RowsCheck:
             raise RuntimeError(f"workers disagree on this step's samples: {said}")
 
 
+def unpack(plan: Sequence[Sequence[int]], buckets: Sequence[Any], sizes: Sequence[int],
+           shapes: Sequence[tuple[int, ...]], grads: Sequence[Any], out: list[Any]) -> None:
+    """The summed gradients as views of their buckets, in each gradient's own dtype and device (a None
+    gradient stays None)."""
+    for members, bucket in zip(plan, buckets):
+        at = 0
+        for i in members:
+            g, size = grads[i], sizes[i]
+            if g is not None:
+                view = bucket[at:at + size].view(shapes[i])
+                out[i] = view if view.dtype == g.dtype and view.device == g.device else view.to(
+                    device=g.device, dtype=g.dtype)
+            at += size
+
+
 class TorchDeviceSum:
     """sum_w (n_w / total) g_w over the workers, on the gradients' device (``owner``: HostGradientAllreduce)."""
 
@@ -127,15 +142,7 @@ class TorchDeviceSum:
             for work in pending:
                 work.wait()  # on a GPU: the compute stream waits for the sum, the host does not
             self.rows.add(self.buckets[-1][-1], total)
-            for members, bucket in zip(self.plan, self.buckets):
-                at = 0
-                for i in members:
-                    g, size = grads[i], self.sizes[i]
-                    if g is not None:
-                        view = bucket[at:at + size].view(self.shapes[i])
-                        out[i] = view if view.dtype == g.dtype and view.device == g.device else view.to(
-                            device=g.device, dtype=g.dtype)
-                    at += size
+            unpack(self.plan, self.buckets, self.sizes, self.shapes, grads, out)
         owner.seconds += time.perf_counter() - t0
         owner.steps += 1
         return out

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .device_sum import BUCKET_BYTES, RowsCheck, bucket_plan
+from .device_sum import BUCKET_BYTES, RowsCheck, bucket_plan, unpack
 
 log = logging.getLogger(__name__)
 
@@ -205,15 +205,7 @@ class TorchOverlap:
             self.rows.add(self.buckets[-1][self.rows_at], total)  # read every step on a CPU, every 50 on a GPU
         out: list[Any] = [None] * len(grads)
         with torch.no_grad():
-            for members, bucket in zip(self.plan, self.buckets):
-                at = 0
-                for i in members:
-                    g, size = grads[i], self.sizes[i]
-                    if g is not None:
-                        view = bucket[at:at + size].view(self.shapes[i])
-                        out[i] = view if view.dtype == g.dtype and view.device == g.device else view.to(
-                            device=g.device, dtype=g.dtype)
-                    at += size
+            unpack(self.plan, self.buckets, self.sizes, self.shapes, grads, out)
         self.early_launches += early
         owner.seconds += time.perf_counter() - t0
         owner.steps += 1
