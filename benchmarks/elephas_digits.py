@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -31,15 +30,9 @@ def main() -> int:
     args = p.parse_args()
 
     import numpy as np
+    from elephas_spark import local_spark_context
 
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    from pyspark import SparkConf, SparkContext
-
-    conf = (SparkConf().setMaster(f"local[{args.workers}]").setAppName("elephas-digits")
-            .set("spark.ui.enabled", "false").set("spark.ui.showConsoleProgress", "false")
-            .set("spark.driver.host", "127.0.0.1").set("spark.pyspark.python", sys.executable))
-    sc = SparkContext(conf=conf)
-    sc.setLogLevel("ERROR")
+    sc = local_spark_context(args.workers, "elephas-digits")
     try:
         import keras
         from elephas.spark_model import SparkModel
