@@ -76,6 +76,21 @@ class RowsCheck:
             raise RuntimeError(f"workers disagree on this step's samples: {said}")
 
 
+def fill(bucket: Any, members: Sequence[int], sizes: Sequence[int], grads: Sequence[Any]) -> int:
+    """Bucket ``bucket`` filled with its members' gradients, flat and in order (zeros for a None gradient);
+    returns the elements filled (the rows slot, in the last bucket, comes after them). Under no_grad."""
+    at = 0
+    for i in members:
+        size, g = sizes[i], grads[i]
+        part = bucket[at:at + size]
+        if g is None:
+            part.zero_()
+        else:
+            part.copy_(g.detach().reshape(-1))  # casts to float32 and moves, in one copy
+        at += size
+    return at
+
+
 def unpack(plan: Sequence[Sequence[int]], buckets: Sequence[Any], sizes: Sequence[int],
            shapes: Sequence[tuple[int, ...]], grads: Sequence[Any], out: list[Any]) -> None:
     """The summed gradients as views of their buckets, in each gradient's own dtype and device (a None
@@ -125,15 +140,7 @@ class TorchDeviceSum:
         pending = []
         with torch.no_grad():
             for k, (members, bucket) in enumerate(zip(self.plan, self.buckets)):
-                at = 0
-                for i in members:
-                    size, g = self.sizes[i], grads[i]
-                    part = bucket[at:at + size]
-                    if g is None:
-                        part.zero_()
-                    else:
-                        part.copy_(g.detach().reshape(-1))  # casts to float32 and moves, in one copy
-                    at += size
+                at = fill(bucket, members, self.sizes, grads)
                 if k == len(self.plan) - 1:
                     bucket[-1] = n
                 bucket[:at].mul_(scale)

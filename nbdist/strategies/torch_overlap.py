@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .device_sum import BUCKET_BYTES, RowsCheck, bucket_plan, unpack
+from .device_sum import BUCKET_BYTES, RowsCheck, bucket_plan, fill, unpack
 
 log = logging.getLogger(__name__)
 
@@ -158,16 +158,9 @@ class TorchOverlap:
     def _launch(self, k: int, grads: Sequence[Any], n: float, total: float) -> None:
         """Bucket ``k`` filled with ``grads`` weighted by n / total (as TorchDeviceSum), its all-reduce started."""
         torch = self._torch
-        bucket, at = self.buckets[k], 0
+        bucket = self.buckets[k]
         with torch.no_grad():
-            for i in self.plan[k]:
-                size, g = self.sizes[i], grads[i]
-                part = bucket[at:at + size]
-                if g is None:
-                    part.zero_()
-                else:
-                    part.copy_(g.detach().reshape(-1))  # casts to float32 and moves, in one copy
-                at += size
+            at = fill(bucket, self.plan[k], self.sizes, grads)
             if k == len(self.plan) - 1:
                 bucket[at] = n
             bucket[:at].mul_(n / total)
