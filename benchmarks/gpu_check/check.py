@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """nbdist's first run on a GPU machine: one step per process (check.sh runs each under `timeout`).
 
-    python check.py --step env|torch_gpu|torch_w2|jax_gpu|cpu_scaling|mixed_bf16 --out DIR [--quick]
+    python check.py --step env|torch_gpu|torch_w2|jax_gpu|jax_engine|cpu_scaling|mixed_bf16 --out DIR [--quick]
     python check.py --merge --out DIR        # DIR/steps/*.json -> DIR/results.json
 
 Each step writes DIR/steps/<step>.json after every measurement (a step killed by its timeout
@@ -27,7 +27,7 @@ SCRATCH = Path(os.environ.get("CHECK_SCRATCH", "/tmp/nbcheck_scratch"))
 # Seconds for the workers to start (nbdist's startup_timeout); a stop also waits up to this for its
 # event loop. Cold workers on the GPU machine (no warm workers where there are GPUs) take ~10-20 s.
 STARTUP_TIMEOUT = float(os.environ.get("CHECK_STARTUP_TIMEOUT", "60"))
-STEPS = ("env", "torch_gpu", "torch_w2", "jax_gpu", "cpu_scaling", "mixed_bf16", "mixed_bf16_jax")
+STEPS = ("env", "torch_gpu", "torch_w2", "jax_gpu", "jax_engine", "cpu_scaling", "mixed_bf16", "mixed_bf16_jax")
 
 
 # -- recording ------------------------------------------------------------------
@@ -819,6 +819,80 @@ def sgd_on_two_workers(rec: Recorder, args, x, y, s) -> None:
         two_workers(rec, args, build, x, y, s, got["model"], None, engines=("gloo",), prefix="big_sgd")
 
 
+class _OneRankStore:
+    """The workers' rendezvous store as ``join_jax_job`` uses it (``set``, ``get``), for a job of one process."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+
+class _OneRank:
+    rank, world_size = 0, 1
+
+    def __init__(self) -> None:
+        self.store = _OneRankStore()
+
+
+def step_jax_engine(rec: Recorder, args) -> None:
+    """JAX's device sum (the default on JAX where every worker has a GPU of its own) on the one GPU: this
+    process joins a one-process ``jax.distributed`` job as a worker does (model state read out, backend
+    restarted, state put back), Keras' step runs in ``shard_map`` with the psum, against plain fit of the
+    same model on the same GPU: the code path a run on N GPUs takes, with NCCL's part left to XLA."""
+    import keras
+    from nbcheck_models import EpochTimer, generated, mlp
+
+    from nbdist.strategies.jax_device_sum import JaxDeviceSum, join_jax_job
+
+    rec.data["backend"] = keras.backend.backend()
+    if not gpu_precheck(rec, args):
+        return
+    s = sizes(args.quick)
+    x, y = generated(s["big_rows"], s["big_dim"])
+    build = lambda: mlp(s["big_dim"], s["big_hidden"], lr=1e-4, seed=2)
+    got: dict = {}
+
+    def plain():
+        model, info = local_fit(build, x, y, s["big_batch"], s["big_epochs"])
+        got["weights"], got["info"] = weights_of(model), info
+        return info
+
+    rec.run("big_plain_fit", plain, need_s=20)
+
+    def engine():
+        import jax
+
+        model = build()
+        t0 = time.perf_counter()
+        join_jax_job(model, _OneRank(), "127.0.0.1", 60.0, jax.default_backend() == "gpu")
+        joined = time.perf_counter() - t0
+        summer = JaxDeviceSum(model)
+        summer.install()
+        timer = EpochTimer()
+        model.fit(x, y, batch_size=s["big_batch"], epochs=s["big_epochs"], shuffle=False, verbose=0,
+                  callbacks=[timer])
+        st = steady(timer.durations)
+        info = {"join_s": r(joined, 3), "epoch_s": [r(d) for d in timer.durations], "steady_epoch_s": r(st),
+                "steps_in_mesh": summer.steps, "devices": [str(d) for d in jax.devices()],
+                "variables_on": device_of(model)}
+        if got.get("weights") is not None:
+            info["weights_vs_plain"] = compare(weights_of(model), got["weights"])
+            base = got["info"].get("steady_epoch_s")
+            info["steady_ratio_over_plain"] = r(st / base, 3) if st and base else None
+        info["summary"] = (f"jax engine, one process on {info['devices']}: join {info['join_s']} s, steady epoch "
+                           f"{info['steady_epoch_s']} s (x{info.get('steady_ratio_over_plain')} plain fit), "
+                           f"{summer.steps} steps in the mesh, weights vs plain max abs "
+                           f"{info.get('weights_vs_plain', {}).get('max_abs_diff')}")
+        return info
+
+    rec.run("big_jax_engine_one_process", engine, need_s=20)
+
+
 def step_cpu_scaling(rec: Recorder, args) -> None:
     """torch on CPU only (CUDA hidden from this process and so from its workers): throughput vs workers."""
     import keras
@@ -948,7 +1022,7 @@ def main() -> int:
         if args.step != "env":
             patch_worker_logs(args.out)
         {"env": step_env, "torch_gpu": step_gpu_pair, "jax_gpu": step_gpu_pair, "torch_w2": step_torch_w2,
-         "cpu_scaling": step_cpu_scaling, "mixed_bf16": step_mixed_bf16,
+         "jax_engine": step_jax_engine, "cpu_scaling": step_cpu_scaling, "mixed_bf16": step_mixed_bf16,
          "mixed_bf16_jax": step_mixed_bf16}[args.step](rec, args)
     except Exception as exc:
         rec.data["step_error"] = f"{type(exc).__name__}: {exc}"

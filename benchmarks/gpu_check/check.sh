@@ -88,13 +88,14 @@ run_step() {
   "$PY" "$HERE/check.py" --merge --out "$OUT" || true
 }
 
-STEPS="${CHECK_STEPS:-env torch_gpu torch_w2 jax_gpu cpu_scaling mixed_bf16 mixed_bf16_jax}"
+STEPS="${CHECK_STEPS:-env torch_gpu torch_w2 jax_gpu jax_engine cpu_scaling mixed_bf16 mixed_bf16_jax}"
 for s in $STEPS; do
   case $s in
     env)         run_step env torch 60 ;;
     torch_gpu)   run_step torch_gpu torch 110 NCCL_DEBUG=WARN ;;
     torch_w2)    run_step torch_w2 torch 100 NCCL_DEBUG=WARN ;;
     jax_gpu)     run_step jax_gpu jax 120 ;;
+    jax_engine)  run_step jax_engine jax 45 ;;
     cpu_scaling) run_step cpu_scaling torch 100 CUDA_VISIBLE_DEVICES= ;;
     mixed_bf16)  run_step mixed_bf16 torch 60 ;;
     mixed_bf16_jax) run_step mixed_bf16_jax jax 50 ;;

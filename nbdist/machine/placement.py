@@ -235,19 +235,31 @@ def choose_jax_engine(requested: str | None, equal_steps: bool | None = None,
                       gpus: Sequence[object] = ()) -> tuple[str, str | None]:
     """Resolve ``--engine`` under allreduce on Keras' JAX backend: (engine to use, warning sentence or None).
 
-    ``jax``: the sum inside the jitted step over JAX's collectives (strategies/jax_device_sum.py), opt-in:
-    it needs every step's batch to have the same rows on every worker (``equal_steps``; None: not known
-    yet), as every process runs one program, and, where any worker has a GPU (``gpus``, by rank, as for
-    ``nccl_obstacle``), a GPU of its own for every worker (XLA sums over NCCL there); else it is said once
-    and Gloo sums. The default stays Gloo,
-    through a host call, on GPUs too: JAX's device path has not run on a GPU yet (docs/gpus.md). NCCL and
-    Horovod are not driven on JAX: said once, and Gloo sums."""
-    if requested is None or requested == "gloo":
+    ``jax``: the sum inside the jitted step over JAX's collectives (strategies/jax_device_sum.py, NCCL inside
+    XLA on GPUs). It needs every step's batch to have the same rows on every worker (``equal_steps``; None: not
+    known yet), as every process runs one program, and, where any worker has a GPU (``gpus``, by rank, as for
+    ``nccl_obstacle``), a GPU of its own for every worker. ``gloo``: a host call in the step, the gradients
+    summed in host memory. The default is ``jax`` where every worker has a GPU of its own (the host call
+    would copy every gradient off the GPU and back each step) and ``gloo`` on CPUs, where the host path
+    measured faster (docs/gpus.md); a condition the default cannot meet is said once, with its cost, and
+    Gloo sums. NCCL and Horovod are not driven on JAX: said once, and Gloo sums."""
+    if requested == "gloo":
         return "gloo", None
-    if requested not in ENGINES:
+    if requested is not None and requested not in ENGINES:
         raise NbdistError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}.")
+    obstacle = nccl_obstacle(gpus) if any(gpus) else None
+    if requested is None:
+        if not any(gpus):
+            return "gloo", None
+        if obstacle:
+            return "gloo", sharing_notice(obstacle)
+        if equal_steps is False:
+            return "gloo", ("Every worker has a GPU of its own, but JAX's sum on the GPUs needs the same rows per "
+                            "step on every worker (rows divisible by the workers, array data) and these shares "
+                            "differ: the gradients are summed over Gloo, through host memory (each step copies "
+                            "them off the GPU and back).")
+        return "jax", None
     if requested == "jax":
-        obstacle = nccl_obstacle(gpus) if any(gpus) else None
         if obstacle:
             return "gloo", (f"--engine jax sums over NCCL inside XLA on GPUs, which needs a GPU of its own for every "
                             f"worker, and {obstacle}: the gradients are summed over Gloo, through host memory.")

@@ -142,9 +142,10 @@ class DistMagics(Magics):
         own); with GPUs and no ``--workers``, one worker per visible GPU; more workers than GPUs share
         them round-robin (JAX workers then allocate GPU memory as they go). One worker sums nothing.
         Engines: allreduce sums over NCCL only when every worker has a GPU of its own, else over Gloo
-        through host memory, said in one line (``--engine nccl`` then refused in one sentence); on JAX
-        only Gloo (the gradients leave the jitted step through a host call), so ``--engine nccl`` or
-        ``horovod`` is said in one warning and runs over Gloo. Each worker's device is in the dashboard
+        through host memory, said in one line (``--engine nccl`` then refused in one sentence); on JAX,
+        with a GPU per worker, JAX's own collectives inside the jitted step (``--engine jax``), else
+        Gloo through a host call (``--engine gloo`` by name), and ``--engine nccl`` or ``horovod`` is
+        said in one warning and runs over Gloo. Each worker's device is in the dashboard
         and ``job.reports``. Not yet run on a GPU (docs/gpus.md). Horovod 0.28.1 as released does
         not build against torch 2.13, and ``--engine horovod`` on torch is one warning too. What differs
         on JAX and torch: one step per call into the backend, and dense gradients only. See

@@ -11,13 +11,13 @@ log = logging.getLogger("nbdist.worker")
 
 
 def jax_engine(requested: str | None, collective: Any = None) -> tuple[str, str | None]:
-    """The engine on Keras' JAX backend (``placement.choose_jax_engine``): Gloo through a host call by default;
-    ``jax`` sums inside the jitted step over JAX's own collectives (strategies/jax_device_sum.py), where every
-    worker with a GPU has its own (every worker asked the same, so every one sums the GPUs)."""
+    """The engine on Keras' JAX backend (``placement.choose_jax_engine``): JAX's own collectives inside the
+    jitted step where every worker has a GPU of its own, else Gloo through a host call; ``--engine`` decides
+    when given. Every worker sums the GPUs (every one asked the same), so all choose alike."""
     from ..machine.placement import choose_jax_engine
     from .device import worker_gpus
 
-    gpus = worker_gpus(collective) if requested == "jax" and collective is not None else ()
+    gpus = worker_gpus(collective) if requested != "gloo" and collective is not None else ()
     return choose_jax_engine(requested, None, gpus)
 
 
@@ -89,7 +89,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         steps = len(totals)
     if engine == "jax":  # one program on every process: every step's rows the same on every worker
         engine = _equal_steps_or_gloo(link, collective, samples if reader is None else None,
-                                      train.batch_sizes or [batch_size])
+                                      train.batch_sizes or [batch_size], train.engine)
     reducer = (HostGradientAllreduce if host else GradientAllreduce)(
         collective, model.trainable_variables, "gloo" if solo or engine == "jax" else engine,
         direct_sum_bytes=int(train.direct_sum_bytes),
@@ -152,14 +152,17 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
              rank, reducer.steps, sync.padded_steps, reducer.seconds)
 
 
-def _equal_steps_or_gloo(link: Any, collective: Any, samples: int | None, sizes: list[int]) -> str:
+def _equal_steps_or_gloo(link: Any, collective: Any, samples: int | None, sizes: list[int],
+                         requested: str | None) -> str:
     """``jax`` where every worker has the same rows at every step (array data, equal shares and batch sizes),
     else ``gloo`` with its one sentence. ``samples`` None: a PyDataset feed, whose last batches may differ."""
     from ..machine.placement import choose_jax_engine
     from ..strategies.gradient_sum import shard_samples
+    from .device import worker_gpus
 
     shares = shard_samples(collective, samples) if samples is not None else []
-    engine, warning = choose_jax_engine("jax", len(set(shares)) == 1 and len(set(sizes)) == 1)
+    equal = len(set(shares)) == 1 and len(set(sizes)) == 1
+    engine, warning = choose_jax_engine(requested, equal, worker_gpus(collective))
     if warning:
         log.warning("%s", warning)
         link.send(WorkerWarning(warning))

@@ -50,7 +50,12 @@ def training_device() -> str:
 
 def gpu_identity() -> str:
     """This worker's GPU as one string, equal for two workers on the same device ("" without one): its host
-    and PCI bus. Read through torch, the engine library, which both TensorFlow and torch workers load."""
+    and PCI bus. Read through torch, the engine library, which both TensorFlow and torch workers load; on Keras'
+    JAX backend through JAX, so that a JAX worker does not open a CUDA context of torch's beside its own."""
+    import keras
+
+    if keras.backend.backend() == "jax":
+        return _jax_gpu_identity()
     try:
         import torch
     except ImportError:
@@ -61,6 +66,18 @@ def gpu_identity() -> str:
     bus = getattr(props, "pci_bus_id", None)
     uuid = getattr(props, "uuid", None)
     return f"{socket.gethostname()}/{bus if bus is not None else uuid if uuid is not None else props.name}"
+
+
+def _jax_gpu_identity() -> str:
+    """A JAX worker's GPU: its host and the GPU's id on the host (JAX gives no PCI bus). Each worker sees one GPU
+    (CUDA_VISIBLE_DEVICES per rank); with none set, every worker's device 0 is the same GPU, which this says."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return ""
+    ids = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return f"{socket.gethostname()}/{ids[0] if ids else device.local_hardware_id}"
 
 
 def worker_gpus(collective: Any, mine: str | None = None) -> list[int]:

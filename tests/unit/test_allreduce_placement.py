@@ -80,8 +80,8 @@ def test_engine_on_jax_is_gloo_and_any_other_request_is_one_sentence_saying_why(
     assert "--engine jax" in choose_jax_engine("nccl")[1] and "no JAX support" in choose_jax_engine("horovod")[1]
 
 
-def test_engine_jax_is_chosen_only_by_name_with_equal_steps_and_a_gpu_of_its_own_per_worker():
-    """Issue 36: --engine jax (the sum inside the jitted step over JAX's collectives) is opt-in, on CPUs and on
+def test_engine_jax_is_chosen_by_name_with_equal_steps_and_a_gpu_of_its_own_per_worker():
+    """Issue 36: --engine jax (the sum inside the jitted step over JAX's collectives) by name, on CPUs and on
     GPUs; it needs the same rows per step on every worker (one program on every process) and, where workers
     have GPUs, one each (XLA sums over NCCL, which refuses two ranks on one device); otherwise one sentence
     and Gloo. On TensorFlow and torch it is refused in one sentence naming the fix."""
@@ -92,7 +92,7 @@ def test_engine_jax_is_chosen_only_by_name_with_equal_steps_and_a_gpu_of_its_own
     assert choose_jax_engine("jax") == ("jax", None)
     assert choose_jax_engine("jax", True, [0, 0]) == ("jax", None)  # CPU workers: JAX's Gloo collectives
     assert choose_jax_engine("jax", True, [11, 12]) == ("jax", None)  # a GPU each
-    assert choose_jax_engine(None, True, [11, 12]) == ("gloo", None)  # not the default, even with a GPU each
+    assert choose_jax_engine("gloo", True, [11, 12]) == ("gloo", None)  # the host path, asked by name
     engine, warning = choose_jax_engine("jax", True, [11, 11])
     assert engine == "gloo" and "workers 0 and 1 share one GPU" in warning and warning.count(". ") == 0
     engine, warning = choose_jax_engine("jax", True, [11, 0])
@@ -102,6 +102,26 @@ def test_engine_jax_is_chosen_only_by_name_with_equal_steps_and_a_gpu_of_its_own
     for refuse in (lambda: choose_engine("jax", False, None), lambda: choose_torch_engine("jax", [0, 0])):
         with pytest.raises(NbdistError, match="needs Keras' jax backend"):
             refuse()
+
+
+def test_engine_on_jax_defaults_to_the_device_sum_only_where_every_worker_has_a_gpu_of_its_own():
+    """Issue 36: on JAX with a GPU per worker the default sums inside the jitted step (the host call copies
+    every gradient off the GPU and back: 133x plain fit's epoch on the first GPU run); on CPUs the host path
+    stays (measured faster there); GPUs shared or missing, or unequal rows per step, fall back to it with one
+    line saying what it costs, never the --engine wording of a request the user did not make."""
+    from nbdist.machine.placement import choose_jax_engine
+
+    assert choose_jax_engine(None, None, [11, 12]) == ("jax", None)  # decided before the rows are known
+    assert choose_jax_engine(None, True, [11, 12, 13]) == ("jax", None)
+    assert choose_jax_engine(None, True, []) == ("gloo", None)
+    assert choose_jax_engine(None, True, [0, 0]) == ("gloo", None)  # CPU workers: no notice
+    for gpus, clause in (([11, 11], "workers 0 and 1 share one GPU"), ([11, 0], "worker 1 has no GPU")):
+        engine, warning = choose_jax_engine(None, True, gpus)
+        assert engine == "gloo" and warning.startswith(clause[0].upper() + clause[1:]) and "host memory" in warning
+        assert "--engine" not in warning and warning.count(". ") == 0
+    engine, warning = choose_jax_engine(None, False, [11, 12])
+    assert engine == "gloo" and "same rows per step" in warning and "--engine" not in warning
+    assert "host memory" in warning and warning.count(". ") == 0
 
 
 def test_engine_on_torch_is_nccl_only_when_every_worker_has_a_gpu_of_its_own():
@@ -197,3 +217,34 @@ def test_the_local_backend_defaults_to_one_worker_per_visible_gpu(monkeypatch):
     assert backend.default_workers() == 4
     monkeypatch.setattr(local, "count_host_gpus", lambda *a: 0)
     assert backend.default_workers() == default_local_workers() and backend.workers_notice is None
+
+
+class _TwoRanks:
+    """Rank 0 of two, whose peer's GPU identity the 'sum' adds in: the collective worker_gpus runs (no GPU here)."""
+    rank, world_size = 0, 2
+
+    def __init__(self, peer: float) -> None:
+        self.peer = peer
+
+    def allreduce_sum(self, buf) -> None:
+        buf[1] += self.peer
+
+
+def test_jax_worker_asks_every_workers_gpu_when_no_engine_is_named(monkeypatch):
+    """Issue 36: the JAX worker's engine (worker/allreduce_fit.jax_engine) sums the workers' GPU identities for
+    the default too, so a GPU each gives the device sum and a shared one the host path with its line. The GPU
+    is a stand-in (a fixed identity): none exists here."""
+    import zlib
+
+    import nbdist.worker.device as device
+    from nbdist.worker.allreduce_fit import jax_engine
+
+    monkeypatch.setattr(device, "gpu_identity", lambda: "host/0000:01:00.0")
+    other = float(zlib.crc32(b"host/0000:02:00.0") | 1)
+    same = float(zlib.crc32(b"host/0000:01:00.0") | 1)
+    assert jax_engine(None, _TwoRanks(other)) == ("jax", None)
+    engine, warning = jax_engine(None, _TwoRanks(same))
+    assert engine == "gloo" and warning.startswith("Workers 0 and 1 share one GPU")
+    assert jax_engine("gloo", _TwoRanks(other)) == ("gloo", None)
+    monkeypatch.setattr(device, "gpu_identity", lambda: "")
+    assert jax_engine(None, _TwoRanks(0.0)) == ("gloo", None)
