@@ -144,6 +144,7 @@ class JaxDeviceSum:
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.device = jax.local_devices()[0]
         self.rows = 0  # the traced batch's rows, read by the wrapped stateless_apply while it traces
+        self._last_state: Any = None  # the state the last step returned (on the mesh)
         self.steps = 0
 
     def install(self) -> None:
@@ -170,8 +171,11 @@ class JaxDeviceSum:
 
         def train_step(state: Any, data: Any) -> Any:
             self.steps += 1
-            logs, state = step(self._global(state), self._global(data))
-            return self._local(logs), state  # the state stays on the mesh until Keras syncs its variables
+            # Keras hands the last step's state back as it got it: already on the mesh, nothing to look at
+            # (a per-leaf check cost ~0.1 ms a step for a 3-layer MLP's 28 arrays).
+            mesh_state = state if state is self._last_state else self._global(state)
+            logs, self._last_state = step(mesh_state, self._global(data))
+            return self._local(logs), self._last_state  # on the mesh until Keras syncs its variables
 
         def make_train_function(force: bool = False) -> None:
             if model.train_function is None or force:
