@@ -347,6 +347,28 @@ def overlapped_keras_steps(x: np.ndarray, y: np.ndarray) -> dict[str, object]:
     return out
 
 
+def mixed_precision(x: np.ndarray, y: np.ndarray, plain: dict, per_worker: dict) -> dict[str, object]:
+    """Issue 36: a model made under ``mixed_float16`` (a LossScaleOptimizer wraps SGD; float16 compute,
+    float32 variables) and under ``mixed_bfloat16``: 2 allreduce workers beside the local fit on the global
+    batch, one epoch; the loss scale's state comes back too."""
+    out: dict[str, object] = {}
+    for policy in ("mixed_float16", "mixed_bfloat16"):
+        keras.mixed_precision.set_global_policy(policy)
+        try:  # SGD: an update proportional to its gradient (Adam's ~lr*sign(g) magnifies rounding near 0)
+            local, remote = mlp(keras.optimizers.SGD(0.1)), mlp(keras.optimizers.SGD(0.1))
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        expected = local.fit(x, y, epochs=1, verbose=0, **plain).history
+        job = nbdist.train(remote, x, y, workers=2, epochs=1, strategy="allreduce", lr_scaling="none", ui="none",
+                           shuffle=False, **per_worker)
+        scale = [float(np.asarray(v)) for m in (local, remote) for v in m.optimizer.variables
+                 if v.path.endswith("dynamic_scale")]
+        out[policy] = {"history": job.fit_history.history, "expected": expected,
+                       "weight_gap": weight_gap(remote, local), "optimizer": type(remote.optimizer).__name__,
+                       "compute_dtype": remote.layers[0].compute_dtype, "loss_scale": scale}
+    return out
+
+
 def more() -> dict[str, object]:
     from nbdist.api import prepare
     from nbdist.config import TrainConfig
@@ -368,6 +390,7 @@ def more() -> dict[str, object]:
     out["one_worker"] = {"history": job.fit_history.history, "expected": expected,
                          "weight_gap": weight_gap(remote, local)}
     out.update(device_paths(x, y, plain))
+    out["mixed"] = mixed_precision(x, y, plain, per_worker)
 
     # A small CNN under allreduce, and EarlyStopping(restore_best_weights=True) in the notebook.
     def stopper() -> keras.callbacks.EarlyStopping:
