@@ -448,6 +448,19 @@ print("PROBE " + json.dumps(res))
 """
 
 
+def run_probe(code: str, timeout: float, env=None) -> dict:
+    """Run ``code`` in a fresh Python and read the JSON of its ``PROBE`` line (its stderr's tail beside it); a
+    probe that printed none gives ok False, the error and the stderr's tail as its summary."""
+    res = run_cmd([sys.executable, "-c", code], timeout, env=env)
+    line = next((ln for ln in res.get("stdout", "").splitlines() if ln.startswith("PROBE ")), None)
+    if line is None:
+        why = res.get("error") or f"rc {res.get('rc')}: {res.get('stderr', '')[-2000:]}"
+        return {"ok": False, "error": why, "summary": f"probe printed nothing: {why}"[:700]}
+    out = json.loads(line[6:])
+    out["stderr_tail"] = res.get("stderr", "")[-1500:]
+    return out
+
+
 def step_env(rec: Recorder, args) -> None:
     def smi():
         if shutil.which("nvidia-smi") is None:
@@ -500,14 +513,9 @@ def step_env(rec: Recorder, args) -> None:
 
     for backend in ("torch", "jax"):
         def probe(backend=backend):
-            env = {**os.environ, "KERAS_BACKEND": backend}
-            res = run_cmd([sys.executable, "-c", IMPORT_PROBE], 40, env=env)
-            line = next((ln for ln in res.get("stdout", "").splitlines() if ln.startswith("PROBE ")), None)
-            if line is None:
-                why = res.get("error") or f"rc {res.get('rc')}: {res.get('stderr', '')[-2000:]}"
-                return {"ok": False, "error": why}
-            out = json.loads(line[6:])
-            out["stderr_tail"] = res.get("stderr", "")[-1500:]
+            out = run_probe(IMPORT_PROBE, 40, env={**os.environ, "KERAS_BACKEND": backend})
+            if "summary" in out:  # it never printed its line
+                return out
             out["summary"] = (f"nbdist imports: {out.get('ok')} (from {out.get('nbdist_file')}); "
                               f"keras {out.get('keras')} on {out.get('keras_backend')}, "
                               f"tensor on {out.get('tensor_device')}, tensorflow installed "
@@ -529,6 +537,8 @@ def step_env(rec: Recorder, args) -> None:
                                           for rk in range(2)},
                "torch_engine_2_ranks_own_gpus": pl.choose_torch_engine(None, ["h/0", "h/1"])[0],
                "torch_engine_2_ranks_one_gpu": pl.choose_torch_engine(None, ["h/0", "h/0"]),
+               "jax_engine_2_ranks_own_gpus": pl.choose_jax_engine(None, None, ["h/0", "h/1"])[0],
+               "jax_engine_2_ranks_one_gpu": pl.choose_jax_engine(None, None, ["h/0", "h/0"]),
                "default_workers": pl.default_worker_count(
                    pl.visible_gpu_count(count, os.environ.get("CUDA_VISIBLE_DEVICES")), 2),
                "jax_env_2_workers": pl.local_gpu_env(1, gpu_count=count, world=2),
@@ -538,7 +548,8 @@ def step_env(rec: Recorder, args) -> None:
                           "parent '' -> "
                           f"{[v['CUDA_VISIBLE_DEVICES'] for v in res['per_rank_parent_hidden'].values()]}; "
                           f"engine for 2 ranks on 2 GPUs: {res['torch_engine_2_ranks_own_gpus']}, on 1: "
-                          f"{res['torch_engine_2_ranks_one_gpu'][0]}; default workers {res['default_workers'][0]}")
+                          f"{res['torch_engine_2_ranks_one_gpu'][0]} (JAX: {res['jax_engine_2_ranks_own_gpus']}, "
+                          f"{res['jax_engine_2_ranks_one_gpu'][0]}); default workers {res['default_workers'][0]}")
         return res
 
     rec.run("placement", placement)
@@ -749,13 +760,9 @@ def nccl_sum_one_rank(rec: Recorder) -> None:
     """nbdist's TorchDeviceSum on a one-rank NCCL group (the only NCCL group one GPU allows): its code around
     the collective on the real device and backend, which the unit test runs with the CPU and Gloo standing in."""
     def do():
-        res = run_cmd([sys.executable, "-c", NCCL_SUM_PROBE], min(45, max(5, rec.left() - 3)))
-        line = next((ln for ln in res.get("stdout", "").splitlines() if ln.startswith("PROBE ")), None)
-        if line is None:
-            return {"ok": False, "error": res.get("error") or f"rc {res.get('rc')}",
-                    "stderr": res.get("stderr", "")[-3000:]}
-        out = json.loads(line[6:])
-        out["stderr_tail"] = res.get("stderr", "")[-1500:]
+        out = run_probe(NCCL_SUM_PROBE, min(45, max(5, rec.left() - 3)))
+        if "summary" in out:
+            return out
         out["summary"] = (f"TorchDeviceSum on 1 rank, {out.get('backend')} on {out.get('device')}: values back "
                           f"{out.get('same_values')}, on {out.get('out_devices')}, None kept {out.get('none_kept')}, "
                           f"pad zeros {out.get('pad_zeros_ok')}, "
