@@ -617,6 +617,7 @@ def step_gpu_pair(rec: Recorder, args) -> None:
     params = build_big().count_params()
     rec.data["big_model_params"] = params
     got = pair(rec, args.out, "big", build_big, xb, yb, s["big_batch"], s["big_epochs"], s["nb_timeout"])
+    per_step_read_cost(rec, build_big, xb, yb, s, got["local_info"])
     if got["local"] is not None and keras.backend.backend() == "torch":
         SCRATCH.mkdir(parents=True, exist_ok=True)
         tag = f"{s['big_rows']}x{s['big_dim']}"
@@ -627,6 +628,34 @@ def step_gpu_pair(rec: Recorder, args) -> None:
         # workers on one GPU: its one sentence, and Gloo (NCCL refuses two ranks on one device).
         two_workers(rec, args, build_big, xb, yb, s, got["local"], got["local_info"], engines=(None, "jax"))
         retry_without_preallocation(rec, args, build_big, xb, yb, s, got["local"], got["local_info"])
+
+
+def per_step_read_cost(rec: Recorder, build, x, y, s, local_info) -> None:
+    """Plain fit with one batch-end callback that is not ``async_safe``, against plain fit without: Keras then
+    reads every step's logs as Python floats, which waits for the GPU each step. nbdist's workers of a run of
+    several have such callbacks (the pad steps and the metrics' sum at the end of a pass), so this is what
+    that wait costs a run on N GPUs; one worker has none."""
+    import keras
+
+    class ReadsLogs(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    def do():
+        from nbcheck_models import EpochTimer
+
+        model, timer = build(), EpochTimer()
+        model.fit(x, y, batch_size=s["big_batch"], epochs=s["big_epochs"], shuffle=False, verbose=0,
+                  callbacks=[timer, ReadsLogs()])
+        st = steady(timer.durations)
+        base = (local_info or {}).get("steady_epoch_s")
+        info = {"steady_epoch_s": r(st), "plain_steady_epoch_s": base,
+                "ratio_over_plain": r(st / base, 3) if st and base else None}
+        info["summary"] = (f"plain fit with a per-step log read: steady epoch {info['steady_epoch_s']} s, "
+                           f"x{info['ratio_over_plain']} plain fit")
+        return info
+
+    rec.run("big_local_fit_reading_logs_every_step", do, need_s=15)
 
 
 def cpu_workers_beside_gpu_driver(rec: Recorder, args, x, y, s) -> None:
