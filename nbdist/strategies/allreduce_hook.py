@@ -120,7 +120,8 @@ class GradientAllreduce(GradientSum):
 
     @property
     def summed_by(self) -> str | None:
-        return "device" if self.device_sum else super().summed_by
+        """"device" once the device sum has summed a step; else how the numpy exchange sums."""
+        return "device" if self.device_sum and self._engine_impl.steps else super().summed_by
 
     def _check_present(self, grads: list[Any]) -> None:
         """Every step must carry gradients for the same variables, one per trainable variable."""
@@ -212,8 +213,8 @@ class GradientAllreduce(GradientSum):
         self._check_present(grads)
         # Sparse gradients (an Embedding's tf.IndexedSlices) travel as slices through the numpy exchange
         # (``gather_slices``); a device sum sums them dense (the same gradient, the whole table's size).
-        slices = self.engine == "gloo" and self._engine_impl is None
-        sparse = [isinstance(g, tf.IndexedSlices) and slices for g in grads]
+        on_host = self.engine == "gloo" and self._engine_impl is None
+        sparse = [isinstance(g, tf.IndexedSlices) and on_host for g in grads]
         if self._sparse is None:
             self._sparse = sparse
         elif sparse != self._sparse:
@@ -222,7 +223,7 @@ class GradientAllreduce(GradientSum):
         # gradient's place in the bucket holds zeros too (its slices are gathered after the bucket's sum).
         dense = [tf.zeros(s, tf.float32) if g is None or sp else tf.cast(tf.convert_to_tensor(g), tf.float32)
                  for g, s, sp in zip(grads, self.shapes, sparse)]
-        if self.engine == "gloo":
+        if on_host:
             uncopied = self._ring is not None or self._chunked is not None
             exchange = (self.exchange if not prescaled else self.exchange_sum if uncopied
                         else self.exchange_copy)

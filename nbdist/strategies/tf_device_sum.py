@@ -67,6 +67,7 @@ class TFDeviceSum:
             raise RuntimeError("torch allocated a gradient bucket that TensorFlow cannot adopt (not 64-byte aligned)")
         self.shapes = [tuple(s) for s in shapes]
         self.kept = list(kept)
+        self.steps = 0  # steps this sum ran (the report says "device" only after one did)
 
     def reduce(self, owner: Any, dense: list[Any]) -> list[Any]:
         """The summed gradients (float32 TensorFlow tensors; ``dense`` float32, zeros where none came): traced
@@ -95,6 +96,7 @@ class TFDeviceSum:
         if self.cuda:
             self._torch.cuda.synchronize()  # TensorFlow's stream: this step's gradients written, last sums read
         summed = self.sum.reduce(owner, grads)
+        self.steps += 1
         out = [o.clone() if keep else o for o, keep, p in zip(summed, self.kept, present) if p]
         if self.cuda:
             self._torch.cuda.current_stream().synchronize()  # sums (and copies) written before TensorFlow reads
