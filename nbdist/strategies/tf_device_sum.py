@@ -80,7 +80,9 @@ class TFDeviceSum:
         def run(*tensors: Any) -> list[Any]:
             return self._run(owner, present, tensors)
 
-        summed = tf.py_function(run, given, Tout=[tf.float32] * len(given), name="nbdist_device_sum")
+        # Pinned to the worker's device: placed on the CPU, TensorFlow would copy every gradient to the host.
+        with tf.device("/GPU:0" if self.cuda else "/CPU:0"):
+            summed = tf.py_function(run, given, Tout=[tf.float32] * len(given), name="nbdist_device_sum")
         it = iter(summed)
         # A missing gradient stays the zeros it came as (the caller hands back None for it).
         return [tf.ensure_shape(next(it), s) if p else d for d, s, p in zip(dense, self.shapes, present)]
