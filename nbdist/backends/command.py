@@ -78,10 +78,14 @@ def thread_env(threads: int) -> dict[str, str]:
 def _worker_variables(threads: int, environ: Mapping[str, str], backend: str | None) -> dict[str, str]:
     """What every worker gets wherever it runs: the notebook's Keras backend (read before the worker
     imports Keras, whatever its own environment or keras.json says), unbuffered output, TensorFlow's
-    C++ logs quiet unless the notebook set a level, and its thread budget."""
-    return {BACKEND_ENV: backend or notebook_backend(environ),
-            "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), **thread_env(threads),
-            "PYTHONUNBUFFERED": "1"}
+    C++ logs quiet unless the notebook set a level, and its thread budget. On TensorFlow, GPU memory
+    grows as needed unless the notebook says otherwise: by default TensorFlow maps nearly all of its GPU
+    at once, and the device sum's torch buckets and NCCL's buffers live beside it (tf_device_sum.py)."""
+    name = backend or notebook_backend(environ)
+    growth = {"TF_FORCE_GPU_ALLOW_GROWTH": environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "true")} if (
+        name == "tensorflow") else {}
+    return {BACKEND_ENV: name, "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+            **thread_env(threads), "PYTHONUNBUFFERED": "1", **growth}
 
 
 def worker_env(threads: int, environ: Mapping[str, str] | None = None, backend: str | None = None) -> dict[str, str]:

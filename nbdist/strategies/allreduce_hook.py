@@ -17,9 +17,10 @@ its last batch: it contributes zero samples and applies the averaged gradient
 like everyone else, so all workers keep identical weights.
 
 Engines: Gloo (CPU; the tensors cross via ``tf.numpy_function`` as numpy views
-and ``torch.from_numpy``, in either direction) is the tested path. NCCL (GPU;
-DLPack) and Horovod's raw ops are written to the same shape but NOT VERIFIED: there is no GPU and
-no importable Horovod where this was built.
+and ``torch.from_numpy``, in either direction) is the tested path. NCCL (GPU): the gradients
+stay on the device and are summed by torch's NCCL in buckets, moved by DLPack (``tf_device_sum.py``;
+the same code runs over Gloo on CPU tensors in the tests, NBDIST_TF_DEVICE_SUM=1; never run on a GPU).
+Horovod's raw ops are written to the same shape but NOT VERIFIED: no importable Horovod where this was built.
 """
 from __future__ import annotations
 
@@ -75,9 +76,12 @@ class GradientAllreduce(GradientSum):
         gradients are scaled as they are copied (backend_grads.py)."""
         super().__init__(collective, variables, engine, chunk_elements, direct_sum_bytes, shared_memory,
                          shared_chunk_bytes)
+        # Variables Keras assigns their gradient itself: a device sum hands theirs back as a copy.
+        self._kept = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
+        self._engine_impl, self._weight_var = self._open_engine(engine)
         self.loss_scale: Any = None  # n / total, multiplied into the loss by the wrapped scale_loss
         self._loss_scaled = False  # set while a train step that called scale_loss is traced
-        if loss_scaling and self.sums_on_gloo:
+        if loss_scaling and self.sums_on_gloo and self._engine_impl is None:
             import tensorflow as tf
 
             self.loss_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="nbdist_loss_scale")
@@ -90,17 +94,34 @@ class GradientAllreduce(GradientSum):
         # Called at a pad step before its exchange: joins the sums other workers run inside their step
         # (worker/global_mask.py).
         self.before_pad: Callable[[], None] | None = None
-        self._engine_impl, self._weight_var = self._open_engine(engine)
 
     def _open_engine(self, engine: str) -> tuple[Any, Any]:
-        """TensorFlow's NCCL or Horovod engine and the variable that carries the step's samples into it
-        (Gloo: neither; it sums through the exchanges below)."""
+        """TensorFlow's engine besides the numpy exchange, and the variable that carries the step's samples into
+        it (Horovod's): NCCL sums on the GPU (``tf_device_sum.py``), and so does Gloo on CPU tensors with
+        NBDIST_TF_DEVICE_SUM=1, the GPU's code; plain Gloo: neither (the exchanges below)."""
+        from .tf_device_sum import TFDeviceSum, tf_device_sum_forced
+
+        if engine == "nccl" or (engine == "gloo" and tf_device_sum_forced() and self.collective.world_size > 1):
+            from .device_sum import configured_bucket_bytes
+
+            return TFDeviceSum(self.shapes, engine, self._kept, configured_bucket_bytes()), None
         if engine == "gloo":
             return None, None
         import tensorflow as tf
 
-        impl = _NcclEngine() if engine == "nccl" else _HorovodEngine()
-        return impl, tf.Variable(0.0, trainable=False, dtype=tf.float32, name="nbdist_batch_samples")
+        return _HorovodEngine(), tf.Variable(0.0, trainable=False, dtype=tf.float32, name="nbdist_batch_samples")
+
+    @property
+    def device_sum(self) -> bool:
+        """Whether the gradients are summed as tensors on their device (``tf_device_sum.py``), not on the host."""
+        from .tf_device_sum import TFDeviceSum
+
+        return isinstance(self._engine_impl, TFDeviceSum)
+
+    @property
+    def summed_by(self) -> str | None:
+        """"device" once the device sum has summed a step; else how the numpy exchange sums."""
+        return "device" if self.device_sum and self._engine_impl.steps else super().summed_by
 
     def _check_present(self, grads: list[Any]) -> None:
         """Every step must carry gradients for the same variables, one per trainable variable."""
@@ -190,8 +211,10 @@ class GradientAllreduce(GradientSum):
 
         grads = list(grads)
         self._check_present(grads)
-        # Sparse gradients (an Embedding's tf.IndexedSlices) travel as slices on Gloo (``gather_slices``).
-        sparse = [isinstance(g, tf.IndexedSlices) and self.engine == "gloo" for g in grads]
+        # Sparse gradients (an Embedding's tf.IndexedSlices) travel as slices through the numpy exchange
+        # (``gather_slices``); a device sum sums them dense (the same gradient, the whole table's size).
+        on_host = self.engine == "gloo" and self._engine_impl is None
+        sparse = [isinstance(g, tf.IndexedSlices) and on_host for g in grads]
         if self._sparse is None:
             self._sparse = sparse
         elif sparse != self._sparse:
@@ -200,7 +223,7 @@ class GradientAllreduce(GradientSum):
         # gradient's place in the bucket holds zeros too (its slices are gathered after the bucket's sum).
         dense = [tf.zeros(s, tf.float32) if g is None or sp else tf.cast(tf.convert_to_tensor(g), tf.float32)
                  for g, s, sp in zip(grads, self.shapes, sparse)]
-        if self.engine == "gloo":
+        if on_host:
             uncopied = self._ring is not None or self._chunked is not None
             exchange = (self.exchange if not prescaled else self.exchange_sum if uncopied
                         else self.exchange_copy)
@@ -322,47 +345,7 @@ class AllreduceCallback(keras.callbacks.Callback):
             self.reducer.seconds += time.perf_counter() - t0
 
 
-# -- engines that could not be run here ------------------------------------
-class _NcclEngine:
-    """NCCL through torch.distributed, tensors via DLPack. NOT VERIFIED: written without a GPU.
-
-    The worker sees exactly one GPU (CUDA_VISIBLE_DEVICES set per rank), so it is
-    device 0. An NCCL group is made beside the Gloo group on the same store.
-    The bucket is built by TensorFlow on the GPU and summed in place by NCCL.
-    """
-
-    def __init__(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        torch.cuda.set_device(0)
-        self._torch, self._dist = torch, dist
-        self.group = dist.new_group(backend="nccl")
-
-    def reduce(self, owner: GradientAllreduce, dense: list[Any]) -> list[Any]:
-        import tensorflow as tf
-
-        n = owner._weight_var.read_value()
-        flat = tf.concat([tf.reshape(g, [-1]) * n for g in dense] + [tf.reshape(n, [1])], axis=0)
-
-        def allreduce(t: Any) -> Any:
-            t0 = time.perf_counter()
-            from torch.utils import dlpack as torch_dlpack
-
-            x = torch_dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(t))
-            self._torch.cuda.synchronize()  # TensorFlow's stream must have finished writing the bucket
-            self._dist.all_reduce(x, group=self.group)
-            self._torch.cuda.synchronize()
-            out = tf.experimental.dlpack.from_dlpack(torch_dlpack.to_dlpack(x))
-            owner.seconds += time.perf_counter() - t0
-            owner.steps += 1
-            return out
-
-        summed = tf.py_function(allreduce, [flat], Tout=tf.float32)
-        averaged = summed[:-1] / summed[-1]
-        return _split(averaged, owner)
-
-
+# -- an engine that could not be run here ----------------------------------
 class _HorovodEngine:
     """Horovod's raw ops (``grouped_allreduce``), for images that ship a working Horovod.
 
@@ -384,14 +367,6 @@ class _HorovodEngine:
         summed = self.hvd.grouped_allreduce([g * n for g in dense] + [tf.reshape(n, [1])], op=self.hvd.Sum)
         total = summed[-1][0]
         return [s / total for s in summed[:-1]]
-
-
-def _split(flat: Any, owner: GradientAllreduce) -> list[Any]:
-    import tensorflow as tf
-
-    # The engines' buckets are plain concatenations (no alignment gaps, unlike the Gloo bucket).
-    starts = np.concatenate([[0], np.cumsum(owner.sizes)]).astype(np.int64)
-    return [tf.reshape(flat[int(a):int(a) + n], s) for s, a, n in zip(owner.shapes, starts[:-1], owner.sizes)]
 
 
 def _no_slices(shape: tuple[int, ...]) -> Any:

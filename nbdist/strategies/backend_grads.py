@@ -70,9 +70,9 @@ def device_sum_forced() -> bool:
 
 def bucket_bytes() -> int:
     """The torch device sum's bucket size: NBDIST_TORCH_BUCKET_BYTES (tests, tuning), else PyTorch DDP's 25 MiB."""
-    from .device_sum import BUCKET_BYTES
+    from .device_sum import configured_bucket_bytes
 
-    return int(os.environ.get("NBDIST_TORCH_BUCKET_BYTES", "") or BUCKET_BYTES)
+    return configured_bucket_bytes()
 
 
 class HostGradientAllreduce(GradientAllreduce):

@@ -17,12 +17,19 @@ meanwhile) rather than stall every step.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 BUCKET_BYTES = 25 * 2**20
 CHECK_EVERY = 50
+
+
+def configured_bucket_bytes() -> int:
+    """The device sum's bucket size: NBDIST_TORCH_BUCKET_BYTES (tests, tuning), else PyTorch DDP's 25 MiB
+    (TensorFlow's device sum uses these torch buckets too)."""
+    return int(os.environ.get("NBDIST_TORCH_BUCKET_BYTES", "") or BUCKET_BYTES)
 
 
 def bucket_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
@@ -36,6 +43,12 @@ def bucket_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
         buckets[-1].append(i)
         filled += size
     return buckets
+
+
+def aligned_slots(sizes: Sequence[int], align: int) -> list[int]:
+    """Each gradient's room in a bucket when every gradient must start on a multiple of ``align`` elements
+    (TensorFlow adopts only 64-byte aligned memory: ``tf_device_sum.py``)."""
+    return [-(-size // align) * align for size in sizes]
 
 
 def check_every_for(device_type: str) -> int:
@@ -76,9 +89,11 @@ class RowsCheck:
             raise RuntimeError(f"workers disagree on this step's samples: {said}")
 
 
-def fill(bucket: Any, members: Sequence[int], sizes: Sequence[int], grads: Sequence[Any]) -> int:
+def fill(bucket: Any, members: Sequence[int], sizes: Sequence[int], grads: Sequence[Any],
+         slots: Sequence[int] | None = None) -> int:
     """Bucket ``bucket`` filled with its members' gradients, flat and in order (zeros for a None gradient);
-    returns the elements filled (the rows slot, in the last bucket, comes after them). Under no_grad."""
+    returns the elements filled (the rows slot, in the last bucket, comes after them). Under no_grad.
+    ``slots``: each gradient's room in the bucket where it is padded past its size (``aligned_slots``)."""
     at = 0
     for i in members:
         size, g = sizes[i], grads[i]
@@ -87,14 +102,15 @@ def fill(bucket: Any, members: Sequence[int], sizes: Sequence[int], grads: Seque
             part.zero_()
         else:
             part.copy_(g.detach().reshape(-1))  # casts to float32 and moves, in one copy
-        at += size
+        at += size if slots is None else slots[i]
     return at
 
 
 def unpack(plan: Sequence[Sequence[int]], buckets: Sequence[Any], sizes: Sequence[int],
-           shapes: Sequence[tuple[int, ...]], grads: Sequence[Any], out: list[Any]) -> None:
+           shapes: Sequence[tuple[int, ...]], grads: Sequence[Any], out: list[Any],
+           slots: Sequence[int] | None = None) -> None:
     """The summed gradients as views of their buckets, in each gradient's own dtype and device (a None
-    gradient stays None)."""
+    gradient stays None); ``slots`` as in ``fill``."""
     for members, bucket in zip(plan, buckets):
         at = 0
         for i in members:
@@ -103,14 +119,15 @@ def unpack(plan: Sequence[Sequence[int]], buckets: Sequence[Any], sizes: Sequenc
                 view = bucket[at:at + size].view(shapes[i])
                 out[i] = view if view.dtype == g.dtype and view.device == g.device else view.to(
                     device=g.device, dtype=g.dtype)
-            at += size
+            at += size if slots is None else slots[i]
 
 
 class TorchDeviceSum:
     """sum_w (n_w / total) g_w over the workers, on the gradients' device (``owner``: HostGradientAllreduce)."""
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], device: Any, group: Any = None,
-                 bucket_bytes: int = BUCKET_BYTES, check_every: int | None = None) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, check_every: int | None = None, align: int = 1) -> None:
+        """``align``: every gradient starts on a multiple of this many elements of its bucket (1: packed)."""
         import torch
         import torch.distributed as dist
 
@@ -119,8 +136,10 @@ class TorchDeviceSum:
         self.group = group  # None: the default process group
         self.shapes = [tuple(s) for s in shapes]
         self.sizes = [int(torch.Size(s).numel()) for s in self.shapes]
-        self.plan = bucket_plan(self.sizes, max(1, bucket_bytes // 4))
-        lengths = [sum(self.sizes[i] for i in b) for b in self.plan]
+        self.slots = None if align == 1 else aligned_slots(self.sizes, align)
+        room = self.sizes if self.slots is None else self.slots
+        self.plan = bucket_plan(room, max(1, bucket_bytes // 4))
+        lengths = [sum(room[i] for i in b) for b in self.plan]
         lengths[-1] += 1  # this worker's rows
         self.buckets = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in lengths]
         self.check_every = check_every or check_every_for(self.device.type)
@@ -140,7 +159,7 @@ class TorchDeviceSum:
         pending = []
         with torch.no_grad():
             for k, (members, bucket) in enumerate(zip(self.plan, self.buckets)):
-                at = fill(bucket, members, self.sizes, grads)
+                at = fill(bucket, members, self.sizes, grads, self.slots)
                 if k == len(self.plan) - 1:
                     bucket[-1] = n
                 bucket[:at].mul_(scale)
@@ -149,7 +168,7 @@ class TorchDeviceSum:
             for work in pending:
                 work.wait()  # on a GPU: the compute stream waits for the sum, the host does not
             self.rows.add(self.buckets[-1][-1], total)
-            unpack(self.plan, self.buckets, self.sizes, self.shapes, grads, out)
+            unpack(self.plan, self.buckets, self.sizes, self.shapes, grads, out, self.slots)
         owner.seconds += time.perf_counter() - t0
         owner.steps += 1
         return out

@@ -94,8 +94,9 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         collective, model.trainable_variables, "gloo" if solo or engine == "jax" else engine,
         direct_sum_bytes=int(train.direct_sum_bytes),
         shared_memory=bool(train.shared_memory), shared_chunk_bytes=int(train.shared_chunk_bytes))
-    if totals is not None and engine == "gloo" and not host and not model.run_eagerly:
-        # Each step finds its share in the graph, so a call may run several (blocks.py).
+    if totals is not None and engine == "gloo" and not host and not model.run_eagerly and not reducer.device_sum:
+        # Each step finds its share in the graph, so a call may run several (blocks.py). The device sum
+        # (tf_device_sum.py) is told each step's share from Python, as on a GPU.
         reducer.schedule(batch_sizes(samples, batch_size), totals)
     wrap = {"jax": wrap_jax_optimizer, "torch": wrap_torch_optimizer}.get(backend, wrap_optimizer)
     if engine == "jax":  # the sum inside Keras' jitted step, over JAX's collectives (jax_device_sum.py)

@@ -61,6 +61,11 @@ def test_a_local_workers_environment_is_the_notebooks_plus_nbdists_own():
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # no GPU unless the backend gives the worker one
     assert worker_env(1, {"CUDA_VISIBLE_DEVICES": "2"})["CUDA_VISIBLE_DEVICES"] == "2"
     assert worker_env(1, {})["TF_CPP_MIN_LOG_LEVEL"] == "2"
+    # TensorFlow would map its whole GPU at once, leaving no room for the device sum's torch buckets.
+    assert worker_env(1, {}, backend="tensorflow")["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    assert worker_env(1, {"TF_FORCE_GPU_ALLOW_GROWTH": "false"}, backend="tensorflow")[
+        "TF_FORCE_GPU_ALLOW_GROWTH"] == "false"
+    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in worker_env(1, {}, backend="torch")
     assert notebook["PYTHONPATH"] == "/mine"  # the notebook's own environment is not touched
 
 

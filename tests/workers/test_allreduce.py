@@ -183,3 +183,46 @@ def test_one_allreduce_worker_trains_with_keras_own_step_and_reports_its_device(
     report = job.reports[0]
     assert (report["engine"], report["rounds"], report["summed_by"], report["device"]) == ("none", 0, None, "CPU")
     assert job.state.workers[0].device == "CPU"
+
+
+def mixed_mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu", dtype="mixed_float16"),
+                             keras.layers.Dense(10, activation="softmax", dtype="float32")])
+
+
+def max_gap(a, b):
+    return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights()))
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
+def test_tensorflow_device_sum_equals_the_numpy_exchange_and_the_local_fit_with_pad_steps(digits, monkeypatch,
+                                                                                           precision):
+    """Issue 36, TensorFlow: 2 workers summing their gradients as tensors (DLPack into torch's buckets, the GPU's
+    code, over Gloo here: NBDIST_TF_DEVICE_SUM=1; buckets of 1 KiB, 4 for this MLP) train the weights of the
+    default numpy exchange, and of the local fit on the global batch; shares of 257 and 256 rows, so worker 1
+    joins each epoch's last step with zeros (a pad step). mixed_float16: a LossScaleOptimizer's scaled
+    gradients summed and unscaled as through the numpy exchange."""
+    x, y = digits
+    x, y = x[:513], y[:513]
+    build = mlp if precision == "float32" else mixed_mlp
+    # SGD: its step is proportional to the gradient, so a wrong weight shows (Adam's would hide a constant one).
+    optimizer = (lambda: keras.optimizers.SGD(0.1)) if precision == "float32" else (
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))
+    args = {"epochs": 2, "batch_size": 32, "workers": 2, "strategy": "allreduce", "shuffle": False,
+            "lr_scaling": "none", "ui": "none"}
+    numpy_sum = compiled(build(), optimizer())
+    numpy_job = nbdist.train(numpy_sum, x, y, **args)
+    monkeypatch.setenv("NBDIST_TF_DEVICE_SUM", "1")
+    monkeypatch.setenv("NBDIST_TORCH_BUCKET_BYTES", "1024")
+    device = compiled(build(), optimizer())
+    job = nbdist.train(device, x, y, **args)
+    reports = [job.reports[r] for r in range(2)]
+    assert [(r["summed_by"], r["engine"], r["padded_steps"]) for r in reports] == [
+        ("device", "gloo", 0), ("device", "gloo", 2)], reports
+    assert [numpy_job.reports[r]["summed_by"] for r in range(2)] == ["shared", "shared"]
+    assert max_gap(device, numpy_sum) <= 1e-6, max_gap(device, numpy_sum)
+    np.testing.assert_allclose(job.history["loss"], numpy_job.history["loss"], rtol=1e-6)
+    if precision == "float32":  # float16's rounding differs between a batch of 32 and one of 64
+        ref = local_reference(mlp, keras.optimizers.SGD(0.1), x, y, workers=2, batch_size=32, epochs=2)
+        assert_same_parameters(device, ref, rtol=1e-5)

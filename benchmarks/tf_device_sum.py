@@ -1,0 +1,107 @@
+"""TensorFlow's device sum against the numpy exchange on the CPU (issue 36): 2 workers on Keras' TensorFlow
+backend, ``--strategy allreduce``, the gradients summed by the default numpy exchange (``tf.numpy_function``,
+shared memory) or as tensors moved by DLPack into torch's bucketed sum over Gloo (NBDIST_TF_DEVICE_SUM=1, the
+GPU's code with NCCL there). ``python benchmarks/tf_device_sum.py [--epochs 5] [--rounds 2]`` prints, per model,
+the mean epoch after the first in ms per step and the time inside the sum per step (the workers' reports), in
+alternating rounds, the largest weight difference between the two runs, and, in this process, what the bridge
+alone costs per step: a ``tf.py_function`` handing the model's gradients to torch and back by DLPack against a
+``tf.numpy_function`` handing them over as arrays, both summing nothing. ``BENCH_MODELS=digits_mlp`` runs one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ["KERAS_BACKEND"] = "tensorflow"
+
+import keras
+import numpy as np
+
+import nbdist
+
+MODELS = {"digits_mlp": (64, [32], 1536), "mlp_1.3M": (256, [1024, 1024], 4096)}
+ONLY = os.environ.get("BENCH_MODELS", "").split(",") if os.environ.get("BENCH_MODELS") else list(MODELS)
+RUNS = {"numpy": {}, "device": {"NBDIST_TF_DEVICE_SUM": "1"}}
+
+
+def build(dim: int, hidden: list[int]) -> keras.Model:
+    layers = [keras.Input((dim,))] + [keras.layers.Dense(h, activation="relu",
+                                                         kernel_initializer=keras.initializers.GlorotUniform(i))
+                                      for i, h in enumerate(hidden)]
+    out = keras.layers.Dense(10, activation="softmax", kernel_initializer=keras.initializers.GlorotUniform(99))
+    model = keras.Sequential(layers + [out])
+    model.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
+    return model
+
+
+def run(name: str, env: dict[str, str], epochs: int, batch: int) -> tuple[float, float, list[np.ndarray], list[str]]:
+    dim, hidden, rows = MODELS[name]
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(rows, dim)).astype("float32"), rng.integers(0, 10, rows)
+    model = build(dim, hidden)
+    os.environ.update(env)  # the workers inherit it
+    try:
+        job = nbdist.train(model, x, y, workers=2, strategy="allreduce", epochs=epochs, batch_size=batch,
+                           shuffle=False, lr_scaling="none", ui="none")
+    finally:
+        for key in env:
+            del os.environ[key]
+    seconds = job.state.epoch_seconds[1:]
+    steps = rows // (2 * batch)
+    reports = [job.reports[r] for r in range(2)]
+    sync = max(1000 * r["sync_seconds"] / max(1, r["rounds"]) for r in reports)
+    return 1000 * sum(seconds) / len(seconds) / steps, sync, model.get_weights(), [str(r["summed_by"]) for r in reports]
+
+
+def bridge(name: str, calls: int = 200) -> dict[str, float]:
+    """ms per call of the two bridges on the model's gradient shapes, nothing summed."""
+    import tensorflow as tf
+    from torch.utils import dlpack as torch_dlpack
+
+    shapes = [tuple(v.shape) for v in build(*MODELS[name][:2]).trainable_variables]
+    grads = [tf.ones(s) for s in shapes]
+
+    def through_torch(*tensors: tf.Tensor) -> list[tf.Tensor]:
+        moved = [torch_dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(t)) for t in tensors]
+        return [tf.experimental.dlpack.from_dlpack(torch_dlpack.to_dlpack(t)) for t in moved]
+
+    steps = {"py_function_dlpack": tf.function(lambda *g: tf.py_function(through_torch, g, [tf.float32] * len(g))),
+             "numpy_function": tf.function(lambda *g: tf.numpy_function(lambda *a: list(a), g, [tf.float32] * len(g)))}
+    out = {}
+    for label, step in steps.items():
+        step(*grads)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step(*grads)
+        out[label] = round(1000 * (time.perf_counter() - t0) / calls, 3)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64, help="rows per worker per step")
+    args = parser.parse_args()
+    out: dict[str, object] = {}
+    for name in ONLY:
+        times: dict[str, list[float]] = {label: [] for label in RUNS}
+        sync: dict[str, list[float]] = {label: [] for label in RUNS}
+        weights: dict[str, list[np.ndarray]] = {}
+        summed: dict[str, list[str]] = {}
+        for _ in range(args.rounds):
+            for label, env in RUNS.items():
+                ms, in_sum, weights[label], summed[label] = run(name, env, args.epochs, args.batch)
+                times[label].append(round(ms, 2))
+                sync[label].append(round(in_sum, 3))
+        out[name] = {"ms_per_step": times, "sum_ms_per_step": sync, "summed_by": summed,
+                     "device_over_numpy": round(min(times["device"]) / min(times["numpy"]), 3),
+                     "weight_gap": float(max(np.abs(a - b).max() for a, b in zip(weights["numpy"], weights["device"]))),
+                     "bridge_ms_per_call": bridge(name)}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
