@@ -49,6 +49,7 @@ def gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
+@torch.no_grad()
 def max_rel_norm_diff(a: torch.nn.Module, b: torch.nn.Module) -> dict[str, float]:
     """The GPU check's measure (check.compare), with where it is largest."""
     rel = {name: float((p - q).norm() / max(float(q.norm()), 1e-30))

@@ -123,6 +123,13 @@ class GradientAllreduce(GradientSum):
         """"device" once the device sum has summed a step; else how the numpy exchange sums."""
         return "device" if self.device_sum and self._engine_impl.steps else super().summed_by
 
+    def final_check(self) -> None:
+        """At the run's end: the summed rows of the steps since the device sum last read them (up to 49 on a
+        GPU, where a read waits for the device) checked against their totals, once."""
+        check = getattr(self._engine_impl, "check", None)
+        if check is not None:
+            check()
+
     def _check_present(self, grads: list[Any]) -> None:
         """Every step must carry gradients for the same variables, one per trainable variable."""
         present = [g is not None for g in grads]

@@ -128,6 +128,12 @@ class HostGradientAllreduce(GradientAllreduce):
             self._overlap = TorchOverlap(self._engine_impl, tensors, self, bucket_bytes())
         return reason
 
+    def final_check(self) -> None:
+        overlap = self._overlap
+        if overlap is not None and overlap.rows is not None:
+            overlap.rows.check()
+        super().final_check()
+
     def close(self) -> None:
         """The run's end: no hook stays on the model's tensors."""
         overlap, self._overlap = self._overlap, None

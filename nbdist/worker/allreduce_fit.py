@@ -144,6 +144,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         callbacks = feed.callbacks(event) + callbacks
     try:
         report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
+        reducer.final_check()
     finally:
         if host:
             reducer.close()  # no hook stays on the model's tensors

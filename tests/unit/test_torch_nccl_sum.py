@@ -79,3 +79,16 @@ def test_one_rank_nccl_on_the_gpu_sums_in_place():
         assert all(o.device.type == "cuda" and float(o.sum()) == float(g.sum()) for o, g in zip(out, grads))
     finally:
         dist.destroy_process_group()
+
+
+def test_steps_between_the_reads_of_a_gpu_are_checked_once_at_the_run_end(one_rank):
+    """Issue 36: on a GPU the summed rows are read every 50 steps (a read waits for the device); a mismatch in
+    the last steps of a run is still refused, by the one read at its end (``final_check``)."""
+    owner = one_rank
+    owner._engine_impl = TorchDeviceSum(SHAPES, "cpu", check_every=50)  # a GPU's interval, on CPU tensors
+    grads = [torch.ones(s) for s in SHAPES]
+    owner.set_weight(32, 64)  # rows other than the step's total: not read yet
+    owner._take_weight()
+    owner._engine_impl.reduce(owner, grads)
+    with pytest.raises(RuntimeError, match="workers disagree on this step's samples"):
+        owner.final_check()
