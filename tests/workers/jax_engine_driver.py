@@ -46,6 +46,27 @@ def main() -> dict[str, object]:
                                                                                    local.get_weights())),
                      "engines": [job.reports[r].get("engine") for r in sorted(job.reports)],
                      "summed_by": [job.reports[r].get("summed_by") for r in sorted(job.reports)]}
+    # BatchNorm (its moving statistics, averaged over the workers at each epoch's end) and Dropout (each
+    # worker's seed state): the same run through the host call and through JAX's collective. SGD: with Adam
+    # the two orders of summation end 4e-4 apart (its update is ~lr*sign(g) where g is near zero).
+    def bn_dropout() -> keras.Model:
+        init = keras.initializers.GlorotUniform
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, kernel_initializer=init(0)),
+                                  keras.layers.BatchNormalization(), keras.layers.Activation("relu"),
+                                  keras.layers.Dropout(0.2, seed=3),
+                                  keras.layers.Dense(10, activation="softmax", kernel_initializer=init(1))])
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+    runs = {}
+    for engine in ("gloo", "jax"):
+        runs[engine] = bn_dropout()
+        job = nbdist.train(runs[engine], x, y, workers=2, strategy="allreduce", engine=engine, lr_scaling="none",
+                           ui="none", batch_size=GLOBAL_BATCH // 2, seed=7, **fit_args)
+        out[f"bn_{engine}"] = {"history": job.fit_history.history,
+                               "engines": [job.reports[r].get("engine") for r in sorted(job.reports)]}
+    out["bn_gap"] = max(float(np.abs(u - v).max()) for u, v in zip(runs["jax"].get_weights(),
+                                                                    runs["gloo"].get_weights()))
     # Uneven shares (375 training rows: 188 and 187): one program cannot serve both, so one sentence and Gloo.
     local = mlp(keras.optimizers.SGD(0.1))
     expected = local.fit(x[:500], y[:500], batch_size=GLOBAL_BATCH, verbose=0, **fit_args).history

@@ -26,8 +26,9 @@ DRIVER = Path(__file__).with_name("jax_engine_driver.py")
 
 @pytest.mark.timeout(400)
 def test_two_jax_workers_sum_inside_the_step_as_the_local_fit_and_a_killed_one_fails_the_run():
-    """SGD and Adam equal the local fit on the global batch; uneven shares fall back to the host path in one
-    sentence; a SIGKILLed worker fails the run at once (no hang in the collective)."""
+    """SGD and Adam equal the local fit on the global batch; a BatchNorm and Dropout model equals the same run
+    through the host call; uneven shares fall back to the host path in one sentence; a SIGKILLed worker fails
+    the run at once (no hang in the collective)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root(), os.environ.get("PYTHONPATH"))
                                                        if p)}
     env.pop("KERAS_BACKEND", None)
@@ -40,6 +41,10 @@ def test_two_jax_workers_sum_inside_the_step_as_the_local_fit_and_a_killed_one_f
         assert run["engines"] == ["jax", "jax"] and run["summed_by"] == ["device", "device"], run
         assert_same_history(run["history"], run["expected"])
         assert run["weight_gap"] < 1e-5, (name, run["weight_gap"])
+    # BatchNorm and Dropout: JAX's collective trains what the host call trains (the GPUs' default, issue 36).
+    assert result["bn_jax"]["engines"] == ["jax", "jax"] and result["bn_gloo"]["engines"] == ["gloo", "gloo"]
+    assert_same_history(result["bn_jax"]["history"], result["bn_gloo"]["history"])
+    assert result["bn_gap"] < 1e-6, result["bn_gap"]
     uneven = result["uneven"]  # shares of 188 and 187 rows: the host path, said once
     assert uneven["engines"] == ["gloo", "gloo"], uneven
     assert any(w.startswith("--engine jax needs the same rows per step") for w in uneven["warnings"]), uneven
