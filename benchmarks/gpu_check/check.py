@@ -836,11 +836,10 @@ def step_torch_w2(rec: Recorder, args) -> None:
 
 
 def sgd_on_two_workers(rec: Recorder, args, x, y, s) -> None:
-    """The first GPU run's 2 workers ended 0.086 (largest relative difference) from the local fit with Adam,
-    against 1e-7 on the CPU. Suspected: the GPU's matmuls sum a batch of 256 in another order than one of 512,
-    and Adam turns rounding-level differences in near-zero gradients into whole steps of the learning rate
-    (its update is about lr * sign(g) there). With SGD an update is proportional to its gradient: if the
-    difference falls to rounding size, the step is the same and Adam's amplification is the cause."""
+    """The first GPU run's 2 workers ended 0.086 (largest relative difference) from the local fit with Adam.
+    benchmarks/summation_order.py reproduced it on the CPU from the order of summation alone (0.049 after 4
+    epochs with Adam, 1.6e-3 with SGD, both in a bias whose norm is tiny; docs/gpus.md). With SGD, whose
+    update is proportional to its gradient, the GPU's figure should fall to rounding size too."""
     from nbcheck_models import mlp
 
     build = lambda: mlp(s["big_dim"], s["big_hidden"], lr=0.01, seed=2, optimizer="sgd")
