@@ -347,16 +347,3 @@ def spark_task_visible_devices(addresses: list[str] | tuple[str, ...] | None) ->
     ids = [str(a).strip() for a in addresses if str(a).strip()]
     return ids[0] if ids else ""
 
-
-def spark_task_placement(addresses: list[str] | tuple[str, ...] | None, requested_engine: str | None,
-                         horovod_error: str | None = None) -> tuple[str | None, str | None, str | None]:
-    """The whole chain for a Spark-hosted worker: task GPUs -> CUDA_VISIBLE_DEVICES -> engine.
-
-    Returns (CUDA_VISIBLE_DEVICES or None, engine, warning). With no GPU scheduling in Spark
-    the engine is left to the worker (None): it chooses from the devices it actually sees.
-    """
-    devices = spark_task_visible_devices(addresses)
-    if devices is None or requested_engine == "jax":  # JAX's engine: the worker decides with its peers
-        return devices, None, None
-    engine, warning = choose_engine(requested_engine, bool(devices), horovod_error)
-    return devices, engine, warning
