@@ -310,6 +310,9 @@ class AllreduceCallback(keras.callbacks.Callback):
     weighted by samples, so every worker validates with the same model.
     """
 
+    # Its batch ends run in order on the training thread, called by the worker's list (callback_list.py).
+    batch_end_in_order = True
+
     def __init__(self, reducer: GradientAllreduce, apply: Callable[[list[Any], Any], Any],
                  trainable: Sequence[Any], samples: int, batch_size: int, steps_per_epoch: int,
                  non_trainable: WeightedAverager | None, totals: Sequence[int] | None = None) -> None:

@@ -20,6 +20,9 @@ from .blocks import BatchSpan
 class AveragingCallback(keras.callbacks.Callback):
     """Averages weights every K batches and pads each epoch to the common number of rounds."""
 
+    # Its batch ends run in order on the training thread, called by the worker's list (callback_list.py).
+    batch_end_in_order = True
+
     def __init__(self, averager: WeightedAverager, k: int, samples: int, batch_size: int,
                  rounds_per_epoch: int, sizes: Sequence[int] | None = None) -> None:
         super().__init__()

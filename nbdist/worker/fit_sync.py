@@ -25,6 +25,7 @@ from ..machine.keras_backend import OPTIONAL_AT_IMPORT
 from ..strategies.backend_grads import synced_state
 from ..wire.commands import Decision
 from ..wire.messages import JobMessage
+from .callback_list import WorkerCallbacks
 from .validation import KeepValidationIterator, reads_whole_passes
 
 log = logging.getLogger("nbdist.worker")
@@ -123,6 +124,9 @@ class MetricStateSum:
 
 class MetricSumCallback(keras.callbacks.Callback):
     """Runs ``MetricStateSum`` after this worker's last training batch and last validation batch."""
+
+    # Its batch ends run in order on the training thread, called by the worker's list (callback_list.py).
+    batch_end_in_order = True
 
     def __init__(self, summer: MetricStateSum, train_steps: int, val_steps: int | None,
                  others_validate: bool = False, validation_freq: int = 1) -> None:
@@ -231,8 +235,9 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
     extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
     if reads_whole_passes(inputs.get("validation_data")):
         extra.append(KeepValidationIterator())
+    listed = WorkerCallbacks(callbacks + extra, model, int(job.train.epochs), inputs.get("steps_per_epoch"))
     try:
-        model.fit(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=callbacks + extra,
+        model.fit(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=listed,
                   initial_epoch=int(job.train.initial_epoch), validation_freq=int(job.train.validation_freq))
     finally:
         if feed is not None:

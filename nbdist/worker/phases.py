@@ -279,6 +279,8 @@ class EpochPhases:
         phases = self
 
         class First(keras.callbacks.Callback):
+            batch_end_in_order = True  # timed on the training thread (callback_list.py)
+
             def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
                 phases.epoch_begin()
 
@@ -295,6 +297,8 @@ class EpochPhases:
                 phases.epoch_end_begin()
 
         class Last(keras.callbacks.Callback):
+            batch_end_in_order = True
+
             def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
                 phases.batch_hooks_done()
 
