@@ -8,7 +8,11 @@ large copies and ufuncs). Every element sees the same additions in the same orde
 sums keep their bits for any number of threads.
 
 A pass is cut only into ranges of at least ``MIN_SPLIT`` elements: waking a thread costs tens of
-microseconds, a 256 KiB copy about ten. ``NBDIST_SUM_THREADS`` overrides the budget (1: no threads).
+microseconds, a 256 KiB copy about ten. Opt-in for now (``NBDIST_SUM_THREADS``: a number of threads, or
+``budget`` for the worker's thread budget): on this 2-core machine, loaded by other programs, 2 threads
+made a phase slower (one process: 99 -> 118-149 us per 2 MiB chunk), and on many cores the helpers would
+wake beside the model's OpenMP threads, which spin for a while after each parallel region. To be
+measured on many idle cores (benchmarks/gpu_check step cpu_scaling, with and without the variable).
 """
 from __future__ import annotations
 
@@ -25,9 +29,9 @@ Pass = tuple[int, int, Callable[[int, int], None]]  # (lo, hi, fn): fn(a, b) doe
 
 
 def sum_threads(budget: int, environ: Mapping[str, str] | None = None) -> int:
-    """Threads for the sum's passes: ``NBDIST_SUM_THREADS`` when set, else the worker's budget; at least 1."""
-    value = (os.environ if environ is None else environ).get(ENV_SUM_THREADS, "").strip()
-    return max(1, int(value) if value.isdigit() else int(budget))
+    """Threads for the sum's passes: ``NBDIST_SUM_THREADS`` (a number, or ``budget``: the worker's), else 1."""
+    value = (os.environ if environ is None else environ).get(ENV_SUM_THREADS, "").strip().lower()
+    return max(1, int(budget) if value == "budget" else int(value) if value.isdigit() else 1)
 
 
 def split(lo: int, hi: int, threads: int, minimum: int = MIN_SPLIT, align: int = ALIGN) -> list[tuple[int, int]]:

@@ -95,7 +95,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         collective, model.trainable_variables, "gloo" if solo or engine == "jax" else engine,
         direct_sum_bytes=int(train.direct_sum_bytes),
         shared_memory=bool(train.shared_memory), shared_chunk_bytes=int(train.shared_chunk_bytes))
-    reducer.use_threads(sum_threads(job.threads))  # the budget's cores sum while the model waits (sum_threads.py)
+    reducer.use_threads(sum_threads(job.threads))  # the budget's cores sum while the model waits (opt-in)
     if totals is not None and engine == "gloo" and not host and not model.run_eagerly:
         # Each step finds its share in the graph, so a call may run several (blocks.py).
         reducer.schedule(batch_sizes(samples, batch_size), totals)

@@ -31,11 +31,13 @@ def test_clipped_pieces_cover_exactly_the_range_asked():
     assert clip(parts, 2048, 3072) == parts
 
 
-def test_the_budget_unless_the_environment_says_otherwise():
-    assert sum_threads(8, {}) == 8
+def test_one_thread_unless_the_environment_asks_for_more():
+    assert sum_threads(8, {}) == 1
+    assert sum_threads(8, {"NBDIST_SUM_THREADS": "budget"}) == 8
     assert sum_threads(8, {"NBDIST_SUM_THREADS": "1"}) == 1
     assert sum_threads(1, {"NBDIST_SUM_THREADS": "4"}) == 4
     assert sum_threads(0, {"NBDIST_SUM_THREADS": "x"}) == 1
+    assert sum_threads(0, {"NBDIST_SUM_THREADS": "budget"}) == 1
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
