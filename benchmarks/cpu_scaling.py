@@ -35,7 +35,8 @@ import numpy as np
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not os.environ.get("PYTHONPATH"):  # a run of another checkout (--before) sets it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DIM, HIDDEN, CLASSES, BATCH = 256, (1024, 1024), 10, 64
 CORES = sorted(os.sched_getaffinity(0))
@@ -56,47 +57,62 @@ class _Var:
         self.shape = shape
 
 
-def _kernel_rank(rank: int, port: int, repeats: int, fused: bool, threads: int, pinned: bool) -> None:
+KERNEL_MODES = [("bucket filled, then summed; 1 thread, pinned", False, 1, True),
+                ("scale fused into the sum; 1 thread, pinned", True, 1, True),
+                ("scale fused; 1 thread, unpinned", True, 1, False),
+                ("scale fused; 2 threads each, unpinned", True, 2, False)]
+
+
+def _kernel_rank(rank: int, port: int, repeats: int) -> None:
+    """Every mode of ``KERNEL_MODES`` in turn, call after call, in the same 2 processes (load hits all alike)."""
     import torch
 
     from nbdist.strategies.collective import GlooCollective
     from nbdist.strategies.gradient_sum import GradientSum
+    from nbdist.strategies.sum_threads import PhaseThreads
 
-    if pinned and len(CORES) >= 2:
-        os.sched_setaffinity(0, {CORES[rank]})
     torch.set_num_threads(1)
     gloo = GlooCollective(rank, 2, "127.0.0.1", port, timeout=120)
     summer = GradientSum(gloo, [_Var(s) for s in shapes()])
-    assert summer._chunked is not None, "the workers could not share memory"
-    summer.fused_scale = fused
-    summer.use_threads(threads)
+    chunked = summer._chunked
+    assert chunked is not None, "the workers could not share memory"
+    pool = PhaseThreads(2, 60)
     waited = [0.0]
-    wait_all = summer._chunked._wait_all
+    wait_all = chunked._wait_all
 
     def timed_wait(k: int) -> None:
         t = time.perf_counter()
         wait_all(k)
         waited[0] += time.perf_counter() - t
 
-    summer._chunked._wait_all = timed_wait  # type: ignore[method-assign]
+    chunked._wait_all = timed_wait  # type: ignore[method-assign]
     rng = np.random.default_rng(rank)
     grads = [rng.standard_normal(s).astype(np.float32) for s in shapes()]
-    times, waits = [], []
-    for i in range(repeats + 10):  # the first ten warm up
-        summer.weight, summer.total = 64.0, 128.0
-        gloo.allreduce_sum(np.zeros(1, np.float32))  # both start together
-        waited[0] = 0.0
-        t0 = time.perf_counter()
-        out = summer.exchange(*grads)
-        dt = time.perf_counter() - t0
-        if i >= 10:
-            times.append(dt)
-            waits.append(waited[0])
-    digest = float(sum(float(np.sum(o, dtype=np.float64)) for o in out))
+    times: dict[str, list[float]] = {m[0]: [] for m in KERNEL_MODES}
+    waits: dict[str, list[float]] = {m[0]: [] for m in KERNEL_MODES}
+    digests: dict[str, float] = {}
+    for i in range(repeats + 5):  # the first five rounds warm up
+        for label, fused, threads, pinned in KERNEL_MODES:
+            os.sched_setaffinity(0, {CORES[rank % len(CORES)]} if pinned else set(CORES))
+            summer.fused_scale = fused
+            chunked._threads = pool if threads > 1 else None
+            summer.weight, summer.total = 64.0, 128.0
+            gloo.allreduce_sum(np.zeros(1, np.float32))  # both start together
+            waited[0] = 0.0
+            t0 = time.perf_counter()
+            out = summer.exchange(*grads)
+            dt = time.perf_counter() - t0
+            if i >= 5:
+                times[label].append(dt)
+                waits[label].append(waited[0])
+            digests[label] = float(sum(float(np.sum(o, dtype=np.float64)) for o in out))
+    chunked._threads = None
+    pool.close()
     summer.close()
     gloo.close()
-    print(json.dumps({"ms": statistics.median(times) * 1e3, "wait_ms": statistics.median(waits) * 1e3,
-                      "digest": digest}), flush=True)
+    print(json.dumps({label: {"ms": statistics.median(times[label]) * 1e3,
+                              "wait_ms": statistics.median(waits[label]) * 1e3, "digest": digests[label]}
+                      for label in times}), flush=True)
 
 
 def _port() -> int:
@@ -107,16 +123,16 @@ def _port() -> int:
     return port
 
 
-def kernel(repeats: int, fused: bool, threads: int, pinned: bool) -> dict[str, Any]:
-    """Median ms per exchange of the slower rank, its wait for the peer, and a digest of the sums."""
+def kernel(repeats: int) -> dict[str, dict[str, Any]]:
+    """Per mode: median ms per exchange of the slower rank, its wait for the peer, whether all sums agree."""
     port = _port()
     procs = [subprocess.Popen([sys.executable, __file__, "--kernel-rank", str(r), "--port", str(port),
-                               "--repeats", str(repeats), "--fused", str(int(fused)), "--threads", str(threads),
-                               "--pinned", str(int(pinned))], stdout=subprocess.PIPE, text=True)
+                               "--repeats", str(repeats)], stdout=subprocess.PIPE, text=True)
              for r in range(2)]
-    outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
-    return {"ms": max(o["ms"] for o in outs), "wait_ms": min(o["wait_ms"] for o in outs),
-            "digest": outs[0]["digest"], "same": len({o["digest"] for o in outs}) == 1}
+    outs = [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
+    digests = {o[label]["digest"] for o in outs for label in o}
+    return {label: {"ms": max(o[label]["ms"] for o in outs), "wait_ms": min(o[label]["wait_ms"] for o in outs),
+                    "same": len(digests) == 1} for label in outs[0]}
 
 
 def passes_in_one_process(repeats: int = 200) -> dict[str, float]:
@@ -184,11 +200,11 @@ def mlp() -> Any:
     return model
 
 
-def plain_fit(x: np.ndarray, y: np.ndarray, epochs: int) -> dict[str, float]:
+def plain_fit(x: np.ndarray, y: np.ndarray, epochs: int, threads: int = len(CORES)) -> dict[str, float]:
     import keras
     import torch
 
-    torch.set_num_threads(len(CORES))
+    torch.set_num_threads(threads)
     ends: list[float] = []
 
     class Ends(keras.callbacks.Callback):
@@ -222,24 +238,26 @@ def nbdist_fit(x: np.ndarray, y: np.ndarray, epochs: int, workers: int) -> dict[
 
 def _fit_run(kind: str, rows: int, epochs: int) -> dict[str, Any]:
     x, y = generated(rows)
-    if kind == "plain":
-        return plain_fit(x, y, epochs)
+    if kind.startswith("plain"):
+        return plain_fit(x, y, epochs, int(kind[5:] or len(CORES)))
     return nbdist_fit(x, y, epochs, int(kind[1:]))
 
 
 def fit_once(kind: str, rows: int, epochs: int, code: str | None) -> dict[str, Any]:
-    """One run (``plain``, ``w1``, ``w2``) in a process of its own, with nbdist from ``code`` (a checkout) or this
-    one; the workers inherit it (PYTHONPATH)."""
+    """One run (``plain``, ``plain1`` on one thread, ``w1``, ``w2``) in a process of its own, with nbdist from
+    ``code`` (a checkout) or this one; the workers inherit it (PYTHONPATH, and the directory: ``python -m``
+    puts it first on the path)."""
     root = code or str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root, "KERAS_BACKEND": "torch", "TF_CPP_MIN_LOG_LEVEL": "3"}
     run = subprocess.run([sys.executable, __file__, "--fit-run", kind, "--rows", str(rows), "--epochs", str(epochs)],
-                         env=env, capture_output=True, text=True, timeout=900, check=True)
+                         env=env, cwd=root, capture_output=True, text=True, timeout=900, check=True)
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def fit_part(rows: int, epochs: int, repeats: int, before: str | None) -> list[tuple[str, dict[str, Any]]]:
     """Alternating rounds (so load from other programs hits every row alike); medians over the rounds."""
-    runs = [(f"plain fit, {len(CORES)} threads", "plain", None), (f"1 worker, {len(CORES)} threads", "w1", None)]
+    runs = [(f"plain fit, {len(CORES)} threads", "plain", None), ("plain fit, 1 thread", "plain1", None),
+            (f"1 worker, {len(CORES)} threads", "w1", None)]
     if before:
         runs.append(("2 workers, 1 thread each, before", "w2", before))
     runs.append(("2 workers, 1 thread each" + (", after" if before else ""), "w2", None))
@@ -266,32 +284,25 @@ def main() -> int:
     p.add_argument("--fit-run", default=None, help=argparse.SUPPRESS)
     p.add_argument("--kernel-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--fused", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--pinned", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.fit_run is not None:
         print(json.dumps(_fit_run(args.fit_run, args.rows, args.epochs)), flush=True)
         return 0
     if args.kernel_rank is not None:
-        _kernel_rank(args.kernel_rank, args.port, args.repeats, bool(args.fused), args.threads, bool(args.pinned))
+        _kernel_rank(args.kernel_rank, args.port, args.repeats)
         return 0
     print(f"{len(CORES)} cores, load average {os.getloadavg()[0]:.1f}; MLP {DIM}-{'-'.join(map(str, HIDDEN))}-"
           f"{CLASSES}, {sum(int(np.prod(s)) for s in shapes()) * 4 / 1e6:.1f} MB of gradients")
     if args.part in ("kernel", "all"):
         one = passes_in_one_process()
         print("one pass over the gradients, 1 thread: " + ", ".join(f"{k} {v:.3f} ms" for k, v in one.items()))
-        runs = [("bucket filled, then summed; 1 thread, pinned", False, 1, True),
-                ("scale fused into the sum; 1 thread, pinned", True, 1, True),
-                ("scale fused; 1 thread, unpinned", True, 1, False),
-                ("scale fused; 2 threads each, unpinned", True, 2, False)]
-        res = [(label, kernel(args.repeats, fused, threads, pinned)) for label, fused, threads, pinned in runs]
+        res = list(kernel(args.repeats).items())
         base = res[0][1]["ms"]
-        print(f"\n(a) one step's exchange, 2 workers, {'%.1f' % (sum(int(np.prod(s)) for s in shapes()) * 4 / 1e6)} MB")
+        print(f"\n(a) one step's exchange, 2 workers, {sum(int(np.prod(s)) for s in shapes()) * 4 / 1e6:.1f} MB, "
+              f"medians of {args.repeats} alternating rounds")
         print(f"{'':<48}{'ms/call':>9}{'waited':>9}{'ratio':>7}  same sums")
         for label, r in res:
-            print(f"{label:<48}{r['ms']:>9.3f}{r['wait_ms']:>9.3f}{r['ms'] / base:>7.2f}  "
-                  f"{r['same'] and r['digest'] == res[0][1]['digest']}")
+            print(f"{label:<48}{r['ms']:>9.3f}{r['wait_ms']:>9.3f}{r['ms'] / base:>7.2f}  {r['same']}")
         one, two = phase_in_one_process(1), phase_in_one_process(2)
         print(f"one phase's passes (2 MiB chunk, 2 workers' rows), one process: 1 thread {one:.0f} us, "
               f"2 threads {two:.0f} us, ratio {two / one:.2f}")
