@@ -135,7 +135,8 @@ class HostGradientAllreduce(GradientAllreduce):
         super().final_check()
 
     def close(self) -> None:
-        """The run's end: no hook stays on the model's tensors."""
+        """The run's end: no hook stays on the model's tensors, no thread of the sum runs."""
+        super().close()
         overlap, self._overlap = self._overlap, None
         if overlap is not None:
             self.overlapped = self.overlapped or overlap.early_launches > 0

@@ -16,6 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ..machine.keras_backend import configured_backend
+
 log = logging.getLogger(__name__)
 
 
@@ -124,7 +126,10 @@ class GlooCollective:
         import torch.distributed as dist
 
         choose_gloo_interface(host, ifname)
-        torch.set_num_threads(1)
+        if configured_backend() != "torch":
+            # On TensorFlow and JAX torch only carries Gloo's messages: its own pool stays at one thread. On
+            # Keras' torch backend its threads are the model's: the worker's budget (worker/runtime.pin_threads).
+            torch.set_num_threads(1)
         td = datetime.timedelta(seconds=timeout)
         kwargs = {"use_libuv": False}
         if listen_fd is not None:

@@ -135,6 +135,7 @@ class GradientSum:
         self._chunked: SharedChunkedSum | None = None  # a large bucket through shared memory
         self._chunked_plan: ChunkPlan | None = None
         self.prescaled: bool | None = None  # which exchange the train step uses, fixed when first traced
+        self.fused_scale = True  # the chunked sum scales as it copies in (False: the bucket filled first; benchmarks)
         self.sums_on_gloo = False  # several workers, summing through the exchanges below
         inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
         if engine == "gloo" and isinstance(inner, GlooCollective) and inner.world_size > 1:
@@ -191,6 +192,8 @@ class GradientSum:
         t0 = time.perf_counter()
         n, total = self.weight, self._check_total()
         factor = np.float32(n / total) if scale else None
+        if self._chunked is not None and self.fused_scale:
+            return self._scaled_sum(grads, factor, total, t0)
         bucket = self._free_bucket()
         buf = self.buffer = bucket.data
         last = len(self.chunks) - 1
@@ -216,6 +219,31 @@ class GradientSum:
         finally:
             self._sum.finish()
         return self._hand_back(bucket, total, t0)
+
+    def _scaled_sum(self, grads: Sequence[np.ndarray], factor: np.float32 | None, total: float,
+                    t0: float) -> list[np.ndarray]:
+        """The chunked shared-memory sum reading the gradients where they are and scaling them as it copies
+        them in: one pass fewer than filling the bucket first, the same bits (a pad step's 0 writes zeros)."""
+        bucket = self._free_bucket()
+        self.buffer = bucket.data
+        arrays = [np.reshape(g, -1) for g in grads] + [np.array([self.weight], dtype=np.float32)]
+        factor = np.float32(0.0) if self.weight == 0 else factor  # no rows of ours: zeros, as _copy_and_sum
+        assert self._chunked is not None and self._chunked_plan is not None
+        self._sum.begin()
+        try:
+            self._chunked.sum_into(arrays, bucket.data, self._chunked_plan, [factor] * len(grads) + [None])
+        finally:
+            self._sum.finish()
+        return self._hand_back(bucket, total, t0)
+
+    def use_threads(self, threads: int) -> None:
+        """Split the chunked shared-memory sum's passes over ``threads`` threads (sum_threads.py)."""
+        if self._chunked is not None:
+            self._chunked.use_threads(threads)
+
+    def close(self) -> None:
+        """The sum's threads stopped (the segment stays mapped until the process ends)."""
+        self.use_threads(1)
 
     def exchange_sum(self, *grads: np.ndarray) -> list[np.ndarray]:
         """Sum gradients already scaled by n / total (through the loss) across workers.

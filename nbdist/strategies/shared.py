@@ -68,6 +68,8 @@ from ..machine.placement import usable_cores
 from ..machine.processes import ProcessId, remove_quietly
 from .direct import add_in_rank_order
 from .ring import ALIGN, block_bounds, pieces, segment_bounds
+from .shm_files import _attach, _create, boot_id
+from .sum_threads import Pass, PhaseThreads, clip, run_passes
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +260,7 @@ class SharedChunkedSum(_Segment):
                        for s in (0, 1)]
         self._phase = int(self._seq[rank])
         self._plans: dict[int, ChunkPlan] = {}
+        self._threads: PhaseThreads | None = None
 
     def plan(self, offsets: Sequence[int], sizes: Sequence[int], length: int) -> ChunkPlan:
         return chunk_plan(offsets, sizes, length, self.chunk, self.rank, self.world)
@@ -268,19 +271,29 @@ class SharedChunkedSum(_Segment):
             self._plans[n] = self.plan([0], [n], n)
         self.sum_into([bucket], bucket, self._plans[n])
 
-    def sum_into(self, arrays: Sequence[np.ndarray], out: np.ndarray, plan: ChunkPlan) -> None:
+    def sum_into(self, arrays: Sequence[np.ndarray], out: np.ndarray, plan: ChunkPlan,
+                 scales: Sequence[Any] | None = None) -> None:
         """``out[layout] = sum over workers of arrays``: flat float32 arrays, laid out as ``plan`` says.
 
+        ``scales``: each array's float32 factor, or None; an array is multiplied by it as it is copied in
+        (the same bits as scaling it first), and a factor of 0 writes zeros (0 x inf would be NaN).
         ``out`` may be the one array itself (in place): each chunk of it is read before it is written.
+        The passes run on the threads of ``use_threads``.
         """
         def put(row: np.ndarray, a: int, parts: Pieces) -> None:
             for k, lo, hi, pos in parts:
-                np.copyto(row[pos - a:pos - a + hi - lo], arrays[k][lo:hi])
+                dst, factor = row[pos - a:pos - a + hi - lo], None if scales is None else scales[k]
+                if factor is None:
+                    np.copyto(dst, arrays[k][lo:hi])
+                elif factor == 0:
+                    dst.fill(0.0)
+                else:
+                    np.multiply(arrays[k][lo:hi], factor, out=dst, casting="same_kind")
 
         def take(summed: np.ndarray, a: int, b: int, parts: Pieces) -> None:
             np.copyto(out[a:b], summed)
 
-        self._exchange(plan, put, take)
+        self._exchange(plan, put, take, self._threads)
 
     def average_in_place(self, arrays: Sequence[np.ndarray], weight: float, plan: ChunkPlan) -> float:
         """Every array := the ``weight``-weighted average over workers of that array, in place; the summed weight.
@@ -310,9 +323,17 @@ class SharedChunkedSum(_Segment):
         self._exchange(plan, put, take)
         return float(total[0])
 
-    def _exchange(self, plan: ChunkPlan, put: Any, take: Any) -> None:
+    def use_threads(self, threads: int) -> None:
+        """Split each phase's passes over ``threads`` threads (sum_threads.py) in ``sum_into``; 1: none."""
+        if self._threads is not None:
+            self._threads.close()
+        self._threads = PhaseThreads(threads, self.timeout) if threads > 1 else None
+
+    def _exchange(self, plan: ChunkPlan, put: Any, take: Any, threads: PhaseThreads | None = None) -> None:
         """The phases of a chunked sum: in phase i this worker puts chunk i into its row, adds its slice of
-        chunk i - 1 and hands chunk i - 2, summed by everyone, to ``take``; peers move in lockstep."""
+        chunk i - 1 and hands chunk i - 2, summed by everyone, to ``take``; peers move in lockstep.
+        ``threads``: the three passes of a phase split over them, by ranges of the bucket (``put`` and
+        ``take`` must then work on any range of a chunk)."""
         rank, world, chunks = self.rank, self.world, plan.chunks
         g = self._phase
         with np.errstate(all="ignore"):  # alignment gaps hold stale floats: their sums mean nothing
@@ -320,22 +341,44 @@ class SharedChunkedSum(_Segment):
                 phase = g + 1 + i
                 self._wait_all(phase - 1)
                 slot, last = self._slots[phase % 2], self._slots[(phase - 1) % 2]
+                passes: list[Pass] = []
                 if i >= 2:  # chunk i - 2, summed by everyone in the last phase
                     a, b, parts, _, _ = chunks[i - 2]
-                    take(slot[world, :b - a], a, b, parts)
+                    passes.append((a, b, _take_range(take, slot[world], a, parts)))
                 if i < len(chunks):
-                    a, _, parts, _, _ = chunks[i]
-                    put(slot[rank], a, parts)
+                    a, b, parts, _, _ = chunks[i]
+                    passes.append((a, b, _put_range(put, slot[rank], a, parts)))
                 if 1 <= i <= len(chunks):  # this worker's slice of chunk i - 1
                     _, _, _, lo, hi = chunks[i - 1]
                     if lo < hi:
-                        add_in_rank_order(last[:world, lo:hi], last[world, lo:hi])
+                        passes.append((lo, hi, _add_range(last, world)))
+                run_passes(passes, threads)
                 self._seq[rank] = phase  # after the rows: peers that see it see them too (TSO)
         self._phase = g + len(chunks) + 2
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.close()
+            self._threads = None
+        super().close()
 
     def _drop_views(self) -> None:
         super()._drop_views()
         self._slots = None  # type: ignore[assignment]
+
+
+def _take_range(take: Any, summed: np.ndarray, a: int, parts: Pieces) -> Any:
+    """``take`` of bucket positions ``range(c, d)`` of the chunk starting at ``a``."""
+    return lambda c, d: take(summed[c - a:d - a], c, d, clip(parts, c, d))
+
+
+def _put_range(put: Any, row: np.ndarray, a: int, parts: Pieces) -> Any:
+    return lambda c, d: put(row, a, clip(parts, c, d))
+
+
+def _add_range(rows: np.ndarray, world: int) -> Any:
+    """This worker's slice (a range of it) of the chunk in ``rows``, summed in rank order into its output row."""
+    return lambda c, d: add_in_rank_order(rows[:world, c:d], rows[world, c:d])
 
 
 def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId | None], bool] | None:
@@ -403,45 +446,3 @@ def open_chunked_sum(collective: Any, length: int, chunk: int = CHUNK_ELEMENTS) 
         return None
     buf, peers, spin = opened
     return SharedChunkedSum(collective.rank, collective.world_size, chunk, buf, peers, collective.timeout, spin)
-
-
-def boot_id() -> str:
-    """This kernel's random boot id: the same in every container and namespace of one machine, else different."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _create(path: str, size: int) -> mmap.mmap | None:
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    except OSError as exc:
-        log.debug("cannot create %s: %s", path, exc)
-        return None
-    try:
-        # Reserve the pages now: a sparse tmpfs file that cannot grow later kills with SIGBUS.
-        os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size)
-    except OSError as exc:  # /dev/shm too small for the segment (a container's default 64 MiB)
-        log.debug("cannot size %s: %s", path, exc)
-        remove_quietly(path)
-        return None
-    finally:
-        os.close(fd)
-
-
-def _attach(path: str, size: int) -> mmap.mmap | None:
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:  # another machine, or another container's /dev/shm
-        return None
-    try:
-        if os.fstat(fd).st_size != size:
-            return None
-        return mmap.mmap(fd, size)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)

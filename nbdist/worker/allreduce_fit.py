@@ -51,6 +51,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     from ..strategies.averaging import WeightedAverager, batch_sizes
     from ..strategies.backend_grads import HostGradientAllreduce, wrap_jax_optimizer, wrap_torch_optimizer
     from ..strategies.gradient_sum import shard_samples, step_totals
+    from ..strategies.sum_threads import sum_threads
     from .blocks import StepBlocks, block_size
     from .callbacks import EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
@@ -94,6 +95,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         collective, model.trainable_variables, "gloo" if solo or engine == "jax" else engine,
         direct_sum_bytes=int(train.direct_sum_bytes),
         shared_memory=bool(train.shared_memory), shared_chunk_bytes=int(train.shared_chunk_bytes))
+    reducer.use_threads(sum_threads(job.threads))  # the budget's cores sum while the model waits (opt-in)
     if totals is not None and engine == "gloo" and not host and not model.run_eagerly and not reducer.device_sum:
         # Each step finds its share in the graph, so a call may run several (blocks.py). The device sum
         # (tf_device_sum.py) is told each step's share from Python, as on a GPU.
@@ -146,8 +148,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         report = fit_and_report(link, job, model, collective, inputs, lr_factor, callbacks, phases, feed, shipper)
         reducer.final_check()
     finally:
-        if host:
-            reducer.close()  # no hook stays on the model's tensors
+        reducer.close()  # no hook stays on the model's tensors, no thread of the sum runs
     link.send(Done(sync_seconds=reducer.seconds, rounds=reducer.steps, engine=engine, padded_steps=sync.padded_steps,
                    summed_by="device" if engine == "jax" else reducer.summed_by, device=training_device(), **report))
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",

@@ -19,9 +19,15 @@ def import_keras() -> None:
 
 def pin_threads(threads: int) -> None:
     """Keep N workers on one machine from each using every core (OMP_NUM_THREADS in the worker's
-    environment does it for JAX's and torch's CPU kernels as they load)."""
+    environment does it for JAX's and torch's CPU kernels as they load); on torch, set here too, so the
+    budget holds whatever a warm worker's imports read."""
     import keras
 
+    if keras.backend.backend() == "torch":
+        import torch
+
+        torch.set_num_threads(threads)
+        return
     if keras.backend.backend() != "tensorflow":
         return
     import tensorflow as tf

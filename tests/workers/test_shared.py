@@ -234,6 +234,9 @@ def _chunked_rank_main(rank: int, world: int, port: int, mode: str) -> None:
     gloo.allreduce_sum(np.zeros(1, np.float32))  # rank 0 has unlinked the segment by now
     report["left_in_shm"] = _segments()
     plan = summer.plan([int(o) for o in offsets[:-1]], SIZES + [1], length)
+    if mode == "threads":  # each phase's passes split over 3 threads, in ranges of 64 floats and more
+        summer.use_threads(3)
+        summer._threads.minimum = 64
     errors, digests = [], []
     out = np.full(length, np.nan, np.float32)
     for step in range(5):
@@ -243,13 +246,16 @@ def _chunked_rank_main(rank: int, world: int, port: int, mode: str) -> None:
             time.sleep(0.1)  # the others wait past their spin and sleep
         t0 = time.monotonic()
         arrays = _arrays(rank, step)
+        # Scaled as they are copied in (the gradients' factor n / total; 0 for a worker with no rows), the count not.
+        factor = np.float32(0.0 if step == 4 and rank == 1 else 0.375 + rank) if mode == "threads" else None
+        scales = None if factor is None else [factor] * len(SIZES) + [None]
         try:
             if step % 2:  # in place, as the averaging strategy sums its buffer
                 bucket = np.concatenate(arrays)
                 summer(bucket)
                 got = np.split(bucket, np.cumsum(SIZES + [1])[:-1])
             else:  # from the arrays where they are into the bucket, as the gradients are summed
-                summer.sum_into(arrays, out, plan)
+                summer.sum_into(arrays, out, plan, scales)
                 got = [out[o:o + n] for o, n in zip(offsets[:-1], SIZES + [1])]
         except shared.PeerGone as exc:
             report["error"], report["after"] = str(exc), time.monotonic() - t0
@@ -257,6 +263,9 @@ def _chunked_rank_main(rank: int, world: int, port: int, mode: str) -> None:
         # The same additions in the same order as the one-row sum: compare bits, not just values.
         want = [np.zeros(n, np.float32) for n in SIZES + [1]]
         rows = [_arrays(r, step) for r in range(world)]
+        if scales is not None and step % 2 == 0:
+            factors = [np.float32(0.0 if step == 4 and r == 1 else 0.375 + r) for r in range(world)]
+            rows = [[a * f for a in row[:-1]] + row[-1:] for row, f in zip(rows, factors)]
         for i in range(len(want)):
             shared.add_in_rank_order(np.stack([row[i] for row in rows]), want[i])
         errors.append(sum(int(np.count_nonzero(g != w)) for g, w in zip(got, want)))
@@ -268,10 +277,11 @@ def _chunked_rank_main(rank: int, world: int, port: int, mode: str) -> None:
         gloo.close()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_chunked_sum_between_real_processes_is_the_rank_order_sum_with_the_same_bits_everywhere(world):
+@pytest.mark.parametrize("world, mode", [(2, "run"), (3, "run"), (3, "threads")])
+def test_chunked_sum_between_real_processes_is_the_rank_order_sum_with_the_same_bits_everywhere(world, mode):
+    """"threads": each phase's passes split over 3 threads, the gradients scaled as they are copied in."""
     before = _segments()
-    reports = run_ranks("tests.workers.test_shared:_chunked_rank_main", world, "run")
+    reports = run_ranks("tests.workers.test_shared:_chunked_rank_main", world, mode)
     for report in reports:
         assert report["shared"] and report["chunks"] == 4  # 3853 floats: 3 whole chunks and a part
         assert report["errors"] == [0] * 5  # bit for bit the sum added in rank order, both call forms
@@ -319,3 +329,23 @@ def socket_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def _threads_rank_main(rank: int, world: int, port: int, backend: str) -> None:
+    import torch
+
+    os.environ["KERAS_BACKEND"] = backend
+    from nbdist.strategies.collective import GlooCollective
+
+    torch.set_num_threads(2)  # the worker's budget (runtime.pin_threads)
+    gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
+    print(json.dumps({"torch_threads": torch.get_num_threads()}), flush=True)
+    gloo.close()
+
+
+@pytest.mark.parametrize("backend, threads", [("torch", 2), ("tensorflow", 1)])
+def test_the_collective_leaves_a_torch_workers_threads_to_its_model(backend, threads):
+    """On Keras' torch backend torch's threads compute the model: opening Gloo must not cut them to one (it did,
+    so every worker of 2 or more trained on one core whatever its budget); elsewhere torch only carries Gloo."""
+    reports = run_ranks("tests.workers.test_shared:_threads_rank_main", 1, backend)
+    assert reports[0]["torch_threads"] == threads

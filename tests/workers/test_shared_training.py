@@ -29,8 +29,9 @@ def own_step_mlp(seed=0):
 
 @pytest.mark.parametrize("build", [mlp, own_step_mlp], ids=["scaled-loss", "own-train-step"])
 def test_allreduce_through_chunked_shared_memory_equals_local_fit_with_the_global_batch(digits, build):
-    """C3 on the chunked shared-memory path: gradients read from TensorFlow (scaled loss) or copied and scaled."""
-    x, y = digits[0][:800], digits[1][:800]
+    """C3 on the chunked shared-memory path: gradients read from TensorFlow (scaled loss) or scaled as they are
+    copied in; 801 rows: worker 1 runs a step with no rows of its own (zeros into the sum)."""
+    x, y = digits[0][:801], digits[1][:801]
     model = compiled(build(), keras.optimizers.SGD(0.1))
     job = nbdist.train(model, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
                        lr_scaling="none", direct_sum_bytes=0, shared_chunk_bytes=CHUNK_BYTES)
