@@ -12,35 +12,17 @@ import os
 
 os.environ["KERAS_BACKEND"] = "jax"
 
-import keras
 import numpy as np
-
-import nbdist
+from two_worker_steps import build, two_workers
 
 MODELS = {"digits_mlp": (64, [32], 1536), "mlp_1.3M": (256, [1024, 1024], 4096)}
 ONLY = os.environ.get("BENCH_MODELS", "").split(",") if os.environ.get("BENCH_MODELS") else list(MODELS)
 
 
-def build(dim: int, hidden: list[int]) -> keras.Model:
-    layers = [keras.Input((dim,))] + [keras.layers.Dense(h, activation="relu",
-                                                         kernel_initializer=keras.initializers.GlorotUniform(i))
-                                      for i, h in enumerate(hidden)]
-    model = keras.Sequential(layers + [keras.layers.Dense(10, activation="softmax")])
-    model.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
-    return model
-
-
 def run(name: str, engine: str | None, epochs: int, batch: int) -> tuple[float, list[np.ndarray]]:
     dim, hidden, rows = MODELS[name]
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(rows, dim)).astype("float32"), rng.integers(0, 10, rows)
-    keras.utils.set_random_seed(0)
-    model = build(dim, hidden)
-    options = {"engine": engine} if engine else {}
-    job = nbdist.train(model, x, y, workers=2, strategy="allreduce", epochs=epochs, batch_size=batch, shuffle=False,
-                       lr_scaling="none", ui="none", **options)
-    seconds = job.state.epoch_seconds[1:]
-    return 1000 * sum(seconds) / len(seconds) / (rows // (2 * batch)), model.get_weights()
+    got = two_workers(build(dim, hidden), rows, epochs, batch, engine=engine or "gloo")
+    return got["ms_per_step"], got["weights"]
 
 
 def main() -> None:

@@ -16,43 +16,18 @@ import time
 
 os.environ["KERAS_BACKEND"] = "tensorflow"
 
-import keras
 import numpy as np
-
-import nbdist
+from two_worker_steps import build, two_workers
 
 MODELS = {"digits_mlp": (64, [32], 1536), "mlp_1.3M": (256, [1024, 1024], 4096)}
 ONLY = os.environ.get("BENCH_MODELS", "").split(",") if os.environ.get("BENCH_MODELS") else list(MODELS)
 RUNS = {"numpy": {}, "device": {"NBDIST_TF_DEVICE_SUM": "1"}}
 
 
-def build(dim: int, hidden: list[int]) -> keras.Model:
-    layers = [keras.Input((dim,))] + [keras.layers.Dense(h, activation="relu",
-                                                         kernel_initializer=keras.initializers.GlorotUniform(i))
-                                      for i, h in enumerate(hidden)]
-    out = keras.layers.Dense(10, activation="softmax", kernel_initializer=keras.initializers.GlorotUniform(99))
-    model = keras.Sequential(layers + [out])
-    model.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
-    return model
-
-
 def run(name: str, env: dict[str, str], epochs: int, batch: int) -> tuple[float, float, list[np.ndarray], list[str]]:
     dim, hidden, rows = MODELS[name]
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(rows, dim)).astype("float32"), rng.integers(0, 10, rows)
-    model = build(dim, hidden)
-    os.environ.update(env)  # the workers inherit it
-    try:
-        job = nbdist.train(model, x, y, workers=2, strategy="allreduce", epochs=epochs, batch_size=batch,
-                           shuffle=False, lr_scaling="none", ui="none")
-    finally:
-        for key in env:
-            del os.environ[key]
-    seconds = job.state.epoch_seconds[1:]
-    steps = rows // (2 * batch)
-    reports = [job.reports[r] for r in range(2)]
-    sync = max(1000 * r["sync_seconds"] / max(1, r["rounds"]) for r in reports)
-    return 1000 * sum(seconds) / len(seconds) / steps, sync, model.get_weights(), [str(r["summed_by"]) for r in reports]
+    got = two_workers(build(dim, hidden), rows, epochs, batch, env)
+    return got["ms_per_step"], got["sync_ms"], got["weights"], got["summed_by"]
 
 
 def bridge(name: str, calls: int = 200) -> dict[str, float]:

@@ -15,10 +15,8 @@ import os
 
 os.environ["KERAS_BACKEND"] = "torch"
 
-import keras
 import numpy as np
-
-import nbdist
+from two_worker_steps import build, two_workers
 
 MODELS = {"mlp_8.4M": (2048, [2048, 2048], 1024), "mlp_25M": (2048, [4096, 4096], 1024)}
 ONLY = os.environ.get("BENCH_MODELS", "").split(",") if os.environ.get("BENCH_MODELS") else list(MODELS)
@@ -26,31 +24,10 @@ RUNS = {"numpy": {}, "at_apply": {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_
         "overlapped": {"NBDIST_TORCH_DEVICE_SUM": "1"}}
 
 
-def build(dim: int, hidden: list[int]) -> keras.Model:
-    layers = [keras.Input((dim,))] + [keras.layers.Dense(h, activation="relu",
-                                                         kernel_initializer=keras.initializers.GlorotUniform(i))
-                                      for i, h in enumerate(hidden)]
-    out = keras.layers.Dense(10, activation="softmax", kernel_initializer=keras.initializers.GlorotUniform(99))
-    model = keras.Sequential(layers + [out])
-    model.compile(keras.optimizers.Adam(1e-4), "sparse_categorical_crossentropy")
-    return model
-
-
 def run(name: str, env: dict[str, str], epochs: int, batch: int) -> tuple[float, list[np.ndarray], list[str]]:
     dim, hidden, rows = MODELS[name]
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(rows, dim)).astype("float32"), rng.integers(0, 10, rows)
-    model = build(dim, hidden)
-    os.environ.update(env)  # the workers inherit it
-    try:
-        job = nbdist.train(model, x, y, workers=2, strategy="allreduce", epochs=epochs, batch_size=batch,
-                           shuffle=False, lr_scaling="none", ui="none")
-    finally:
-        for key in env:
-            del os.environ[key]
-    seconds = job.state.epoch_seconds[1:]
-    summed_by = [str(job.reports[r]["summed_by"]) for r in range(2)]
-    return 1000 * sum(seconds) / len(seconds) / (rows // (2 * batch)), model.get_weights(), summed_by
+    got = two_workers(build(dim, hidden, lr=1e-4), rows, epochs, batch, env)
+    return got["ms_per_step"], got["weights"], got["summed_by"]
 
 
 def main() -> None:
