@@ -27,7 +27,7 @@ SCRATCH = Path(os.environ.get("CHECK_SCRATCH", "/tmp/nbcheck_scratch"))
 # Seconds for the workers to start (nbdist's startup_timeout); a stop also waits up to this for its
 # event loop. Cold workers on the GPU machine (no warm workers where there are GPUs) take ~10-20 s.
 STARTUP_TIMEOUT = float(os.environ.get("CHECK_STARTUP_TIMEOUT", "60"))
-STEPS = ("env", "torch_gpu", "torch_w2", "jax_gpu", "jax_engine", "cpu_scaling", "mixed_bf16", "mixed_bf16_jax")
+STEPS = ("env", "torch_gpu", "jax_gpu", "mixed_bf16", "mixed_bf16_jax", "torch_w2", "jax_engine", "cpu_scaling")
 
 
 # -- recording ------------------------------------------------------------------

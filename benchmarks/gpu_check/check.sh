@@ -88,7 +88,9 @@ run_step() {
   "$PY" "$HERE/check.py" --merge --out "$OUT" || true
 }
 
-STEPS="${CHECK_STEPS:-env torch_gpu torch_w2 jax_gpu jax_engine cpu_scaling mixed_bf16 mixed_bf16_jax}"
+# The goals first (one worker against plain fit, float32 then bf16, on torch and JAX), then two workers
+# on the one GPU, JAX's device sum, and the CPU cores: a run out of budget skips the last.
+STEPS="${CHECK_STEPS:-env torch_gpu jax_gpu mixed_bf16 mixed_bf16_jax torch_w2 jax_engine cpu_scaling}"
 for s in $STEPS; do
   case $s in
     env)         run_step env torch 60 ;;
