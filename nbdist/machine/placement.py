@@ -231,6 +231,17 @@ JAX_ONLY = ("--engine jax sums with JAX's own collectives and needs Keras' jax b
             "use --engine gloo or nccl on this backend.")
 
 
+def unequal_rows_notice(requested: str | None) -> str:
+    """Why JAX's device sum gives way to the host path when the workers' rows per step differ (every process
+    runs one program): worded for ``--engine jax`` asked by name, or for the default on GPUs (``None``)."""
+    if requested == "jax":
+        return ("--engine jax needs the same rows per step on every worker (rows divisible by the workers, array "
+                "data); these shares differ, so the gradients are summed over Gloo.")
+    return ("Every worker has a GPU of its own, but JAX's sum on the GPUs needs the same rows per step on every "
+            "worker (rows divisible by the workers, array data) and these shares differ: the gradients are summed "
+            "over Gloo, through host memory (each step copies them off the GPU and back).")
+
+
 def choose_jax_engine(requested: str | None, equal_steps: bool | None = None,
                       gpus: Sequence[object] = ()) -> tuple[str, str | None]:
     """Resolve ``--engine`` under allreduce on Keras' JAX backend: (engine to use, warning sentence or None).
@@ -253,20 +264,12 @@ def choose_jax_engine(requested: str | None, equal_steps: bool | None = None,
             return "gloo", None
         if obstacle:
             return "gloo", sharing_notice(obstacle)
-        if equal_steps is False:
-            return "gloo", ("Every worker has a GPU of its own, but JAX's sum on the GPUs needs the same rows per "
-                            "step on every worker (rows divisible by the workers, array data) and these shares "
-                            "differ: the gradients are summed over Gloo, through host memory (each step copies "
-                            "them off the GPU and back).")
-        return "jax", None
+        return ("gloo", unequal_rows_notice(None)) if equal_steps is False else ("jax", None)
     if requested == "jax":
         if obstacle:
             return "gloo", (f"--engine jax sums over NCCL inside XLA on GPUs, which needs a GPU of its own for every "
                             f"worker, and {obstacle}: the gradients are summed over Gloo, through host memory.")
-        if equal_steps is False:
-            return "gloo", ("--engine jax needs the same rows per step on every worker (rows divisible by the "
-                            "workers, array data); these shares differ, so the gradients are summed over Gloo.")
-        return "jax", None
+        return ("gloo", unequal_rows_notice("jax")) if equal_steps is False else ("jax", None)
     why = ("Horovod 0.28.1, its last release, has no JAX support" if requested == "horovod" else
            "nbdist does not drive NCCL from JAX by itself; --engine jax sums with JAX's own collectives, NCCL "
            "inside XLA on GPUs")

@@ -157,19 +157,19 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
 
 def _equal_steps_or_gloo(link: Any, collective: Any, samples: int | None, sizes: list[int],
                          requested: str | None) -> str:
-    """``jax`` where every worker has the same rows at every step (array data, equal shares and batch sizes),
-    else ``gloo`` with its one sentence. ``samples`` None: a PyDataset feed, whose last batches may differ."""
-    from ..machine.placement import choose_jax_engine
+    """``jax`` (already chosen for the workers' GPUs) where every worker has the same rows at every step (array
+    data, equal shares and batch sizes), else ``gloo`` with its one sentence. ``samples`` None: a PyDataset feed,
+    whose last batches may differ."""
+    from ..machine.placement import unequal_rows_notice
     from ..strategies.gradient_sum import shard_samples
-    from .device import worker_gpus
 
     shares = shard_samples(collective, samples) if samples is not None else []
-    equal = len(set(shares)) == 1 and len(set(sizes)) == 1
-    engine, warning = choose_jax_engine(requested, equal, worker_gpus(collective))
-    if warning:
-        log.warning("%s", warning)
-        link.send(WorkerWarning(warning))
-    return engine
+    if len(set(shares)) == 1 and len(set(sizes)) == 1:
+        return "jax"
+    warning = unequal_rows_notice(requested)
+    log.warning("%s", warning)
+    link.send(WorkerWarning(warning))
+    return "gloo"
 
 
 def _install_jax_engine(model: Any, collective: Any, timeout: float) -> None:

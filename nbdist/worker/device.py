@@ -17,10 +17,10 @@ import numpy as np
 from ..machine.placement import describe_device
 
 
-def _host_index() -> str:
-    """The GPU's id on the host: the first in CUDA_VISIBLE_DEVICES (the worker's device 0), else 0."""
+def _host_index(default: object = "0") -> str:
+    """The GPU's id on the host: the first in CUDA_VISIBLE_DEVICES (the worker's device 0), else ``default``."""
     ids = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return ids[0] if ids else "0"
+    return ids[0] if ids else str(default)
 
 
 def training_device() -> str:
@@ -76,8 +76,7 @@ def _jax_gpu_identity() -> str:
     device = jax.devices()[0]
     if device.platform != "gpu":
         return ""
-    ids = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return f"{socket.gethostname()}/{ids[0] if ids else device.local_hardware_id}"
+    return f"{socket.gethostname()}/{_host_index(device.local_hardware_id)}"
 
 
 def worker_gpus(collective: Any, mine: str | None = None) -> list[int]:
