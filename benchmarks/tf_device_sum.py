@@ -9,25 +9,17 @@ alone costs per step: a ``tf.py_function`` handing the model's gradients to torc
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 
 os.environ["KERAS_BACKEND"] = "tensorflow"
 
-import numpy as np
-from two_worker_steps import build, two_workers
+from two_worker_steps import alternating, arguments, build, weight_gap
 
 MODELS = {"digits_mlp": (64, [32], 1536), "mlp_1.3M": (256, [1024, 1024], 4096)}
 ONLY = os.environ.get("BENCH_MODELS", "").split(",") if os.environ.get("BENCH_MODELS") else list(MODELS)
 RUNS = {"numpy": {}, "device": {"NBDIST_TF_DEVICE_SUM": "1"}}
-
-
-def run(name: str, env: dict[str, str], epochs: int, batch: int) -> tuple[float, float, list[np.ndarray], list[str]]:
-    dim, hidden, rows = MODELS[name]
-    got = two_workers(build(dim, hidden), rows, epochs, batch, env)
-    return got["ms_per_step"], got["sync_ms"], got["weights"], got["summed_by"]
 
 
 def bridge(name: str, calls: int = 200) -> dict[str, float]:
@@ -55,25 +47,16 @@ def bridge(name: str, calls: int = 200) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=64, help="rows per worker per step")
-    args = parser.parse_args()
+    args = arguments(epochs=5)
     out: dict[str, object] = {}
     for name in ONLY:
-        times: dict[str, list[float]] = {label: [] for label in RUNS}
-        sync: dict[str, list[float]] = {label: [] for label in RUNS}
-        weights: dict[str, list[np.ndarray]] = {}
-        summed: dict[str, list[str]] = {}
-        for _ in range(args.rounds):
-            for label, env in RUNS.items():
-                ms, in_sum, weights[label], summed[label] = run(name, env, args.epochs, args.batch)
-                times[label].append(round(ms, 2))
-                sync[label].append(round(in_sum, 3))
-        out[name] = {"ms_per_step": times, "sum_ms_per_step": sync, "summed_by": summed,
+        runs = alternating(MODELS[name], {label: {"env": env} for label, env in RUNS.items()}, args)
+        times = {label: [round(r["ms_per_step"], 2) for r in rs] for label, rs in runs.items()}
+        out[name] = {"ms_per_step": times,
+                     "sum_ms_per_step": {label: [round(r["sync_ms"], 3) for r in rs] for label, rs in runs.items()},
+                     "summed_by": {label: rs[-1]["summed_by"] for label, rs in runs.items()},
                      "device_over_numpy": round(min(times["device"]) / min(times["numpy"]), 3),
-                     "weight_gap": float(max(np.abs(a - b).max() for a, b in zip(weights["numpy"], weights["device"]))),
+                     "weight_gap": weight_gap(runs["numpy"][-1]["weights"], runs["device"][-1]["weights"]),
                      "bridge_ms_per_call": bridge(name)}
     print(json.dumps(out, indent=1))
 

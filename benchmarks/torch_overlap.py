@@ -9,14 +9,12 @@ alternating rounds, and the largest weight difference from the at-apply run. ``N
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 os.environ["KERAS_BACKEND"] = "torch"
 
-import numpy as np
-from two_worker_steps import build, two_workers
+from two_worker_steps import alternating, arguments, weight_gap
 
 MODELS = {"mlp_8.4M": (2048, [2048, 2048], 1024), "mlp_25M": (2048, [4096, 4096], 1024)}
 ONLY = os.environ.get("BENCH_MODELS", "").split(",") if os.environ.get("BENCH_MODELS") else list(MODELS)
@@ -24,31 +22,16 @@ RUNS = {"numpy": {}, "at_apply": {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_
         "overlapped": {"NBDIST_TORCH_DEVICE_SUM": "1"}}
 
 
-def run(name: str, env: dict[str, str], epochs: int, batch: int) -> tuple[float, list[np.ndarray], list[str]]:
-    dim, hidden, rows = MODELS[name]
-    got = two_workers(build(dim, hidden, lr=1e-4), rows, epochs, batch, env)
-    return got["ms_per_step"], got["weights"], got["summed_by"]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=64, help="rows per worker per step")
-    args = parser.parse_args()
+    args = arguments(epochs=3)
     out: dict[str, object] = {"bucket_bytes": os.environ.get("NBDIST_TORCH_BUCKET_BYTES", "25 MiB")}
     for name in ONLY:
-        times: dict[str, list[float]] = {label: [] for label in RUNS}
-        weights: dict[str, list[np.ndarray]] = {}
-        summed: dict[str, list[str]] = {}
-        for _ in range(args.rounds):
-            for label, env in RUNS.items():
-                ms, weights[label], summed[label] = run(name, env, args.epochs, args.batch)
-                times[label].append(ms)
+        runs = alternating(MODELS[name], {label: {"env": env} for label, env in RUNS.items()}, args, lr=1e-4)
+        times = {label: [r["ms_per_step"] for r in rs] for label, rs in runs.items()}
         out[name] = {"ms_per_step": {k: [round(t, 1) for t in v] for k, v in times.items()},
                      "overlapped_over_at_apply": round(min(times["overlapped"]) / min(times["at_apply"]), 3),
-                     "summed_by": summed,
-                     "weight_gap": {k: float(max(np.abs(a - b).max() for a, b in zip(weights[k], weights["at_apply"])))
+                     "summed_by": {label: rs[-1]["summed_by"] for label, rs in runs.items()},
+                     "weight_gap": {k: weight_gap(runs[k][-1]["weights"], runs["at_apply"][-1]["weights"])
                                     for k in ("numpy", "overlapped")}}
     print(json.dumps(out, indent=1))
 

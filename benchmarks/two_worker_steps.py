@@ -1,9 +1,11 @@
-"""What the engine benchmarks share (tf_device_sum.py, torch_overlap.py, jax_engine.py): a seeded MLP, and
-ms per step of 2 local allreduce workers training it on generated rows, with the environment their workers
-inherit. Import it after the script has chosen its Keras backend (KERAS_BACKEND)."""
+"""What the engine benchmarks share (tf_device_sum.py, torch_overlap.py, jax_engine.py): their arguments, a
+seeded MLP, and ms per step of 2 local allreduce workers training it on generated rows, each configuration in
+alternating rounds. Import it after the script has chosen its Keras backend (KERAS_BACKEND)."""
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import keras
@@ -44,3 +46,30 @@ def two_workers(model: keras.Model, rows: int, epochs: int, batch: int, env: dic
     return {"ms_per_step": 1000 * sum(seconds) / len(seconds) / (rows // (2 * batch)),
             "sync_ms": max(1000 * r["sync_seconds"] / max(1, r["rounds"]) for r in reports),
             "weights": model.get_weights(), "summed_by": [str(r["summed_by"]) for r in reports]}
+
+
+def arguments(epochs: int) -> argparse.Namespace:
+    """--epochs (the first is not timed), --rounds (of every configuration, alternating), --batch."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=epochs)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64, help="rows per worker per step")
+    return parser.parse_args()
+
+
+def alternating(model: tuple[int, list[int], int], configs: Mapping[str, Mapping[str, Any]], args: argparse.Namespace,
+                lr: float = 1e-3) -> dict[str, list[dict[str, Any]]]:
+    """``two_workers`` on the MLP ``model`` (features, hidden widths, rows) for every configuration (its keyword
+    arguments: ``env`` and nbdist.train's options), one after another, ``args.rounds`` times: each
+    configuration's runs, in order."""
+    dim, hidden, rows = model
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in configs}
+    for _ in range(args.rounds):
+        for label, kwargs in configs.items():
+            runs[label].append(two_workers(build(dim, hidden, lr), rows, args.epochs, args.batch, **kwargs))
+    return runs
+
+
+def weight_gap(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """The largest absolute difference between two runs' weights."""
+    return float(max(np.abs(x - y).max() for x, y in zip(a, b)))
