@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +32,13 @@ import numpy as np
 log = logging.getLogger("nbdist.worker")
 
 PORT_KEY = "nbdist/jax/coordinator"
+FORCED = "NBDIST_JAX_DEVICE_SUM"
+
+
+def jax_device_sum_forced() -> bool:
+    """NBDIST_JAX_DEVICE_SUM=1: the averaging strategy's rounds inside the workers' JAX job on CPUs too, over
+    Gloo (the GPU's code path: tests, and comparing it with the host's rounds). Allreduce asks by ``--engine``."""
+    return os.environ.get(FORCED, "") == "1"
 
 
 def free_port(host: str) -> int:
@@ -106,28 +115,78 @@ def batch_rows(data: Any) -> int:
     return int(np.shape(leaves[0])[0])
 
 
-def weighted_psum(grads: Sequence[Any], rows: int, axis: str) -> list[Any]:
-    """sum_w (n_w / N) g_w over the mesh axis (inside ``shard_map``): each worker's gradients weighted by its
-    rows this step, as the host path weights them. One collective per step: the gradients, scaled by rows,
-    and the rows themselves in one float32 bucket (each collective over Gloo costs a round trip); handed
-    back in each gradient's dtype."""
+def weighted_sums(arrays: Sequence[Any], weight: Any, axis: str, fused: bool) -> tuple[list[Any], Any]:
+    """(sum_w n_w a_w for each array, float32 in its shape; sum_w n_w) over the mesh axis, inside ``shard_map``.
+
+    ``fused`` (CPUs): one collective, the scaled arrays and the weight in one float32 bucket, as each
+    collective over Gloo costs a round trip. Unfused (GPUs): one ``psum`` per array and one for the weight, so
+    that XLA can start each gradient's sum as soon as the backward pass has made it, while the rest of the
+    backward pass runs (its all-reduce combiner merges the small ones); a bucket would wait for the last
+    gradient. The same numbers either way."""
     import jax
     import jax.numpy as jnp
 
-    present = [g for g in grads if g is not None]
-    bucket = jnp.concatenate([jnp.ravel(jnp.asarray(g, jnp.float32)) * jnp.float32(rows) for g in present]
-                             + [jnp.full((1,), rows, jnp.float32)])
+    weight = jnp.asarray(weight, jnp.float32)
+    if not fused:
+        return ([jax.lax.psum(jnp.asarray(a, jnp.float32) * weight, axis) for a in arrays],
+                jax.lax.psum(weight, axis))
+    bucket = jnp.concatenate([jnp.ravel(jnp.asarray(a, jnp.float32)) * weight for a in arrays]
+                             + [jnp.reshape(weight, (1,))])
     summed = jax.lax.psum(bucket, axis)
-    scale = 1.0 / summed[-1]
-    out, start = [], 0
-    for g in grads:
-        if g is None:
-            out.append(None)
-            continue
-        size = int(np.prod(g.shape))
-        out.append((summed[start:start + size] * scale).reshape(g.shape).astype(g.dtype))
+    sums, start = [], 0
+    for a in arrays:
+        size = int(np.prod(a.shape))
+        sums.append(summed[start:start + size].reshape(a.shape))
         start += size
-    return out
+    return sums, summed[-1]
+
+
+def weighted_psum(grads: Sequence[Any], rows: int, axis: str, fused: bool = True) -> list[Any]:
+    """sum_w (n_w / N) g_w over the mesh axis (inside ``shard_map``): each worker's gradients weighted by its
+    rows this step, as the host path weights them (sum_w n_w g_w, then / N); handed back in each gradient's
+    dtype, None where a gradient is None."""
+    sums, total = weighted_sums([g for g in grads if g is not None], rows, axis, fused)
+    scale = 1.0 / total
+    it = iter(sums)
+    return [None if g is None else (next(it) * scale).astype(g.dtype) for g in grads]
+
+
+def weighted_mean(values: Sequence[Any], samples: Any, axis: str, fused: bool) -> tuple[list[Any], Any]:
+    """(sum_w n_w v_w / sum_w n_w for each value, in its dtype; sum_w n_w) over the mesh axis: an averaging
+    round (inside ``shard_map``). Where no worker trained since the last round (the sum is 0) every value is
+    kept as it is."""
+    import jax.numpy as jnp
+
+    sums, total = weighted_sums(values, samples, axis, fused)
+    scale = 1.0 / jnp.maximum(total, 1.0)
+    return [jnp.where(total > 0, s * scale, v).astype(v.dtype) for s, v in zip(sums, values)], total
+
+
+def fused_sum() -> bool:
+    """One bucket per step on CPUs (Gloo), one sum per gradient on GPUs (``weighted_psum``)."""
+    import jax
+
+    return jax.devices()[0].platform != "gpu"
+
+
+def on_mesh(tree: Any, device: Any, replicated: Any) -> Any:
+    """This process's arrays as the global mesh's (its shard is its own; no copy where already on device)."""
+    import jax
+
+    def put(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and leaf.sharding == replicated:  # the last step's state
+            return leaf
+        local = jax.device_put(np.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf, device)
+        return jax.make_array_from_single_device_arrays(local.shape, replicated, [local])
+
+    return jax.tree_util.tree_map(put, tree)
+
+
+def local_part(tree: Any) -> Any:
+    """This process's shard of each global array (its own values)."""
+    import jax
+
+    return jax.tree_util.tree_map(lambda a: a.addressable_data(0) if isinstance(a, jax.Array) else a, tree)
 
 
 class JaxDeviceSum:
@@ -146,6 +205,7 @@ class JaxDeviceSum:
         self.rows = 0  # the traced batch's rows, read by the wrapped stateless_apply while it traces
         self._last_state: Any = None  # the state the last step returned (on the mesh)
         self.steps = 0
+        self.fused = fused_sum()
 
     def install(self) -> None:
         """Wrap the optimizer's ``stateless_apply`` and make Keras' train function this mesh's step."""
@@ -156,7 +216,7 @@ class JaxDeviceSum:
         original = optimizer.stateless_apply
 
         def stateless_apply(optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
-            return original(optimizer_variables, weighted_psum(list(grads), self.rows, self.AXIS),
+            return original(optimizer_variables, weighted_psum(list(grads), self.rows, self.AXIS, self.fused),
                             trainable_variables)
 
         optimizer.stateless_apply = stateless_apply
@@ -195,18 +255,54 @@ class JaxDeviceSum:
 
     @staticmethod
     def _local(tree: Any) -> Any:
-        import jax
-
-        return jax.tree_util.tree_map(lambda a: a.addressable_data(0) if isinstance(a, jax.Array) else a, tree)
+        return local_part(tree)
 
     def _global(self, tree: Any) -> Any:
-        """This process's arrays as the global mesh's (its shard is its own; no copy where already on device)."""
+        return on_mesh(tree, self.device, self.replicated)
+
+
+class JaxDeviceAverage:
+    """The averaging strategy's round over the workers' JAX job: sum_w n_w v_w / sum_w n_w of the variables
+    where they are (XLA's all-reduce inside one jitted ``shard_map``: NCCL on GPUs, Gloo on CPUs), written back
+    in place. The variables hold the running fit's state when a round starts (``AveragingCallback`` syncs it)
+    and Keras' next step reads them back, so no variable leaves the device and nothing waits for it: the
+    summed count stays on the device (a round where no worker trained keeps every variable as it is)."""
+
+    AXIS = "workers"
+
+    def __init__(self, variables: Sequence[Any]) -> None:
         import jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        def put(leaf: Any) -> Any:
-            if isinstance(leaf, jax.Array) and leaf.sharding == self.replicated:  # the last step's state
-                return leaf
-            local = jax.device_put(np.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf, self.device)
-            return jax.make_array_from_single_device_arrays(local.shape, self.replicated, [local])
+        self.variables = list(variables)
+        self.replicated = NamedSharding(Mesh(np.array(jax.devices()), (self.AXIS,)), PartitionSpec())
+        self.device = jax.local_devices()[0]
+        fused = fused_sum()
 
-        return jax.tree_util.tree_map(put, tree)
+        def body(values: list[Any], samples: Any) -> tuple[list[Any], Any]:
+            return weighted_mean(values, samples, self.AXIS, fused)
+
+        spec = PartitionSpec()
+        self._round = jax.jit(jax.shard_map(body, mesh=self.replicated.mesh, in_specs=(spec, spec),
+                                            out_specs=(spec, spec), check_vma=False))
+        self.seconds = 0.0
+        self.rounds = 0
+
+    @property
+    def summed_by(self) -> str:
+        return "device"
+
+    def average(self, samples: int) -> Any:
+        """One round; ``samples``: what this worker trained on since the last. Returns the summed count as a
+        device scalar (reading it waits for the round)."""
+        t0 = time.perf_counter()
+        values = on_mesh([v.value for v in self.variables], self.device, self.replicated)
+        averaged, total = self._round(values, on_mesh(np.float32(samples), self.device, self.replicated))
+        for v, value in zip(self.variables, local_part(averaged)):
+            v.assign(value)
+        self.seconds += time.perf_counter() - t0
+        self.rounds += 1
+        return local_part(total)
+
+    def close(self) -> None:
+        pass

@@ -111,3 +111,24 @@ def device_averager(collective: Any, variables: list[Any]) -> Any:
         torch.cuda.set_device(0)
     return TorchDeviceAverage(variables, torch.device("cuda", 0) if engine == "nccl" else "cpu",
                               device_group(engine))
+
+
+def jax_device_averager(collective: Any, model: Any, variables: list[Any], timeout: float) -> Any:
+    """The averaging strategy's rounds inside the workers' JAX job (``JaxDeviceAverage``: XLA's all-reduce on the
+    devices) where Keras runs on JAX and every worker has a GPU of its own (or, NBDIST_JAX_DEVICE_SUM=1, the same
+    code over Gloo on CPUs); None: the host's ``WeightedAverager``. Joining the job keeps the model's state
+    (``join_jax_job``). Every worker of more than one decides from the same sum."""
+    if collective.world_size == 1:
+        return None
+    import jax
+
+    from ..machine.placement import choose_jax_engine
+    from ..strategies.jax_device_sum import JaxDeviceAverage, jax_device_sum_forced, join_jax_job
+
+    # Every round runs one program on every worker (the rounds per epoch are padded to the same count), so
+    # unequal shares do not matter here as they do for the allreduce's step.
+    engine, _ = choose_jax_engine("jax" if jax_device_sum_forced() else None, True, worker_gpus(collective))
+    if engine != "jax":
+        return None
+    join_jax_job(model, collective, collective.store.host, timeout, jax.default_backend() == "gpu")
+    return JaxDeviceAverage(variables)

@@ -121,11 +121,12 @@ def run_training(link: Any, job: JobMessage) -> None:
         variables = [w for w in model.weights if "float" in str(w.dtype)]
         if train.average_optimizer:
             variables += averaged_optimizer_variables(model)
-        from .device import device_averager
+        from .device import device_averager, jax_device_averager
 
-        # torch with a GPU per worker: each round on the GPUs (device_sum.py); else one exchange through the
-        # host, through shared memory when every worker runs on this machine.
-        averager = device_averager(collective, variables)
+        # torch or JAX with a GPU per worker: each round on the GPUs (device_sum.py, jax_device_sum.py); else one
+        # exchange through the host, through shared memory when every worker runs on this machine.
+        averager = (jax_device_averager(collective, model, variables, float(train.sync_timeout))
+                    if keras.backend.backend() == "jax" else device_averager(collective, variables))
         if averager is None:
             averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf)
             averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),

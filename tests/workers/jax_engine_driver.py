@@ -1,8 +1,8 @@
 """A notebook on Keras' JAX backend training with ``--engine jax`` (the sum inside the jitted step, over JAX's
 own collectives): ``python jax_engine_driver.py``; ``test_jax_engine.py`` reads the JSON line it prints last.
 Digits, 2 workers, 2 epochs, SGD and Adam, each beside the local fit on the global batch; uneven shares (the
-host path, said once); then a run whose
-worker 1 dies in its second epoch, timed."""
+host path, said once); the averaging strategy's rounds inside the JAX job; then a run whose worker 1 dies in its
+second epoch, timed."""
 from __future__ import annotations
 
 import json
@@ -77,6 +77,29 @@ def main() -> dict[str, object]:
                      "weight_gap": max(float(np.abs(u - v).max()) for u, v in zip(remote.get_weights(),
                                                                                    local.get_weights())),
                      "engines": [job.reports[r].get("engine") for r in sorted(job.reports)]}
+    # The averaging strategy's rounds inside the JAX job (NBDIST_JAX_DEVICE_SUM=1: the GPUs' code path over Gloo).
+    # Every step with SGD: the local step on the global batch. Every 3 steps on uneven shares (a round where
+    # worker 1 has trained nothing), BatchNorm and Dropout: what the host's rounds train.
+    def average(model: keras.Model, data: int, k: int, device: bool) -> dict[str, object]:
+        if device:
+            os.environ["NBDIST_JAX_DEVICE_SUM"] = "1"
+        try:
+            job = nbdist.train(model, x[:data], y[:data], workers=2, strategy="averaging", averaging_frequency=k,
+                               lr_scaling="none", ui="none", batch_size=GLOBAL_BATCH // 2, seed=7, **fit_args)
+        finally:
+            os.environ.pop("NBDIST_JAX_DEVICE_SUM", None)
+        return {"history": job.fit_history.history,
+                "summed_by": [job.reports[r].get("summed_by") for r in sorted(job.reports)]}
+
+    local, remote = mlp(keras.optimizers.SGD(0.1)), mlp(keras.optimizers.SGD(0.1))
+    expected = local.fit(x, y, batch_size=GLOBAL_BATCH, verbose=0, **fit_args).history
+    out["average"] = {**average(remote, ROWS, 1, True), "expected": expected,
+                      "weight_gap": max(float(np.abs(u - v).max()) for u, v in zip(remote.get_weights(),
+                                                                                    local.get_weights()))}
+    models = {True: bn_dropout(), False: bn_dropout()}
+    out["average_uneven"] = {str(device): average(models[device], 500, 3, device) for device in (True, False)}
+    out["average_uneven_gap"] = max(float(np.abs(u - v).max()) for u, v in zip(models[True].get_weights(),
+                                                                                models[False].get_weights()))
     # Worker 1 killed after the first epoch: the survivor's next sum must not hang the run.
     from nbdist.api import prepare
     from nbdist.config import TrainConfig

@@ -27,8 +27,9 @@ DRIVER = Path(__file__).with_name("jax_engine_driver.py")
 @pytest.mark.timeout(400)
 def test_two_jax_workers_sum_inside_the_step_as_the_local_fit_and_a_killed_one_fails_the_run():
     """SGD and Adam equal the local fit on the global batch; a BatchNorm and Dropout model equals the same run
-    through the host call; uneven shares fall back to the host path in one sentence; a SIGKILLed worker fails
-    the run at once (no hang in the collective)."""
+    through the host call; uneven shares fall back to the host path in one sentence; the averaging strategy's
+    rounds inside the JAX job equal the local step (every step, SGD) and the host's rounds (every 3 steps, uneven
+    shares, BatchNorm and Dropout); a SIGKILLed worker fails the run at once (no hang in the collective)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root(), os.environ.get("PYTHONPATH"))
                                                        if p)}
     env.pop("KERAS_BACKEND", None)
@@ -50,6 +51,15 @@ def test_two_jax_workers_sum_inside_the_step_as_the_local_fit_and_a_killed_one_f
     assert any(w.startswith("--engine jax needs the same rows per step") for w in uneven["warnings"]), uneven
     assert_same_history(uneven["history"], uneven["expected"])
     assert uneven["weight_gap"] < 1e-5, uneven["weight_gap"]
+    # The averaging strategy's rounds on the devices (the GPUs' path, over Gloo here).
+    average = result["average"]
+    assert average["summed_by"] == ["device", "device"], average
+    assert_same_history(average["history"], average["expected"])
+    assert average["weight_gap"] < 1e-5, average["weight_gap"]
+    uneven = result["average_uneven"]
+    assert uneven["True"]["summed_by"] == ["device", "device"] and uneven["False"]["summed_by"] != ["device"] * 2
+    assert_same_history(uneven["True"]["history"], uneven["False"]["history"])
+    assert result["average_uneven_gap"] < 1e-6, result["average_uneven_gap"]
     dead = result["dead"]
     assert dead["error"] and "worker 1" in dead["error"] and "SIGKILL" in dead["error"], dead
     assert dead["status"] == "failed" and dead["seconds"] < 30, dead
