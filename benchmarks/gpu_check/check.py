@@ -927,6 +927,42 @@ def step_jax_engine(rec: Recorder, args) -> None:
 
     rec.run("big_jax_engine_one_process", engine, need_s=20)
 
+    def average():
+        """The averaging strategy's rounds in the same job (``JaxDeviceAverage``), every step: the worker's own
+        callback and callback list, so Keras reads no log on the training thread; one process, so each round's
+        average is the weights themselves, and the weights must equal plain fit's."""
+        import jax
+
+        from nbdist.model.spec import averaged_optimizer_variables, build_optimizer
+        from nbdist.strategies.averaging import rounds_in_epoch
+        from nbdist.strategies.jax_device_sum import JaxDeviceAverage
+        from nbdist.worker.callback_list import WorkerCallbacks
+        from nbdist.worker.callbacks import AveragingCallback
+
+        model = build()
+        build_optimizer(model)
+        averager = JaxDeviceAverage([w for w in model.weights if "float" in str(w.dtype)]
+                                    + averaged_optimizer_variables(model))
+        steps = -(-len(x) // s["big_batch"])
+        timer = EpochTimer()
+        rounds = AveragingCallback(averager, 1, len(x), s["big_batch"], rounds_in_epoch(steps, 1))
+        listed = WorkerCallbacks([rounds, timer], model, s["big_epochs"], steps)
+        model.fit(x, y, batch_size=s["big_batch"], epochs=s["big_epochs"], shuffle=False, verbose=0,
+                  callbacks=listed)
+        st = steady(timer.durations)
+        info = {"epoch_s": [r(d) for d in timer.durations], "steady_epoch_s": r(st), "rounds": averager.rounds,
+                "devices": [str(d) for d in jax.devices()], "variables_on": device_of(model)}
+        if got.get("weights") is not None:
+            info["weights_vs_plain"] = compare(weights_of(model), got["weights"])
+            base = got["info"].get("steady_epoch_s")
+            info["steady_ratio_over_plain"] = r(st / base, 3) if st and base else None
+        info["summary"] = (f"jax device averaging every step, one process: steady epoch {info['steady_epoch_s']} s "
+                           f"(x{info.get('steady_ratio_over_plain')} plain fit), {averager.rounds} rounds, weights "
+                           f"vs plain max abs {info.get('weights_vs_plain', {}).get('max_abs_diff')}")
+        return info
+
+    rec.run("big_jax_device_average_one_process", average, need_s=20)
+
 
 def step_cpu_scaling(rec: Recorder, args) -> None:
     """torch on CPU only (CUDA hidden from this process and so from its workers): throughput vs workers."""

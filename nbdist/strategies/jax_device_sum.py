@@ -176,7 +176,10 @@ def on_mesh(tree: Any, device: Any, replicated: Any) -> Any:
     def put(leaf: Any) -> Any:
         if isinstance(leaf, jax.Array) and leaf.sharding == replicated:  # the last step's state
             return leaf
-        local = jax.device_put(np.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf, device)
+        if isinstance(leaf, jax.Array) and leaf.committed and leaf.devices() == {device}:
+            local = leaf  # on this device already (a variable's value): no copy, no dispatch
+        else:
+            local = jax.device_put(np.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf, device)
         return jax.make_array_from_single_device_arrays(local.shape, replicated, [local])
 
     return jax.tree_util.tree_map(put, tree)
@@ -277,6 +280,10 @@ class JaxDeviceAverage:
         self.variables = list(variables)
         self.replicated = NamedSharding(Mesh(np.array(jax.devices()), (self.AXIS,)), PartitionSpec())
         self.device = jax.local_devices()[0]
+        # Committed to the device from the start, as the rounds' results are: Keras' train step is compiled for
+        # its state's placement, and variables that became committed only at the first round recompiled it.
+        for v in self.variables:
+            v.assign(jax.device_put(v.value, self.device))
         fused = fused_sum()
 
         def body(values: list[Any], samples: Any) -> tuple[list[Any], Any]:
