@@ -123,8 +123,8 @@ def run_training(link: Any, job: JobMessage) -> None:
             variables += averaged_optimizer_variables(model)
         from .device import device_averager
 
-        # torch with a GPU per worker: each round on the GPUs (device_sum.py); else one exchange through the
-        # host, through shared memory when every worker runs on this machine.
+        # torch or TensorFlow with a GPU per worker: each round on the GPUs (device_sum.py); else one exchange
+        # through the host, through shared memory when every worker runs on this machine.
         averager = device_averager(collective, variables)
         if averager is None:
             averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf)
