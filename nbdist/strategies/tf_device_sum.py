@@ -126,9 +126,11 @@ class TFDeviceAverage(TorchDeviceAverage):
       for NCCL's: the buckets hold the sums before TensorFlow's stream reads them. Only then are the variables'
       values handed to torch dropped (TensorFlow may reuse their memory, which torch's stream read until then).
 
-    Two waits per round, whatever the number of buckets. The division is TensorFlow's, so every variable gets
-    memory of TensorFlow's own and never keeps a bucket; each variable starts on 64 bytes of its bucket (ALIGN)
-    for TensorFlow to adopt its slice.
+    Two waits per round, whatever the number of buckets. TensorFlow's assign adopts the tensor it is given
+    (copy-on-write): assigned a bucket's slice itself, a variable would live in the bucket, refilled next round
+    and written in place by the optimizer. So the division is TensorFlow's, and its result, memory of
+    TensorFlow's own, is what is assigned. Each variable starts on 64 bytes of its bucket (ALIGN) for
+    TensorFlow to adopt its slice for the division.
     """
 
     def __init__(self, variables: Sequence[Any], engine: str, bucket_bytes: int) -> None:
