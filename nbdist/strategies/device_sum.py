@@ -182,10 +182,12 @@ class TorchDeviceAverage:
     """One parameter-averaging round on the variables' own device: sum_w n_w v_w / sum_w n_w, the variables
     copied into the buckets, all-reduced, and the average copied back in place (``WeightedAverager``'s
     round without the host: the averaging strategy's engine on torch when every worker has a GPU of its
-    own). Keras' torch variables hold a torch tensor (``v.value``), written under ``no_grad``."""
+    own). Keras' torch variables hold a torch tensor (``v.value``), written under ``no_grad``. ``_read``,
+    ``_ready`` and ``_write`` are where another framework's variables come in (``tf_device_sum.py``)."""
 
     def __init__(self, variables: Sequence[Any], device: Any, group: Any = None,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, align: int = 1) -> None:
+        """``align``: every variable starts on a multiple of this many elements of its bucket (1: packed)."""
         import torch
         import torch.distributed as dist
 
@@ -193,10 +195,12 @@ class TorchDeviceAverage:
         self.variables = list(variables)
         self.device = torch.device(device)
         self.group = group
-        sizes = [int(torch.Size(tuple(v.shape)).numel()) for v in self.variables]
-        self.sizes = sizes
-        self.plan = bucket_plan(sizes, max(1, bucket_bytes // 4)) or [[]]
-        lengths = [sum(sizes[i] for i in b) for b in self.plan]
+        self.shapes = [tuple(int(d) for d in v.shape) for v in self.variables]
+        self.sizes = [int(torch.Size(s).numel()) for s in self.shapes]
+        self.slots = None if align == 1 else aligned_slots(self.sizes, align)
+        room = self.sizes if self.slots is None else self.slots
+        self.plan = bucket_plan(room, max(1, bucket_bytes // 4)) or [[]]
+        lengths = [sum(room[i] for i in b) for b in self.plan]
         lengths[-1] += 1  # this worker's samples
         self.buckets = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in lengths]
         self.seconds = 0.0
@@ -206,38 +210,62 @@ class TorchDeviceAverage:
     def summed_by(self) -> str:
         return "device"
 
+    def _read(self, i: int) -> Any:
+        """Variable ``i``'s value as a torch tensor (not copied)."""
+        return self.variables[i].value.detach()
+
+    def _ready(self) -> None:
+        """Called after every variable was read, before the buckets are filled."""
+
+    def _write(self, i: int, summed: Any, total: float) -> None:
+        """Variable ``i`` set to ``summed`` (its flat slice of a bucket) divided by ``total``."""
+        v = self.variables[i]
+        v.value.copy_(summed.view(self.shapes[i]) / total)
+
     def average(self, samples: int) -> int:
         torch = self._torch
         t0 = time.perf_counter()
         pending = []
         with torch.no_grad():
+            values = [self._read(i) for i in range(len(self.variables))]
+            self._ready()
             for k, (members, bucket) in enumerate(zip(self.plan, self.buckets)):
-                at = 0
-                for i in members:
-                    size = self.sizes[i]
-                    bucket[at:at + size].copy_(self.variables[i].value.detach().reshape(-1))
-                    at += size
-                bucket[:at].mul_(float(samples))
+                if samples:
+                    at = fill(bucket, members, self.sizes, values, self.slots)
+                    bucket[:at].mul_(float(samples))
+                else:  # a pad round: none of this worker's values, as in the host's round
+                    bucket.zero_()
                 if k == len(self.plan) - 1:
                     bucket[-1] = float(samples)
                 pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.group,
                                                      async_op=True))
             for work in pending:
                 work.wait()
-            total = float(self.buckets[-1][-1])  # one read of the device per round
+            total = float(self.buckets[-1][-1])  # one read of the device per round: the host waits for the sums
+            del values  # read until now (on a GPU, by torch's stream)
             if total > 0:
                 for members, bucket in zip(self.plan, self.buckets):
                     at = 0
                     for i in members:
-                        v, size = self.variables[i], self.sizes[i]
-                        v.value.copy_(bucket[at:at + size].view(tuple(v.shape)) / total)
-                        at += size
+                        self._write(i, bucket[at:at + self.sizes[i]], total)
+                        at += self.sizes[i] if self.slots is None else self.slots[i]
         self.seconds += time.perf_counter() - t0
         self.rounds += 1
         return int(round(total))
 
     def close(self) -> None:
         pass
+
+
+def engine_device(engine: str) -> Any:
+    """The buckets' device: the worker's one GPU for "nccl" (CUDA_VISIBLE_DEVICES per rank: its device 0, also
+    TensorFlow's GPU:0), else the CPU."""
+    import torch
+
+    if engine != "nccl":
+        return torch.device("cpu")
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
 
 
 def device_group(backend: str) -> Any:

@@ -1,6 +1,7 @@
 """TensorFlow's gradients summed where they are: handed to torch by DLPack (no copy) and summed by the torch
 device sum (``device_sum.TorchDeviceSum``: buckets of 25 MiB on the gradients' device, each all-reduced as
-soon as it is filled), then handed back to TensorFlow by DLPack (no copy).
+soon as it is filled), then handed back to TensorFlow by DLPack (no copy). The averaging strategy's rounds
+the same way (``TFDeviceAverage``, at the end: the variables into ``device_sum.TorchDeviceAverage``'s buckets).
 
 On GPUs (engine ``nccl``, every worker with a GPU of its own) the buckets are CUDA tensors summed by NCCL;
 ``NBDIST_TF_DEVICE_SUM=1`` runs the very same code on CPU tensors over a Gloo group, which is how the tests
@@ -33,7 +34,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .device_sum import TorchDeviceSum
+from .device_sum import TorchDeviceAverage, TorchDeviceSum, engine_device
 
 FORCED = "NBDIST_TF_DEVICE_SUM"
 ALIGN = 16  # float32 elements: 64 bytes, TensorFlow's alignment (EIGEN_MAX_ALIGN_BYTES)
@@ -43,6 +44,11 @@ def tf_device_sum_forced() -> bool:
     """NBDIST_TF_DEVICE_SUM=1: TensorFlow's gradients summed as torch tensors over Gloo on a CPU, the GPU's code
     path (tests, and comparing it with the numpy exchange)."""
     return os.environ.get(FORCED, "") == "1"
+
+
+def check_aligned(buckets: Sequence[Any]) -> None:
+    if any(b.data_ptr() % (4 * ALIGN) for b in buckets):
+        raise RuntimeError("torch allocated a bucket that TensorFlow cannot adopt (not 64-byte aligned)")
 
 
 class TFDeviceSum:
@@ -59,12 +65,8 @@ class TFDeviceSum:
 
         self._torch = torch
         self.cuda = engine == "nccl"
-        if self.cuda:
-            torch.cuda.set_device(0)  # the worker's one GPU (CUDA_VISIBLE_DEVICES per rank), TensorFlow's GPU:0
-        device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
-        self.sum = TorchDeviceSum(shapes, device, device_group(engine), bucket_bytes, align=ALIGN)
-        if any(b.data_ptr() % (4 * ALIGN) for b in self.sum.buckets):
-            raise RuntimeError("torch allocated a gradient bucket that TensorFlow cannot adopt (not 64-byte aligned)")
+        self.sum = TorchDeviceSum(shapes, engine_device(engine), device_group(engine), bucket_bytes, align=ALIGN)
+        check_aligned(self.sum.buckets)
         self.shapes = [tuple(s) for s in shapes]
         self.kept = list(kept)
         self.steps = 0  # steps this sum ran (the report says "device" only after one did)
@@ -107,3 +109,51 @@ class TFDeviceSum:
     def check(self, total: float | None = None) -> None:
         """Raise if any step since the last check summed rows other than its total (reads the device)."""
         self.sum.check(total)
+
+
+class TFDeviceAverage(TorchDeviceAverage):
+    """The averaging strategy's round on TensorFlow's variables, on their device: each variable's value handed to
+    torch by DLPack (no copy) and copied into ``TorchDeviceAverage``'s buckets, which are all-reduced (NCCL on the
+    worker's GPU; Gloo on CPU tensors with NBDIST_TF_DEVICE_SUM=1, the tests); each sum handed back to TensorFlow
+    by DLPack (no copy), divided by the total there and assigned to its variable.
+
+    The round runs eagerly between TensorFlow's calls (worker/callbacks.py). Streams (NOT RUN ON A GPU):
+
+    - after every variable is read (a copy-on-read variable's read queues a copy on TensorFlow's stream), one
+      ``torch.cuda.synchronize()`` waits for TensorFlow's stream: the steps that wrote the variables, and the
+      last round's divisions, which read the buckets refilled now;
+    - reading the summed samples (the total to divide by) makes the host wait for torch's stream, which waited
+      for NCCL's: the buckets hold the sums before TensorFlow's stream reads them. Only then are the variables'
+      values handed to torch dropped (TensorFlow may reuse their memory, which torch's stream read until then).
+
+    Two waits per round, whatever the number of buckets. TensorFlow's assign adopts the tensor it is given
+    (copy-on-write): assigned a bucket's slice itself, a variable would live in the bucket, refilled next round
+    and written in place by the optimizer. So the division is TensorFlow's, and its result, memory of
+    TensorFlow's own, is what is assigned. Each variable starts on 64 bytes of its bucket (ALIGN) for
+    TensorFlow to adopt its slice for the division.
+    """
+
+    def __init__(self, variables: Sequence[Any], engine: str, bucket_bytes: int) -> None:
+        from .device_sum import device_group
+
+        self.cuda = engine == "nccl"
+        super().__init__(variables, engine_device(engine), device_group(engine), bucket_bytes, align=ALIGN)
+        check_aligned(self.buckets)
+
+    def _read(self, i: int) -> Any:
+        import tensorflow as tf
+        from torch.utils import dlpack as torch_dlpack
+
+        return torch_dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(tf.convert_to_tensor(self.variables[i])))
+
+    def _ready(self) -> None:
+        if self.cuda:
+            self._torch.cuda.synchronize()  # TensorFlow's stream: the variables written, the last round's sums read
+
+    def _write(self, i: int, summed: Any, total: float) -> None:
+        import tensorflow as tf
+        from torch.utils import dlpack as torch_dlpack
+
+        v = self.variables[i]
+        adopted = tf.experimental.dlpack.from_dlpack(torch_dlpack.to_dlpack(summed))
+        v.assign(tf.cast(tf.reshape(adopted, self.shapes[i]) / total, v.dtype))

@@ -91,26 +91,27 @@ def worker_gpus(collective: Any, mine: str | None = None) -> list[int]:
 
 
 def device_averager(collective: Any, variables: list[Any]) -> Any:
-    """The averaging strategy's rounds on the GPUs (``TorchDeviceAverage``) where Keras runs on torch and every
-    worker has a GPU of its own (or, NBDIST_TORCH_DEVICE_SUM=1, the same code over Gloo on CPU tensors);
-    None: the host's ``WeightedAverager``. Every worker of more than one decides from the same sum."""
+    """The averaging strategy's rounds on the GPUs where every worker has a GPU of its own: ``TorchDeviceAverage``
+    on Keras' torch backend, ``TFDeviceAverage`` on TensorFlow (or, NBDIST_TORCH_DEVICE_SUM=1 and
+    NBDIST_TF_DEVICE_SUM=1 respectively, the same code over Gloo on CPU tensors); None: the host's
+    ``WeightedAverager``. Every worker of more than one decides from the same sum."""
     import keras
 
-    if collective.world_size == 1 or keras.backend.backend() != "torch":
+    backend = keras.backend.backend()
+    if collective.world_size == 1 or backend not in ("torch", "tensorflow"):
         return None
     from ..machine.placement import choose_torch_engine
     from ..strategies.backend_grads import device_sum_forced
-    from ..strategies.device_sum import TorchDeviceAverage, device_group
+    from ..strategies.device_sum import TorchDeviceAverage, configured_bucket_bytes, device_group, engine_device
+    from ..strategies.tf_device_sum import TFDeviceAverage, tf_device_sum_forced
 
     engine, _ = choose_torch_engine(None, worker_gpus(collective))  # the one line is the allreduce's
-    if engine != "nccl" and not device_sum_forced():
+    forced = tf_device_sum_forced() if backend == "tensorflow" else device_sum_forced()
+    if engine != "nccl" and not forced:
         return None
-    import torch
-
-    if engine == "nccl":
-        torch.cuda.set_device(0)
-    return TorchDeviceAverage(variables, torch.device("cuda", 0) if engine == "nccl" else "cpu",
-                              device_group(engine))
+    if backend == "tensorflow":
+        return TFDeviceAverage(variables, engine, configured_bucket_bytes())
+    return TorchDeviceAverage(variables, engine_device(engine), device_group(engine), configured_bucket_bytes())
 
 
 def jax_device_averager(collective: Any, model: Any, variables: list[Any], timeout: float) -> Any:

@@ -123,8 +123,9 @@ def run_training(link: Any, job: JobMessage) -> None:
             variables += averaged_optimizer_variables(model)
         from .device import device_averager, jax_device_averager
 
-        # torch or JAX with a GPU per worker: each round on the GPUs (device_sum.py, jax_device_sum.py); else one
-        # exchange through the host, through shared memory when every worker runs on this machine.
+        # torch, TensorFlow or JAX with a GPU per worker: each round on the GPUs (device_sum.py, tf_device_sum.py,
+        # jax_device_sum.py); else one exchange through the host, through shared memory when every worker runs on
+        # this machine.
         averager = (jax_device_averager(collective, model, variables, float(train.sync_timeout))
                     if keras.backend.backend() == "jax" else device_averager(collective, variables))
         if averager is None:

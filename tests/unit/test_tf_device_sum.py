@@ -2,13 +2,15 @@
 bucketed device sum by DLPack and back, in this process on a one-rank Gloo group on CPU tensors (the GPU's code;
 one rank's sum is the identity). TensorFlow adopts only 64-byte aligned memory, so every gradient starts on a
 multiple of 16 floats of its bucket; the sums come back without a copy, except a gradient Keras may keep (a
-variable with ``overwrite_with_gradient``), which must not change when its bucket is refilled. The two-worker sum
-runs in tests/workers/test_allreduce.py. TensorFlow never runs on the GPU machines, so no test here runs on one.
+variable with ``overwrite_with_gradient``), which must not change when its bucket is refilled. The averaging
+strategy's round (``TFDeviceAverage``) the same way. The two-worker sum and average run in
+tests/workers/test_allreduce.py. TensorFlow never runs on the GPU machines, so no test here runs on one.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -18,21 +20,26 @@ from torch.utils import dlpack as torch_dlpack
 from nbdist.strategies.allreduce_hook import GradientAllreduce
 from nbdist.strategies.collective import SoloCollective
 from nbdist.strategies.device_sum import aligned_slots
-from nbdist.strategies.tf_device_sum import TFDeviceSum
+from nbdist.strategies.tf_device_sum import TFDeviceAverage, TFDeviceSum
 
 SHAPES = [(2, 3), (3,), (17,), (5, 4)]
 KEPT = [False, False, True, False]  # the third: a variable Keras assigns its gradient itself
 
 
 @pytest.fixture
-def owner() -> Iterator[GradientAllreduce]:
+def one_rank() -> Iterator[None]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        reducer = GradientAllreduce(SoloCollective(), [np.zeros(s, np.float32) for s in SHAPES], "gloo")
-        reducer._engine_impl = TFDeviceSum(SHAPES, "gloo", KEPT, bucket_bytes=4 * 32)  # 3 buckets
-        yield reducer
+        yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def owner(one_rank: None) -> GradientAllreduce:
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s, np.float32) for s in SHAPES], "gloo")
+    reducer._engine_impl = TFDeviceSum(SHAPES, "gloo", KEPT, bucket_bytes=4 * 32)  # 3 buckets
+    return reducer
 
 
 def address(t: tf.Tensor) -> int:
@@ -76,3 +83,28 @@ def test_traced_into_a_step_it_sums_and_refuses_rows_that_disagree_with_the_tota
     owner.set_weight(4, 8)  # 4 rows of a step of 8: with no peer adding the other 4, the check fails
     with pytest.raises(tf.errors.OpError, match="workers disagree on this step's samples: 4 summed, 8 expected"):
         step(*grads)
+
+
+def test_an_averaging_round_writes_each_variable_its_average_from_memory_of_tensorflows_own(one_rank):
+    """The averaging strategy's round (``TFDeviceAverage``): one rank's weighted average is its own variables,
+    in buckets of 128 bytes (3 for these variables, each starting on 64 bytes), a float16 one cast back; the
+    variables never keep a bucket (refilled next round), and a round of no samples (a pad) changes nothing."""
+    rng = np.random.default_rng(1)
+    values = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+    variables = [keras.Variable(v, dtype="float16" if i == 2 else "float32") for i, v in enumerate(values)]
+    before = [v.numpy() for v in variables]
+    averager = TFDeviceAverage(variables, "gloo", bucket_bytes=4 * 32)
+    assert len(averager.buckets) == 3 and averager.summed_by == "device"
+    assert all(b.data_ptr() % 64 == 0 for b in averager.buckets)
+    assert averager.average(8) == 8  # a power of two: n v / n is v exactly
+    for v, want in zip(variables, before):
+        assert v.dtype == want.dtype
+        np.testing.assert_array_equal(v.numpy(), want)
+    bounds = [(b.data_ptr(), b.data_ptr() + 4 * b.numel()) for b in averager.buckets]
+    assert not any(a <= address(tf.convert_to_tensor(v)) < b for v in variables for a, b in bounds)
+    for bucket in averager.buckets:
+        bucket.fill_(7.0)
+    assert averager.average(0) == 0  # summed samples 0: nothing to divide, the variables as they were
+    for v, want in zip(variables, before):
+        np.testing.assert_array_equal(v.numpy(), want)
+    assert averager.rounds == 2

@@ -226,3 +226,35 @@ def test_tensorflow_device_sum_equals_the_numpy_exchange_and_the_local_fit_with_
     if precision == "float32":  # float16's rounding differs between a batch of 32 and one of 64
         ref = local_reference(mlp, keras.optimizers.SGD(0.1), x, y, workers=2, batch_size=32, epochs=2)
         assert_same_parameters(device, ref, rtol=1e-5)
+
+
+def test_tensorflow_device_average_equals_the_local_fit_every_step_and_the_host_average_with_pad_rounds(
+        digits, monkeypatch):
+    """Issue 36, TensorFlow's averaging rounds on the device (``TFDeviceAverage``: the variables by DLPack into
+    torch's buckets, the GPU's code, over Gloo here: NBDIST_TF_DEVICE_SUM=1; buckets of 1 KiB, 4 for this MLP).
+    Shares of 257 and 256 rows: with SGD averaged every step, worker 1 joins each epoch's last round with no
+    samples and the run is the local fit on the global batch (weights to 1e-5, same history); averaged every 2
+    steps (worker 0: 5 rounds an epoch, worker 1: 4 and a pad round), it equals the host's ``WeightedAverager``."""
+    x, y = digits
+    x, y = x[:513], y[:513]
+    args = {"epochs": 2, "batch_size": 32, "workers": 2, "strategy": "averaging", "shuffle": False,
+            "lr_scaling": "none", "ui": "none"}
+    host = compiled(mlp(), keras.optimizers.SGD(0.1))
+    host_job = nbdist.train(host, x, y, averaging_frequency=2, **args)
+    monkeypatch.setenv("NBDIST_TF_DEVICE_SUM", "1")
+    monkeypatch.setenv("NBDIST_TORCH_BUCKET_BYTES", "1024")
+    every_step = compiled(mlp(), keras.optimizers.SGD(0.1))
+    job = nbdist.train(every_step, x, y, averaging_frequency=1, **args)
+    assert [job.reports[r]["summed_by"] for r in range(2)] == ["device", "device"]
+    local = compiled(mlp(), keras.optimizers.SGD(0.1))
+    expected = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    assert_same_parameters(every_step, local, rtol=1e-5)
+    for key, values in expected.items():
+        np.testing.assert_allclose(job.history[key], values, rtol=1e-5, atol=1e-7, err_msg=key)
+    device = compiled(mlp(), keras.optimizers.SGD(0.1))
+    device_job = nbdist.train(device, x, y, averaging_frequency=2, **args)
+    reports = [device_job.reports[r] for r in range(2)]
+    assert [(r["summed_by"], r["rounds"]) for r in reports] == [("device", 10), ("device", 10)], reports
+    assert [host_job.reports[r]["summed_by"] for r in range(2)] == ["shared", "shared"]
+    assert max_gap(device, host) <= 1e-6, max_gap(device, host)
+    np.testing.assert_allclose(device_job.history["loss"], host_job.history["loss"], rtol=1e-6)
