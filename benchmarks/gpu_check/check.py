@@ -773,7 +773,28 @@ try:
         res["disagreeing_total"] = f"refused: {exc}"
     z = nccl.zeros(shapes, [True, False, True, True, True, True])
     res["pad_zeros_ok"] = z[1] is None and all(float(t.abs().sum()) == 0 for t in z if t is not None)
-    res["ok"] = bool(res["same_values"] and res["none_kept"] and res["pad_zeros_ok"])
+    # The averaging strategy's round on the same group (TorchDeviceAverage): one rank, so each variable's
+    # average is itself, and the total is this rank's samples.
+    from nbdist.strategies.device_sum import TorchDeviceAverage
+
+    class Var:
+        def __init__(self, value):
+            self.value, self.shape = value, tuple(value.shape)
+
+    variables = [Var(torch.randn(s, device=device, generator=g)) for s in shapes]
+    before = [v.value.clone() for v in variables]
+    averager = TorchDeviceAverage(variables, device, dist.new_group(backend=backend))
+    rounds = []
+    for i in range(4):
+        t0 = time.perf_counter()
+        total = averager.average(512)
+        rounds.append(time.perf_counter() - t0)
+    res["average_total"] = total
+    res["average_round_ms"] = round(1000 * sorted(rounds[1:])[len(rounds[1:]) // 2], 3)
+    res["average_same_values"] = all(bool(torch.allclose(v.value, b, rtol=1e-6, atol=0))
+                                     for v, b in zip(variables, before))
+    res["ok"] = bool(res["same_values"] and res["none_kept"] and res["pad_zeros_ok"] and total == 512
+                     and res["average_same_values"])
 except Exception as exc:
     import traceback
     res["ok"] = False
@@ -786,8 +807,9 @@ os._exit(0)
 
 
 def nccl_sum_one_rank(rec: Recorder) -> None:
-    """nbdist's TorchDeviceSum on a one-rank NCCL group (the only NCCL group one GPU allows): its code around
-    the collective on the real device and backend, which the unit test runs with the CPU and Gloo standing in."""
+    """nbdist's TorchDeviceSum and TorchDeviceAverage on a one-rank NCCL group (the only NCCL group one GPU
+    allows): their code around the collective on the real device and backend, which the tests run with the CPU
+    and Gloo standing in."""
     def do():
         out = run_probe(NCCL_SUM_PROBE, min(45, max(5, rec.left() - 3)))
         if "summary" in out:
@@ -796,7 +818,8 @@ def nccl_sum_one_rank(rec: Recorder) -> None:
                           f"{out.get('same_values')}, on {out.get('out_devices')}, None kept {out.get('none_kept')}, "
                           f"pad zeros {out.get('pad_zeros_ok')}, "
                           f"25M floats summed in {out.get('steady_reduce_ms')} ms, "
-                          f"{out.get('disagreeing_total')}"
+                          f"{out.get('disagreeing_total')}; TorchDeviceAverage: total {out.get('average_total')}, "
+                          f"values kept {out.get('average_same_values')}, a round {out.get('average_round_ms')} ms"
                           + (f"; ERROR {out.get('error')}" if out.get("error") else ""))
         return out
 
