@@ -922,6 +922,19 @@ def step_jax_engine(rec: Recorder, args) -> None:
 
     rec.run("big_plain_fit", plain, need_s=20)
 
+    def against_plain(model, timer) -> dict:
+        """Epoch times, devices, and the weights and steady epoch against the plain fit's."""
+        import jax
+
+        st = steady(timer.durations)
+        info = {"epoch_s": [r(d) for d in timer.durations], "steady_epoch_s": r(st),
+                "devices": [str(d) for d in jax.devices()], "variables_on": device_of(model)}
+        if got.get("weights") is not None:
+            info["weights_vs_plain"] = compare(weights_of(model), got["weights"])
+            base = got["info"].get("steady_epoch_s")
+            info["steady_ratio_over_plain"] = r(st / base, 3) if st and base else None
+        return info
+
     def engine():
         import jax
 
@@ -934,14 +947,7 @@ def step_jax_engine(rec: Recorder, args) -> None:
         timer = EpochTimer()
         model.fit(x, y, batch_size=s["big_batch"], epochs=s["big_epochs"], shuffle=False, verbose=0,
                   callbacks=[timer])
-        st = steady(timer.durations)
-        info = {"join_s": r(joined, 3), "epoch_s": [r(d) for d in timer.durations], "steady_epoch_s": r(st),
-                "steps_in_mesh": summer.steps, "devices": [str(d) for d in jax.devices()],
-                "variables_on": device_of(model)}
-        if got.get("weights") is not None:
-            info["weights_vs_plain"] = compare(weights_of(model), got["weights"])
-            base = got["info"].get("steady_epoch_s")
-            info["steady_ratio_over_plain"] = r(st / base, 3) if st and base else None
+        info = {"join_s": r(joined, 3), "steps_in_mesh": summer.steps, **against_plain(model, timer)}
         info["summary"] = (f"jax engine, one process on {info['devices']}: join {info['join_s']} s, steady epoch "
                            f"{info['steady_epoch_s']} s (x{info.get('steady_ratio_over_plain')} plain fit), "
                            f"{summer.steps} steps in the mesh, weights vs plain max abs "
@@ -954,8 +960,6 @@ def step_jax_engine(rec: Recorder, args) -> None:
         """The averaging strategy's rounds in the same job (``JaxDeviceAverage``), every step: the worker's own
         callback and callback list, so Keras reads no log on the training thread; one process, so each round's
         average is the weights themselves, and the weights must equal plain fit's."""
-        import jax
-
         from nbdist.model.spec import averaged_optimizer_variables, build_optimizer
         from nbdist.strategies.averaging import rounds_in_epoch
         from nbdist.strategies.jax_device_sum import JaxDeviceAverage
@@ -964,7 +968,7 @@ def step_jax_engine(rec: Recorder, args) -> None:
 
         model = build()
         build_optimizer(model)
-        averager = JaxDeviceAverage([w for w in model.weights if "float" in str(w.dtype)]
+        averager = JaxDeviceAverage(model, [w for w in model.weights if "float" in str(w.dtype)]
                                     + averaged_optimizer_variables(model))
         steps = -(-len(x) // s["big_batch"])
         timer = EpochTimer()
@@ -972,13 +976,7 @@ def step_jax_engine(rec: Recorder, args) -> None:
         listed = WorkerCallbacks([rounds, timer], model, s["big_epochs"], steps)
         model.fit(x, y, batch_size=s["big_batch"], epochs=s["big_epochs"], shuffle=False, verbose=0,
                   callbacks=listed)
-        st = steady(timer.durations)
-        info = {"epoch_s": [r(d) for d in timer.durations], "steady_epoch_s": r(st), "rounds": averager.rounds,
-                "devices": [str(d) for d in jax.devices()], "variables_on": device_of(model)}
-        if got.get("weights") is not None:
-            info["weights_vs_plain"] = compare(weights_of(model), got["weights"])
-            base = got["info"].get("steady_epoch_s")
-            info["steady_ratio_over_plain"] = r(st / base, 3) if st and base else None
+        info = {"rounds": averager.rounds, **against_plain(model, timer)}
         info["summary"] = (f"jax device averaging every step, one process: steady epoch {info['steady_epoch_s']} s "
                            f"(x{info.get('steady_ratio_over_plain')} plain fit), {averager.rounds} rounds, weights "
                            f"vs plain max abs {info.get('weights_vs_plain', {}).get('max_abs_diff')}")

@@ -94,14 +94,9 @@ class HostGradientAllreduce(GradientAllreduce):
         if engine == "gloo" and not device_sum_forced():
             return None, None
         if engine in ("nccl", "gloo") and keras.backend.backend() == "torch":
-            import torch
+            from .device_sum import TorchDeviceSum, device_group, engine_device
 
-            from .device_sum import TorchDeviceSum, device_group
-
-            if engine == "nccl":
-                torch.cuda.set_device(0)  # the worker's one GPU (CUDA_VISIBLE_DEVICES per rank)
-            device = torch.device("cuda", 0) if engine == "nccl" else torch.device("cpu")
-            return TorchDeviceSum(self.shapes, device, device_group(engine), bucket_bytes()), None
+            return TorchDeviceSum(self.shapes, engine_device(engine), device_group(engine), bucket_bytes()), None
         if engine == "gloo":
             return None, None
         raise ValueError(f"engine {engine!r} is not wired on Keras' {keras.backend.backend()} backend")

@@ -273,17 +273,20 @@ class JaxDeviceAverage:
 
     AXIS = "workers"
 
-    def __init__(self, variables: Sequence[Any]) -> None:
+    def __init__(self, model: Any, variables: Sequence[Any]) -> None:
+        """``variables``: the ones averaged, of ``model``."""
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         self.variables = list(variables)
         self.replicated = NamedSharding(Mesh(np.array(jax.devices()), (self.AXIS,)), PartitionSpec())
         self.device = jax.local_devices()[0]
-        # Committed to the device from the start, as the rounds' results are: Keras' train step is compiled for
-        # its state's placement, and variables that became committed only at the first round recompiled it.
-        for v in self.variables:
-            v.assign(jax.device_put(v.value, self.device))
+        # Keras' train step is compiled for its state's placement, and the rounds' results are committed to the
+        # device: so is every variable of the fit from the start, else the first step after a round compiles
+        # the step again (the metrics' reset at each epoch's start still makes one more placement, once).
+        for v in model_variables(model):
+            if v.value is not None:
+                v.assign(jax.device_put(v.value, self.device))
         fused = fused_sum()
 
         def body(values: list[Any], samples: Any) -> tuple[list[Any], Any]:

@@ -132,4 +132,4 @@ def jax_device_averager(collective: Any, model: Any, variables: list[Any], timeo
     if engine != "jax":
         return None
     join_jax_job(model, collective, collective.store.host, timeout, jax.default_backend() == "gpu")
-    return JaxDeviceAverage(variables)
+    return JaxDeviceAverage(model, variables)
