@@ -1,4 +1,5 @@
-"""The gradient sum on Keras' JAX backend as a collective inside the jitted step (``--engine jax``).
+"""The gradient sum on Keras' JAX backend as a collective inside the jitted step (``--engine jax``), and the
+averaging strategy's rounds the same way (``JaxDeviceAverage``).
 
 Every worker process joins one ``jax.distributed`` job, over a global mesh of one device per process,
 and Keras' train step runs inside ``shard_map`` over that mesh: each process computes its own batch's
@@ -14,8 +15,10 @@ The state and the batch go into the step "replicated" (``P()``) with ``check_vma
 shard is its own batch, its own metrics and statistics; only the summed gradients, and so the weights and
 the optimizer's state, are the same everywhere. Every process must run the same program: the engine is
 chosen only where every step's batch has the same rows on every worker (``placement.choose_jax_engine``).
-JAX's CPU collectives have had wrong sums and hangs (DESIGN.md 9): the sums are tested against numpy, and
-the job's heartbeat ends a run whose peer died (nbdist's own timeout as the collective's bound).
+An averaging round is one jitted ``shard_map`` of its own over the same mesh, between Keras' steps, on the
+variables the running fit's state was synced into. JAX's CPU collectives have had wrong sums and hangs
+(DESIGN.md 9): the sums are tested against numpy, and the job's heartbeat ends a run whose peer died (nbdist's
+own timeout as the collective's bound).
 """
 from __future__ import annotations
 
