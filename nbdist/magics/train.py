@@ -145,7 +145,8 @@ class DistMagics(Magics):
         through host memory, said in one line (``--engine nccl`` then refused in one sentence); on JAX,
         with a GPU per worker, JAX's own collectives inside the jitted step (``--engine jax``), else
         Gloo through a host call (``--engine gloo`` by name), and ``--engine nccl`` or ``horovod`` is
-        said in one warning and runs over Gloo. Each worker's device is in the dashboard
+        said in one warning and runs over Gloo. ``--strategy averaging`` averages on the GPUs under the
+        same rule (NCCL on torch and TensorFlow, JAX's collectives on JAX). Each worker's device is in the dashboard
         and ``job.reports``. Not yet run on a GPU (docs/gpus.md). Horovod 0.28.1 as released does
         not build against torch 2.13, and ``--engine horovod`` on torch is one warning too. What differs
         on JAX and torch: one step per call into the backend, and dense gradients only. See
