@@ -104,7 +104,8 @@ class GradientAllreduce(GradientSum):
         if engine == "nccl" or (engine == "gloo" and tf_device_sum_forced() and self.collective.world_size > 1):
             from .device_sum import configured_bucket_bytes
 
-            return TFDeviceSum(self.shapes, engine, self._kept, configured_bucket_bytes()), None
+            return TFDeviceSum(self.shapes, engine, self._kept, configured_bucket_bytes(),
+                               getattr(self.collective, "timeout", None)), None
         if engine == "gloo":
             return None, None
         import tensorflow as tf

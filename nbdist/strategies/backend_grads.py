@@ -96,7 +96,8 @@ class HostGradientAllreduce(GradientAllreduce):
         if engine in ("nccl", "gloo") and keras.backend.backend() == "torch":
             from .device_sum import TorchDeviceSum, device_group, engine_device
 
-            return TorchDeviceSum(self.shapes, engine_device(engine), device_group(engine), bucket_bytes()), None
+            group = device_group(engine, getattr(self.collective, "timeout", None))
+            return TorchDeviceSum(self.shapes, engine_device(engine), group, bucket_bytes()), None
         if engine == "gloo":
             return None, None
         raise ValueError(f"engine {engine!r} is not wired on Keras' {keras.backend.backend()} backend")

@@ -268,9 +268,12 @@ def engine_device(engine: str) -> Any:
     return torch.device("cuda", 0)
 
 
-def device_group(backend: str) -> Any:
+def device_group(backend: str, timeout: float | None = None) -> Any:
     """A process group for the device sum beside nbdist's own Gloo group, on the same store (every worker
-    calls this: each chose the same engine from the same flags)."""
+    calls this: each chose the same engine from the same flags). ``timeout``: nbdist's sync timeout in seconds,
+    the bound of each of its collectives (torch's own default would be 10 minutes for NCCL, 30 for Gloo)."""
+    import datetime
+
     import torch.distributed as dist
 
-    return dist.new_group(backend=backend)
+    return dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout) if timeout else None)

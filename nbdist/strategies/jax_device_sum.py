@@ -100,7 +100,9 @@ def join_jax_job(model: Any, collective: Any, host: str, timeout: float, on_gpu:
                                heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds,
                                coordinator_bind_address=address if collective.rank == 0 else None)
     if jax.local_device_count() != 1:
-        raise RuntimeError(f"--engine jax needs one device per worker; this one sees {jax.local_device_count()}")
+        raise RuntimeError(f"nbdist's JAX job needs one device per worker process, and this worker sees "
+                           f"{jax.local_device_count()}; give each worker one GPU (CUDA_VISIBLE_DEVICES) or train "
+                           "with --engine gloo (allreduce) or NBDIST_JAX_DEVICE_SUM=0 (averaging)")
     for v, value in zip(variables, values):
         v.assign(value)
     for layer, name, value in arrays:
@@ -130,11 +132,13 @@ def weighted_sums(arrays: Sequence[Any], weight: Any, axis: str, fused: bool) ->
     import jax.numpy as jnp
 
     weight = jnp.asarray(weight, jnp.float32)
+
+    def scaled(a: Any) -> Any:  # a worker with no rows adds exact zeros (0 * inf would spread a NaN)
+        return jnp.where(weight > 0, jnp.asarray(a, jnp.float32) * weight, 0.0)
+
     if not fused:
-        return ([jax.lax.psum(jnp.asarray(a, jnp.float32) * weight, axis) for a in arrays],
-                jax.lax.psum(weight, axis))
-    bucket = jnp.concatenate([jnp.ravel(jnp.asarray(a, jnp.float32)) * weight for a in arrays]
-                             + [jnp.reshape(weight, (1,))])
+        return [jax.lax.psum(scaled(a), axis) for a in arrays], jax.lax.psum(weight, axis)
+    bucket = jnp.concatenate([jnp.ravel(scaled(a)) for a in arrays] + [jnp.reshape(weight, (1,))])
     summed = jax.lax.psum(bucket, axis)
     sums, start = [], 0
     for a in arrays:
@@ -172,6 +176,14 @@ def fused_sum() -> bool:
     return jax.devices()[0].platform != "gpu"
 
 
+def workers_mesh(axis: str) -> tuple[Any, Any]:
+    """(the replicated sharding over one device per worker process, this process's device)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    return NamedSharding(Mesh(np.array(jax.devices()), (axis,)), PartitionSpec()), jax.local_devices()[0]
+
+
 def on_mesh(tree: Any, device: Any, replicated: Any) -> Any:
     """This process's arrays as the global mesh's (its shard is its own; no copy where already on device)."""
     import jax
@@ -201,13 +213,9 @@ class JaxDeviceSum:
     AXIS = "workers"
 
     def __init__(self, model: Any) -> None:
-        import jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
         self.model = model
-        self.mesh = Mesh(np.array(jax.devices()), (self.AXIS,))
-        self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.device = jax.local_devices()[0]
+        self.replicated, self.device = workers_mesh(self.AXIS)
+        self.mesh = self.replicated.mesh
         self.rows = 0  # the traced batch's rows, read by the wrapped stateless_apply while it traces
         self._last_state: Any = None  # the state the last step returned (on the mesh)
         self.steps = 0
@@ -269,21 +277,22 @@ class JaxDeviceSum:
 
 class JaxDeviceAverage:
     """The averaging strategy's round over the workers' JAX job: sum_w n_w v_w / sum_w n_w of the variables
-    where they are (XLA's all-reduce inside one jitted ``shard_map``: NCCL on GPUs, Gloo on CPUs), written back
-    in place. The variables hold the running fit's state when a round starts (``AveragingCallback`` syncs it)
-    and Keras' next step reads them back, so no variable leaves the device and nothing waits for it: the
-    summed count stays on the device (a round where no worker trained keeps every variable as it is)."""
+    where they are (XLA's all-reduce inside one jitted ``shard_map``: NCCL on GPUs, Gloo on CPUs), assigned back.
+    The variables hold the running fit's state when a round starts (``AveragingCallback`` syncs it) and Keras'
+    next step reads them back, so no variable leaves the device and nothing waits for it: the summed count
+    stays on the device (a round where no worker trained keeps every variable as it is). So ``seconds`` counts
+    the round's dispatch only; its device time falls in the next step's. The round's inputs are donated: the
+    averaged variables' old arrays are dropped as the averages are made (no second copy of the state)."""
 
     AXIS = "workers"
 
     def __init__(self, model: Any, variables: Sequence[Any]) -> None:
         """``variables``: the ones averaged, of ``model``."""
         import jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        from jax.sharding import PartitionSpec
 
         self.variables = list(variables)
-        self.replicated = NamedSharding(Mesh(np.array(jax.devices()), (self.AXIS,)), PartitionSpec())
-        self.device = jax.local_devices()[0]
+        self.replicated, self.device = workers_mesh(self.AXIS)
         # Keras' train step is compiled for its state's placement, and the rounds' results are committed to the
         # device: so is every variable of the fit from the start, else the first step after a round compiles
         # the step again (the metrics' reset at each epoch's start still makes one more placement, once).
@@ -297,7 +306,7 @@ class JaxDeviceAverage:
 
         spec = PartitionSpec()
         self._round = jax.jit(jax.shard_map(body, mesh=self.replicated.mesh, in_specs=(spec, spec),
-                                            out_specs=(spec, spec), check_vma=False))
+                                            out_specs=(spec, spec), check_vma=False), donate_argnums=0)
         self.seconds = 0.0
         self.rounds = 0
 
@@ -307,7 +316,7 @@ class JaxDeviceAverage:
 
     def average(self, samples: int) -> Any:
         """One round; ``samples``: what this worker trained on since the last. Returns the summed count as a
-        device scalar (reading it waits for the round)."""
+        device scalar (the other averagers' int; reading it waits for the round)."""
         t0 = time.perf_counter()
         values = on_mesh([v.value for v in self.variables], self.device, self.replicated)
         averaged, total = self._round(values, on_mesh(np.float32(samples), self.device, self.replicated))

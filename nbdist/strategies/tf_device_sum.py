@@ -56,16 +56,17 @@ class TFDeviceSum:
     sets ``weight`` and ``total`` before each step and counts ``seconds`` and ``steps``)."""
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], engine: str, kept: Sequence[bool],
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, timeout: float | None = None) -> None:
         """``engine``: "nccl" (the worker's one GPU) or "gloo" (CPU tensors); ``kept``: the gradients that may
-        outlive the step (handed back as copies)."""
+        outlive the step (handed back as copies); ``timeout``: nbdist's sync timeout (``device_group``)."""
         import torch
 
         from .device_sum import device_group
 
         self._torch = torch
         self.cuda = engine == "nccl"
-        self.sum = TorchDeviceSum(shapes, engine_device(engine), device_group(engine), bucket_bytes, align=ALIGN)
+        self.sum = TorchDeviceSum(shapes, engine_device(engine), device_group(engine, timeout), bucket_bytes,
+                                  align=ALIGN)
         check_aligned(self.sum.buckets)
         self.shapes = [tuple(s) for s in shapes]
         self.kept = list(kept)
@@ -133,22 +134,30 @@ class TFDeviceAverage(TorchDeviceAverage):
     TensorFlow to adopt its slice for the division.
     """
 
-    def __init__(self, variables: Sequence[Any], engine: str, bucket_bytes: int) -> None:
+    def __init__(self, variables: Sequence[Any], engine: str, bucket_bytes: int, timeout: float | None = None) -> None:
+        """``timeout``: nbdist's sync timeout (``device_group``)."""
         from .device_sum import device_group
 
         self.cuda = engine == "nccl"
-        super().__init__(variables, engine_device(engine), device_group(engine), bucket_bytes, align=ALIGN)
+        self._read_cuda = False  # a variable read from a GPU this round (also under Gloo on a GPU's host)
+        super().__init__(variables, engine_device(engine), device_group(engine, timeout), bucket_bytes,
+                         align=ALIGN)
         check_aligned(self.buckets)
 
     def _read(self, i: int) -> Any:
         import tensorflow as tf
         from torch.utils import dlpack as torch_dlpack
 
-        return torch_dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(tf.convert_to_tensor(self.variables[i])))
+        value = torch_dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(tf.convert_to_tensor(self.variables[i])))
+        self._read_cuda = self._read_cuda or value.is_cuda
+        return value
 
     def _ready(self) -> None:
-        if self.cuda:
-            self._torch.cuda.synchronize()  # TensorFlow's stream: the variables written, the last round's sums read
+        # TensorFlow's stream: the variables written, the last round's sums read. Also where the buckets are on the
+        # CPU (Gloo) but the variables on a GPU: torch's copy out of them would not wait for TensorFlow's stream.
+        if self.cuda or self._read_cuda:
+            self._torch.cuda.synchronize()
+        self._read_cuda = False
 
     def _write(self, i: int, summed: Any, total: float) -> None:
         import tensorflow as tf

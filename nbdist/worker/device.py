@@ -90,6 +90,18 @@ def worker_gpus(collective: Any, mine: str | None = None) -> list[int]:
     return [int(f) for f in flags]
 
 
+# Per Keras backend, the variable that runs the device's code over Gloo on CPUs ("1", tests) or keeps the
+# averaging strategy's rounds in host memory ("0": the way back should the device's rounds misbehave on some
+# GPU; allreduce has --engine gloo for that).
+DEVICE_SUM_VARIABLES = {"torch": "NBDIST_TORCH_DEVICE_SUM", "tensorflow": "NBDIST_TF_DEVICE_SUM",
+                        "jax": "NBDIST_JAX_DEVICE_SUM"}
+
+
+def host_rounds_asked(backend: str) -> bool:
+    """Whether the user set this backend's device-sum variable to 0: averaging rounds through host memory."""
+    return os.environ.get(DEVICE_SUM_VARIABLES.get(backend, ""), "") == "0"
+
+
 def device_averager(collective: Any, variables: list[Any]) -> Any:
     """The averaging strategy's rounds on the GPUs where every worker has a GPU of its own: ``TorchDeviceAverage``
     on Keras' torch backend, ``TFDeviceAverage`` on TensorFlow (or, NBDIST_TORCH_DEVICE_SUM=1 and
@@ -98,7 +110,7 @@ def device_averager(collective: Any, variables: list[Any]) -> Any:
     import keras
 
     backend = keras.backend.backend()
-    if collective.world_size == 1 or backend not in ("torch", "tensorflow"):
+    if collective.world_size == 1 or backend not in ("torch", "tensorflow") or host_rounds_asked(backend):
         return None
     from ..machine.placement import choose_torch_engine
     from ..strategies.backend_grads import device_sum_forced
@@ -110,8 +122,9 @@ def device_averager(collective: Any, variables: list[Any]) -> Any:
     if engine != "nccl" and not forced:
         return None
     if backend == "tensorflow":
-        return TFDeviceAverage(variables, engine, configured_bucket_bytes())
-    return TorchDeviceAverage(variables, engine_device(engine), device_group(engine), configured_bucket_bytes())
+        return TFDeviceAverage(variables, engine, configured_bucket_bytes(), collective.timeout)
+    return TorchDeviceAverage(variables, engine_device(engine), device_group(engine, collective.timeout),
+                              configured_bucket_bytes())
 
 
 def jax_device_averager(collective: Any, model: Any, variables: list[Any], timeout: float) -> Any:
@@ -119,17 +132,16 @@ def jax_device_averager(collective: Any, model: Any, variables: list[Any], timeo
     devices) where Keras runs on JAX and every worker has a GPU of its own (or, NBDIST_JAX_DEVICE_SUM=1, the same
     code over Gloo on CPUs); None: the host's ``WeightedAverager``. Joining the job keeps the model's state
     (``join_jax_job``). Every worker of more than one decides from the same sum."""
-    if collective.world_size == 1:
+    if collective.world_size == 1 or host_rounds_asked("jax"):
         return None
-    import jax
-
     from ..machine.placement import choose_jax_engine
-    from ..strategies.jax_device_sum import JaxDeviceAverage, jax_device_sum_forced, join_jax_job
+    from ..strategies import jax_device_sum
 
     # Every round runs one program on every worker (the rounds per epoch are padded to the same count), so
     # unequal shares do not matter here as they do for the allreduce's step.
-    engine, _ = choose_jax_engine("jax" if jax_device_sum_forced() else None, True, worker_gpus(collective))
+    gpus = worker_gpus(collective)
+    engine, _ = choose_jax_engine("jax" if jax_device_sum.jax_device_sum_forced() else None, True, gpus)
     if engine != "jax":
         return None
-    join_jax_job(model, collective, collective.store.host, timeout, jax.default_backend() == "gpu")
-    return JaxDeviceAverage(model, variables)
+    jax_device_sum.join_jax_job(model, collective, collective.store.host, timeout, bool(gpus[collective.rank]))
+    return jax_device_sum.JaxDeviceAverage(model, variables)

@@ -248,3 +248,46 @@ def test_jax_worker_asks_every_workers_gpu_when_no_engine_is_named(monkeypatch):
     assert jax_engine("gloo", _TwoRanks(other)) == ("gloo", None)
     monkeypatch.setattr(device, "gpu_identity", lambda: "")
     assert jax_engine(None, _TwoRanks(0.0)) == ("gloo", None)
+
+
+def test_averaging_rounds_run_on_the_devices_only_with_a_gpu_each_and_never_where_the_user_set_0(monkeypatch):
+    """Issue 36: the averaging strategy's rounds (worker/device.py) join the JAX job and average on the GPUs where
+    every worker has one of its own; a shared GPU, or none, keeps the host's rounds; NBDIST_<BACKEND>_DEVICE_SUM=0
+    keeps them too, decided before any collective (the way back should a GPU's rounds misbehave). The GPUs are
+    stand-ins (fixed identities) and the JAX job is not joined: none of it exists here."""
+    import zlib
+
+    import nbdist.strategies.jax_device_sum as jax_device_sum
+    import nbdist.worker.device as device
+
+    joined: list[bool] = []
+    monkeypatch.setattr(jax_device_sum, "join_jax_job", lambda model, coll, host, limit, on_gpu: joined.append(on_gpu))
+    monkeypatch.setattr(jax_device_sum, "JaxDeviceAverage", lambda model, variables: ("on the devices", variables))
+    monkeypatch.setattr(device, "gpu_identity", lambda: "host/0000:01:00.0")
+    for name in device.DEVICE_SUM_VARIABLES.values():
+        monkeypatch.delenv(name, raising=False)
+
+    class TwoRanksWithStore(_TwoRanks):
+        store = type("Store", (), {"host": "127.0.0.1"})()
+
+    own = float(zlib.crc32(b"host/0000:02:00.0") | 1)
+    shared = float(zlib.crc32(b"host/0000:01:00.0") | 1)
+    assert device.jax_device_averager(TwoRanksWithStore(own), None, ["v"], 10.0) == ("on the devices", ["v"])
+    assert joined == [True]
+    assert device.jax_device_averager(TwoRanksWithStore(shared), None, ["v"], 10.0) is None
+
+    class NoCollective:
+        rank, world_size = 0, 2
+
+        def allreduce_sum(self, buf) -> None:
+            raise AssertionError("no collective may run before the choice")
+
+    for name in device.DEVICE_SUM_VARIABLES.values():
+        monkeypatch.setenv(name, "0")
+    assert device.jax_device_averager(NoCollective(), None, ["v"], 10.0) is None
+    assert device.device_averager(NoCollective(), ["v"]) is None  # this process's Keras backend: torch or TensorFlow
+    for name in device.DEVICE_SUM_VARIABLES.values():
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(device, "gpu_identity", lambda: "")
+    assert device.jax_device_averager(TwoRanksWithStore(0.0), None, ["v"], 10.0) is None  # CPUs: the host's rounds
+    assert joined == [True]
