@@ -97,7 +97,7 @@ for s in $STEPS; do
     torch_gpu)   run_step torch_gpu torch 110 NCCL_DEBUG=WARN ;;
     torch_w2)    run_step torch_w2 torch 100 NCCL_DEBUG=WARN ;;
     jax_gpu)     run_step jax_gpu jax 120 ;;
-    jax_engine)  run_step jax_engine jax 45 ;;
+    jax_engine)  run_step jax_engine jax 60 ;;
     cpu_scaling) run_step cpu_scaling torch 100 CUDA_VISIBLE_DEVICES= ;;
     mixed_bf16)  run_step mixed_bf16 torch 60 ;;
     mixed_bf16_jax) run_step mixed_bf16_jax jax 50 ;;
