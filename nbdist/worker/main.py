@@ -113,6 +113,8 @@ class DriverLink:
     def _beat(self) -> None:
         while not self.channel.closed:
             time.sleep(self.heartbeat_interval)
+            if self.channel.closed:  # closed while it slept: the link's owner ends the worker, not silence
+                return
             if time.monotonic() - self._last_heard > self.heartbeat_timeout:
                 log.error("driver silent for %.0f s; exiting", self.heartbeat_timeout)
                 os._exit(4)

@@ -242,7 +242,8 @@ def test_a_malformed_command_fails_the_workers_job_thread_not_its_reader() -> No
 
     secret = protocol.new_secret()
     driver, worker = pair(secret, secret)
-    link = DriverLink(worker, heartbeat_interval=60.0)
+    # In pytest's own process: a heartbeat that found the driver silent would end it (os._exit), so none beats.
+    link = DriverLink(worker, heartbeat_interval=3600.0, heartbeat_timeout=7200.0)
     try:
         driver.send({"type": "decision", "epoch": 0, "stop": "yes"})
         with pytest.raises(MessageError, match="decision.stop"):

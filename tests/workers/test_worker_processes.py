@@ -114,3 +114,36 @@ def test_a_worker_imports_keras_without_the_packages_it_never_uses(digits, no_le
     job = nbdist.train(model, x[:256], y[:256], epochs=1, batch_size=64, workers=2, backend="local", ui="none")
     loaded = {r: report["optional_imports"] for r, report in job.reports.items()}
     assert loaded == {0: [], 1: []}, (installed, loaded)
+
+
+_CLOSED_LINK = """
+import time
+from tests.unit.test_protocol import pair
+from nbdist.wire import protocol
+from nbdist.worker.main import DriverLink
+
+secret = protocol.new_secret()
+driver, worker = pair(secret, secret)
+link = DriverLink(worker, heartbeat_interval=0.5, heartbeat_timeout=0.5)
+worker.closed = True  # closed by its owner, as a worker ends its job
+driver.close()
+worker.close()
+time.sleep(2.0)  # four heartbeats' time of silence
+print("alive")
+"""
+
+
+def test_a_closed_driver_link_never_ends_its_process_for_silence():
+    """A DriverLink whose channel its owner closed stops beating; it does not take the driver's silence since the
+    close for a lost driver and ``os._exit(4)`` the process (which once ended pytest itself, from a unit test's
+    link, a minute after that test). A process of its own, since the old behaviour ends the process."""
+    import os
+    import subprocess
+    import sys
+
+    from nbdist.backends.command import package_root
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root(), os.getcwd()])}
+    done = subprocess.run([sys.executable, "-c", _CLOSED_LINK], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0 and "alive" in done.stdout, (done.returncode, done.stderr[-2000:])
