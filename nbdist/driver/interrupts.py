@@ -12,6 +12,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+HOLDS = "nbdist_holds_interrupts"  # marks the SIGINT handler of an enclosing ``interrupts_held``
+
+
 @contextlib.contextmanager
 def interrupts_held(defer: bool = False) -> Iterator[None]:
     """On the main thread, turn SIGINT into a log line for the duration (Python raises
@@ -19,8 +22,9 @@ def interrupts_held(defer: bool = False) -> Iterator[None]:
 
     ``defer``: raise it once the block ends instead, so a few steps that must happen together (a
     search's trial asked for and registered) are never cut between."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield
+    current = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or current is None or getattr(current, HOLDS, False):
+        yield  # not ours to hold, or held already by an enclosing block, which decides what a press does
         return
     pressed: list[int] = []
 
@@ -28,6 +32,8 @@ def interrupts_held(defer: bool = False) -> Iterator[None]:
         if not pressed and not defer:
             log.warning("still stopping the workers; they will be gone in a few seconds")
         pressed.append(signum)
+
+    setattr(hold, HOLDS, True)
 
     previous = signal.signal(signal.SIGINT, hold)
     try:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..driver.interrupts import interrupts_held
 from ..errors import NbdistError
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,32 @@ def make_pruner(optuna: Any, spec: Any) -> Any:
     return makers[spec]()
 
 
+class HeldStorage:
+    """An Optuna storage whose every call is made whole: an interrupt (the kernel's SIGINT) that comes during
+    one is raised when it returns (``interrupts_held(defer=True)``; on the main thread only, where Python raises
+    it). Cut inside a write, SQLAlchemy leaves SQLite's database locked (Optuna rolls back only on an
+    ``Exception``), and the search could then tell none of its running trials failed: they stayed RUNNING in
+    the study. Everything else is the wrapped storage's."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            with interrupts_held(defer=True):
+                return attr(*args, **kwargs)
+
+        return held
+
+
 def open_study(optuna: Any, *, study: Any, storage: str | None, study_name: str | None, direction: str,
                sampler: Any, pruner: Any, seed: int | None) -> Any:
-    """The given study, or the one named in ``storage`` (made, or loaded to resume)."""
+    """The given study, or the one named in ``storage`` (made, or loaded to resume) over a ``HeldStorage``.
+    A study the user made keeps its own storage."""
     if study is not None:
         if study.direction.name.lower() != direction:
             raise NbdistError(f"the study {study.study_name!r} was made to {study.direction.name.lower()}, "
@@ -67,8 +91,11 @@ def open_study(optuna: Any, *, study: Any, storage: str | None, study_name: str 
         sampler = optuna.samplers.TPESampler(seed=seed)
     name = study_name or DEFAULT_STUDY
     try:
-        return optuna.create_study(storage=storage or DEFAULT_STORAGE, study_name=name, direction=direction,
-                                   sampler=sampler, pruner=pruner, load_if_exists=True)
+        # Optuna's own opening of a URL (its trials' cache over the RDB), where this Optuna has it.
+        opening = getattr(optuna.storages, "get_storage", optuna.storages.RDBStorage)
+        held = HeldStorage(opening(storage or DEFAULT_STORAGE))
+        return optuna.create_study(storage=held, study_name=name, direction=direction, sampler=sampler,
+                                   pruner=pruner, load_if_exists=True)
     except ValueError as exc:  # e.g. the stored study was made in the other direction
         raise NbdistError(f"the study {name!r} in {storage or DEFAULT_STORAGE} cannot be used: {exc}; "
                           "give another --study name or the stored study's --direction.") from None
