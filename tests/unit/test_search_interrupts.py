@@ -24,6 +24,14 @@ class Recording:
         self.finished = True  # Python runs the handler before this line unless the interrupt is held
 
 
+@pytest.fixture(autouse=True)
+def python_sigint():
+    """Python's own SIGINT handler for each test (an earlier test's SparkContext leaves PySpark's installed)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_an_interrupt_during_a_storage_call_is_raised_when_it_returns_and_nested_holds_leave_it_to_the_outer():
     from nbdist.driver.interrupts import interrupts_held
     from nbdist.search.study import HeldStorage
