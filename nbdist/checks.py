@@ -2,8 +2,8 @@
 
 Every check of a model against its data lives here, called once at each entry's door (api.py,
 inference_api.py), on the driver before any worker starts (a mismatch otherwise surfaces as a
-TensorFlow traceback from a worker) and on every merged epoch (a loss that went
-NaN or infinite ends the run with one sentence instead of training on garbage).
+TensorFlow traceback from a worker). A loss that goes NaN or infinite is Keras' to act on (TerminateOnNaN):
+the run trains on, as Keras' fit does, and says so once.
 """
 from __future__ import annotations
 
@@ -77,12 +77,13 @@ def check_model_fits_data(model: Any, x: np.ndarray, y: np.ndarray | None, what:
 
 
 def check_labels_fit_loss(model: Any, y: Any, sample_weight: Any, what: str = "training data") -> None:
-    """One sentence, with Keras' reason, where the model's own loss refuses these labels (model/labels.py):
-    only where the local fit would fail too (a class id per time step or per pixel is Keras' to take)."""
+    """Where the model's own loss refuses these labels (model/labels.py), what Keras raises, raised before any
+    worker starts, with a note of nbdist's: only where the local fit would fail too (a class id per time step
+    or per pixel is Keras' to take)."""
     from .model.labels import loss_refusal
 
-    reason = loss_refusal(model, y, sample_weight)
-    if reason is None:
+    error = loss_refusal(model, y, sample_weight)
+    if error is None:
         return
     loss = getattr(model, "loss", None)
     name = _loss_name(loss)
@@ -91,8 +92,12 @@ def check_labels_fit_loss(model: Any, y: Any, sample_weight: Any, what: str = "t
         fix = "one-hot encode y or use sparse_categorical_crossentropy"
     elif isinstance(y, np.ndarray) and name == "sparse_categorical_crossentropy" and y.ndim == 2 and y.shape[1] > 1:
         fix = "pass class ids (y.argmax(axis=1) for one-hot rows)"
-    raise NbdistError(f"the {what} labels ({_shapes(y)}) do not fit {name}; Keras says, on a few rows: "
-                      f"\"{reason}\"; {fix}.")
+    note = (f"nbdist: the {what} labels ({_shapes(y)}) do not fit {name} (Keras said so on a few rows, before any "
+            f"worker started); {fix}.")
+    error.add_note(note)
+    # IPython shows Keras' sentence and nbdist's, not the traceback of this check.
+    error._render_traceback_ = lambda: [f"{type(error).__name__}: {' '.join(str(error).split())}", note]
+    raise error.with_traceback(None)
 
 
 _ONE_HOT_NAMES = ("categorical_crossentropy", "categorical_focal_crossentropy", "categorical_hinge")
@@ -125,8 +130,8 @@ def non_finite(logs: dict[str, Any]) -> str | None:
 
 
 def non_finite_message(metric: str, value: float, epoch: int) -> str:
-    return (f"training stopped: {metric} became {value} in epoch {epoch + 1}, so the weights diverged; lower the "
-            "learning rate or scale the features, the model keeps its weights from before the run.")
+    return (f"{metric} became {value} in epoch {epoch + 1}; training goes on as Keras' fit does (add "
+            "keras.callbacks.TerminateOnNaN() to stop there, or lower the learning rate or scale the features).")
 
 
 # -- what a %%dist_train cell does, read from its code (never run to find out) ---------------------

@@ -2,6 +2,7 @@
 and ``PyDatasetData``."""
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ import numpy as np
 from ..errors import NbdistError
 from .files import NpyFile, npy_file
 from .structures import Struct, fill_leaves, flatten, leaves, map_struct, non_finite, to_struct, unflatten
+
+log = logging.getLogger(__name__)
 
 
 def is_py_dataset(value: Any) -> bool:
@@ -82,12 +85,16 @@ def make_fit_data(x: Any, y: Any = None, sample_weight: Any = None, what: str = 
                           "per example (pass X and y of the same length).")
     if len(data) == 0:
         raise NbdistError(f"{what} is empty; pass at least one example per worker.")
+    # Keras trains on NaN and infinite values as they are (the loss then may become NaN, which TerminateOnNaN
+    # acts on): so does nbdist, saying so in one line.
+    found = []
     for name, part in (("features", data.x), ("labels", data.y), ("sample weights", data.sample_weight)):
-        for a in leaves(part):
-            bad = non_finite(a) if a.dtype.kind == "f" else 0
-            if bad:
-                raise NbdistError(f"{what}: the {name} hold {bad} NaN or infinite values; clean or impute them "
-                                  "before training.")
+        bad = sum(non_finite(a) for a in leaves(part) if a.dtype.kind == "f")
+        if bad:
+            found.append(f"the {name} {bad}")
+    if found:
+        log.warning("%s holds NaN or infinite values (%s); Keras trains on them as they are, so the loss may become "
+                    "NaN (keras.callbacks.TerminateOnNaN stops training there).", what, ", ".join(found))
     return data
 
 

@@ -2,15 +2,27 @@
 
 Each callback sees what it would see in a local ``fit``: ``self.model`` is the notebook's model,
 holding the weights (and optimizer state) every worker shares at the end of the epoch, and
-``logs`` are the merged, exact metrics of all workers. What the callbacks decide goes back to the
+``logs`` are the merged, exact metrics of all workers. Every epoch-level hook runs in Keras' order:
+``on_train_begin``; per epoch ``on_epoch_begin``, then, where the epoch validated,
+``on_test_begin`` and ``on_test_end`` with the validation logs under their own names (``loss``, not
+``val_loss``: Keras' evaluate's), then ``on_epoch_end`` with every log; ``on_train_end`` with the
+last epoch's logs. History is the last callback, as in Keras: it records what the others wrote
+into the logs (ReduceLROnPlateau's ``learning_rate``). What the callbacks decide goes back to the
 workers before they start the next epoch: ``model.stop_training`` and the optimizer's learning
 rate (read after the next epoch's ``on_epoch_begin``, so LearningRateScheduler works). Files
 (ModelCheckpoint, CSVLogger, TensorBoard) are written once, here. EarlyStopping's restored weights
-are the notebook model's weights when training ends.
+are the notebook model's weights when training ends. An exception a callback raises ends the run
+and is raised out of the fit as it is.
+
+Two of Keras' callbacks act inside the workers' passes, so the workers run them too (``swaps_ema``,
+``raises_on_nan``): SwapEMAWeights swaps the moving averages in around every validation there (as
+here around ``on_test_begin/end``), and TerminateOnNaN(raise_error=True) raises Keras' RuntimeError at
+the batch whose loss is NaN. A plain TerminateOnNaN stops after the epoch whose merged loss is not finite.
 
 Batch-level hooks (``on_train_batch_begin/end``, ``on_test_batch_*``) are NOT called: the batches
 run on the workers, and a round trip to the notebook per step would cost most of the speed-up.
-A callback that overrides one gets a warning naming it.
+A callback that has one, overridden on its class or set on the instance (LambdaCallback), gets a
+warning naming it.
 """
 from __future__ import annotations
 
@@ -26,10 +38,22 @@ _BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_test_batch_beg
 
 
 def overrides_batch_hooks(callback: Any) -> list[str]:
+    """The batch hooks ``callback`` has: overridden on its class, or set on the instance (LambdaCallback)."""
     import keras
 
     base = keras.callbacks.Callback
-    return [h for h in _BATCH_HOOKS if getattr(type(callback), h, None) is not getattr(base, h, None)]
+    own = getattr(callback, "__dict__", {})
+    return [h for h in _BATCH_HOOKS if h in own or getattr(type(callback), h, None) is not getattr(base, h, None)]
+
+
+def warned_batch_hooks(callback: Any) -> list[str]:
+    """The batch hooks worth a warning: all of a notebook's callback's, and those set on an instance of one of
+    Keras' own (LambdaCallback's); Keras' own classes' overrides act only when asked to (TensorBoard's
+    update_freq="batch") or are done otherwise here (TerminateOnNaN)."""
+    hooks = overrides_batch_hooks(callback)
+    if type(callback).__module__.startswith("keras"):
+        hooks = [h for h in hooks if h in getattr(callback, "__dict__", {})]
+    return hooks
 
 
 class DriverCallbacks:
@@ -43,16 +67,15 @@ class DriverCallbacks:
         self.epochs = epochs
         self.initial_epoch = initial_epoch
         for cb in self.user:
-            # Keras' own callbacks only override batch hooks that do nothing unless asked to (e.g.
-            # TensorBoard's update_freq="batch"); a notebook's own callback is told.
-            hooks = overrides_batch_hooks(cb)
-            if hooks and not type(cb).__module__.startswith("keras"):
+            hooks = warned_batch_hooks(cb)
+            if hooks:
                 log.warning("%s defines %s; under nbdist only epoch-level hooks run (on the notebook, with "
                             "merged logs), batch-level hooks are not called.", type(cb).__name__, ", ".join(hooks))
         self.history = keras.callbacks.History()
         self.list = keras.callbacks.CallbackList(self.user + [self.history], add_history=False,
                                                  add_progbar=False, model=model, verbose=0, epochs=epochs)
         self.ended = False
+        self._last_logs: dict[str, Any] | None = None  # the last epoch's logs, after every callback: on_train_end's
 
     @property
     def needs_model(self) -> bool:
@@ -68,11 +91,38 @@ class DriverCallbacks:
 
     @property
     def terminates_on_nan(self) -> bool:
-        """A ``keras.callbacks.TerminateOnNaN`` is among them: a non-finite loss stops training (as in
-        Keras, the History keeps it), instead of failing the run."""
+        """A ``keras.callbacks.TerminateOnNaN`` is among them: a non-finite loss stops training after the
+        epoch (as in Keras, the History keeps it)."""
         import keras
 
         return any(isinstance(cb, keras.callbacks.TerminateOnNaN) for cb in self.user)
+
+    @property
+    def raises_on_nan(self) -> bool:
+        """A ``TerminateOnNaN(raise_error=True)``: the workers run one, raising Keras' RuntimeError at the batch."""
+        import keras
+
+        return any(isinstance(cb, keras.callbacks.TerminateOnNaN) and cb.raise_error for cb in self.user)
+
+    @property
+    def swaps_ema(self) -> bool:
+        """A ``keras.callbacks.SwapEMAWeights``: the workers validate with the moving averages swapped in."""
+        import keras
+
+        return any(isinstance(cb, keras.callbacks.SwapEMAWeights) for cb in self.user)
+
+    def check(self, validates: bool) -> None:
+        """Before any worker starts, what Keras' callbacks would raise during the fit: SwapEMAWeights without
+        an optimizer that keeps moving averages raises Keras' ValueError (at the first validation, or the
+        first epoch's end with ``swap_on_epoch``, in Keras)."""
+        import keras
+
+        for cb in self.user:
+            if isinstance(cb, keras.callbacks.SwapEMAWeights) and (validates or cb.swap_on_epoch):
+                opt = self.model.optimizer
+                opt = getattr(opt, "inner_optimizer", opt)
+                if not any(getattr(o, "use_ema", False) for o in getattr(opt, "optimizers", [opt])):
+                    cb._apply_to_ema_optimizers(_nothing, _nothing)  # raises Keras' own ValueError
 
     def begin(self) -> float | None:
         """Before the workers start: on_train_begin, on_epoch_begin(initial); the first epoch's rate.
@@ -87,10 +137,16 @@ class DriverCallbacks:
         self.list.on_epoch_begin(self.initial_epoch)
         return learning_rate(self.model)
 
-    def epoch_end(self, epoch: int, logs: dict[str, float]) -> Decision:
-        """Run the epoch's end with merged logs; the decision every worker applies before going on."""
+    def epoch_end(self, epoch: int, logs: dict[str, Any]) -> Decision:
+        """Run the epoch's end with merged logs (its validation's hooks first, where it validated); the
+        decision every worker applies before going on."""
         logs = dict(logs)
+        validation = {k[len("val_"):]: v for k, v in logs.items() if k.startswith("val_")}
+        if validation:
+            self.list.on_test_begin()
+            self.list.on_test_end(validation)
         self.list.on_epoch_end(epoch, logs)
+        self._last_logs = logs
         stop = bool(getattr(self.model, "stop_training", False))
         if not stop and epoch + 1 < self.epochs:
             self.list.on_epoch_begin(epoch + 1)
@@ -102,7 +158,11 @@ class DriverCallbacks:
         if self.ended:
             return
         self.ended = True
-        self.list.on_train_end(self.history.history and {k: v[-1] for k, v in self.history.history.items()})
+        self.list.on_train_end(self._last_logs)
+
+
+def _nothing(optimizer: Any) -> None:
+    """A swap that swaps nothing: SwapEMAWeights' own checks run, and raise, around it."""
 
 
 def reads_logs_only(callback: Any) -> bool:

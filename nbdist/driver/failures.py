@@ -3,9 +3,11 @@ and which of several ended workers is the likely cause (pure functions over work
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import worker_raised
 from ..machine.processes import oom_sentence
 
 # Spark aborts a failed barrier ResultStage rather than retrying it ("Could not recover from a failed barrier
@@ -60,3 +62,26 @@ def likely_causes_first(handles: Sequence[Any]) -> list[Any]:
     its peers' tasks, which end at the same moment), then one killed or crashed, then the rest by rank (one
     that exited 1 raised, often because a peer's death broke the collective)."""
     return sorted(handles, key=lambda h: (not getattr(h, "lost", False), h.exit_status() in (None, 0, 1), h.rank))
+
+
+def rebuild(raised_type: str, message: str, worker_traceback: str, rank: int | None) -> BaseException | None:
+    """The exception a worker reported (``module:qualname``, worker/main.py keras_raised) as the notebook
+    raises it: that type, its own message, ``WorkerRaised`` mixed in. Only a builtin, Keras or TensorFlow
+    exception class already imported here is taken (nothing is imported or unpickled for a name from the
+    network); None where there is none, or it cannot be made from its message alone."""
+    module_name, _, qualname = raised_type.partition(":")
+    if module_name.split(".")[0] not in ("builtins", "keras", "tensorflow") or not qualname:
+        return None
+    found: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part, None) if found is not None and not part.startswith("__") else None
+    if not isinstance(found, type) or not issubclass(found, Exception):
+        return None
+    args: tuple[Any, ...] = (message,)
+    op_error = getattr(sys.modules.get("tensorflow.python.framework.errors_impl"), "OpError", None)
+    if op_error is not None and issubclass(found, op_error):  # TensorFlow's: (node_def, op, message)
+        args = (None, None, message)
+    try:
+        return worker_raised(found, *args, worker_traceback=worker_traceback, rank=rank)
+    except Exception:  # a class that needs more than its message
+        return None

@@ -297,8 +297,11 @@ def prepare_fit_run(model: Any, fit: FitCall, epochs: int, global_batch: int | N
 
 
 # -- interception ----------------------------------------------------------------
-class FitAborted(Exception):
-    """Raised out of an intercepted fit so the cell stops; the magic reports ``cause`` in one sentence."""
+class FitAborted(BaseException):
+    """Raised out of an intercepted fit so the cell stops; the magic reports ``cause`` in one sentence.
+
+    A BaseException (as KeyboardInterrupt is): the cell's own ``except Exception:`` around its fit (as
+    keras-tuner's search has) must not swallow nbdist's refusal and go on."""
 
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
@@ -308,33 +311,42 @@ class FitAborted(Exception):
         return []
 
 
-@contextlib.contextmanager
-def intercept_fit(run: Callable[[Any, FitCall], Any]) -> Iterator[list[BaseException]]:
-    """While the cell runs, ``keras.Model.fit`` calls ``run(model, fit_arguments)`` instead.
+@dataclass
+class FitOutcome:
+    """What the intercepted calls ended with: ``aborted`` the causes nbdist stopped the cell for (NbdistError,
+    TrainingFailed, KeyboardInterrupt: the call raised FitAborted), ``raised`` what Keras or the cell's code
+    raised (on a worker, or in a notebook callback), which the call raised as it is, as Keras' fit would."""
 
-    Yields a list that receives the cause when a call fails (NbdistError, TrainingFailed,
-    KeyboardInterrupt); the call itself then raises FitAborted, ending the cell.
-    """
+    aborted: list[BaseException]
+    raised: list[BaseException]
+
+
+@contextlib.contextmanager
+def intercept_fit(run: Callable[[Any, FitCall], Any]) -> Iterator[FitOutcome]:
+    """While the cell runs, ``keras.Model.fit`` calls ``run(model, fit_arguments)`` instead."""
     import keras
 
     original = keras.Model.fit
     signature = inspect.signature(original)
-    errors: list[BaseException] = []
+    outcome = FitOutcome([], [])
 
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return run(self, bind_fit(self, args, kwargs, signature))
         except (NbdistError, KeyboardInterrupt) as exc:
-            errors.append(exc)
+            outcome.aborted.append(exc)
             raise FitAborted(exc) from None
+        except Exception as exc:
+            outcome.raised.append(exc)
+            raise
 
     fit.__doc__ = original.__doc__
     keras.Model.fit = fit
     try:
-        yield errors
+        yield outcome
     finally:
         keras.Model.fit = original
 
 
-__all__ = ["FitRun", "FitAborted", "bind_fit", "check_fit_arguments", "fit_data", "intercept_fit", "reconcile",
-           "prepare_fit_run", "pipeline_message"]
+__all__ = ["FitRun", "FitAborted", "FitOutcome", "bind_fit", "check_fit_arguments", "fit_data", "intercept_fit",
+           "reconcile", "prepare_fit_run", "pipeline_message"]

@@ -30,7 +30,7 @@ from ..wire import protocol
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Progress, State, WorkerError, WorkerWarning
 from .coordinator import Coordinator, Event
-from .failures import describe_exit, first_line, last_traceback
+from .failures import describe_exit, first_line, last_traceback, rebuild
 from .health import HealthChecks
 from .interrupts import interrupts_held
 from .resolve import resolve_backend
@@ -69,7 +69,7 @@ class Run(HealthChecks):
         self._done: set[int] = set()
         self._closing: dict[int, float] = {}  # rank -> when its connection closed
         self._exited: dict[int, float] = {}  # rank -> when its process was first seen to exit with 0
-        self._failure: TrainingFailed | None = None
+        self._failure: BaseException | None = None  # what wait() raises
         self._warned: set[str] = set()
         self._launched_at = 0.0
         self._pump_thread: threading.Thread | None = None
@@ -143,7 +143,7 @@ class Run(HealthChecks):
         return self.state.history if self.state else {}
 
     @property
-    def error(self) -> TrainingFailed | None:
+    def error(self) -> BaseException | None:
         return self._failure
 
     def start(self) -> Self:
@@ -281,7 +281,8 @@ class Run(HealthChecks):
             has_y=shard is None or y is not None, **fields)
 
     def wait(self, timeout: float | None = None) -> dict[str, list[float]]:
-        """Follow the run until it ends. Raises TrainingFailed; on interrupt stops every worker."""
+        """Follow the run until it ends. Raises TrainingFailed, or what Keras or the cell's code raised (on a
+        worker, or a notebook callback) as itself; on interrupt stops every worker."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while self.status not in TERMINAL:
@@ -428,14 +429,27 @@ class Run(HealthChecks):
                                       f"(then {self._name(rank)} failed: {first_line(text, 80)})",
                            last_traceback(dead.log_tail(400)))
                 return
-            self._fail(rank, f"{self._name(rank)} failed: {text}", msg.traceback)
+            raised = None
+            if msg.raised_type is not None:  # Keras' or the cell's: the notebook raises it as it is
+                raised = rebuild(msg.raised_type, msg.raised_message or "", msg.traceback, rank)
+            self._fail(rank, f"{self._name(rank)} failed: {text}", msg.traceback, raised)
 
     # -- endings --------------------------------------------------------
-    def _fail(self, rank: int | None, message: str, worker_traceback: str) -> None:
+    def _fail(self, rank: int | None, message: str, worker_traceback: str,
+              raised: BaseException | None = None) -> None:
+        """End the run failed: ``wait`` raises TrainingFailed with ``message``, or ``raised`` (what Keras or
+        the cell's code raised, on a worker or in a notebook callback) as it is, its message untouched: what
+        was left in the model is said in the log."""
         if self._intercept_failure(rank, message, worker_traceback):
             return
         message = self._after_failure(message)
-        self._failure = TrainingFailed(message, worker_traceback, rank)
+        if raised is not None:
+            where = self._name(rank) if rank is not None else "a callback in the notebook"
+            left = self._after_failure("").lstrip("; ")
+            log.warning("%s raised %s%s", where, type(raised).__name__, f"; {left}" if left else "")
+            self._failure = raised
+        else:
+            self._failure = TrainingFailed(message, worker_traceback, rank)
         if rank is not None:
             self.state.worker_finished(rank, "failed", worker_traceback)
         self._shutdown()

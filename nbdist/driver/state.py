@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..wire.reports import Epoch, Progress, State
 
 # A run's status once it has ended.
@@ -50,17 +52,25 @@ class EpochAggregator:
         return list(reports.values())
 
 
-def merge_epoch_logs(reports: list[dict[str, Any]]) -> dict[str, float]:
-    sums: dict[str, float] = {}
+def merge_epoch_logs(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every worker's logs weighted by the rows behind them; an array result (``F1Score`` per class)
+    element-wise, in its own dtype."""
+    sums: dict[str, Any] = {}
     weights: dict[str, float] = {}
+    dtypes: dict[str, Any] = {}
     for r in reports:
         for key, value in r["logs"].items():
             w = r["val_samples"] if key.startswith("val_") else r["samples"]
             if w <= 0 or value is None:
                 continue
-            sums[key] = sums.get(key, 0.0) + float(value) * w
+            if isinstance(value, np.ndarray):
+                dtypes[key] = value.dtype
+                value = value.astype(np.float64)
+            else:
+                value = float(value)
+            sums[key] = sums.get(key, 0.0) + value * w
             weights[key] = weights.get(key, 0.0) + w
-    return {k: sums[k] / weights[k] for k in sums}
+    return {k: (sums[k] / weights[k]).astype(dtypes[k]) if k in dtypes else sums[k] / weights[k] for k in sums}
 
 
 @dataclass
@@ -130,7 +140,7 @@ class RunState:
     def worker_epoch(self, rank: int, epoch: Epoch) -> dict[str, float] | None:
         """Record one worker's epoch end; return the merged logs once every worker reported."""
         self.worker_progress(rank, epoch.as_progress())
-        report = {"logs": epoch.logs, "samples": epoch.samples, "val_samples": epoch.val_samples,
+        report = {"logs": epoch.all_logs, "samples": epoch.samples, "val_samples": epoch.val_samples,
                   "seconds": epoch.seconds}
         reports = self._aggregator.add(rank, epoch.epoch, report)
         if reports is None:
@@ -142,7 +152,8 @@ class RunState:
         self.epoch_seconds.append(max(r["seconds"] for r in reports))
         self.epoch_samples.append(sum(r["samples"] for r in reports))
         for key, value in merged.items():
-            self.history.setdefault(key, []).append(value)
+            if not isinstance(value, np.ndarray):  # array results: in the fit's History only, not the dashboard's
+                self.history.setdefault(key, []).append(value)
         return merged
 
     def worker_finished(self, rank: int, state: str, error: str = "") -> None:

@@ -80,6 +80,7 @@ class TrainingJob(Run):
         self._py_datasets: bytes | None = None  # a fit on PyDatasets: what every worker gets (_prepare)
         self._weights_every_epoch = True  # decided per launch (_wants_weights_every_epoch)
         self._async: Any = None  # --strategy async: the shared model (async_server.py)
+        self._said_non_finite = False  # a metric became NaN or infinite: said once per run
 
     def __repr__(self) -> str:
         if self.state is None:
@@ -207,6 +208,11 @@ class TrainingJob(Run):
         if self._keeper is not None:
             self._keeper.seed_state(state)
         if self.fit is not None:  # on_train_begin, on_epoch_begin: the first epoch's learning rate
+            try:
+                self.fit.callbacks.check(self.validation_data is not None or self._validation_on_tasks())
+            except Exception:
+                self._release()
+                raise
             asked = self.fit.callbacks.initial_epoch
             self._first_lr = self.fit.callbacks.begin()
             start = self.fit.callbacks.initial_epoch
@@ -229,6 +235,8 @@ class TrainingJob(Run):
             validation_on_tasks=self._validation_on_tasks(),
             batch_sizes=list(self._rank_batches) if fit is not None else None, learning_rate=self._first_lr,
             epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions),
+            swap_ema=bool(fit is not None and fit.callbacks.swaps_ema),
+            raise_on_nan=bool(fit is not None and fit.callbacks.raises_on_nan),
             validation_freq=fit.validation_freq if fit is not None else 1,
             weights_every_epoch=self._weights_every_epoch, **self._data_start())
         placement = Placement(backend.bind_host, backend.advertise_host, backend.gloo_ifname, backend.store_on_link)
@@ -302,11 +310,12 @@ class TrainingJob(Run):
                     return True
                 self._notify("epoch", merged)
                 bad = non_finite(merged)
-                terminate = bad is not None and self.fit is not None and self.fit.callbacks.terminates_on_nan
-                if bad is not None and not terminate:  # diverged: stop rather than train on, keep the user's weights
-                    self._fail(rank, non_finite_message(bad, merged[bad], msg.epoch), "")
-                elif self.fit is not None:
-                    if terminate:  # TerminateOnNaN: stop after this epoch, its History kept (Keras stops mid-epoch)
+                if bad is not None and not self._said_non_finite:  # Keras trains on: so do the workers
+                    self._said_non_finite = True
+                    log.warning("%s", non_finite_message(bad, merged[bad], msg.epoch))
+                if self.fit is not None:
+                    if bad == "loss" and self.fit.callbacks.terminates_on_nan:
+                        # TerminateOnNaN: stop after this epoch, its History kept (Keras stops mid-epoch)
                         self.model.stop_training = True
                     self._fit_epoch_end(msg.epoch, merged)
         elif isinstance(msg, Weights):
@@ -381,9 +390,9 @@ class TrainingJob(Run):
                 self._applied_epoch = self._last_weights[0]
         try:
             decision = self.fit.callbacks.epoch_end(epoch, merged)
-        except Exception as exc:  # the notebook's own callback raised: end the run with its message
-            log.exception("a callback failed at epoch %d", epoch + 1)
-            self._fail(None, f"callback failed at the end of epoch {epoch + 1}: {type(exc).__name__}: {exc}", "")
+        except Exception as exc:  # the notebook's own callback raised: the fit raises it, as Keras' would
+            self._fail(None, f"callback failed at the end of epoch {epoch + 1}: {type(exc).__name__}: {exc}", "",
+                       exc)
             return
         if self.fit.callbacks.needs_decisions:
             for r in range(self.world_size):

@@ -204,13 +204,19 @@ class DistMagics(Magics):
         before = {name: id(value) for name, value in ns.items()}
         fit_calls: list[Any] = []
         runner = self._fit_runner(config, explicit, args, out_given, ns, fit_calls)
-        with intercept_fit(runner) as fit_errors:
+        with intercept_fit(runner) as outcome:
             result = self.shell.run_cell(cell, store_history=False, silent=False)
-        if fit_errors:  # the cell's model.fit was refused or failed: report the cause, not a traceback
-            cause = fit_errors[0]
+        if outcome.aborted:  # the cell's model.fit was refused or failed: report the cause, not a traceback
+            cause = outcome.aborted[0]
             if isinstance(cause, KeyboardInterrupt):
                 return None  # stop() ended every worker and kept the last synchronised weights
             raise cause
+        error = result.error_in_exec
+        if error is not None and any(error is e for e in outcome.raised):
+            # What Keras (or the cell's code) raised out of its fit, shown above as the cell's error: the
+            # magic's cell ends with it too, without showing it twice.
+            error._render_traceback_ = _shown_above
+            raise error
         if not result.success:
             if fit_calls:  # its model.fit trained on the workers before the error
                 raise NbdistError("the cell raised an error (shown above) after its model.fit trained on the workers; "
@@ -296,3 +302,8 @@ class DistMagics(Magics):
         if exc.worker_traceback:
             sys.stderr.write(f"--- traceback from worker {exc.rank} ---\n{exc.worker_traceback.rstrip()}\n")
             sys.stderr.flush()
+
+
+def _shown_above() -> list[str]:
+    """IPython's rendering of an error the cell's run showed already: nothing more."""
+    return []

@@ -11,7 +11,6 @@ Keras ships: a notebook's own loss function is the user's code, judged where it 
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
@@ -19,9 +18,10 @@ import numpy as np
 ROWS = 2  # enough for every reduction; what it costs does not grow with the data
 
 
-def loss_refusal(model: Any, y: Any, sample_weight: Any = None) -> str | None:
-    """Keras' reason, in one line, why ``y`` (with ``sample_weight``) cannot be the targets of the model's
-    compiled loss; None when Keras takes them, or when it cannot be told without running the user's code."""
+def loss_refusal(model: Any, y: Any, sample_weight: Any = None) -> Exception | None:
+    """What Keras raises (its type, its message) because ``y`` (with ``sample_weight``) cannot be the targets
+    of the model's compiled loss; None when Keras takes them, or when it cannot be told without running the
+    user's code."""
     loss = getattr(model, "loss", None)
     if loss is None or y is None or not _keras_losses_only(loss):
         return None
@@ -40,7 +40,7 @@ def loss_refusal(model: Any, y: Any, sample_weight: Any = None) -> str | None:
         compiled = CompileLoss(loss, output_names=getattr(model, "output_names", None))
         compiled(labels, predictions, sample_weight=_stand_in(sample_weight, rows, 1))
     except Exception as exc:  # Keras' own refusal: ValueError, KeyError, TypeError, or the backend's error
-        return _one_line(exc)
+        return exc
     return None
 
 
@@ -102,10 +102,3 @@ def _stand_in(value: Any, rows: int, fill: int) -> Any:
     if dtype.kind not in "biuf" or not shape:
         return None
     return np.full((rows, *shape[1:]), fill, dtype=dtype)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text)  # TensorFlow's op-placement prefix
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return " ".join(lines[:3]) if lines else type(exc).__name__

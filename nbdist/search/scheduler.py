@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 PUMP_SLICE = 0.05
 
 
-class FitCaptured(Exception):
-    """Raised out of the trial cell's ``model.fit(...)``: its arguments are the trial's run."""
+class FitCaptured(BaseException):
+    """Raised out of the trial cell's ``model.fit(...)``: its arguments are the trial's run. A BaseException
+    (as KeyboardInterrupt is): keras-tuner's search, and any cell's ``except Exception:`` around its fit,
+    must let it through."""
 
     def _render_traceback_(self) -> list[str]:  # IPython shows nothing: this is how the cell hands over
         return []
@@ -187,13 +189,13 @@ class Search:
             captured.append((model, fit))
             raise FitCaptured()
 
-        with intercept_fit(on_fit) as errors:
+        with intercept_fit(on_fit) as outcome:
             try:
                 model = self.build(trial)
             except FitCaptured:
                 model = None
-        if errors:  # an interrupt while the cell ran
-            raise errors[0]
+        if outcome.aborted:  # an interrupt while the cell ran
+            raise outcome.aborted[0]
         if captured:
             model, fit = captured[0]
             return self._fit_job(model, fit, slot), fit

@@ -79,6 +79,11 @@ class TrainSettings:
     fused_updates: bool | None = None  # Adam/SGD updates as fused kernels (TrainConfig, strategies/fused_updates.py)
     # A validation DataFrame: each task wrote this worker's share of it beside its training rows, streamed too.
     validation_on_tasks: bool = False
+    # The notebook's callbacks that act inside the workers' passes (driver/callbacks.py): SwapEMAWeights (the
+    # moving averages swapped in around each validation) and TerminateOnNaN(raise_error=True) (Keras' error
+    # at the batch).
+    swap_ema: bool = False
+    raise_on_nan: bool = False
 
     @classmethod
     def from_config(cls, config: Any, **run: Any) -> TrainSettings:

@@ -62,7 +62,9 @@ class State(Typed):
 
 @dataclass(frozen=True)
 class Epoch(Typed):
-    """An epoch's end on one worker: its logs on its shard and the rows behind them."""
+    """An epoch's end on one worker: its logs on its shard and the rows behind them. A metric whose result
+    is an array (``F1Score`` per class) is in ``array_logs`` under its name in ``array_names``: History keeps
+    it as Keras' does, array, dtype and all."""
 
     TYPE = MessageType.EPOCH
     epoch: int
@@ -76,6 +78,18 @@ class Epoch(Typed):
     samples_done: int | None = None
     compute_seconds: float | None = None
     sync_seconds: float | None = None
+    array_names: list[str] = field(default_factory=list)
+    array_logs: list[np.ndarray] = arrays()
+
+    def check(self) -> None:
+        if len(self.array_names) != len(self.array_logs):
+            raise MessageError(f"an epoch message has {len(self.array_logs)} array results for "
+                               f"{len(self.array_names)} names")
+
+    @property
+    def all_logs(self) -> dict[str, Any]:
+        """Every log of the epoch: the scalar ones, then the array results."""
+        return {**self.logs, **dict(zip(self.array_names, self.array_logs))}
 
     def as_progress(self) -> Progress:
         return Progress("training", self.epoch, self.batch, self.batches, self.samples_done, self.compute_seconds,
@@ -137,13 +151,16 @@ class Done(Typed):
 
 @dataclass(frozen=True)
 class WorkerError(Typed):
-    """A worker failed: the exception's type name, its one-line summary (what the notebook shows) and the
-    traceback text."""
+    """A worker failed: the exception's type name, its one-line summary and the traceback text. Where Keras,
+    TensorFlow or the cell's code raised it (not nbdist), also the type as ``module:qualname`` and its own
+    whole message: the notebook raises that type again (driver/failures.py); else both are None."""
 
     TYPE = MessageType.ERROR
     exception: str
     message: str
     traceback: str
+    raised_type: str | None = None
+    raised_message: str | None = None
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     from ..strategies.backend_grads import HostGradientAllreduce, wrap_jax_optimizer, wrap_torch_optimizer
     from ..strategies.gradient_sum import shard_samples, step_totals
     from ..strategies.sum_threads import sum_threads
-    from .blocks import StepBlocks, block_size
+    from .blocks import MAX_BLOCK, StepBlocks, block_size
     from .callbacks import EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
     from .device import training_device
@@ -139,7 +139,9 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     callbacks = ([] if solo else [sync]) + [event] + phase_callbacks(link.send, collective)
     if reducer.scheduled:  # several steps per call into TensorFlow (blocks.py)
         train_steps = int(inputs["steps_per_epoch"])
-        blocks = StepBlocks(block_size(train_steps, train_steps), train_steps, inputs.get("validation_steps"),
+        # TerminateOnNaN(raise_error=True) reads every step's loss, as locally: one step per call.
+        cap = 1 if job.train.raise_on_nan else MAX_BLOCK
+        blocks = StepBlocks(block_size(train_steps, train_steps, cap), train_steps, inputs.get("validation_steps"),
                             after_train_step=reducer.advance)
         callbacks.insert(0, blocks.install(model))
     if feed is not None:

@@ -17,6 +17,16 @@ from ..wire.reports import Epoch, Progress, Weights
 from .blocks import BatchSpan
 
 
+def notebook_callbacks(swap_ema: bool, raise_on_nan: bool) -> list[Any]:
+    """Keras' own callbacks of the notebook's that act inside this worker's passes (driver/callbacks.py)."""
+    out: list[Any] = []
+    if swap_ema:  # validation with the moving averages; the epoch's end (weights shipped) without them
+        out.append(keras.callbacks.SwapEMAWeights(swap_on_epoch=False))
+    if raise_on_nan:
+        out.append(keras.callbacks.TerminateOnNaN(raise_error=True))
+    return out
+
+
 class AveragingCallback(keras.callbacks.Callback):
     """Averages weights every K batches and pads each epoch to the common number of rounds."""
 
@@ -61,14 +71,19 @@ class AveragingCallback(keras.callbacks.Callback):
         self._rounds += 1
 
 
-def _floats(logs: Any) -> dict[str, float]:
-    out = {}
+def split_logs(logs: Any) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """An epoch's logs as they travel: the scalars as floats, the array results (``F1Score`` per class) as
+    arrays; anything else (a string a callback put there) stays on the worker."""
+    scalars: dict[str, float] = {}
+    results: dict[str, np.ndarray] = {}
     for key, value in (logs or {}).items():
         try:
-            out[key] = float(value)
+            scalars[key] = float(value)
         except (TypeError, ValueError):
-            continue
-    return out
+            value = np.asarray(keras.ops.convert_to_numpy(value)) if keras.ops.is_tensor(value) else value
+            if isinstance(value, np.ndarray) and value.dtype.kind in "fiub":
+                results[key] = value
+    return scalars, results
 
 
 class EventCallback(keras.callbacks.Callback):
@@ -121,9 +136,10 @@ class EventCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if self.ship_weights is not None:
             self.ship_weights(epoch)
-        self.send(Epoch(epoch, _floats(logs), self.samples, self.val_samples, time.perf_counter() - self._epoch_start,
+        scalars, results = split_logs(logs)
+        self.send(Epoch(epoch, scalars, self.samples, self.val_samples, time.perf_counter() - self._epoch_start,
                         batch=len(self.sizes), batches=len(self.sizes), samples_done=self._samples_done,
-                        **self._timing()))
+                        array_names=list(results), array_logs=list(results.values()), **self._timing()))
 
 
 def weights_and_optimizer(model: Any) -> tuple[list[np.ndarray], list[list[int]]]:

@@ -26,6 +26,7 @@ from ..strategies.backend_grads import synced_state
 from ..wire.commands import Decision
 from ..wire.messages import JobMessage
 from .callback_list import WorkerCallbacks
+from .callbacks import notebook_callbacks
 from .validation import KeepValidationIterator, reads_whole_passes
 
 log = logging.getLogger("nbdist.worker")
@@ -235,6 +236,7 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
     extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
     if reads_whole_passes(inputs.get("validation_data")):
         extra.append(KeepValidationIterator())
+    extra += notebook_callbacks(bool(job.train.swap_ema), bool(job.train.raise_on_nan))
     listed = WorkerCallbacks(callbacks + extra, model, int(job.train.epochs), inputs.get("steps_per_epoch"))
     try:
         model.fit(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=listed,

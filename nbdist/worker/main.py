@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -140,6 +141,70 @@ def summarise(exc: BaseException) -> str:
     if isinstance(exc, NbdistError) and head:
         return head
     return f"{type(exc).__name__}: {head}" if head else type(exc).__name__
+
+
+# The packages whose exceptions the notebook raises again as themselves (driver/failures.py rebuilds them).
+KERAS_TYPES = ("builtins", "keras", "tensorflow")
+_NBDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NEUTRAL = ("site-packages", "dist-packages", os.path.dirname(os.__file__))
+
+
+def keras_raised(exc: BaseException) -> tuple[str, str] | None:
+    """(the type's module:qualname, its message) when ``exc`` is Keras' or the cell's to raise, not nbdist's.
+
+    It is when its type is a builtin, Keras or TensorFlow exception and the code that raised it is Keras'
+    or the cell's: walking outward from where it was raised, the first frame of nbdist, Keras or the user's
+    code decides (TensorFlow, numpy and the standard library only carry it). Where it was raised: for an
+    error of TensorFlow's graph, the stack its message gives (a Python op's own traceback, else where the
+    failing op was defined); else the exception's traceback. nbdist's own failures (its checks, a
+    collective's timeout, a lost peer) stay nbdist's."""
+    from ..wire.codec import MessageError
+
+    kind = type(exc)
+    if (not isinstance(exc, Exception) or isinstance(exc, (NbdistError, MessageError))
+            or kind.__module__.split(".")[0] not in KERAS_TYPES):
+        return None
+    message = user_code_message(str(exc), kind.__name__)
+    frames = _stack_in_message(message)
+    if not frames:
+        tb = exc.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+    keras_dir = os.path.dirname(os.path.abspath(__import__("keras").__file__))
+    for path in reversed(frames):
+        if path.startswith("<"):  # the cell's code ("<ipython-input-...>", cloudpickle's "<dynamic-code>")
+            break
+        path = os.path.abspath(path)
+        if path.startswith(_NBDIST_DIR + os.sep):
+            return None
+        if path.startswith(keras_dir + os.sep) or not any(n in path for n in _NEUTRAL):
+            break
+    return f"{kind.__module__}:{kind.__qualname__}", message
+
+
+def _stack_in_message(message: str) -> list[str]:
+    """The files of the stack a TensorFlow graph error's text holds (a Python op's traceback, or where the
+    failing op was defined), outermost first; none for another error."""
+    for head in ("Traceback (most recent call last)", "defined at (most recent call last)"):
+        start = message.rfind(head)
+        if start >= 0:
+            return re.findall(r'File "([^"]+)"', message[start:])
+    return []
+
+
+def user_code_message(message: str, name: str) -> str:
+    """The exception's own message out of TensorFlow's "in user code:" wrapper (the frames of the traced
+    function, then the original ``Name: message`` indented); other messages as they are."""
+    if not message.startswith("in user code:"):
+        return message
+    lines = message.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i]
+        if line.startswith("    ") and line[4:].startswith(f"{name}: "):
+            rest = [ln[4:] if ln.startswith("    ") else ln for ln in lines[i + 1:]]
+            return "\n".join([line[4 + len(name) + 2:], *rest]).rstrip()
+    return message
 
 
 def _die_with_parent() -> None:
@@ -318,6 +383,10 @@ def _work(address: str, rank: int, secret: bytes) -> int:
         from .runtime import import_keras, unpack_job
 
         import_keras()  # first, before anything imports Keras with its optional packages
+        import keras
+
+        # Keras' frames stay in a traceback: they tell its errors from nbdist's (keras_raised).
+        keras.config.disable_traceback_filtering()
 
         from ..wire.messages import JobMessage
 
@@ -334,7 +403,8 @@ def _work(address: str, rank: int, secret: bytes) -> int:
         tb = traceback.format_exc()
         log.error("training failed:\n%s", tb)
         try:
-            link.send(WorkerError(type(exc).__name__, summarise(exc), tb))
+            typed = keras_raised(exc)
+            link.send(WorkerError(type(exc).__name__, summarise(exc), tb, *(typed or (None, None))))
         except Exception:
             pass
         channel.closed = True

@@ -55,7 +55,7 @@ def run_training(link: Any, job: JobMessage) -> None:
 
     from ..model.spec import build_optimizer, model_from_spec
     from ..strategies.averaging import WeightedAverager, open_averaging_sum
-    from .blocks import StepBlocks, block_size
+    from .blocks import MAX_BLOCK, StepBlocks, block_size
     from .callbacks import AveragingCallback, EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
     from .pydatasets import job_feed
@@ -152,7 +152,8 @@ def run_training(link: Any, job: JobMessage) -> None:
         callbacks = [event] + phase_callbacks(link.send, collective)
         if feed is None and on_tf and not model.run_eagerly:  # several steps per call into TensorFlow (blocks.py)
             steps = int(inputs["steps_per_epoch"])
-            block = block_size(int(train.averaging_frequency), steps)
+            # TerminateOnNaN(raise_error=True) reads every step's loss, as locally: one step per call.
+            block = block_size(int(train.averaging_frequency), steps, 1 if train.raise_on_nan else MAX_BLOCK)
             if block > 1:
                 callbacks.insert(0, StepBlocks(block, steps, inputs.get("validation_steps")).install(model))
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch

@@ -75,13 +75,21 @@ def test_bad_options_get_one_sentence(options, fragment):
     (np.zeros((5, 2)), np.zeros(4), "x has 5 rows but y has 4 rows"),
     (np.array([["2020-01-01", "2020-01-02"]], dtype="datetime64[D]"), np.zeros(1), "not numbers"),
     (np.array([["a", 1]], dtype=object), np.zeros(1), "not numbers"),
-    (np.array([[1.0, np.nan]]), np.zeros(1), "NaN"),
     (np.zeros((0, 3)), np.zeros(0), "empty"),
     (3.0, None, "single value"),
 ])
 def test_bad_data_gets_one_sentence(x, y, fragment):
     with pytest.raises(NbdistError, match=fragment):
         make_fit_data(x, y)
+
+
+def test_nan_data_trains_as_in_keras_with_one_warning_line(caplog):
+    """Issue 46: Keras trains on NaN features and labels; nbdist does too and says so in one line."""
+    with caplog.at_level("WARNING", logger="nbdist.data.inputs"):
+        data = make_fit_data(np.array([[1.0, np.nan], [np.inf, 0.0]]), np.array([0.0, np.nan]))
+    assert len(data) == 2
+    assert [r.getMessage().count("\n") for r in caplog.records] == [0]
+    assert "the features 2, the labels 1" in caplog.text
 
 
 def test_pandas_and_lists_are_accepted():

@@ -13,6 +13,8 @@ import keras
 import numpy as np
 import pytest
 
+from nbdist.errors import WorkerRaised
+
 from .test_fit_call import tensorboard_scalars
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
@@ -81,10 +83,13 @@ def test_built_in_callbacks_leave_what_local_fit_leaves(ip, tmp_path):
     for got, expected in zip(rows["remote"], rows["local"], strict=True):
         np.testing.assert_allclose([float(v) for v in got.values()], [float(v) for v in expected.values()],
                                    rtol=1e-5)
-    for run_dir in ("train", "validation"):  # TensorBoard: the same epoch scalars
-        for tag in ("epoch_loss", "epoch_accuracy"):
-            np.testing.assert_allclose(tensorboard_scalars(tmp_path / "remote" / "tb" / run_dir, tag),
-                                       tensorboard_scalars(tmp_path / "local" / "tb" / run_dir, tag), rtol=1e-5)
+    # TensorBoard: the same epoch scalars, and the evaluation curve written at on_test_end (issue 46)
+    for run_dir, tag in [("train", "epoch_loss"), ("train", "epoch_accuracy"), ("validation", "epoch_loss"),
+                         ("validation", "epoch_accuracy"), ("validation", "evaluation_loss_vs_iterations")]:
+        local_curve = tensorboard_scalars(tmp_path / "local" / "tb" / run_dir, tag)
+        assert local_curve, tag
+        np.testing.assert_allclose(tensorboard_scalars(tmp_path / "remote" / "tb" / run_dir, tag), local_curve,
+                                   rtol=1e-5)
     assert sorted(p.name for p in (tmp_path / "remote" / "tb").iterdir()) == ["train", "validation"]
 
 
@@ -101,9 +106,10 @@ hist = model.fit(X[:320], y[:320], batch_size=64, epochs=5, shuffle=False, verbo
 
 def backed_up_run(ip, out, magic: bool) -> dict:
     """The run interrupted at the end of epoch 2 (its backup kept), then the same cell rerun without the
-    interruption: it restores the backup and trains epochs 3 to 5."""
+    interruption: it restores the backup and trains epochs 3 to 5. The callback's RuntimeError comes out of
+    the fit as itself (issue 46), as Keras' BackupAndRestore test expects."""
     ip.user_ns["STOP_AT"] = 1
-    with pytest.raises(Exception):  # noqa: B017 - the interruption, whichever way the cell reports it
+    with pytest.raises(RuntimeError, match="^interrupted$"):
         run(ip, BACKED_UP, out, magic)
     assert (out / "backup").is_dir()
     ip.user_ns["STOP_AT"] = None
@@ -118,3 +124,136 @@ def test_backup_and_restore_resumes_an_interrupted_run_as_locally(ip, tmp_path):
     assert len(local["history"]["loss"]) == 3  # epochs 3 to 5: the rerun started from the backup
     assert_same_history(remote["history"], local["history"])
     assert_close(remote["weights"], local["weights"], "weights after the rerun")
+
+
+# Issue 46: every epoch-level hook in Keras' order, validation's included (validation_freq=2: epochs 2 and 4),
+# with self.model holding the moving averages where SwapEMAWeights swaps them in; array-valued metrics
+# (F1Score per class) and ReduceLROnPlateau's learning_rate in the History. (TensorBoard's evaluation curve:
+# test_built_in_callbacks_leave_what_local_fit_leaves; Keras' TensorBoard cannot log an array metric.)
+HOOKS = """
+import keras, numpy as np
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(0.05, use_ema=True, ema_overwrite_frequency=None), "categorical_crossentropy",
+              metrics=["accuracy", keras.metrics.F1Score()])
+calls = []
+
+class Hooks(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        calls.append(("train_begin",))
+    def on_epoch_begin(self, epoch, logs=None):
+        calls.append(("epoch_begin", epoch))
+    def on_test_begin(self, logs=None):
+        calls.append(("test_begin", self.model.get_weights()))
+    def on_test_end(self, logs=None):
+        calls.append(("test_end", dict(logs)))
+    def on_epoch_end(self, epoch, logs=None):
+        calls.append(("epoch_end", epoch, sorted(logs)))
+    def on_train_end(self, logs=None):
+        calls.append(("train_end", sorted(logs)))
+
+one_hot = np.eye(10, dtype="float32")
+hist = model.fit(X[:320], one_hot[y[:320]], batch_size=64, epochs=4, shuffle=False, verbose=0, validation_freq=2,
+                 validation_data=(Xv[:160], one_hot[yv[:160]]), callbacks=[
+    keras.callbacks.SwapEMAWeights(), Hooks(),
+    keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10.0),
+    keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)])
+"""
+
+
+def test_every_epoch_hook_runs_in_keras_order_with_what_keras_gives_it(ip, tmp_path, caplog):
+    local = run(ip, HOOKS, tmp_path / "local", magic=False)
+    local_calls = ip.user_ns["calls"]
+    with caplog.at_level("WARNING", logger="nbdist.driver.callbacks"):
+        remote = run(ip, HOOKS, tmp_path / "remote", magic=True)
+    remote_calls = ip.user_ns["calls"]
+    names = [c[0] for c in remote_calls]
+    assert names == [c[0] for c in local_calls]
+    assert names.count("test_begin") == 2 and names.index("test_end") == names.index("epoch_end", 3) - 1
+    for got, expected in zip(remote_calls, local_calls):
+        if got[0] == "test_begin":  # the moving averages swapped in, as SwapEMAWeights does locally
+            assert_close(got[1], expected[1], "the model's weights at on_test_begin")
+        elif got[0] == "test_end":  # Keras' evaluate's logs: un-prefixed names
+            assert list(got[1]) == list(expected[1]) and "loss" in got[1]
+            np.testing.assert_allclose(np.hstack(list(got[1].values())), np.hstack(list(expected[1].values())),
+                                       rtol=1e-5)
+        else:
+            assert got == expected
+    assert_same_history(remote["history"], local["history"])  # f1_score arrays, learning_rate
+    assert remote["history"]["val_f1_score"][0].shape == (10,) and "learning_rate" in remote["history"]
+    warned = [r.getMessage() for r in caplog.records if "batch-level hooks are not called" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("LambdaCallback defines on_train_batch_end")
+
+
+# Issue 46: what Keras raises, the cell's fit raises (type and message); NaN as Keras treats it; nbdist's own
+# control flow passes a cell's `except Exception:` (keras-tuner's _try_run_and_update_trial catches exactly so).
+NAN_LABELS = """
+import keras, numpy as np
+keras.utils.set_random_seed(2)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.SGD(0.1), "categorical_crossentropy")
+labels = np.eye(10, dtype="float32")[y[:256]]
+labels[100] = np.nan  # global batch 1
+caught = None
+try:
+    hist = model.fit(X[:256], labels, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=CBS)
+except RuntimeError as exc:
+    caught = exc
+"""
+RAISING_LOSS = """
+import keras
+def picky(y_true, y_pred):
+    raise ValueError("picky refuses these labels\\nReceived: something")
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+model.compile("sgd", picky)
+model.fit(X[:128], y[:128], batch_size=64, epochs=1, verbose=0)
+"""
+SWALLOWED = """
+import keras
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+swallowed = []
+try:
+    model.fit(X[:256], y[:256], batch_size=64, epochs=1, verbose=0, validation_data=(Xv[:64], yv[:64]),
+              callbacks=CBS)
+except Exception as exc:  # keras-tuner's own catch around each trial's fit
+    swallowed.append(exc)
+"""
+
+
+def test_what_keras_raises_the_fit_raises_and_nan_is_keras_to_act_on(ip, tmp_path):
+    from IPython.core.error import UsageError
+
+    ns = ip.user_ns
+    magic = "%%dist_train --workers 2 --ui none --strategy allreduce\n"
+    # NaN labels train, as locally: the loss is NaN from batch 1 on, every epoch in the History.
+    for prefix in ("", magic):
+        ns["CBS"] = []
+        assert ip.run_cell(prefix + NAN_LABELS).success
+        assert len(ns["hist"].history["loss"]) == 2 and np.isnan(ns["hist"].history["loss"]).all()
+    # TerminateOnNaN(raise_error=True): Keras' RuntimeError, raised at the batch, with Keras' words.
+    ns["CBS"] = [keras.callbacks.TerminateOnNaN(raise_error=True)]
+    ip.run_cell(NAN_LABELS).raise_error()
+    local = ns["caught"]
+    ip.run_cell(magic + NAN_LABELS).raise_error()
+    assert type(ns["caught"]).__mro__[0].__name__ == "RuntimeError" and str(ns["caught"]) == str(local)
+    assert "at batch 1." in str(local) and "Traceback" in ns["caught"].worker_traceback
+    # A ValueError raised in the workers' step is a ValueError in the notebook, with its own whole message
+    # (not TensorFlow's "in user code:" wrapper), the worker's traceback kept and shown once.
+    result = ip.run_cell(magic + RAISING_LOSS)
+    err = result.error_in_exec
+    assert isinstance(err, ValueError) and isinstance(err, WorkerRaised), repr(err)
+    assert str(err) == "picky refuses these labels\nReceived: something"
+    assert err.rank in (0, 1) and "picky" in err.worker_traceback and err._render_traceback_() == []
+    # nbdist's refusal is not swallowed by the cell's `except Exception:` (the magic says it in one sentence).
+    ns["CBS"] = [keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=3)]
+    ns.pop("swallowed", None)
+    with pytest.raises(UsageError, match="save_freq=3"):
+        ip.run_cell_magic("dist_train", "--workers 2 --ui none", SWALLOWED)
+    assert ns["swallowed"] == []
+    # Nor is the trial cell's hand-over under %%dist_tune: the trial trains on the cell's fit.
+    ns["CBS"] = []
+    ip.run_cell_magic("dist_tune", "--trials 1 --parallel 1 --objective val_accuracy --models-dir none --ui none "
+                      f"--storage sqlite:///{tmp_path}/tune.db", SWALLOWED)
+    assert ns["swallowed"] == [] and [t.state.name for t in ns["study"].trials] == ["COMPLETE"]
