@@ -1,0 +1,60 @@
+"""Issue 46: an exception raised on a worker by Keras, TensorFlow or the cell's code is raised in the notebook as
+its own type with its own message; nothing is imported for a type named on the wire."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from nbdist.driver.failures import rebuild
+from nbdist.errors import TrainingFailed, WorkerRaised
+from nbdist.worker.main import keras_raised, user_code_message
+
+
+def rebuild_from_nbdist():
+    from nbdist.data.sharding import shard_bounds
+
+    shard_bounds(10, 0)  # nbdist's code raising a builtin
+
+
+WRAPPED = """in user code:
+
+    File "/site-packages/keras/src/backend/tensorflow/trainer.py", line 134, in one_step_on_data  *
+        return self.train_step(data)
+    File "/tmp/ipykernel_1/2.py", line 3, in picky  *
+        raise ValueError("picky refuses\\nReceived: x")
+
+    ValueError: picky refuses
+    Received: x
+"""
+
+
+def test_a_workers_keras_error_is_rebuilt_as_its_type_and_nothing_else_is():
+    assert user_code_message(WRAPPED, "ValueError") == "picky refuses\nReceived: x"
+    assert user_code_message("plain\nmessage", "ValueError") == "plain\nmessage"
+    err = rebuild("builtins:ValueError", "picky refuses", "Traceback ...", 1)
+    assert isinstance(err, ValueError) and isinstance(err, WorkerRaised) and not isinstance(err, TrainingFailed)
+    assert str(err) == "picky refuses" and err.rank == 1 and type(err).__name__ == "ValueError"
+    assert err._render_traceback_()[1:] == ["Traceback ..."]
+    for named in ("os:system", "builtins:KeyboardInterrupt", "builtins:print", "keras:__class__", "nbdist.errors:X"):
+        assert rebuild(named, "m", "", 0) is None, named
+    assert "keras.src.not_a_module" not in sys.modules and rebuild("keras.src.not_a_module:E", "m", "", 0) is None
+    # On the worker: a builtin raised by the cell's code is the cell's; nbdist's own errors stay nbdist's.
+    def cells_code():
+        raise ValueError("from the cell")
+
+    with pytest.raises(ValueError) as info:
+        exec(compile("cells_code()", "<ipython-input-1>", "exec"), {"cells_code": cells_code})
+    assert keras_raised(info.value) == ("builtins:ValueError", "from the cell")
+    from nbdist.data.sharding import check_workers
+    from nbdist.errors import NbdistError
+
+    with pytest.raises(NbdistError) as own:  # nbdist's own sentence
+        check_workers(1, 2)
+    assert keras_raised(own.value) is None
+    with pytest.raises(ValueError) as own:  # a builtin raised in nbdist's code
+        rebuild_from_nbdist()
+    assert keras_raised(own.value) is None
+    with pytest.raises(KeyError) as info:
+        {}["missing"]
+    assert keras_raised(info.value) is not None  # raised here, in a test's (the user's) code
