@@ -55,6 +55,7 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
             timeout: float) -> dict[str, Any]:
     import keras
 
+    from .callbacks import split_logs
     from .fit_sync import apply_decision
 
     train = job.train
@@ -99,14 +100,16 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
             else:
                 pushed += 1
         data.on_epoch_end()
-        logs = {k: float(v) for k, v in logs.items()}
+        logs = dict(logs)
         val_samples = 0
         t0 = time.perf_counter()
         if job.x_val is not None and (epoch + 1) % int(train.validation_freq or 1) == 0:  # Keras' rule
             val_samples = batch_rows((job.x_val,))
             logs.update(_validate(model, job, val_samples))
         validating += time.perf_counter() - t0
-        link.send(Epoch(epoch, logs, samples, val_samples, time.perf_counter() - started))
+        scalars, results = split_logs(logs)  # an array result (F1Score per class) travels as an array
+        link.send(Epoch(epoch, scalars, samples, val_samples, time.perf_counter() - started,
+                        array_names=list(results), array_logs=list(results.values())))
         if train.epoch_decisions:
             apply_decision(model, link.expect(Decision, timeout))
         if getattr(model, "stop_training", False):
@@ -126,7 +129,7 @@ def _assign(variables: list[Any], arrays: list[np.ndarray]) -> None:
 VALIDATION_CHUNK = 1024
 
 
-def _validate(model: Any, job: JobMessage, rows: int) -> dict[str, float]:
+def _validate(model: Any, job: JobMessage, rows: int) -> dict[str, Any]:
     """This worker's validation share on the shared weights, as ``val_`` logs (its training logs taken before)."""
     import keras
 
@@ -141,4 +144,4 @@ def _validate(model: Any, job: JobMessage, rows: int) -> dict[str, float]:
         w = None if job.sample_weight_val is None else keras.tree.map_structure(cut, job.sample_weight_val)
         logs = model.test_on_batch(keras.tree.map_structure(cut, job.x_val), keras.tree.map_structure(cut, job.y_val),
                                    sample_weight=w, return_dict=True)
-    return {f"val_{k}": float(v) for k, v in logs.items()}
+    return {f"val_{k}": v for k, v in logs.items()}
