@@ -246,6 +246,11 @@ def test_what_keras_raises_the_fit_raises_and_nan_is_keras_to_act_on(ip, tmp_pat
     assert isinstance(err, ValueError) and isinstance(err, WorkerRaised), repr(err)
     assert str(err) == "picky refuses these labels\nReceived: something"
     assert err.rank in (0, 1) and "picky" in err.worker_traceback and err._render_traceback_() == []
+    # SwapEMAWeights without use_ema: Keras' ValueError (at the first validation locally), before any worker starts.
+    ns["CBS"] = [keras.callbacks.SwapEMAWeights()]
+    local = ip.run_cell(SWALLOWED.replace("except Exception", "except KeyError")).error_in_exec
+    remote = ip.run_cell(magic + SWALLOWED.replace("except Exception", "except KeyError")).error_in_exec
+    assert type(local) is type(remote) is ValueError and str(remote) == str(local) and "use_ema" in str(local)
     # nbdist's refusal is not swallowed by the cell's `except Exception:` (the magic says it in one sentence).
     ns["CBS"] = [keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=3)]
     ns.pop("swallowed", None)
