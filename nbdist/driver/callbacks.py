@@ -75,7 +75,7 @@ class DriverCallbacks:
         self.list = keras.callbacks.CallbackList(self.user + [self.history], add_history=False,
                                                  add_progbar=False, model=model, verbose=0, epochs=epochs)
         self.ended = False
-        self._last_logs: dict[str, Any] | None = None  # the last epoch's logs, after every callback: on_train_end's
+        self._last_logs: dict[str, Any] | None = None  # the last epoch's logs as on_epoch_end got them: on_train_end's
 
     @property
     def needs_model(self) -> bool:
