@@ -135,7 +135,7 @@ _GENERIC = ("Graph execution error", "Detected at node", "File ", "Exception enc
 def summarise(exc: BaseException) -> str:
     """One informative line: TensorFlow buries the real message under generic headers. nbdist's own
     errors are sentences for the user, shown as they are."""
-    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    lines = [ln for ln in user_code_message(str(exc), type(exc).__name__).splitlines() if ln.strip()]
     useful = [ln for ln in lines if not ln[0].isspace() and not ln.startswith(_GENERIC)]
     head = (useful or lines or [""])[0].strip()
     if isinstance(exc, NbdistError) and head:

@@ -8,7 +8,7 @@ import pytest
 
 from nbdist.driver.failures import rebuild
 from nbdist.errors import TrainingFailed, WorkerRaised
-from nbdist.worker.main import keras_raised, user_code_message
+from nbdist.worker.main import keras_raised, summarise, user_code_message
 
 
 def rebuild_from_nbdist():
@@ -32,6 +32,7 @@ WRAPPED = """in user code:
 def test_a_workers_keras_error_is_rebuilt_as_its_type_and_nothing_else_is():
     assert user_code_message(WRAPPED, "ValueError") == "picky refuses\nReceived: x"
     assert user_code_message("plain\nmessage", "ValueError") == "plain\nmessage"
+    assert summarise(ValueError(WRAPPED)) == "ValueError: picky refuses"  # the run's one line too
     err = rebuild("builtins:ValueError", "picky refuses", "Traceback ...", 1)
     assert isinstance(err, ValueError) and isinstance(err, WorkerRaised) and not isinstance(err, TrainingFailed)
     assert str(err) == "picky refuses" and err.rank == 1 and type(err).__name__ == "ValueError"
