@@ -122,7 +122,11 @@ class DriverCallbacks:
                 opt = self.model.optimizer
                 opt = getattr(opt, "inner_optimizer", opt)
                 if not any(getattr(o, "use_ema", False) for o in getattr(opt, "optimizers", [opt])):
-                    cb._apply_to_ema_optimizers(_nothing, _nothing)  # raises Keras' own ValueError
+                    try:
+                        cb._apply_to_ema_optimizers(_nothing, _nothing)  # raises Keras' own ValueError
+                    except ValueError as exc:  # IPython shows Keras' sentence, not this check's traceback
+                        exc._render_traceback_ = lambda exc=exc: [f"{type(exc).__name__}: {exc}"]
+                        raise exc.with_traceback(None) from None
 
     def begin(self) -> float | None:
         """Before the workers start: on_train_begin, on_epoch_begin(initial); the first epoch's rate.
