@@ -416,8 +416,13 @@ def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId
     # sums are these segments (host_collective.py) can open its own.
     store.set(f"{n}/ok{rank}", "1" if buf is not None and visible else "0")
     ok = all(store.get(f"{n}/ok{r}") == b"1" for r in range(world))
-    if rank == 0 and path:
-        remove_quietly(path)
+    if rank != 0:
+        store.set(f"{n}/read{rank}", "1")
+    else:  # rank 0 holds a TCPStore: it returns (and may close it) only once every peer has read the answer
+        for r in range(1, world):
+            store.get(f"{n}/read{r}")
+        if path:
+            remove_quietly(path)
     if not ok:
         if buf is not None:
             buf.close()
