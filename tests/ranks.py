@@ -12,11 +12,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_ranks(target: str, world: int, *args: Any, timeout: float = 120) -> list[dict[str, Any]]:
+def run_ranks(target: str, world: int, *args: Any, timeout: float = 120,
+              exits: dict[int, int] | None = None) -> list[dict[str, Any] | None]:
     """Call ``module:function(rank, world, port, *args)`` in ``world`` processes.
 
     Each process must print one JSON object as its last line; they are returned by rank.
-    A rank that fails has its stderr shown in the assertion.
+    A rank that fails has its stderr shown in the assertion; ``exits``: ranks that must end with that
+    status instead (their report is None).
     """
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -36,8 +38,8 @@ def run_ranks(target: str, world: int, *args: Any, timeout: float = 120) -> list
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
-    reports = []
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    reports: list[dict[str, Any] | None] = []
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == (exits or {}).get(rank, 0), err[-2000:]
+        reports.append(None if rank in (exits or {}) else json.loads(out.strip().splitlines()[-1]))
     return reports

@@ -23,10 +23,12 @@ from ..data.inputs import FitData, PyDatasetData
 from ..data.sharding import check_workers, shard_bounds, share_count
 from ..data.structures import map_struct
 from ..errors import NbdistError, TrainingFailed
+from ..machine.placement import meeting
 from ..model.seeding import run_seed
 from ..model.spec import ModelSpec, apply_state, spec_from_model
 from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
+from ..strategies.host_collective import remove_meeting_place
 from ..wire.commands import Rendezvous, Stop
 from ..wire.messages import JobMessage, Placement, TrainSettings
 from ..wire.reports import AsyncPull, AsyncPush, Epoch, Store, Weights
@@ -239,7 +241,8 @@ class TrainingJob(Run):
             raise_on_nan=bool(fit is not None and fit.callbacks.raises_on_nan),
             validation_freq=fit.validation_freq if fit is not None else 1,
             weights_every_epoch=self._weights_every_epoch, **self._data_start())
-        placement = Placement(backend.bind_host, backend.advertise_host, backend.gloo_ifname, backend.store_on_link)
+        placement = Placement(backend.bind_host, backend.advertise_host, backend.gloo_ifname, backend.store_on_link,
+                              meet=meeting(backend.name, self.world_size, self.config.strategy))
         x_val, y_val, w_val = data_parts(val)
         return self._common_job(rank, "train", train=settings, placement=placement,
                                 x_val=x_val, y_val=y_val, sample_weight_val=w_val, py_datasets=self._py_datasets)
@@ -328,7 +331,7 @@ class TrainingJob(Run):
         elif isinstance(msg, Store):
             # Kept for workers that connect later (a warm rank 0 can be seconds ahead of a cold
             # rank 1); one that connected but has no job yet drops this copy and gets it with its job.
-            self._rendezvous = Rendezvous(msg.host, msg.port)
+            self._rendezvous = Rendezvous(msg.host, msg.port, msg.path)
             self._coordinator.broadcast(self._rendezvous)
         else:
             return False
@@ -419,6 +422,15 @@ class TrainingJob(Run):
             self._fail(None, f"could not write the checkpoint to {self._keeper.directory} ({exc}); free some "
                              "space or choose another --checkpoint-dir.", "")
 
+    def _release(self) -> None:
+        self._remove_meeting_place()
+
+    def _remove_meeting_place(self) -> None:
+        """Rank 0 removes the workers' meeting directory when it closes; one that was killed leaves it here
+        (a local run: this machine's /dev/shm)."""
+        if self._rendezvous is not None and self._rendezvous.path:
+            remove_meeting_place(self._rendezvous.path)
+
     def _restart(self) -> None:
         """Tear every worker down and relaunch them all from the last checkpoint."""
         rank, message, worker_traceback = self._restart_pending
@@ -426,6 +438,7 @@ class TrainingJob(Run):
         self._restart_pending = None
         keeper = self._keeper
         self._done, self._closing = set(), {}
+        self._remove_meeting_place()
         self._rendezvous = None  # the new rank 0 publishes a new store
         try:
             self._spec, self._initial_epoch = keeper.restart_point()

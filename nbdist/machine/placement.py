@@ -350,3 +350,16 @@ def spark_task_visible_devices(addresses: list[str] | tuple[str, ...] | None) ->
     ids = [str(a).strip() for a in addresses if str(a).strip()]
     return ids[0] if ids else ""
 
+
+
+def meeting(backend: str, world_size: int, strategy: str, has_torch: bool | None = None) -> str:
+    """How a training job's workers meet and sum: "host" when every worker runs on this machine (the local
+    backend) and torch is not installed here (a directory and shared memory, strategies/host_collective.py);
+    else "torch" (a TCPStore and a Gloo group, NCCL on GPUs). Async and one worker use neither."""
+    if has_torch is None:
+        import importlib.util
+
+        has_torch = importlib.util.find_spec("torch") is not None
+    if world_size > 1 and backend == "local" and strategy != "async" and not has_torch:
+        return "host"
+    return "torch"

@@ -382,7 +382,7 @@ def _add_range(rows: np.ndarray, world: int) -> Any:
 
 
 def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId | None], bool] | None:
-    """Map one segment of ``size`` bytes on every worker of ``collective`` (a GlooCollective), or None if any cannot.
+    """Map one segment of ``size`` bytes on every worker of ``collective`` (its store), or None if any cannot.
 
     Collective: every worker calls it at the same point. It fails over to None when the workers
     are on different machines or containers (the segment or a peer's process is not visible), or
@@ -412,11 +412,18 @@ def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId
     # visible. Never the hostname: containers or namespaces on two machines may share one.
     one_kernel = bool(infos[0].get("boot")) and all(i.get("boot") == infos[0]["boot"] for i in infos)
     visible = one_kernel and all(p is not None and p.alive() for p in peers)
-    ok = np.array([1.0 if buf is not None and visible else 0.0], dtype=np.float32)
-    collective.allreduce_sum(ok)  # every worker mapped the segment, or none uses it
-    if rank == 0 and path:
-        remove_quietly(path)
-    if ok[0] != world:
+    # Every worker mapped the segment, or none uses it: agreed through the store alone, so a collective whose
+    # sums are these segments (host_collective.py) can open its own.
+    store.set(f"{n}/ok{rank}", "1" if buf is not None and visible else "0")
+    ok = all(store.get(f"{n}/ok{r}") == b"1" for r in range(world))
+    if rank != 0:
+        store.set(f"{n}/read{rank}", "1")
+    else:  # rank 0 holds a TCPStore: it returns (and may close it) only once every peer has read the answer
+        for r in range(1, world):
+            store.get(f"{n}/read{r}")
+        if path:
+            remove_quietly(path)
+    if not ok:
         if buf is not None:
             buf.close()
         log.debug("sums by messages: the workers cannot share memory")

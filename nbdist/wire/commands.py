@@ -20,11 +20,12 @@ class Decision(Typed):
 
 @dataclass(frozen=True)
 class Rendezvous(Typed):
-    """Where rank 0's store listens, relayed to every worker."""
+    """Where rank 0's store listens (or the directory the workers of one machine meet in), relayed to every worker."""
 
     TYPE = MessageType.RENDEZVOUS
     host: str
     port: int
+    path: str = ""
 
 
 @dataclass(frozen=True)

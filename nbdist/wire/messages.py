@@ -102,6 +102,9 @@ class Placement:
     gloo_ifname: str | None = None
     # Rank 0 binds the store on its own connection's address (a Spark executor), not advertise_host.
     store_on_link: bool = False
+    # How the workers meet: "torch" (a TCPStore and a Gloo group), or "host" (every worker on this machine
+    # and no torch: a directory in /dev/shm and shared-memory sums, strategies/host_collective.py).
+    meet: str = "torch"
 
 
 @dataclass

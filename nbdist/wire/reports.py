@@ -25,11 +25,13 @@ class Hello(Typed):
 
 @dataclass(frozen=True)
 class Store(Typed):
-    """Where rank 0's Gloo store listens (the driver relays it as ``Rendezvous``)."""
+    """Where rank 0's Gloo store listens, or (``path``) the directory it made to meet in on one machine (the
+    driver relays it as ``Rendezvous``)."""
 
     TYPE = MessageType.STORE
     host: str
     port: int
+    path: str = ""
 
 
 @dataclass(frozen=True)

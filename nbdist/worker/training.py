@@ -35,6 +35,13 @@ def connect_collective(link: Any, job: JobMessage) -> Any:
     rank, world, train, place = job.rank, job.world_size, job.train, job.placement
     if world == 1:
         return SoloCollective()
+    if place.meet == "host":
+        from ..strategies.host_collective import HostCollective, make_meeting_place
+
+        if rank == 0:
+            link.send(Store("", 0, make_meeting_place()))
+        rdv = link.expect(Rendezvous, timeout=float(train.startup_timeout))
+        return HostCollective(rank, world, rdv.path, float(train.sync_timeout))
     listen_fd = None
     if rank == 0:
         bind, advertise = place.bind_host, place.advertise_host
