@@ -130,6 +130,19 @@ def build_optimizers(model: Any, layout: list[list[int]]) -> None:
             opt.build([weights[i] for i in indices])
 
 
+def uses_ema(optimizer: Any) -> bool:
+    """Whether ``optimizer`` keeps moving averages of the weights (``use_ema``), which Keras' fit writes into
+    the model at its end (``finalize_variable_values``), looking through wrappers: a LossScaleOptimizer
+    (what mixed_float16 compiles) says ``use_ema=False`` and delegates to its ``inner_optimizer``'s."""
+    seen: set[int] = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        if getattr(optimizer, "use_ema", False):
+            return True
+        seen.add(id(optimizer))
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return False
+
+
 def step_counter(optimizer: Any) -> Any:
     """The optimizer's raw step variable: with ``gradient_accumulation_steps`` Keras' ``iterations`` is a
     tensor computed from it (applied updates), which cannot be assigned."""
