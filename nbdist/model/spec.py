@@ -129,8 +129,10 @@ def other_distribution(model: Any) -> str | None:
     keras = _keras_if_loaded()
     names = []
     strategy = getattr(model, "_distribute_strategy", None)
-    if strategy is not None:  # set by Keras' TensorFlow trainer only when made inside a strategy's scope
-        names.append(f"tf.distribute.{type(strategy).__name__}")
+    tf = sys.modules.get("tensorflow")
+    if strategy is not None and tf is not None:  # set by Keras' TensorFlow trainer only when made in a scope
+        public = [name for name, obj in vars(tf.distribute).items() if obj is type(strategy)]
+        names.append(f"tf.distribute.{min(public, key=len) if public else type(strategy).__name__}")
     distribution = keras.distribution.distribution() if keras is not None else None
     if distribution is not None:
         names.append(f"keras.distribution.{type(distribution).__name__}")
