@@ -16,7 +16,7 @@ from .driver.training import TrainingJob
 from .errors import NbdistError
 from .fit_arguments import FitCall
 from .inference_api import evaluate, predict
-from .model.spec import chosen_strategy, ensure_built, is_keras_model
+from .model.spec import chosen_strategy, ensure_built, is_keras_model, other_distribution
 from .spark.checks import feature_width
 from .spark.data import is_spark_data, spark_dataset, spark_validation
 from .ui import make_renderer
@@ -185,8 +185,9 @@ def spark_in_fit(x: Any, validation_data: Any) -> None:
 def _job(model: Any, config: TrainConfig, train_set: Any, val_set: Any, namespace: dict[str, Any] | None,
          listeners: list[Any] | None, fit: FitCall | None = None, fit_run: Any = None) -> TrainingJob:
     strategy, notice = chosen_strategy(model, config.strategy)
-    if notice is not None:
-        log.warning("%s", notice)
+    for line in (notice, other_distribution(model)):
+        if line is not None:
+            log.warning("%s", line)
     config = config.replace(strategy=strategy)
     renderer = make_renderer(config.ui)
     all_listeners = list(listeners or []) + ([renderer] if renderer else [])

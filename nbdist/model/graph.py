@@ -13,12 +13,18 @@ handled apart:
 - an optimizer's tables keyed by its variables' process-local ids (``_var_key``) are keyed
   again by the new variables;
 - a layer tracker's id sets are rebuilt from the objects it holds;
-- compiled step functions are dropped (Keras makes them again on the first step);
+- compiled step functions are dropped (Keras makes them again on the first step), and so are the losses a
+  layer's last call added (an evaluate's traced call leaves graph tensors there; the next call clears them);
 - a TensorFlow resource (a lookup table) cannot cross processes: the layer that holds it
   restores it from its assets (Keras's ``save_assets``/``load_assets``, see ``save_assets``);
+- a variable's layout (a ``keras.distribution``'s placement on this process's devices) is dropped: the
+  receiving process places the whole variable on its own device;
 - a torch tensor travels as a numpy array and is made again on the receiving process's device (a model
   built on a GPU trains on workers without one), and a torch layer's ``_torch_params`` (its variables'
-  tensors a second time) is left to be remade from the variables.
+  tensors a second time) is left to be remade from the variables;
+- a Keras variable on torch travels with its torch parameter itself, so whatever else holds that parameter
+  (a ``TorchModuleWrapper``'s module) holds the new variable's on arrival: its forward pass reads the
+  variables the optimizer updates, and their ``.grad`` is what backward wrote.
 
 A layer holding such a resource without an assets protocol of its own is refused by
 ``check_resources`` before any worker starts.
@@ -37,10 +43,12 @@ from typing import Any
 
 import numpy as np
 
-from .tensors import tensor_as_array, tensor_from_array, without_torch_params
+from .tensors import empty_tensor, tensor_as_array, tensor_from_array, tensor_layout, without_torch_params
 
 # Compiled step functions: bound to this process's graphs; Keras makes them again when None.
 _DROPPED = frozenset({"train_function", "test_function", "predict_function"})
+# A layer's losses added by its last call (an activity regularizer's): Keras clears them at the next call.
+_CALL_LOSSES = frozenset({"_losses", "_loss_ids"})
 
 
 def _keras_classes() -> tuple[type, type, Any, type]:
@@ -112,6 +120,7 @@ def dump_graph(model: Any, values_apart: cabc.Iterable[Any] = ()) -> bytes:
     buf = io.BytesIO()
     pickler = _GraphPickler(buf, protocol=5)
     pickler.apart = {id(v) for v in values_apart}
+    pickler.apart_tensors = {id(t) for t in map(_torch_parameter, values_apart) if t is not None}
     pickler.var_keys = _var_keys(model)
     _deep(lambda: pickler.dump(model), levels=_PICKLE_LEVELS_PER_LAYER * len(model._flatten_layers()))
     return buf.getvalue()
@@ -170,6 +179,13 @@ def _new_variable(cls: type, meta: dict[str, Any], value: Any) -> Any:
         value = np.zeros(value[0], dtype=value[1])
     v._initialize(value)
     return v
+
+
+def _torch_parameter(variable: Any) -> Any:
+    """The torch parameter a Keras variable holds on the torch backend (None elsewhere)."""
+    torch = sys.modules.get("torch")
+    value = getattr(variable, "_value", None)
+    return value if torch is not None and isinstance(value, torch.nn.Parameter) else None
 
 
 def _set_dict(obj: Any, state: dict[str, Any]) -> None:
@@ -290,11 +306,11 @@ def _cloudpickler() -> type:
 
 
 class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
-    apart: set[int]
-    var_keys: dict[Any, Any]
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.apart: set[int] = set()  # variables whose values travel apart
+        self.apart_tensors: set[int] = set()  # their torch parameters
+        self.var_keys: dict[Any, Any] = {}
         self.classes = _keras_classes()
         self.tf_function = _tf_function_type()
         self.tf_strategy = _tf_strategy_type()
@@ -304,6 +320,11 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
         kind = type(obj)
         if isinstance(obj, variable):
             meta = {k: v for k, v in vars(obj).items() if k != "_value" and not k.startswith("_self_")}
+            if meta.get("_layout") is not None:  # a keras.distribution's placement on this process's devices
+                meta["_layout"] = None
+            parameter = _torch_parameter(obj)
+            if parameter is not None:  # the same object wherever it is held (pickle's memo): see the docstring
+                return _new_variable, (kind, meta, parameter)
             value = np.asarray(obj.numpy())
             return _new_variable, (kind, meta, (value.shape, value.dtype.str) if id(obj) in self.apart else value)
         if isinstance(obj, saveable):
@@ -312,6 +333,8 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
             for key, value in state.items():
                 if _is_tf_resource(value):  # restored from the layer's assets (save_assets)
                     state[key] = None
+                elif key in _CALL_LOSSES:  # the last call's, cleared by the next (a traced one's are graph tensors)
+                    state[key] = set() if isinstance(value, cabc.Set) else []
             if isinstance(obj, optimizer):
                 state = {k: _by_variable(v, self.var_keys) for k, v in state.items()}
                 return copyreg.__newobj__, (kind,), state, None, None, _set_optimizer
@@ -323,6 +346,8 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
             return copyreg.__newobj__, (kind,), (dict(vars(obj)), items), None, None, _set_tracked
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):  # only arrays cross: no device, no storage
+            if id(obj) in self.apart_tensors:  # its value travels apart and is assigned later
+                return empty_tensor, tensor_layout(obj)
             return tensor_from_array, tensor_as_array(obj)
         if kind is weakref.ReferenceType:
             return _weak, (obj(),)
@@ -349,7 +374,6 @@ def unpicklable_part(model: Any) -> str | None:
 
     def fails(value: Any) -> bool:
         pickler = _Alone(io.BytesIO(), protocol=5)
-        pickler.apart, pickler.var_keys = set(), {}
         try:
             pickler.dump(value)
             return False

@@ -12,6 +12,7 @@ same order (worker/callbacks.py ``weights_and_optimizer``), applied to the noteb
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,8 @@ def ensure_built(model: Any, x: Any, y: Any, *, width: int | None = None) -> Non
         if row is None:
             return  # no complete shape recorded: each worker builds the model on its own rows
         try:
-            model(row)  # no label here: the layers' weights are what must exist before launch
+            with home_scope(model):
+                model(row)  # no label here: the layers' weights are what must exist before launch
         except Exception as exc:
             raise NbdistError(f"the model could not be built on a zero row of {row.shape[1:]} values "
                               f"({_one_line(exc)}); give it an input shape, e.g. keras.Input({row.shape[1:]}), "
@@ -70,7 +72,8 @@ def ensure_built(model: Any, x: Any, y: Any, *, width: int | None = None) -> Non
         return  # text: Keras's symbolic build takes no numpy strings; each worker's fit builds it on its rows
     try:
         first = lambda struct: map_struct(lambda a: a[:1], struct)  # one row of every input and output
-        model._symbolic_build(data_batch=(first(x), first(y)))
+        with home_scope(model):
+            model._symbolic_build(data_batch=(first(x), first(y)))
     except Exception as exc:
         raise NbdistError(f"the model could not be built on one row of the training data ({_one_line(exc)}); "
                           "check that the data fits the model's call().") from None
@@ -108,7 +111,37 @@ def averaged_optimizer_variables(model: Any) -> list[Any]:
 def build_optimizer(model: Any) -> None:
     """Create optimizer slots now, so every worker has the same variables before training."""
     if not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
+        with home_scope(model):
+            model.optimizer.build(model.trainable_variables)
+
+
+def home_scope(model: Any) -> Any:
+    """The tf.distribute strategy scope the model was made in (Keras' fit builds in it; a MirroredStrategy's
+    variables refuse new slots outside it), or no scope. On a worker that strategy is the worker's default."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+
+def other_distribution(model: Any) -> str | None:
+    """The one line saying that the distribution the cell set up (a ``keras.distribution``, a ``tf.distribute``
+    strategy's scope) is replaced by nbdist's workers; None if it set none. The meaning is the same: one step
+    on the global batch; each worker holds the whole model, placed on its own device (graph.py drops layouts)."""
+    keras = _keras_if_loaded()
+    names = []
+    strategy = getattr(model, "_distribute_strategy", None)
+    tf = sys.modules.get("tensorflow")
+    if strategy is not None and tf is not None:  # set by Keras' TensorFlow trainer only when made in a scope
+        public = [name for name, obj in vars(tf.distribute).items() if obj is type(strategy)]
+        names.append(f"tf.distribute.{min(public, key=len) if public else type(strategy).__name__}")
+    distribution = keras.distribution.distribution() if keras is not None else None
+    if distribution is not None:
+        names.append(f"keras.distribution.{type(distribution).__name__}")
+    elif any(getattr(v, "_layout", None) is not None for v in model.weights):
+        names.append("a keras.distribution layout")
+    if not names:
+        return None
+    return (f"the cell's {' and '.join(dict.fromkeys(names))} is replaced by nbdist's workers, which each hold the "
+            "whole model and train it on their share of the global batch.")
 
 
 def optimizer_layout(model: Any) -> list[list[int]]:
@@ -127,7 +160,21 @@ def build_optimizers(model: Any, layout: list[list[int]]) -> None:
     weights = model.weights
     for opt, indices in zip(model_graph.optimizers_of(model), layout):
         if indices and not getattr(opt, "built", False):
-            opt.build([weights[i] for i in indices])
+            with home_scope(model):
+                opt.build([weights[i] for i in indices])
+
+
+def uses_ema(optimizer: Any) -> bool:
+    """Whether ``optimizer`` keeps moving averages of the weights (``use_ema``), which Keras' fit writes into
+    the model at its end (``finalize_variable_values``), looking through wrappers: a LossScaleOptimizer
+    (what mixed_float16 compiles) says ``use_ema=False`` and delegates to its ``inner_optimizer``'s."""
+    seen: set[int] = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        if getattr(optimizer, "use_ema", False):
+            return True
+        seen.add(id(optimizer))
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return False
 
 
 def step_counter(optimizer: Any) -> Any:

@@ -17,16 +17,36 @@ def tensor_from_array(value: np.ndarray, dtype: str, parameter: bool, requires_g
     Keras runs on torch: the worker's GPU, or the CPU where it has none)."""
     import torch
 
-    device = "cpu"
+    tensor = torch.from_numpy(np.array(value)).to(device=_device(), dtype=getattr(torch, dtype))
+    return torch.nn.Parameter(tensor, requires_grad=requires_grad) if parameter else tensor
+
+
+def empty_tensor(shape: tuple[int, ...], dtype: str, parameter: bool, requires_grad: bool) -> Any:
+    """A zero torch tensor of the shape a tensor whose value travels apart had (assigned on arrival)."""
+    import torch
+
+    tensor = torch.zeros(shape, device=_device(), dtype=getattr(torch, dtype))
+    return torch.nn.Parameter(tensor, requires_grad=requires_grad) if parameter else tensor
+
+
+def tensor_layout(obj: Any) -> tuple[tuple[int, ...], str, bool, bool]:
+    """What ``empty_tensor`` remakes a torch tensor from: its shape, dtype and kind, not its value."""
+    import torch
+
+    return (tuple(obj.shape), str(obj.dtype).removeprefix("torch."), isinstance(obj, torch.nn.Parameter),
+            bool(obj.requires_grad))
+
+
+def _device() -> Any:
+    """Keras' torch device where Keras runs on torch (the worker's GPU, or the CPU where it has none)."""
     if sys.modules.get("keras") is not None:
         import keras
 
         if keras.backend.backend() == "torch":
             from keras.src.backend.torch.core import get_device
 
-            device = get_device()
-    tensor = torch.from_numpy(np.array(value)).to(device=device, dtype=getattr(torch, dtype))
-    return torch.nn.Parameter(tensor, requires_grad=requires_grad) if parameter else tensor
+            return get_device()
+    return "cpu"
 
 
 def tensor_as_array(obj: Any) -> tuple[np.ndarray, str, bool, bool]:

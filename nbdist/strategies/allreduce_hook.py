@@ -242,6 +242,8 @@ class GradientAllreduce(GradientSum):
                 out = tf.numpy_function(self._at_step(exchange), [self.step.read_value(), *dense],
                                         Tout=[tf.float32] * len(dense), stateful=True,
                                         name="nbdist_gradient_allreduce")
+            if not isinstance(out, (list, tuple)):  # eagerly, one output comes back bare, not in a list
+                out = [out]
             out = [tf.reshape(o, s) for o, s in zip(out, self.shapes)]
             if any(sparse):
                 # After the bucket's sum (which set this step's weight and total): every worker calls

@@ -244,7 +244,9 @@ class WeightShipper:
         With ``use_ema`` Keras' fit swaps the moving averages into the model after the last epoch
         (``finalize_variable_values``): those are the weights a local fit leaves, so they are taken again.
         """
-        if self._epoch is not None and getattr(self.model.optimizer, "use_ema", False):
+        from ..model.spec import uses_ema
+
+        if self._epoch is not None and uses_ema(self.model.optimizer):
             self._last = None
             every_epoch, self.every_epoch = self.every_epoch, True
             try:

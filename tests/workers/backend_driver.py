@@ -555,8 +555,87 @@ def async_only() -> dict[str, object]:
                      labels[ROWS:ROWS + 300].astype("int64"))
 
 
+def other_apis() -> dict[str, object]:
+    """Issue 46, what a user of this backend brings from elsewhere. torch: a Keras model around torch.nn modules
+    (TorchModuleWrapper) under allreduce; keras.io's MNIST convnet shape on digits under averaging every step
+    with validation_split=0.1 and a short last batch. JAX: the Keras distribution guide's cell
+    (set_distribution(DataParallel(...))) under %%dist_train, beside the same cell's local fit."""
+    import logging
+
+    features, labels = load_digits(return_X_y=True)
+    x, y = (features[:ROWS] / 16).astype("float32"), labels[:ROWS].astype("int64")
+    plain = {"epochs": EPOCHS, "shuffle": False}
+    out: dict[str, object] = {"backend": keras.backend.backend()}
+    if BACKEND == "torch":
+        local, remote = torch_wrapped(), torch_wrapped()
+        expected = local.fit(x, y, batch_size=GLOBAL_BATCH, verbose=0, **plain).history
+        job = nbdist.train(remote, x, y, workers=2, batch_size=GLOBAL_BATCH // 2, strategy="allreduce",
+                           lr_scaling="none", ui="none", **plain)
+        out["torch_module"] = {"history": job.fit_history.history, "expected": expected,
+                               "weight_gap": weight_gap(remote, local)}
+        local, remote = mnist_convnet(), mnist_convnet()
+        expected = local.fit(x.reshape(-1, 8, 8, 1), y, batch_size=128, validation_split=0.1, verbose=0,
+                             **plain).history
+        job = nbdist.train(remote, x.reshape(-1, 8, 8, 1), y, workers=2, batch_size=64, validation_split=0.1,
+                           strategy="averaging", averaging_frequency=1, lr_scaling="none", ui="none", **plain)
+        out["convnet_averaging"] = {"history": job.fit_history.history, "expected": expected,
+                                    "weight_gap": weight_gap(remote, local)}
+        return out
+    cell = ("keras.distribution.set_distribution(keras.distribution.DataParallel(devices=keras.distribution."
+            "list_devices()))\nmodel = mlp(keras.optimizers.Adam(0.01))\n"
+            "history = model.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0)\n")
+    local: dict = {"keras": keras, "mlp": mlp, "X": x, "y": y}
+    exec(cell, local)
+    notices: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("nbdist").addHandler(handler)
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbdist")
+    shell.user_ns.update(X=x, y=y, mlp=mlp, keras=keras)
+    try:
+        shell.run_cell_magic("dist_train", "--workers 2 --strategy allreduce --lr-scaling none --ui none", cell)
+    finally:
+        logging.getLogger("nbdist").removeHandler(handler)
+        keras.distribution.set_distribution(None)
+    out["keras_distribution"] = {"history": shell.user_ns["history"].history, "expected": local["history"].history,
+                                 "weight_gap": weight_gap(shell.user_ns["model"], local["model"]),
+                                 "notices": [n for n in notices if "replaced" in n]}
+    return out
+
+
+def torch_wrapped() -> keras.Model:
+    """A Keras model whose layers are torch.nn modules, as keras.layers.TorchModuleWrapper's docs write it."""
+    import torch
+
+    class Wrapped(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.hidden = keras.layers.TorchModuleWrapper(torch.nn.Linear(64, 32))
+            self.out = keras.layers.TorchModuleWrapper(torch.nn.Linear(32, 10))
+
+        def call(self, x: object) -> object:
+            return torch.nn.functional.softmax(self.out(torch.relu(self.hidden(x))), dim=1)
+
+    model = Wrapped()
+    model(np.zeros((1, 64), "float32"))
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def mnist_convnet() -> keras.Model:
+    """keras.io's MNIST convnet, shrunk to digits' 8x8 images (Dropout at 0: the same step)."""
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu", **seeded(11)),
+                              keras.layers.MaxPooling2D(2), keras.layers.Flatten(), keras.layers.Dropout(0.0),
+                              keras.layers.Dense(10, activation="softmax", **seeded(12))])
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
 if __name__ == "__main__":
     phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers"),
-              "seeded": seeded_cells, "async": async_only, "device_sum": torch_device_sums}
+              "seeded": seeded_cells, "async": async_only, "device_sum": torch_device_sums,
+              "other_apis": other_apis}
     result = phases[PHASE]()
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)

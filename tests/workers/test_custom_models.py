@@ -150,3 +150,67 @@ def test_allreduce_with_a_notebook_loss_or_train_step_equals_the_combined_batch(
     nbdist.train(dist, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
                  lr_scaling="none")
     assert relative_error(dist.get_weights(), local.get_weights()) < 1e-5
+
+
+CELL_IN_A_STRATEGY_SCOPE = """
+strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((64,)),
+                              keras.layers.Dense(16, activation="relu", kernel_initializer=glorot(4)),
+                              keras.layers.Dense(10, activation="softmax", kernel_initializer=glorot(5))])
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+history = model.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+"""
+
+
+def regularized_model():
+    """A subclassed model with an activity regularizer (its call adds a loss), as a notebook defines it."""
+    class Regularized(keras.Model):
+        def __init__(self):
+            super().__init__(activity_regularizer=keras.regularizers.L2(0.01))
+            glorot = keras.initializers.GlorotUniform
+            self.hidden = keras.layers.Dense(16, activation="relu", kernel_initializer=glorot(4))
+            self.out = keras.layers.Dense(10, activation="softmax", kernel_initializer=glorot(5))
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    model = Regularized()
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    return model
+
+
+def test_a_cell_written_for_tf_distribute_and_a_locally_evaluated_model_train_as_locally(ip, caplog):
+    """Issue 46: the TensorFlow guide's cell (the model made and compiled in a tf.distribute strategy's scope,
+    fit outside it) trains as its local run, saying in one line that nbdist's workers replace that strategy
+    (the optimizer's slots were built outside the scope: "Need to be inside with strategy.scope()"); a
+    subclassed model with an activity regularizer evaluated locally first travels (the evaluate's traced call
+    left graph tensors in its losses: "attribute losses (SymbolicTensor) cannot be sent")."""
+    import logging
+
+    import tensorflow as tf
+
+    x, y = ip.user_ns["X"], ip.user_ns["y"]
+    ip.user_ns.update(tf=tf, keras=keras, glorot=keras.initializers.GlorotUniform)
+    local: dict = {"tf": tf, "keras": keras, "glorot": keras.initializers.GlorotUniform, "X": x, "y": y}
+    exec(CELL_IN_A_STRATEGY_SCOPE, local)
+    with caplog.at_level(logging.WARNING, logger="nbdist"):
+        ip.run_cell_magic("dist_train", "--workers 2 --strategy allreduce --lr-scaling none --ui none",
+                          CELL_IN_A_STRATEGY_SCOPE)
+    notices = [r.getMessage() for r in caplog.records if "replaced by nbdist's workers" in r.getMessage()]
+    assert notices == ["the cell's tf.distribute.OneDeviceStrategy is replaced by nbdist's workers, which each hold "
+                       "the whole model and train it on their share of the global batch."], notices
+    assert_same_fit(ip.user_ns["history"].history, local["history"].history, ip.user_ns["model"], local["model"])
+
+    evaluated, expected_model = regularized_model(), regularized_model()
+    for model in (evaluated, expected_model):
+        model.evaluate(x, y, verbose=0)
+    expected = expected_model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    job = nbdist.train(evaluated, x, y, workers=2, batch_size=32, epochs=2, shuffle=False, lr_scaling="none")
+    assert_same_fit(job.fit_history.history, expected, evaluated, expected_model)
+
+
+def assert_same_fit(got: dict, expected: dict, model, expected_model) -> None:
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+    for a, b in zip(model.get_weights(), expected_model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -149,6 +149,30 @@ def test_ema_and_gradient_accumulation_as_locally(digits, strategy, optimizer):
         assert int(remote.optimizer.iterations) == 3  # updates applied
 
 
+def test_ema_under_a_loss_scale_optimizer_in_an_eager_one_weight_model_ends_as_locally(digits):
+    """Issue 46, one launch for two cases: LossScaleOptimizer(Adam(use_ema=True)) (what mixed_float16
+    compiles), with a callback that reads the model, ends on the EMA weights as the local fit does (the
+    wrapper says use_ema=False: the raw weights came back, 0.07 away); run_eagerly=True with exactly one
+    trainable weight trains (an eager one-output numpy_function returned a bare tensor: a reshape error)."""
+    x, y = digits[0][:256], digits[1][:256]
+
+    def model():
+        made = keras.Sequential([keras.Input((64,)), keras.layers.Dense(
+            10, activation="softmax", use_bias=False, kernel_initializer=keras.initializers.GlorotUniform(3))])
+        made.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01, use_ema=True)),
+                     "sparse_categorical_crossentropy", run_eagerly=True)
+        return made
+
+    local, remote = model(), model()
+    raw = LastEpochWeights()
+    expected = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[raw]).history
+    job = nbdist.train(remote, x, y, epochs=2, batch_size=32, workers=2, shuffle=False, lr_scaling="none",
+                       callbacks=[LastEpochWeights()])
+    assert len(remote.trainable_weights) == 1
+    assert_same(local, remote, expected, job)
+    assert relative_error(raw.weights, local.get_weights()) > 1e-2  # the EMA is not the last step's weights
+
+
 def test_terminate_on_nan_returns_the_history_as_keras_does(digits):
     """TerminateOnNaN: a diverging fit stops at the epoch local fit stops, with no error; the History
     keeps the non-finite loss and equals local fit's before it."""
