@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import NbdistError
 
@@ -350,3 +351,23 @@ def spark_task_visible_devices(addresses: list[str] | tuple[str, ...] | None) ->
     ids = [str(a).strip() for a in addresses if str(a).strip()]
     return ids[0] if ids else ""
 
+
+
+def collectives_missing(world_size: int, strategy: str, engine: str | None,
+                        has_module: Any = None) -> str | None:
+    """The one sentence a run gets, before any worker starts, when the collectives its workers would use
+    need a package this Python lacks; None when they have what they need.
+
+    Today every engine of several synchronous workers (allreduce, averaging) meets and exchanges through
+    torch.distributed: the rendezvous store and the Gloo group, even where the sums go through shared
+    memory on one host; NCCL (GPUs) is torch's too. ``--strategy async`` and one worker use none.
+    Horovod is checked where it is chosen (``horovod_import_error``)."""
+    import importlib.util
+
+    has = has_module or (lambda name: importlib.util.find_spec(name) is not None)
+    if world_size < 2 or strategy == "async" or has("torch"):
+        return None
+    used = f"--engine {engine}" if engine else "the default engine"
+    return (f"{world_size} workers under {used} meet and sum through torch.distributed (Gloo, NCCL on GPUs), "
+            "and torch is not installed here: pip install 'nbdist[torch]' (a CPU build is enough without "
+            "GPUs), or train with --workers 1 or --strategy async.")
