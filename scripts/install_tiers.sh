@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The install tier (CONTRIBUTING.md, "Install tiers"): one fresh venv, nbdist's wheel built once here, the
+# The install tier (CONTRIBUTING.md, "The install tier"): one fresh venv, nbdist's wheel built once here, the
 # other wheels from pip's cache (the test venv's install filled it) or this machine's disk (torch).
 #   1. nbdist[jax,notebook] only: no TensorFlow, no torch; load_ext, one worker, and two refused in one sentence
 #   2. the user's own torch ($KEPT_TORCH: another release than the tests' 2.13.0), then nbdist[jax,torch]:
