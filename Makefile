@@ -3,22 +3,29 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install system-deps demo lint test bench clean
+.PHONY: install system-deps demo lint test test-install bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 
+# torch first, as its own install: the CPU build on this project's machines (a file on their disk), which
+# the torch extra's range then finds in place. Not a pin of nbdist's: a user's torch of any supported
+# version stays (README, "Add nbdist to your Jupyter"). TORCH= skips it.
+TORCH ?= torch==2.13.0
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e ".[test,widgets,spark]"
+	$(if $(TORCH),$(BIN)/pip install --quiet "$(TORCH)")
+	$(BIN)/pip install --quiet -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed
 
-# The quickstart needs the package, the dashboard and a kernel to run the notebook: no Spark, MLflow
-# or test tools.
+# The quickstart needs the package, Keras' default backend (TensorFlow), torch for its 2 workers'
+# collectives, the dashboard and a kernel to run the notebook: no Spark, MLflow or test tools.
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e ".[widgets,notebook]"
+	$(if $(TORCH),$(BIN)/pip install --quiet "$(TORCH)")
+	$(BIN)/pip install --quiet -e ".[tensorflow,torch,widgets,notebook]"
 	touch $@
 
 # Java for Spark, Podman for containers, Chromium for the browser test.
@@ -35,6 +42,11 @@ lint: install
 
 test: lint system-deps
 	$(BIN)/python -m pytest -q -rs --durations=30
+	$(MAKE) test-install
+
+# The install tiers (CONTRIBUTING.md): fresh venvs with one extra each, from nbdist's wheel built once.
+test-install: install
+	bash scripts/install_tiers.sh $(BIN)/python
 
 bench: install
 	PYTHONPATH=. $(BIN)/python benchmarks/run.py

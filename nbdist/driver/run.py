@@ -155,6 +155,7 @@ class Run(HealthChecks):
         if not cfg.workers and getattr(backend, "workers_notice", None):  # one per GPU: the run's first line
             log.warning("%s", backend.workers_notice)
         shards = self._plan_shards(backend, world)
+        self._check_collectives(backend, world)
         self.world_size = world
         self._prepare()
         self.state = self._new_state(backend)
@@ -169,6 +170,10 @@ class Run(HealthChecks):
             raise
         self._notify("start")
         return self
+
+    def _check_collectives(self, backend: Backend, world: int) -> None:
+        """A package the workers' collectives need and this Python lacks, said before any worker starts
+        (training only; local workers run this Python, so what it lacks they lack)."""
 
     def _plan_shards(self, backend: Backend, world: int) -> list[tuple[int, int]] | None:
         """Each rank's rows; None for Spark data, whose tasks count their partitions (``_take_counts``)."""

@@ -172,6 +172,15 @@ class TrainingJob(Run):
         files = self._x_leaves()
         return {"leaves": {str(i): where(f) for i, f in files.items()}} if files else None
 
+    def _check_collectives(self, backend: Any, world: int) -> None:
+        from ..machine.placement import collectives_missing
+
+        if backend.name != "local":  # Spark's executors and containers may have what this Python lacks
+            return
+        problem = collectives_missing(world, self.config.strategy, self.config.engine)
+        if problem is not None:
+            raise NbdistError(problem)
+
     def _new_state(self, backend: Any) -> RunState:
         return RunState(self.world_size, self.config.epochs, backend=backend.name, strategy=self.config.strategy,
                         initial_epoch=self._initial_epoch)

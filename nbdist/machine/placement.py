@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import NbdistError
 
@@ -363,3 +364,21 @@ def meeting(backend: str, world_size: int, strategy: str, has_torch: bool | None
     if world_size > 1 and backend == "local" and strategy != "async" and not has_torch:
         return "host"
     return "torch"
+
+
+def collectives_missing(world_size: int, strategy: str, engine: str | None,
+                        has_module: Any = None) -> str | None:
+    """The one sentence a run of local workers gets, before any worker starts, when the engine it asks for
+    needs a package this Python lacks; None when they have what they need.
+
+    Without torch, several synchronous workers of this machine meet and sum through shared memory
+    (``meeting``); an engine named with ``--engine`` (Gloo, NCCL, JAX's job, Horovod) is torch.distributed's
+    or meets through its store. ``--strategy async`` and one worker use none."""
+    import importlib.util
+
+    has = has_module or (lambda name: importlib.util.find_spec(name) is not None)
+    if world_size < 2 or strategy == "async" or engine is None or has("torch"):
+        return None
+    return (f"--engine {engine} runs over torch.distributed, and torch is not installed here: "
+            "pip install 'nbdist[torch]' (a CPU build is enough without GPUs), or drop --engine: "
+            "workers of this machine then sum through shared memory.")

@@ -16,14 +16,13 @@ from ..driver.state import RunState
 Listener = Callable[[str, RunState, Any], None]
 
 
-def detect_frontend(shell: Any = None, environ: dict[str, str] | None = None) -> str:
+def detect_frontend(shell: Any = None, zeppelin: bool | None = None) -> str:
     """Which renderer ``--ui auto`` means here: "widgets", "html" or "text".
 
     widgets: a Jupyter kernel (ipykernel) with a comm manager and ipywidgets + bqplot installed.
-    html: Zeppelin's IPython interpreter (it renders HTML but no widgets), or a kernel without
-    widget support. text: a terminal IPython or plain Python.
+    html: Zeppelin's IPython interpreter (``in_zeppelin``: it renders HTML but no widgets), or a kernel
+    without widget support. text: a terminal IPython or plain Python.
     """
-    env = os.environ if environ is None else environ
     if shell is None:
         try:
             from IPython import get_ipython
@@ -36,7 +35,7 @@ def detect_frontend(shell: Any = None, environ: dict[str, str] | None = None) ->
     kernel = getattr(shell, "kernel", None)
     if kernel is None:  # TerminalInteractiveShell and other in-process shells without a frontend
         return "text"
-    if "ZEPPELIN_HOME" in env or "ZEPPELIN_INTERPRETER" in env or "zeppelin" in type(kernel).__module__:
+    if in_zeppelin() if zeppelin is None else zeppelin:
         return "html"
     if not _has_comms(kernel):
         return "html"
@@ -46,6 +45,42 @@ def detect_frontend(shell: Any = None, environ: dict[str, str] | None = None) ->
     except ImportError:
         return "html"
     return "widgets"
+
+
+# Zeppelin's IPython interpreter (JupyterKernelInterpreter in its source) copies its kernel_server.py into a
+# new temporary directory named zeppelin_jupyter_kernel_<kernel name>..., runs it with Python, and that
+# script starts the kernel with jupyter_client: the kernel's parent process runs that file. The same
+# directory holds the py4j zip that IPythonInterpreter puts first on the kernel's PYTHONPATH.
+_ZEPPELIN_DIR = "zeppelin_jupyter_kernel_"
+
+
+def in_zeppelin(parent_command: list[str] | None = None, pythonpath: str | None = None) -> bool:
+    """Whether this kernel was started by Zeppelin's IPython interpreter: its parent process runs Zeppelin's
+    kernel_server.py, or its PYTHONPATH holds that launcher's directory. Where Zeppelin's server and
+    interpreters happen to have ZEPPELIN_HOME set says nothing about who started a kernel."""
+    if parent_command is None:
+        parent_command = _parent_command()
+    if pythonpath is None:
+        pythonpath = os.environ.get("PYTHONPATH", "")
+    launcher = any(os.path.basename(arg) == "kernel_server.py" and _ZEPPELIN_DIR in arg for arg in parent_command)
+    return launcher or any(_ZEPPELIN_DIR in os.path.basename(os.path.dirname(p)) for p in pythonpath.split(os.pathsep))
+
+
+def _parent_command() -> list[str]:
+    """The parent process's command line: /proc on Linux, ``ps`` elsewhere; [] when neither tells."""
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        pass
+    import subprocess
+
+    try:
+        out = subprocess.run(["ps", "-o", "args=", "-p", str(ppid)], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return out.stdout.split()
 
 
 def _has_comms(kernel: Any) -> bool:
@@ -69,8 +104,7 @@ def make_renderer(ui: str, stream: TextIO | None = None) -> Listener | None:
     if ui == "html":
         from .html import HtmlRenderer
 
-        zeppelin = "ZEPPELIN_HOME" in os.environ or "ZEPPELIN_INTERPRETER" in os.environ
-        return HtmlRenderer("append" if zeppelin else "update")
+        return HtmlRenderer("append" if in_zeppelin() else "update")
     if ui == "widgets":
         try:
             from .widgets import WidgetDashboard
@@ -105,5 +139,4 @@ def make_search_view(ui: str, stream: TextIO | None = None) -> Any:
         except ImportError as exc:
             raise _no_widgets(exc) from None
         return WidgetSearchView()
-    zeppelin = "ZEPPELIN_HOME" in os.environ or "ZEPPELIN_INTERPRETER" in os.environ
-    return HtmlSearchView("append" if zeppelin else "update")
+    return HtmlSearchView("append" if in_zeppelin() else "update")

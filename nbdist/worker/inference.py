@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data.structures import flatten, has_text
+from ..data.structures import flatten, has_text, map_struct
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Evaluation, Predictions, Progress
 from .datasets import sample_count, tf_structure, uses_tf_data
@@ -44,7 +44,14 @@ def _unsized_batches(x: Any, y: Any, sample_weight: Any, batch_size: int) -> Any
     """The shard in batches whose size the traced step does not know. Keras weighs each batch's
     per-output loss (``<output>_loss``) by the batch size when the trace knows it and by 1 otherwise:
     a worker whose batches are all full would weigh them by 64 and another by 1, and their merged
-    state would be neither. With the size unknown every batch weighs 1, as in the notebook's evaluate."""
+    state would be neither. With the size unknown every batch weighs 1, as in the notebook's evaluate.
+    On JAX and torch (no TensorFlow needed) every traced batch knows its size, in the notebook's evaluate
+    as on every worker, so numpy batches weigh alike everywhere."""
+    if not uses_tf_data() and not hasattr(x, "element_spec"):
+        parts = (x, y) if sample_weight is None else (x, y, sample_weight)
+        rows = sample_count(x)
+        return (tuple(map_struct(lambda a, i=i: a[i:i + batch_size], p) for p in parts)
+                for i in range(0, rows, batch_size))
     import tensorflow as tf
 
     if isinstance(x, tf.data.Dataset):  # a memory-mapped file's batches: the labels and weights beside them

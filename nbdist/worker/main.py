@@ -245,9 +245,12 @@ def _import_for_training() -> None:
     """What a warm worker imports ahead of its job: the seconds it saves. Keras loads the backend
     KERAS_BACKEND names (TensorFlow only for its own); one whose package is missing is left for the job
     to report (``backend_problem``)."""
-    import torch.distributed  # noqa: F401
+    import importlib.util
 
     from ..wire.handover import READY
+
+    if importlib.util.find_spec("torch") is not None:  # the collectives' (a run without torch is told at the door)
+        import torch.distributed  # noqa: F401
 
     if os.environ.get("NBDIST_WARM_IMPORTS") == "device-free":  # GPUs: no Keras (placement.warm_server_env)
         log.info("warm: imports that initialise no device only (GPUs: each worker imports Keras itself)")

@@ -120,10 +120,6 @@ def widget_notebook():
         "           if 'nbdist.worker' in ' '.join(p.cmdline()) and '--fork-server' not in p.cmdline()]\n"
         "acc = float((model.predict(X, verbose=0).argmax(1) == y).mean())\n"
         "print('interrupted:', len(hi['loss']), changed, len(workers), round(acc, 3))",
-        # Zeppelin's IPython interpreter (no widgets, display updates dropped) is recognised by its
-        # environment, read when each run starts: the same kernel then gets the HTML renderer.
-        "import os\nos.environ['ZEPPELIN_HOME'] = '/opt/zeppelin'",
-        f"%%dist_train --data X,y --epochs 2 --batch-size 64 --workers 2 --out zh\n{MODEL}",
     ], interrupt=(6, lambda ws: any(m.get("max") == INTERRUPTED_EPOCHS and m.get("value", 0) >= 2
                                      for m in ws.values())))
 
@@ -223,17 +219,7 @@ def test_kernel_interrupt_stops_the_run_and_keeps_the_last_synchronised_weights(
     assert summary and "Stopped (interrupted)" in summary[0]
 
 
-# -- fallbacks: a frontend without widgets, a terminal IPython ---------------------------------------
-
-def test_html_renderer_where_widgets_are_not_rendered(widget_notebook):
-    """Zeppelin's IPython interpreter: no widgets, display updates dropped -> appended HTML per epoch."""
-    outs = widget_notebook.cells[9].outputs
-    assert not any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outs)
-    htmls = [o["data"]["text/html"] for o in outs if "text/html" in o.get("data", {})]
-    epochs = [h for h in htmls if "nbdist-epoch" in h]
-    assert len(epochs) == 2 and "Epoch 2/2" in epochs[-1]
-    assert any("nbdist-summary" in h and "data:image/png;base64," in h for h in htmls)
-
+# -- fallbacks: a terminal IPython (Zeppelin's HTML: test_zeppelin.py) ---------------------------------------
 
 def test_text_renderer_in_a_terminal_ipython(tmp_path):
     script = tmp_path / "run.ipy"

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from nbdist.driver.state import RunState
-from nbdist.ui import detect_frontend
+from nbdist.ui import detect_frontend, in_zeppelin
 from nbdist.ui.html import HtmlRenderer, progress_html
 from nbdist.ui.summary import summary_html
 from nbdist.ui.text import TextRenderer
@@ -300,7 +300,19 @@ def test_auto_picks_text_outside_a_kernel_and_html_in_zeppelin():
     class KernelShell:
         kernel = Kernel()
 
-    assert detect_frontend(shell=KernelShell(), environ={}) == "widgets"
-    assert detect_frontend(shell=KernelShell(), environ={"ZEPPELIN_HOME": "/opt/zeppelin"}) == "html"
+    assert detect_frontend(shell=KernelShell(), zeppelin=False) == "widgets"
+    assert detect_frontend(shell=KernelShell(), zeppelin=True) == "html"
     Kernel.comm_manager = None
-    assert detect_frontend(shell=KernelShell(), environ={}) == "html"
+    assert detect_frontend(shell=KernelShell(), zeppelin=False) == "html"
+
+
+def test_zeppelin_is_known_by_the_launcher_it_starts_kernels_with():
+    """Zeppelin's IPython interpreter runs kernel_server.py from a zeppelin_jupyter_kernel_* temporary directory
+    (its parent process) and puts that directory's py4j zip on PYTHONPATH; ZEPPELIN_HOME alone says nothing."""
+    server = ["/usr/bin/python3", "/tmp/zeppelin_jupyter_kernel_python8312/kernel_server.py", "python", "40123"]
+    assert in_zeppelin(parent_command=server, pythonpath="")
+    py4j = "/tmp/zeppelin_jupyter_kernel_python8312/py4j-src-0.10.9.7.zip"
+    assert in_zeppelin(parent_command=["/usr/bin/python3"], pythonpath=f"{py4j}:/opt/lib")
+    lab = ["/usr/bin/python3", "/usr/local/bin/jupyter-lab", "--no-browser"]
+    assert not in_zeppelin(parent_command=lab, pythonpath="/opt/zeppelin/interpreter/python")
+    assert not in_zeppelin(parent_command=["python", "/srv/app/kernel_server.py"], pythonpath="")
