@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The install tier (CONTRIBUTING.md, "The install tier"): one fresh venv, nbdist's wheel built once here, the
 # other wheels from pip's cache (the test venv's install filled it) or this machine's disk (torch).
-#   1. nbdist[jax,notebook] only: no TensorFlow, no torch; load_ext, one worker, and two refused in one sentence
+#   1. nbdist[jax,notebook] only: no TensorFlow, no torch; load_ext, one and two workers train (two meet through
+#      shared memory), an engine that needs torch is refused in one sentence; then the quickstart notebook and
+#      %dist_evaluate on 2 workers
 #   2. the user's own torch ($KEPT_TORCH: another release than the tests' 2.13.0), then nbdist[jax,torch]:
 #      pip leaves that torch in place, and nbdist loads on Keras' torch backend
-#   3. the quickstart notebook and %dist_evaluate on 2 workers (JAX; the workers' collectives on that torch)
 # Usage: scripts/install_tiers.sh [python]   (the Python that builds the wheel and the venv; default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,8 @@ pip_in "$OUT/venv" "nbdist[jax,notebook] @ file://$WHEEL"
 echo "install tier: nbdist[jax,notebook] in $(( $(tick) - t0 )) s," \
      "site-packages $(du -sh "$OUT"/venv/lib/python3*/site-packages | cut -f1)"
 check "$ROOT/tests/install/jax_only.py" no-torch
+check "$ROOT/tests/install/jax_only.py" quickstart
+echo "install tier: the JAX-only checks and quickstart done at $(( $(tick) - start )) s"
 
 t0=$(tick)
 pip_in "$OUT/venv" "torch==$KEPT_TORCH"
@@ -44,7 +47,5 @@ t1=$(tick)
 pip_in "$OUT/venv" "nbdist[jax,torch,notebook] @ file://$WHEEL"
 check "$ROOT/tests/install/torch_kept.py" "$KEPT_TORCH"
 echo "install tier: torch $KEPT_TORCH in $(( t1 - t0 )) s, then nbdist[torch] in $(( $(tick) - t1 )) s"
-
-check "$ROOT/tests/install/jax_only.py" quickstart
 echo "install tier: $(( $(tick) - start )) s in all"
 rm -rf "$OUT/venv"

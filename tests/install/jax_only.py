@@ -1,11 +1,10 @@
 """The JAX-only install tier (scripts/install_tiers.sh runs it with a fresh venv's Python, outside the checkout).
 
 ``no-torch``: the venv holds ``nbdist[jax,notebook]`` and nothing more. TensorFlow and torch are not importable;
-``import nbdist`` and ``%load_ext nbdist`` work; one worker trains; two workers are refused before any worker
-starts, in one sentence naming what to install.
-``quickstart``: torch (the workers' collectives) added. notebooks/01_quickstart.ipynb's cells run in a real kernel
-with 2 workers, then ``%dist_evaluate`` on 2 workers gives what ``model.evaluate`` gives in the notebook; still
-no TensorFlow.
+``import nbdist`` and ``%load_ext nbdist`` work; one worker trains, and two (meeting through shared memory) train
+the same step; ``--engine gloo`` is refused before any worker starts, in one sentence naming what to install.
+``quickstart``: still no TensorFlow and no torch. notebooks/01_quickstart.ipynb's cells run in a real kernel with
+2 workers, then ``%dist_evaluate`` on 2 workers gives what ``model.evaluate`` gives in the notebook.
 """
 from __future__ import annotations
 
@@ -43,10 +42,24 @@ def no_torch() -> None:
             "model.compile('sgd', 'sparse_categorical_crossentropy')")
     one = shell.run_cell(f"%%dist_train --data X,y --epochs 1 --workers 1 --ui none\n{cell}", store_history=False)
     check(one.success and len(shell.user_ns["history"]["loss"]) == 1, "one worker trains without torch")
-    two = shell.run_cell(f"%%dist_train --data X,y --epochs 1 --workers 2 --ui none\n{cell}", store_history=False)
-    message = str(two.error_in_exec)
-    check(type(two.error_in_exec).__name__ == "UsageError" and "pip install 'nbdist[torch]'" in message
-          and "\n" not in message, f"two workers without torch: one sentence, {message!r}")
+    two = shell.run_cell(f"%%dist_train --data X,y --epochs 1 --workers 2 --batch-size 16 --ui none\n{cell}",
+                         store_history=False)
+    check(two.success and len(shell.user_ns["history"]["loss"]) == 1, "two workers train without torch")
+    shell.run_cell("import nbdist\nlocal = keras.models.clone_model(model); local.compile('sgd', "
+                   "'sparse_categorical_crossentropy'); local.set_weights(model.get_weights())\n"
+                   "remote = keras.models.clone_model(model); remote.compile('sgd', "
+                   "'sparse_categorical_crossentropy'); remote.set_weights(model.get_weights())\n"
+                   "want = local.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history['loss']\n"
+                   "got = nbdist.train(remote, X, y, batch_size=32, epochs=2, workers=2, shuffle=False,\n"
+                   "                   lr_scaling='none').history['loss']\n"
+                   "gap = max(abs(a - b) for a, b in zip(want, got))", store_history=False).raise_error()
+    gap = shell.user_ns["gap"]
+    check(gap < 1e-5, f"two workers without torch take the local step (loss {gap:.1e} from local fit)")
+    engine = shell.run_cell(f"%%dist_train --data X,y --epochs 1 --workers 2 --engine gloo --ui none\n{cell}",
+                            store_history=False)
+    message = str(engine.error_in_exec)
+    check(type(engine.error_in_exec).__name__ == "UsageError" and "pip install 'nbdist[torch]'" in message
+          and "\n" not in message, f"--engine gloo without torch: one sentence, {message!r}")
 
 
 def quickstart() -> None:
@@ -54,7 +67,8 @@ def quickstart() -> None:
     from jupyter_client import KernelManager
     from nbclient import NotebookClient
 
-    check(importlib.util.find_spec("tensorflow") is None, "tensorflow is still not installed")
+    for name in ("tensorflow", "torch"):
+        check(importlib.util.find_spec(name) is None, f"{name} is still not installed")
     nb = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     check("--workers 2" in code[1].source, "the quickstart trains on 2 workers")
