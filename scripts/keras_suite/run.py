@@ -45,7 +45,8 @@ def pytest_run(checkout: Path, mode: str, files: list[str], record: Path, only: 
                log: Path) -> dict:
     env = dict(os.environ, KERAS_BACKEND="tensorflow",
                PYTHONPATH=os.pathsep.join([str(checkout), str(ROOT), str(HERE)]))
-    cmd = [sys.executable, "-m", "pytest", "-p", "plugin", "-p", "no:cacheprovider", "-q", "-o", "addopts=", "--continue-on-collection-errors",
+    cmd = [sys.executable, "-m", "pytest", "-p", "plugin", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
+           "--continue-on-collection-errors",
            f"--timeout={args.timeout}", f"--keras-suite-mode={mode}", f"--keras-suite-record={record}",
            "--rootdir", str(checkout)]
     if only is not None:
