@@ -263,6 +263,56 @@ def test_terminate_on_nan_raise_error_raises_as_keras(runs):
     same_exception(remote.caught, local.caught)
 
 
+ARRAY_METRIC = """
+import keras
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(0.01), "categorical_crossentropy", metrics=[keras.metrics.F1Score()])
+onehot = keras.utils.to_categorical(y[:256], 10)
+hist = model.fit(X[:256], onehot, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                 validation_data=(Xv[:128], keras.utils.to_categorical(yv[:128], 10)))
+"""
+
+
+def test_array_valued_metrics_in_history(runs):
+    """F1Score per class: f1_score and val_f1_score, one array per epoch, as locally."""
+    local, remote = runs("array_metric")
+    assert np.asarray(local.history["f1_score"]).shape == (2, 10)
+    assert_same_history(remote, local)
+
+
+EMA_WRAPPED = MODEL + """
+hist = model.fit(X[:256], y[:256], batch_size=64, epochs=3, shuffle=False, verbose=0,
+                 validation_data=(Xv[:128], yv[:128]), callbacks=[
+    keras.callbacks.ModelCheckpoint(OUT + "/last.weights.h5", save_weights_only=True)])
+"""
+
+
+def test_ema_under_a_loss_scale_optimizer_ends_on_the_local_weights(runs):
+    """LossScaleOptimizer(Adam(use_ema=True)) and a callback that reads the model: the EMA weights at the end."""
+    local, remote = runs("ema_wrapped")
+    assert_same_history(remote, local)
+    assert_same_weights(remote, local)
+
+
+EAGER_ONE_WEIGHT = """
+import keras
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1, use_bias=False)])
+model.compile(keras.optimizers.SGD(0.001), "mse", run_eagerly=True)
+hist = model.fit(X[:128], y[:128].astype("float32"), batch_size=32, epochs=2, shuffle=False, verbose=0)
+"""
+
+
+def test_run_eagerly_with_one_trainable_weight(runs):
+    local, remote = runs("eager_one_weight")
+    assert len(local.ns["model"].trainable_weights) == 1
+    assert remote.raised is None, f"{type(remote.raised).__name__}: {remote.raised}"
+    assert_same_history(remote, local)
+    assert_same_weights(remote, local)
+
+
 # -- exceptions ------------------------------------------------------------------------------------
 CALLBACK_RAISES = MODEL + """
 class Stop(keras.callbacks.Callback):
@@ -369,6 +419,10 @@ CELLS = {
     "reduce_lr": (REDUCE_LR, {}),
     "ema": (EMA, {"OPTIMIZER": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9)}),
     "ema_misuse": (EMA_MISUSE, {}),
+    "ema_wrapped": (EMA_WRAPPED, {"OPTIMIZER": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9))}),
+    "array_metric": (ARRAY_METRIC, {}),
+    "eager_one_weight": (EAGER_ONE_WEIGHT, {}),
     "nan": (NAN, {"RAISE": False}),
     "nan_raise": (NAN, {"RAISE": True}),
     "callback_raises": (CALLBACK_RAISES, {}),
