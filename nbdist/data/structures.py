@@ -115,7 +115,17 @@ def to_struct(value: Any, what: str) -> Struct:
     kind = not_in_memory(value)
     if kind is not None:
         raise NbdistError(pipeline_message(kind, what))
+    if is_ragged(value):
+        raise NbdistError(f"{what} is a tf.RaggedTensor (rows of different lengths), and nbdist sends its workers "
+                          "rectangular numpy arrays; pad it to one length (x.to_tensor(), with a masking layer or "
+                          "Embedding(mask_zero=True) so the padding is ignored) or pass the rows as a PyDataset "
+                          "whose batches are padded.")
     return _leaf(value, what)
+
+
+def is_ragged(value: Any) -> bool:
+    """A ``tf.RaggedTensor`` (told by its class, so this module needs no TensorFlow)."""
+    return type(value).__name__ == "RaggedTensor" and type(value).__module__.startswith("tensorflow")
 
 
 def _row(value: Any) -> bool:
