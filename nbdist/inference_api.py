@@ -32,7 +32,7 @@ from .model.metrics import ClassifierSpec, classifier_spec, compiled_loss
 from .model.spec import ensure_built
 from .spark.backend import is_connect_session
 from .spark.checks import SPARK_BACKENDS, check_label_classes, check_width
-from .spark.data import is_spark_data, is_spark_rdd, spark_dataset, sql_types
+from .spark.data import is_spark_data, is_spark_rdd, spark_dataset, sql_types, vector_label
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def evaluate_spark(model: Any, x: Any, y: Any, features: str | Sequence[str] | N
     loss = compiled_loss(model)
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
     classifier = classifier_spec(loss, output_shape)
-    if data.dataframe is not None:  # a numeric label column: one value per row
+    if data.dataframe is not None and not vector_label(data.dataframe, label):  # one value per row
         check_label_column(model, label)
         if classifier is not None and classifier.kind == "multiclass" and classifier.sparse_labels:
             check_label_classes(data, classifier.classes)
