@@ -15,6 +15,7 @@ import numpy as np
 from .checks import (
     check_inference_data,
     check_inference_model,
+    check_keras_model,
     check_label_column,
     check_single_output_on_spark,
     no_columns,
@@ -24,12 +25,14 @@ from .config import TrainConfig
 from .data.inputs import FitData, PyDatasetData, is_py_dataset, make_fit_data, make_py_dataset_data
 from .data.pipelines import inference_rows, is_pipeline
 from .data.sharding import check_workers
+from .data.structures import map_struct
 from .driver.inference import EvaluationJob, PredictionJob, inference_spec
 from .errors import NbdistError
 from .model.metrics import ClassifierSpec, classifier_spec, compiled_loss
+from .model.spec import ensure_built
 from .spark.backend import is_connect_session
 from .spark.checks import SPARK_BACKENDS, check_label_classes, check_width
-from .spark.data import is_spark_data, is_spark_rdd, spark_dataset, sql_types
+from .spark.data import is_spark_data, is_spark_rdd, spark_dataset, sql_types, vector_label
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ def inference_request(model: Any, x: Any, y: Any, sample_weight: Any, need_label
                       name: str) -> tuple[TrainConfig, FitData | PyDatasetData]:
     """In-memory data for evaluate (``need_labels``) or predict, as one checked config and data."""
     config = inference_config(options)
-    check_inference_model(model, name, need_compiled=need_labels)
+    check_keras_model(model, name)
     what = "evaluation data" if need_labels else "prediction data"
     if is_pipeline(x):  # read once into the arrays it yields
         x, y, sample_weight = inference_rows(x, y, sample_weight, what)
@@ -68,10 +71,33 @@ def inference_request(model: Any, x: Any, y: Any, sample_weight: Any, need_label
         if need_labels and y is None:
             raise NbdistError("evaluation needs labels; pass them as y (or --data X,y).")
         data = make_fit_data(x, y, sample_weight, what)
+    _build_on(model, data, need_labels)
+    check_inference_model(model, name, need_compiled=need_labels)
     check_inference_data(model, data, what, name, need_labels)
     if config.workers is not None and isinstance(data, FitData):
         check_workers(len(data), config.workers, what)
     return config, data
+
+
+def _build_on(model: Any, data: FitData | PyDatasetData, labelled: bool) -> None:
+    """A model without weights yet (a Sequential without an Input) built on the data's first row, as Keras'
+    evaluate and predict build it on their first batch; the workers' copies then have the same weights."""
+    if model.built and model.weights:
+        return
+    if isinstance(data, FitData):
+        x, y = data.x, data.y
+    elif data.first_row:
+        x, y = data.first_row[0], data.first_row[1] if len(data.first_row) > 1 else None
+    else:
+        return
+    if labelled:
+        ensure_built(model, x, y)
+        return
+    try:  # predict_step's call, on one row
+        model(map_struct(lambda a: a[:1], x), training=False)
+    except Exception as exc:
+        raise NbdistError(f"the model could not be built on one row of the prediction data ({exc}); check that "
+                          "the data fits the model's call().") from None
 
 
 def _classifier(model: Any, data: FitData | PyDatasetData) -> ClassifierSpec | None:
@@ -142,7 +168,7 @@ def evaluate_spark(model: Any, x: Any, y: Any, features: str | Sequence[str] | N
     loss = compiled_loss(model)
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
     classifier = classifier_spec(loss, output_shape)
-    if data.dataframe is not None:  # a numeric label column: one value per row
+    if data.dataframe is not None and not vector_label(data.dataframe, label):  # one value per row
         check_label_column(model, label)
         if classifier is not None and classifier.kind == "multiclass" and classifier.sparse_labels:
             check_label_classes(data, classifier.classes)

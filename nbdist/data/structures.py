@@ -1,6 +1,8 @@
 """Nested data (an array, a list or a dict of them): conversion to arrays, flattening for the wire and back."""
 from __future__ import annotations
 
+import collections
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -115,7 +117,17 @@ def to_struct(value: Any, what: str) -> Struct:
     kind = not_in_memory(value)
     if kind is not None:
         raise NbdistError(pipeline_message(kind, what))
+    if is_ragged(value):
+        raise NbdistError(f"{what} is a tf.RaggedTensor (rows of different lengths), and nbdist sends its workers "
+                          "rectangular numpy arrays; pad it to one length (x.to_tensor(), with a masking layer or "
+                          "Embedding(mask_zero=True) so the padding is ignored) or pass the rows as a PyDataset "
+                          "whose batches are padded.")
     return _leaf(value, what)
+
+
+def is_ragged(value: Any) -> bool:
+    """A ``tf.RaggedTensor`` (told by its class, so this module needs no TensorFlow)."""
+    return type(value).__name__ == "RaggedTensor" and type(value).__module__.startswith("tensorflow")
 
 
 def _row(value: Any) -> bool:
@@ -204,6 +216,42 @@ def unflatten(layout: Any, arrays: Iterator[np.ndarray]) -> Struct:
     if "dict" in layout:
         return {k: unflatten(sub, arrays) for k, sub in zip(layout["dict"], layout["items"])}
     return [unflatten(sub, arrays) for sub in layout["list"]]
+
+
+def flatten_outputs(out: Any) -> tuple[Any, list[np.ndarray]]:
+    """A model's outputs (``model.predict``'s answer) as ``flatten`` lays them out, with each tuple marked
+    (a namedtuple with its class's module, name and fields) so ``unflatten_outputs`` gives Keras' structure."""
+    if isinstance(out, dict):
+        parts = [flatten_outputs(v) for v in out.values()]
+        return {"dict": [str(k) for k in out], "items": [p[0] for p in parts]}, [a for p in parts for a in p[1]]
+    if isinstance(out, (list, tuple)):
+        parts = [flatten_outputs(v) for v in out]
+        layout: dict[str, Any] = {"list": [p[0] for p in parts]}
+        if isinstance(out, tuple):
+            cls = type(out)
+            layout["tuple"] = [cls.__module__, cls.__qualname__, list(out._fields)] if hasattr(out, "_fields") else []
+        return layout, [a for p in parts for a in p[1]]
+    return "array", [np.asarray(out)]
+
+
+def unflatten_outputs(layout: Any, arrays: Iterator[np.ndarray]) -> Any:
+    """``flatten_outputs`` reversed: lists, tuples and namedtuples (the notebook's own class where it can
+    be found by module and name, else one with the same fields) as the model returned them."""
+    if layout is None or layout == "array" or "dict" in layout:
+        return unflatten(layout, arrays) if layout is None or layout == "array" else \
+            {k: unflatten_outputs(sub, arrays) for k, sub in zip(layout["dict"], layout["items"])}
+    items = [unflatten_outputs(sub, arrays) for sub in layout["list"]]
+    if "tuple" not in layout:
+        return items
+    if not layout["tuple"]:
+        return tuple(items)
+    module, qualname, fields = layout["tuple"]
+    cls: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and issubclass(cls, tuple) and list(getattr(cls, "_fields", ())) == fields):
+        cls = collections.namedtuple(qualname.rsplit(".", 1)[-1], fields)
+    return cls(*items)
 
 
 def all_zero(a: np.ndarray, min_bytes: int = 0) -> bool:

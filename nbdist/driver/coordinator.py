@@ -108,7 +108,9 @@ class Coordinator:
         except Exception as exc:  # an authenticated peer sent garbage (or a malformed message): drop it
             reason = f"protocol error: {exc}"
         with self._lock:
-            self._channels.pop(rank, None)
+            if self._channels.get(rank) is channel:
+                del self._channels[rank]
+        channel.close()  # the worker's end is gone: its socket here is closed with it, not left to the collector
         if not self._closed.is_set():
             self.events.put(Event("closed", rank, detail=reason))
 

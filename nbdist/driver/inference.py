@@ -16,7 +16,7 @@ import numpy as np
 from ..config import TrainConfig
 from ..data.inputs import FitData, PyDatasetData
 from ..data.sharding import batch_bounds, share_count, strided_batches
-from ..data.structures import flatten, has_text, tf_structure, unflatten
+from ..data.structures import flatten, has_text, tf_structure, unflatten_outputs
 from ..errors import NbdistError
 from ..model.metrics import ClassifierSpec, merge_classifier_stats, sum_states
 from ..model.spec import ModelSpec, model_from_spec, travelling_model
@@ -154,12 +154,12 @@ class PredictionJob(InferenceJob):
 
     def result(self) -> Any:
         """Every worker's rows, in input order (shards are contiguous and in rank order), shaped as
-        ``model.predict`` returns them: one array, or a list or dict of arrays for several outputs."""
+        ``model.predict`` returns them: one array, or the list, tuple, namedtuple or dict the model returns."""
         if isinstance(self.data, PyDatasetData):
             return self._py_dataset_result()
         parts = [self.answers[r].outputs for r in range(self.world_size)]
         outputs = [np.concatenate([p[i] for p in parts], axis=0) for i in range(len(parts[0]))]
-        return unflatten(self.answers[0].layout, iter(outputs))
+        return unflatten_outputs(self.answers[0].layout, iter(outputs))
 
     def _py_dataset_result(self) -> Any:
         """A PyDataset's predictions in its order: each worker's batches split by their rows, then put back
@@ -171,7 +171,7 @@ class PredictionJob(InferenceJob):
             shares = [np.split(a.outputs[i], np.cumsum(a.batch_rows)[:-1]) if a.rows > 0 else []
                       for a in answers]
             outputs.append(np.concatenate(strided_batches(shares), axis=0))
-        return unflatten(layout, iter(outputs))
+        return unflatten_outputs(layout, iter(outputs))
 
 
 def _evaluate_rows(model: Any, x: Any, y: Any, sample_weight: Any) -> None:

@@ -416,6 +416,14 @@ class TrainingJob(Run):
     def _release(self) -> None:
         if self._keeper is not None:
             self._keeper.close()
+        self._drop_data()
+
+    def _drop_data(self) -> None:
+        """A finished run (done, failed or stopped; never before a restart, which relaunches on the data)
+        holds nothing of its data: the job left in the notebook keeps results and reports, and the arrays
+        it trained on are freed once the notebook lets go of them."""
+        self.data = self.validation_data = None
+        self._rows, self._py_datasets, self._val_shards = [], None, None
 
     # -- checkpoints and restarts (logic in keeper.py / checkpoint.py) --
     def _save_checkpoint(self, epoch: int) -> None:

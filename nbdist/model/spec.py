@@ -264,6 +264,7 @@ def travelling_model(model: Any, *, optimizer: bool = True) -> ModelSpec:
                           "save_assets()/load_assets().")
     if optimizer:  # its slots exist from here on, so a checkpoint's state always fits the spec's
         build_optimizer(model)
+    drop_traced_losses(model)
     weights = list(model.weights)
     opt_vars = optimizer_state_variables(model)
     try:  # the optimizer's state never in the pickle: it travels beside it to train, not at all for inference
@@ -281,6 +282,24 @@ def travelling_model(model: Any, *, optimizer: bool = True) -> ModelSpec:
                      optimizer_steps(model) if optimizer else None, assets,
                      optimizer_layout(model) if optimizer else [], keras_settings())
     return spec
+
+
+def drop_traced_losses(model: Any) -> None:
+    """Keras leaves the losses a layer added in the last traced call (an activity regularizer's: graph
+    tensors of a finished ``evaluate``/``fit`` step) in its ``_losses`` until its next call clears them; they
+    mean nothing outside that trace and cannot travel, so they are cleared here as that call would."""
+    def is_value(t: Any) -> bool:
+        try:
+            np.asarray(t)
+            return True
+        except Exception:
+            return False
+
+    for layer in model._flatten_layers(include_self=True):
+        held = getattr(layer, "_losses", None)
+        if held and not all(is_value(t) for t in held):
+            held.clear()
+            getattr(layer, "_loss_ids", set()).clear()
 
 
 def view_of(tensor: Any) -> np.ndarray:

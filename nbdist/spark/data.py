@@ -117,10 +117,22 @@ def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: s
                               "ML Vector columns (e.g. cast it, or assemble it with VectorAssembler).")
     if not label:
         return SparkData(None, Layout(cols, None), dataframe=x.select(*cols))
-    if not isinstance(fields[label], T.NumericType):
-        raise NbdistError(f"label column {label!r} is {fields[label].simpleString()}, not a number; "
+    t = fields[label]
+    if not isinstance(t, T.NumericType) and not vector_label(x, label):
+        raise NbdistError(f"label column {label!r} is {t.simpleString()}, not a number or an array of numbers; "
                           "index it first (e.g. pyspark.ml.feature.StringIndexer).")
     return SparkData(None, Layout(cols, label), dataframe=x.select(*cols, label))
+
+
+def vector_label(df: Any, label: str | None) -> bool:
+    """Whether ``df``'s label column holds arrays of numbers or ML Vectors (one-hot, multi-label, several
+    regression targets): (rows, k) labels, trained and evaluated as the same arrays in numpy are."""
+    if not label:
+        return False
+    T = sql_types()
+    t = {f.name: f.dataType for f in df.schema.fields}.get(label)
+    return (isinstance(t, T.ArrayType) and isinstance(t.elementType, T.NumericType)) \
+        or type(t).__name__ == "VectorUDT"
 
 
 def spark_validation(train: SparkData, validation: Any) -> Any:

@@ -76,6 +76,9 @@ def _feature_block(values: list[Any], name: str) -> np.ndarray:
 
 
 def _label_block(values: list[Any], name: str) -> np.ndarray:
+    """Labels of a block of rows: (rows,) numbers, or (rows, k) for vector labels (arrays, ML Vectors)."""
+    if len(values) and hasattr(values[0], "toArray"):  # pyspark.ml.linalg vectors
+        return _feature_block(values, name)
     try:
         arr = np.asarray(values)
     except ValueError as exc:
@@ -162,8 +165,21 @@ def arrow_features(column: Any, name: str) -> np.ndarray:
 
 
 def arrow_label(column: Any, name: str) -> np.ndarray:
+    """A label column: numbers (rows,), or arrays of numbers or ML Vectors (one-hot, multi-label, several
+    regression targets) as (rows, k), as the same labels in numpy train."""
+    import pyarrow as pa
+
     if column.null_count:
         raise ValueError(f"label {name!r} holds nulls; drop them first (e.g. df.na.drop()).")
+    kind = column.type
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        lengths = np.diff(np.asarray(column.offsets)) if not pa.types.is_fixed_size_list(kind) else None
+        if lengths is not None and len(lengths) and (lengths != lengths[0]).any():
+            raise ValueError(f"label {name!r} has {lengths.min()} values in some rows but {lengths.max()} in "
+                             "others; every row needs the same number of label values.")
+        return _label_block(column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1), name)
+    if pa.types.is_struct(kind):  # an ML Vector
+        return _feature_block([vector_values(v) for v in column.to_pylist()], name)
     return _label_block(column.to_numpy(zero_copy_only=False), name)
 
 

@@ -58,6 +58,7 @@ class ShardWriter:
         self.block_rows: list[int] = []
         self.width: int | None = None
         self.y_dtype: np.dtype | None = None
+        self.y_width: int | None = None  # values per row of vector labels; None: one label per row
         self._sink = None
         self._writer = None
 
@@ -70,9 +71,11 @@ class ShardWriter:
         if self.width is None:
             self.width = x.shape[1]
             self.y_dtype = None if y is None else np.asarray(y).dtype
+            self.y_width = None if y is None or np.ndim(y) < 2 else int(np.prod(np.shape(y)[1:]))
             fields = [("x", pa.list_(pa.float32(), self.width))]
-            if self.labels:
-                fields.append(("y", pa.from_numpy_dtype(self.y_dtype)))
+            if self.labels:  # a label per row, or a vector of them (one-hot, multi-label, several targets)
+                kind = pa.from_numpy_dtype(self.y_dtype)
+                fields.append(("y", kind if self.y_width is None else pa.list_(kind, self.y_width)))
             self._sink = pa.OSFile(self.path, "wb")
             self._writer = pa.ipc.new_file(self._sink, pa.schema(fields))
         elif x.shape[1] != self.width:
@@ -80,7 +83,12 @@ class ShardWriter:
                              "every row needs the same number of values.")
         columns = [pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), self.width)]
         if self.labels:
-            columns.append(pa.array(np.asarray(y, dtype=self.y_dtype)))
+            y = np.asarray(y, dtype=self.y_dtype)
+            if (self.y_width is None) != (y.ndim < 2) or (y.ndim > 1 and y[:1].size != self.y_width):
+                raise ValueError(f"the labels have {y[:1].size} values in some rows but {self.y_width or 1} in "
+                                 "others; every row needs the same number of label values.")
+            columns.append(pa.array(y) if self.y_width is None
+                           else pa.FixedSizeListArray.from_arrays(pa.array(y.ravel()), self.y_width))
         try:
             self._writer.write_batch(pa.RecordBatch.from_arrays(columns, ["x", "y"][:len(columns)]))
         except OSError as exc:
@@ -142,7 +150,11 @@ class ShardReader:
         batch = self._reader.get_batch(i)
         col = batch.column(0)
         x = col.flatten().to_numpy().reshape(batch.num_rows, col.type.list_size)
-        y = batch.column(1).to_numpy() if self.labels else None
+        y = None
+        if self.labels:
+            ycol = batch.column(1)
+            y = ycol.to_numpy() if not hasattr(ycol.type, "list_size") else \
+                ycol.flatten().to_numpy().reshape(batch.num_rows, ycol.type.list_size)
         return x, y
 
     def read_all(self) -> tuple[np.ndarray, np.ndarray | None]:

@@ -65,9 +65,11 @@ def rank_batch_size(job: JobMessage) -> int:
 
 
 def sample_count(x: Any) -> int:
-    """Rows in ``x``: an array, or a list/tuple/dict of arrays with the same number of rows."""
-    while isinstance(x, (dict, list, tuple)):
-        x = next(iter(x.values())) if isinstance(x, dict) else x[0]
+    """Rows in ``x``: an array, or a list/tuple/dict of arrays with the same number of rows (a None
+    among them is an optional input left out, as Keras takes it)."""
+    if isinstance(x, (dict, list, tuple)):
+        counts = [sample_count(v) for v in (x.values() if isinstance(x, dict) else x) if v is not None]
+        return counts[0] if counts else 0
     return int(x.shape[0])
 
 
@@ -86,7 +88,7 @@ def _take(struct: Any, rows: Any) -> Any:
         return {k: _take(v, rows) for k, v in struct.items()}
     if isinstance(struct, (list, tuple)):
         return type(struct)(_take(v, rows) for v in struct)
-    return struct[rows]
+    return None if struct is None else struct[rows]  # an optional input given as None stays None
 
 
 def numpy_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int = 0, first_epoch: int = 0,
@@ -121,7 +123,7 @@ def repeated_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int =
     # Held in variables, made once; tf.gather reads batches from them. A plain tensor captured
     # by the map function would be copied into the dataset's graph: one more copy of the shard.
     parts = tf_structure(x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight))
-    data = tf.nest.map_structure(resident, parts)
+    data = tf.nest.map_structure(resident, parts)  # an optional input given as None stays None
     base = tf.constant(seed, dtype=tf.int64)
 
     def order(epoch: Any) -> Any:
@@ -138,7 +140,7 @@ def repeated_batches(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int =
         return ds
 
     def gather(indices: Any) -> Any:
-        return tf.nest.map_structure(lambda t: tf.gather(t, indices), data)
+        return tf.nest.map_structure(lambda t: None if t is None else tf.gather(t, indices), data)
 
     epochs = tf.data.Dataset.counter(start=first_epoch, dtype=tf.int64)
     return without_autotune(epochs.map(order).flat_map(batches).map(gather).prefetch(2))
@@ -155,7 +157,7 @@ def validation_batches(x: Any, y: Any, batch_size: int, sample_weight: Any = Non
     import tensorflow as tf
 
     parts = tf_structure(x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight))
-    data = tf.nest.map_structure(tf.convert_to_tensor, parts)
+    data = tf.nest.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), parts)
     dataset = without_autotune(tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat())
     dataset.nbdist_one_pass_per_validation = True  # read whole passes: one iterator serves them all
     return dataset
@@ -180,10 +182,11 @@ def stream_batches(stream: Any) -> Any:
 
 
 def resident(array: Any) -> Any:
-    """``array`` as a non-trainable variable: one copy, which ``tf.data`` reads by reference."""
+    """``array`` as a non-trainable variable: one copy, which ``tf.data`` reads by reference (None, an
+    optional input left out, as it is)."""
     import tensorflow as tf
 
-    return tf.Variable(array, trainable=False, name="nbdist_shard")
+    return None if array is None else tf.Variable(array, trainable=False, name="nbdist_shard")
 
 
 def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None, rank: int,

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data.structures import flatten, has_text, map_struct
+from ..data.structures import flatten_outputs, has_text, map_struct
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Evaluation, Predictions, Progress
 from .datasets import sample_count, tf_structure, uses_tf_data
@@ -144,9 +144,7 @@ def _run_share(link: Any, job: JobMessage, model: Any, share: Any) -> int:
 
 
 def _flat_predictions(out: Any) -> tuple[Any, list[np.ndarray]]:
-    as_lists = lambda o: [as_lists(v) for v in o] if isinstance(o, (list, tuple)) else \
-        {str(k): as_lists(v) for k, v in o.items()} if isinstance(o, dict) else np.asarray(o)
-    return flatten(as_lists(out))
+    return flatten_outputs(out)
 
 
 def _fit_input(model: Any, x: Any) -> Any:

@@ -80,3 +80,24 @@ def test_a_scipy_sparse_matrix_is_its_dense_rows_or_one_sentence_when_too_large(
     np.testing.assert_allclose(data.x, matrix.toarray(), rtol=1e-6)
     with pytest.raises(NbdistError, match=r"scipy sparse matrix of 30 x 12, .* reduce its columns"):
         dense_from_sparse(matrix, "training data x", budget=100)
+
+
+def test_ragged_input_is_refused_as_ragged_and_predictions_keep_keras_structure():
+    """Issue 46: a tf.RaggedTensor is named as ragged (not 'Python objects'), before any worker; predict's
+    tuples and namedtuples survive the wire's flat layout."""
+    import collections
+
+    import tensorflow as tf
+
+    from nbdist.data.structures import flatten_outputs, unflatten_outputs
+
+    with pytest.raises(NbdistError, match="RaggedTensor"):
+        make_fit_data(tf.ragged.constant([[1.0, 2.0], [3.0]]), np.zeros(2))
+    pair = collections.namedtuple("Pair", "a b")
+    globals()["Pair"] = pair  # found by module and name, as a notebook's class is in __main__
+    pair.__module__ = __name__
+    out = [np.zeros((2, 1)), (np.ones((2, 3)), pair(np.ones((2, 2)), np.zeros((2, 1)))), {"k": np.ones((2,))}]
+    layout, arrays = flatten_outputs(out)
+    back = unflatten_outputs(layout, iter(arrays))
+    assert type(back) is list and type(back[1]) is tuple and type(back[1][1]) is pair and type(back[2]) is dict
+    np.testing.assert_array_equal(back[1][1].a, np.ones((2, 2)))

@@ -72,3 +72,13 @@ def test_a_named_address_is_advertised_and_every_interface_bound():
     assert session_hosts(object(), {ADVERTISE_ENV: "10.1.2.3"}) == ("0.0.0.0", "10.1.2.3")
     sentence = unreachable(("10.1.2.3", 4242), TimeoutError("timed out"))
     assert "10.1.2.3:4242" in sentence and ADVERTISE_ENV in sentence and "\n" not in sentence
+
+
+def test_vector_labels_cross_the_shard_as_rows_of_values(tmp_path):
+    """Issue 46 item 7: one-hot labels (Elephas' to_simple_rdd pairs, an array label column) were refused by
+    Arrow ("only handle 1-dimensional arrays"); they come back as the (rows, k) array they were."""
+    onehot = [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    batch = pa.RecordBatch.from_pydict({"px": pa.array([1.0, 2.0]), "y": pa.array(onehot, pa.list_(pa.float64()))})
+    assert write_batches(iter([batch]), Layout(("px",), "y"), str(tmp_path)) == 2
+    x, y = load_task_data(str(tmp_path))
+    assert y.shape == (2, 3) and y.tolist() == onehot

@@ -210,3 +210,54 @@ def test_report_renders_html_and_text() -> None:
     assert page.count("<table") == 3 and "<td>0.2500</td>" in page and "true 1" in page
     text = repr(EvaluationReport(result))
     assert "macro_f1" in text and "0.8889" in text and "kind" not in text
+
+
+Pair = __import__("collections").namedtuple("Pair", "digit parity")
+
+
+def test_inference_as_keras_unbuilt_model_tuple_outputs_leftover_losses_no_leaked_socket() -> None:
+    """Issue 46: what Keras' evaluate/predict accept, nbdist accepts with the same answer: a model with
+    no weights yet is built on the first rows; a namedtuple of outputs comes back as that namedtuple; a
+    subclassed model with an activity regularizer evaluated locally first (graph tensors left in its
+    layers' losses) is sent; and no socket is left for the collector (a ResourceWarning, an error under
+    -W error)."""
+    import gc
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x / 16).astype("float32")[:300], y[:300]
+    keras.utils.set_random_seed(3)
+    unbuilt = keras.Sequential([keras.layers.Dense(10, activation="softmax")])
+    unbuilt.compile("sgd", "sparse_categorical_crossentropy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # never trained: said once, as it should be
+        warnings.simplefilter("error", ResourceWarning)
+        got = nbdist.evaluate(unbuilt, x, y, workers=2, backend="local")
+        gc.collect()
+    assert unbuilt.built and got["loss"] == pytest.approx(unbuilt.evaluate(x, y, verbose=0), rel=1e-5)
+
+    inp = keras.Input((64,))
+    pair = keras.Model(inp, Pair(keras.layers.Dense(10)(inp), keras.layers.Dense(2)(inp)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        out = nbdist.predict(pair, x, workers=2, backend="local")
+        gc.collect()
+    local = pair.predict(x, verbose=0)
+    assert type(out) is Pair and type(local) is Pair
+    np.testing.assert_allclose(out.digit, local.digit, atol=1e-5)
+    np.testing.assert_allclose(out.parity, local.parity, atol=1e-5)
+
+    class Regularised(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = keras.layers.Dense(10, activity_regularizer="l2")
+
+        def call(self, a):
+            return self.dense(a)
+
+    model = Regularised()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    expected = model.evaluate(x, y, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        got = nbdist.evaluate(model, x, y, workers=2, backend="local")
+    assert got["loss"] == pytest.approx(expected, rel=1e-4)
