@@ -138,6 +138,20 @@ def vector_values(cell: Any) -> Any:
     return dense
 
 
+def _list_rows(column: Any, what: str) -> np.ndarray | None:
+    """A column of lists (arrays of numbers) as its (rows, k) values; None for any other column."""
+    import pyarrow as pa
+
+    kind = column.type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+        return None
+    lengths = np.diff(np.asarray(column.offsets)) if not pa.types.is_fixed_size_list(kind) else None
+    if lengths is not None and len(lengths) and (lengths != lengths[0]).any():
+        raise ValueError(f"{what} has {lengths.min()} values in some rows but {lengths.max()} in others; every "
+                         "row needs the same number of values.")
+    return column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1)
+
+
 def arrow_features(column: Any, name: str) -> np.ndarray:
     """One Arrow feature column (numbers, lists of numbers, ML Vector structs) as float32 (rows, k)."""
     import pyarrow as pa
@@ -145,13 +159,9 @@ def arrow_features(column: Any, name: str) -> np.ndarray:
     if column.null_count:
         raise ValueError(f"column {name!r} holds nulls; drop or fill them first (e.g. df.na.drop()).")
     kind = column.type
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        lengths = np.diff(np.asarray(column.offsets)) if not pa.types.is_fixed_size_list(kind) else None
-        if lengths is not None and len(lengths) and (lengths != lengths[0]).any():
-            raise ValueError(f"column {name!r} has {lengths.min()} values in some rows but {lengths.max()} in "
-                             "others; every row needs the same number of values.")
-        flat = column.flatten().to_numpy(zero_copy_only=False)
-        arr = np.asarray(flat, dtype=np.float32).reshape(len(column), -1)
+    rows = _list_rows(column, f"column {name!r}")
+    if rows is not None:
+        arr = np.asarray(rows, dtype=np.float32)
     elif pa.types.is_struct(kind):  # an ML Vector
         arr = _feature_block([vector_values(v) for v in column.to_pylist()], name)
     else:
@@ -172,12 +182,9 @@ def arrow_label(column: Any, name: str) -> np.ndarray:
     if column.null_count:
         raise ValueError(f"label {name!r} holds nulls; drop them first (e.g. df.na.drop()).")
     kind = column.type
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        lengths = np.diff(np.asarray(column.offsets)) if not pa.types.is_fixed_size_list(kind) else None
-        if lengths is not None and len(lengths) and (lengths != lengths[0]).any():
-            raise ValueError(f"label {name!r} has {lengths.min()} values in some rows but {lengths.max()} in "
-                             "others; every row needs the same number of label values.")
-        return _label_block(column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1), name)
+    rows = _list_rows(column, f"label {name!r}")
+    if rows is not None:
+        return _label_block(rows, name)
     if pa.types.is_struct(kind):  # an ML Vector
         return _feature_block([vector_values(v) for v in column.to_pylist()], name)
     return _label_block(column.to_numpy(zero_copy_only=False), name)
