@@ -3,8 +3,8 @@
 nbdist's own failures (bad input, an unusable environment, a worker that died or timed out) are
 ``NbdistError`` / ``TrainingFailed``: one sentence naming the problem and the fix. What Keras, TensorFlow
 or the cell's own code raises is raised again as itself: an exception of a notebook callback propagates
-unchanged, and one raised on a worker comes back as its own type with its own message, mixed with
-``WorkerRaised`` (``worker_traceback``, ``rank``), shown as IPython shows a remote error.
+unchanged, and one raised on a worker comes back as exactly its own type with its own message, carrying
+``worker_traceback`` and ``rank``, shown as IPython shows a remote error.
 """
 from __future__ import annotations
 
@@ -24,31 +24,30 @@ class TrainingFailed(NbdistError):
         self.rank = rank
 
 
-class WorkerRaised:
-    """Mixed into the type a worker raised (``except ValueError`` still catches it): where it was raised.
+class _RemoteTraceback:
+    """What IPython shows for an exception raised on a worker: the worker's traceback, not the notebook's
+    (as ipyparallel shows a RemoteError). A class, not a closure, so the exception still pickles."""
 
-    IPython shows the worker's traceback, not the notebook's (as ipyparallel shows a RemoteError)."""
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
 
-    worker_traceback: str = ""
-    rank: int | None = None
-
-    def _render_traceback_(self) -> list[str]:
-        head = f"--- raised on worker {self.rank} ---" if self.rank is not None else "--- raised on a worker ---"
-        notes = [str(n) for n in getattr(self, "__notes__", ())]
-        return [head, *self.worker_traceback.rstrip().splitlines(), *notes]
-
-
-_RAISED_TYPES: dict[type, type] = {}
+    def __call__(self) -> list[str]:
+        rank = getattr(self.exc, "rank", None)
+        head = f"--- raised on worker {rank} ---" if rank is not None else "--- raised on a worker ---"
+        notes = [str(n) for n in getattr(self.exc, "__notes__", ())]
+        return [head, *str(getattr(self.exc, "worker_traceback", "")).rstrip().splitlines(), *notes]
 
 
 def worker_raised(base: type[BaseException], *args: Any, worker_traceback: str, rank: int | None) -> BaseException:
-    """An exception of type ``base`` (built from ``args``) that is also ``WorkerRaised``; named as ``base`` is."""
-    kind = _RAISED_TYPES.get(base)
-    if kind is None:
-        kind = type(base.__name__, (base, WorkerRaised), {"__module__": base.__module__,
-                                                         "__qualname__": base.__qualname__})
-        _RAISED_TYPES[base] = kind
-    exc = kind(*args)
-    exc.worker_traceback = worker_traceback
-    exc.rank = rank
+    """An exception of exactly type ``base`` (built from ``args``), as the worker raised it, carrying where:
+    ``worker_traceback`` and ``rank``, and the ``_render_traceback_`` IPython uses to show it."""
+    exc = base(*args)
+    exc.worker_traceback = worker_traceback  # type: ignore[attr-defined]
+    exc.rank = rank  # type: ignore[attr-defined]
+    exc._render_traceback_ = _RemoteTraceback(exc)  # type: ignore[attr-defined]
     return exc
+
+
+def raised_on_worker(exc: BaseException) -> bool:
+    """Whether ``exc`` is a worker's exception rebuilt in the notebook (``worker_raised``)."""
+    return hasattr(exc, "worker_traceback") and not isinstance(exc, TrainingFailed)

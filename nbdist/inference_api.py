@@ -111,9 +111,9 @@ def _classifier(model: Any, data: FitData | PyDatasetData) -> ClassifierSpec | N
     return classifier_spec(compiled_loss(model), output_shape)
 
 
-def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None,
-             namespace: dict[str, Any] | None = None, features: str | list[str] | None = None,
-             label: str | None = None, **options: Any) -> dict[str, Any]:
+def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None, steps: int | None = None,
+             return_dict: bool = True, namespace: dict[str, Any] | None = None,
+             features: str | list[str] | None = None, label: str | None = None, **options: Any) -> Any:
     """Evaluate ``model`` on ``x``/``y`` sharded over workers, with exact merged metrics.
 
     ``x``, ``y`` and ``sample_weight`` are what ``model.evaluate`` takes (arrays, pandas, dicts or
@@ -128,7 +128,12 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None,
     RDD of (features, label) pairs: each Spark task then evaluates its partition in place. ``x`` may
     be a ``keras.utils.PyDataset`` of (x, y) or (x, y, sample_weight) batches (no ``y`` beside it):
     each worker evaluates batches rank, rank + workers, ...; Keras' metrics only, no classifier report.
+    ``steps`` and ``return_dict`` as ``model.evaluate`` takes them for arrays: the first ``steps`` batches of
+    ``batch_size`` rows (Keras' 32 when not given); ``return_dict=False`` gives Keras' list (or one scalar).
     """
+    if steps is not None and (is_spark_data(x) or is_py_dataset(x) or is_pipeline(x)):
+        raise NbdistError("steps applies to in-memory arrays here; evaluate the rows you want (e.g. the first "
+                          "steps × batch_size) or drop steps.")
     if is_spark_data(x):
         if sample_weight is not None:
             raise NbdistError("sample_weight is for in-memory data; a Spark DataFrame is evaluated unweighted "
@@ -136,7 +141,25 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None,
         return evaluate_spark(model, x, y, features, label, namespace, options)
     no_columns(features, label)
     config, data = inference_request(model, x, y, sample_weight, True, dict(options), "the model")
-    return EvaluationJob(model, config, data, namespace, classifier=_classifier(model, data)).run()
+    if steps is not None:
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise NbdistError(f"steps must be a positive number of batches, got {steps!r}.")
+        data = data.slice(0, min(len(data), steps * int(options.get("batch_size") or KERAS_BATCH)))
+    results = EvaluationJob(model, config, data, namespace, classifier=_classifier(model, data)).run()
+    return results if return_dict else keras_order(model, results)
+
+
+KERAS_BATCH = 32  # what model.evaluate reads per step when batch_size is not given
+
+
+def keras_order(model: Any, results: dict[str, Any]) -> Any:
+    """``model.evaluate(..., return_dict=False)``'s value: Keras' metrics in its own order (one: a scalar)."""
+    metrics = {}
+    for key, value in results.items():  # Keras' results come first, then "samples" and the classifier report
+        if key == "samples":
+            break
+        metrics[key] = value
+    return model._flatten_metrics_in_order(metrics)
 
 
 def predict(model: Any, x: Any, *, namespace: dict[str, Any] | None = None,

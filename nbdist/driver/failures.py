@@ -66,7 +66,7 @@ def likely_causes_first(handles: Sequence[Any]) -> list[Any]:
 
 def rebuild(raised_type: str, message: str, worker_traceback: str, rank: int | None) -> BaseException | None:
     """The exception a worker reported (``module:qualname``, worker/main.py keras_raised) as the notebook
-    raises it: that type, its own message, ``WorkerRaised`` mixed in. Only a builtin, Keras or TensorFlow
+    raises it: exactly that type, its own message, where it was raised beside it. Only a builtin, Keras or TensorFlow
     exception class already imported here is taken (nothing is imported or unpickled for a name from the
     network); None where there is none, or it cannot be made from its message alone."""
     module_name, _, qualname = raised_type.partition(":")

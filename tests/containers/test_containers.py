@@ -30,7 +30,7 @@ from nbdist.backends.containers import (
     run_command,
 )
 from nbdist.config import TrainConfig
-from nbdist.errors import NbdistError, WorkerRaised
+from nbdist.errors import NbdistError, raised_on_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 EPOCHS = 10
@@ -224,7 +224,7 @@ def test_a_worker_that_raises_fails_the_run_and_leaves_no_container(engine, digi
 
     with pytest.raises(tf.errors.InvalidArgumentError) as err:  # the layer's own error, as TensorFlow raises it
         job.wait(timeout=240)
-    assert isinstance(err.value, WorkerRaised) and "boom: injected failure" in str(err.value)
+    assert raised_on_worker(err.value) and "boom: injected failure" in str(err.value)
     assert "Traceback" in err.value.worker_traceback
     assert job.status == "failed"
     assert run_containers(engine, job._backend.run_id) == []

@@ -2,12 +2,13 @@
 its own type with its own message; nothing is imported for a type named on the wire."""
 from __future__ import annotations
 
+import pickle
 import sys
 
 import pytest
 
 from nbdist.driver.failures import rebuild
-from nbdist.errors import TrainingFailed, WorkerRaised
+from nbdist.errors import TrainingFailed, raised_on_worker
 from nbdist.worker.main import keras_raised, summarise, user_code_message
 
 
@@ -34,9 +35,11 @@ def test_a_workers_keras_error_is_rebuilt_as_its_type_and_nothing_else_is():
     assert user_code_message("plain\nmessage", "ValueError") == "plain\nmessage"
     assert summarise(ValueError(WRAPPED)) == "ValueError: picky refuses"  # the run's one line too
     err = rebuild("builtins:ValueError", "picky refuses", "Traceback ...", 1)
-    assert isinstance(err, ValueError) and isinstance(err, WorkerRaised) and not isinstance(err, TrainingFailed)
+    assert type(err) is ValueError and raised_on_worker(err) and not isinstance(err, TrainingFailed)
     assert str(err) == "picky refuses" and err.rank == 1 and type(err).__name__ == "ValueError"
     assert err._render_traceback_()[1:] == ["Traceback ..."]
+    again = pickle.loads(pickle.dumps(err))  # joblib, multiprocessing: it travels as the plain type does
+    assert type(again) is ValueError and again.worker_traceback == "Traceback ..."
     for named in ("os:system", "builtins:KeyboardInterrupt", "builtins:print", "keras:__class__", "nbdist.errors:X"):
         assert rebuild(named, "m", "", 0) is None, named
     assert "keras.src.not_a_module" not in sys.modules and rebuild("keras.src.not_a_module:E", "m", "", 0) is None

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 
-from nbdist.errors import WorkerRaised
+from nbdist.errors import raised_on_worker
 
 from .test_fit_call import tensorboard_scalars
 
@@ -243,7 +243,7 @@ def test_what_keras_raises_the_fit_raises_and_nan_is_keras_to_act_on(ip, tmp_pat
     # (not TensorFlow's "in user code:" wrapper), the worker's traceback kept and shown once.
     result = ip.run_cell(magic + RAISING_LOSS)
     err = result.error_in_exec
-    assert isinstance(err, ValueError) and isinstance(err, WorkerRaised), repr(err)
+    assert type(err) is ValueError and raised_on_worker(err), repr(err)
     assert str(err) == "picky refuses these labels\nReceived: something"
     assert err.rank in (0, 1) and "picky" in err.worker_traceback and err._render_traceback_() == []
     # SwapEMAWeights without use_ema: Keras' ValueError (at the first validation locally), before any worker starts.

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import nbdist
-from nbdist.errors import TrainingFailed, WorkerRaised
+from nbdist.errors import TrainingFailed, raised_on_worker
 
 from ..conftest import mlp, wait_no_workers
 
@@ -41,7 +41,7 @@ def test_worker_exception_fails_the_cell_with_its_traceback(ip, capsys):
     took = time.monotonic() - start
     assert not result.success
     error = result.error_in_exec
-    assert isinstance(error, tf.errors.InvalidArgumentError) and isinstance(error, WorkerRaised), repr(error)
+    assert type(error) is tf.errors.InvalidArgumentError and raised_on_worker(error), repr(error)
     assert "injected failure in Boom" in str(error)
     shown = "".join(capsys.readouterr())
     assert "--- raised on worker" in shown and "Traceback (most recent call last)" in shown
