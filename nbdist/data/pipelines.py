@@ -23,6 +23,7 @@ from ..errors import NbdistError
 from ..fit_arguments import FitCall
 from .files import memory_budget, not_in_memory
 from .inputs import standardize_batch
+from .sharding import rank_batch_sizes
 from .structures import leaves
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ def split_loaders(fit: FitCall, world: int, seed: int) -> FitCall:
         if not is_split_loader(loader):
             continue
         _check_sampler(loader, what)
+        rank_batch_sizes(int(loader.batch_size), world)  # a batch of fewer rows than workers: its sentence
         shares = LoaderShares(loader, world, seed, isinstance(loader.sampler, RandomSampler) and name == "x",
                               int(fit.initial_epoch or 0))
         if name == "x":
@@ -123,6 +125,7 @@ def _loader_tensors(loader: Any, what: str) -> list[Any]:
     from torch.utils.data._utils.collate import default_collate
 
     dataset = loader.dataset
+    is_split_loader(loader)  # an IterableDataset: its sentence
     if not isinstance(dataset, TensorDataset):
         raise NbdistError(f"{what} is a torch DataLoader over a {type(dataset).__name__}, whose __getitem__ may "
                           "change a row every epoch (random augmentation) and cannot be read once; pass the arrays, "

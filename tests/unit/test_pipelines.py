@@ -105,7 +105,8 @@ def test_what_a_torch_loader_cannot_keep_when_read_once_is_one_sentence():
 def test_a_loader_over_a_map_style_dataset_is_dealt_by_index_in_its_samplers_order():
     """Issue 46: item i of the split loader is worker i % world's part of the loader's batch i // world,
     collated by its collate_fn; shuffle=True: one permutation per epoch, the same in every copy, every row
-    once (drop_last drops the short batch); an IterableDataset is refused in one sentence."""
+    once (drop_last drops the short batch); an IterableDataset, or a batch smaller than the workers, is
+    refused in one sentence."""
     pytest.importorskip("torch")
     import cloudpickle
     from torch.utils.data import DataLoader, IterableDataset
@@ -139,3 +140,5 @@ def test_a_loader_over_a_map_style_dataset_is_dealt_by_index_in_its_samplers_ord
 
     with pytest.raises(NbdistError, match="over an IterableDataset .Stream. cannot be split"):
         split_loaders(FitCall(x=DataLoader(Stream(), batch_size=4)), 2, 7)
+    with pytest.raises(NbdistError, match="batch_size 1 cannot be split over 2 workers"):
+        split_loaders(FitCall(x=DataLoader(rows, batch_size=1)), 2, 7)
