@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from .checks import check_built, check_fits_model, check_no_custom_loop, check_not_stateful, check_trainable, no_columns
 from .config import TrainConfig, implied_strategy
 from .data.files import not_in_memory, pipeline_message
 from .data.inputs import FitData, PyDatasetData, is_py_dataset, make_fit_data, make_py_dataset_data
-from .data.pipelines import check_any, fit_from_pipelines, is_pipeline
+from .data.pipelines import check_any, fit_from_pipelines, is_pipeline, is_split_loader, split_loaders
 from .driver.fit_call import check_fit_arguments, fit_data, fit_plan, intercept_fit, prepare_fit_run
 from .driver.training import TrainingJob
 from .errors import NbdistError
@@ -113,6 +115,7 @@ def prepare_fit(model: Any, config: TrainConfig, fit: FitCall, global_batch: int
                 namespace: dict[str, Any] | None = None, listeners: list[Any] | None = None) -> TrainingJob:
     """A job for one ``model.fit(...)``'s arguments (driver/fit_call.py), not yet started: the door of every
     in-memory run (``nbdist.train``, ``--data X,y``, a cell's fit, a trial's), where they are checked once."""
+    fit, config = loaders_split(fit, config)
     if is_pipeline(fit.x) or is_pipeline(fit.validation_data):  # read once into the arrays it yields
         piped = is_pipeline(fit.x)
         fit = fit_from_pipelines(fit)
@@ -139,10 +142,26 @@ def fit_job(model: Any, config: TrainConfig, fit: FitCall, explicit: dict[str, A
             namespace: dict[str, Any] | None = None) -> TrainingJob:
     """A job for a cell's ``model.fit(...)`` (``%%dist_train``, a trial of ``%%dist_tune``): its arguments
     agreed with the magic line's ``explicit`` options, then checked as every in-memory run is."""
+    fit, config = loaders_split(fit, config)
     if is_pipeline(fit.x) or is_pipeline(fit.validation_data):  # read first: its batch is the global batch
         fit = fit_from_pipelines(fit)
     changes, global_batch = fit_plan(fit, explicit, lr_scaling_given)
     return prepare_fit(model, config.replace(**changes), fit, global_batch, namespace)
+
+
+def loaders_split(fit: FitCall, config: TrainConfig) -> tuple[FitCall, TrainConfig]:
+    """A torch DataLoader over a map-style dataset split by index over the run's workers (data/torch_loaders.py):
+    its batch is the global batch, in its sampler's order (nbdist shuffles nothing more, scales no rate)."""
+    if not is_split_loader(fit.x) and not is_split_loader(fit.validation_data):
+        return fit, config
+    from .driver.resolve import resolve_backend
+
+    world = config.workers or resolve_backend(config).default_workers()
+    seed = config.seed if config.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+    changes: dict[str, Any] = {"lr_scaling": "none"} if config.lr_scaling == "auto" else {}
+    if is_split_loader(fit.x):
+        changes["shuffle"] = False
+    return split_loaders(fit, world, seed), config.replace(**changes)
 
 
 def check_training_line(config: TrainConfig, x: Any, y: Any, features: str | list[str] | None, label: str | None,
@@ -215,6 +234,8 @@ def training_data(x: Any, y: Any, features: str | list[str] | None = None, label
     no_columns(features, label)
     if is_py_dataset(x):
         return make_py_dataset_data(x, "training data")
+    if is_split_loader(x):  # split by index over the workers, when the fit's arguments are (loaders_split)
+        return None
     if is_pipeline(x):  # read once, when the fit's arguments are (pipelines.fit_from_pipelines)
         return check_any(x, "the training data x")
     return make_fit_data(x, y, what="training data")

@@ -1,7 +1,8 @@
 """Input pipelines given where in-memory data goes (``model.fit(ds)``, ``--data ds``,
 ``nbdist.train(model, ds)``, evaluate, predict), read once, in the notebook, into the arrays they
 yield, which then take the one data path of arrays: a finite ``tf.data`` pipeline, and a torch
-``DataLoader`` over a ``TensorDataset``.
+``DataLoader`` over a ``TensorDataset``. A DataLoader over another map-style dataset is not read but
+split by index over the workers (``split_loaders``, torch_loaders.py).
 
 Sound only for what reading once keeps: a pipeline that draws random numbers (augmentation in a
 ``map``, or in a torch dataset's ``__getitem__``, which cannot be seen and so is not read) would freeze
@@ -22,6 +23,7 @@ from ..errors import NbdistError
 from ..fit_arguments import FitCall
 from .files import memory_budget, not_in_memory
 from .inputs import standardize_batch
+from .sharding import rank_batch_sizes
 from .structures import leaves
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,58 @@ def is_torch_loader(value: Any) -> bool:
     return not_in_memory(value) == "a torch DataLoader"
 
 
+def is_split_loader(value: Any) -> bool:
+    """A torch DataLoader over a map-style dataset other than a TensorDataset: split by index over the
+    workers (torch_loaders.py) rather than read once; an iterable dataset is refused in one sentence."""
+    if not is_torch_loader(value):
+        return False
+    from torch.utils.data import IterableDataset, TensorDataset
+
+    if isinstance(value.dataset, IterableDataset):
+        raise NbdistError(f"a torch DataLoader over an IterableDataset ({type(value.dataset).__name__}) cannot be "
+                          "split over the workers by index; use a map-style Dataset (__len__ and __getitem__), "
+                          "or a keras.utils.PyDataset.")
+    return not isinstance(value.dataset, TensorDataset)
+
+
+def split_loaders(fit: FitCall, world: int, seed: int) -> FitCall:
+    """``model.fit``'s arguments with a DataLoader over a map-style dataset (x, validation_data) as the
+    PyDataset of its batches' parts for ``world`` workers (torch_loaders.py); others unchanged."""
+    from torch.utils.data import RandomSampler
+
+    from .torch_loaders import LoaderShares
+
+    out = fit
+    for name, what in (("x", "the training data x"), ("validation_data", "validation_data")):
+        loader = getattr(fit, name)
+        if not is_split_loader(loader):
+            continue
+        _check_sampler(loader, what)
+        rank_batch_sizes(int(loader.batch_size), world)  # a batch of fewer rows than workers: its sentence
+        shares = LoaderShares(loader, world, seed, isinstance(loader.sampler, RandomSampler) and name == "x",
+                              int(fit.initial_epoch or 0))
+        if name == "x":
+            for other in ("y", "sample_weight"):
+                if getattr(fit, other) is not None:
+                    raise NbdistError(f"model.fit got a torch DataLoader as x and {other} too; drop {other}: the "
+                                      "loader's batches hold the labels and weights.")
+            out = out.replace(x=shares, batch_size=None, shuffle=False)  # the loader's batch and order
+        else:
+            out = out.replace(validation_data=shares)
+    return out
+
+
+def _check_sampler(loader: Any, what: str) -> None:
+    """One sentence unless the loader batches rows by batch_size over a sequential or random sampler."""
+    from torch.utils.data import RandomSampler, SequentialSampler
+
+    if loader.batch_size is None or type(loader.sampler) not in (RandomSampler, SequentialSampler) or (
+            isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement
+                                                           or loader.sampler._num_samples is not None)):
+        raise NbdistError(f"{what} is a torch DataLoader with its own sampler; nbdist deals the rows itself: use "
+                          "batch_size=N with shuffle=True or False, or pass a keras.utils.PyDataset.")
+
+
 def is_pipeline(value: Any) -> bool:
     """A pipeline this module reads (or refuses with its own sentence)."""
     return is_tf_dataset(value) or is_torch_loader(value)
@@ -71,6 +125,7 @@ def _loader_tensors(loader: Any, what: str) -> list[Any]:
     from torch.utils.data._utils.collate import default_collate
 
     dataset = loader.dataset
+    is_split_loader(loader)  # an IterableDataset: its sentence
     if not isinstance(dataset, TensorDataset):
         raise NbdistError(f"{what} is a torch DataLoader over a {type(dataset).__name__}, whose __getitem__ may "
                           "change a row every epoch (random augmentation) and cannot be read once; pass the arrays, "

@@ -100,3 +100,45 @@ def test_what_a_torch_loader_cannot_keep_when_read_once_is_one_sentence():
         assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
     with pytest.raises(NbdistError, match="DataLoader of more than"):
         read_any(DataLoader(tensors, batch_size=4), "x", budget=100)
+
+
+def test_a_loader_over_a_map_style_dataset_is_dealt_by_index_in_its_samplers_order():
+    """Issue 46: item i of the split loader is worker i % world's part of the loader's batch i // world,
+    collated by its collate_fn; shuffle=True: one permutation per epoch, the same in every copy, every row
+    once (drop_last drops the short batch); an IterableDataset, or a batch smaller than the workers, is
+    refused in one sentence."""
+    pytest.importorskip("torch")
+    import cloudpickle
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from nbdist.data.pipelines import split_loaders
+
+    rows = list(range(10))
+    collate = lambda batch: (np.array(batch, "float32")[:, None], np.array(batch) % 2)
+    fit = split_loaders(FitCall(x=DataLoader(rows, batch_size=4, collate_fn=collate), shuffle=True), 2, 7)
+    shares = fit.x
+    assert (fit.batch_size, fit.shuffle, len(shares)) == (None, False, 6)
+    assert [shares[i][0].ravel().tolist() for i in range(6)] == [[0, 1], [2, 3], [4, 5], [6, 7], [8], [9]]
+    assert shares[1][1].tolist() == [0, 1]
+
+    shuffled = split_loaders(FitCall(x=DataLoader(rows, batch_size=3, shuffle=True, drop_last=True)), 2, 7).x
+    copy = cloudpickle.loads(cloudpickle.dumps(shuffled))
+    epochs = []
+    for ds in (shuffled, copy):
+        ds.on_epoch_begin()
+        first = [ds[i].tolist() for i in range(len(ds))]
+        ds.on_epoch_begin()
+        epochs.append((first, [ds[i].tolist() for i in range(len(ds))]))
+    assert epochs[0] == epochs[1] and epochs[0][0] != epochs[0][1]
+    for epoch in epochs[0]:
+        dealt = sum(epoch, [])
+        assert len(ds) == 6 and len(dealt) == 9 == len(set(dealt))
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(rows)
+
+    with pytest.raises(NbdistError, match="over an IterableDataset .Stream. cannot be split"):
+        split_loaders(FitCall(x=DataLoader(Stream(), batch_size=4)), 2, 7)
+    with pytest.raises(NbdistError, match="batch_size 1 cannot be split over 2 workers"):
+        split_loaders(FitCall(x=DataLoader(rows, batch_size=1)), 2, 7)

@@ -604,6 +604,42 @@ def other_apis() -> dict[str, object]:
     return out
 
 
+def lazy_loader() -> dict[str, object]:
+    """Issue 46 on torch: a cell's model.fit(DataLoader) over a map-style Dataset whose __getitem__ reads one
+    row at a time (a class of the notebook's, sent by value), 300 rows in batches of 64 (a short last batch),
+    validated on a DataLoader of another 100, under %%dist_train with 2 workers and allreduce, beside the same
+    cell's local fit."""
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    features, labels = load_digits(return_X_y=True)
+
+    class LazyDigits(Dataset):
+        def __init__(self, start: int, stop: int) -> None:
+            self.start, self.stop = start, stop
+
+        def __len__(self) -> int:
+            return self.stop - self.start
+
+        def __getitem__(self, i: int) -> tuple[object, object]:
+            row = self.start + i
+            return (torch.tensor(features[row] / 16, dtype=torch.float32),
+                    torch.tensor(labels[row], dtype=torch.int64))
+
+    cell = ("model = mlp(keras.optimizers.Adam(0.01))\n"
+            "history = model.fit(DataLoader(LazyDigits(0, 300), batch_size=64), epochs=2, verbose=0,\n"
+            "                    validation_data=DataLoader(LazyDigits(300, 400), batch_size=64))\n")
+    names = {"keras": keras, "mlp": mlp, "DataLoader": DataLoader, "LazyDigits": LazyDigits}
+    local = dict(names)
+    exec(cell, local)
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbdist")
+    shell.user_ns.update(names)
+    shell.run_cell_magic("dist_train", "--workers 2 --strategy allreduce --ui none", cell)
+    return {"backend": keras.backend.backend(), "history": shell.user_ns["history"].history,
+            "expected": local["history"].history, "weight_gap": weight_gap(shell.user_ns["model"], local["model"])}
+
+
 def torch_wrapped() -> keras.Model:
     """A Keras model whose layers are torch.nn modules, as keras.layers.TorchModuleWrapper's docs write it."""
     import torch
@@ -636,6 +672,6 @@ def mnist_convnet() -> keras.Model:
 if __name__ == "__main__":
     phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers"),
               "seeded": seeded_cells, "async": async_only, "device_sum": torch_device_sums,
-              "other_apis": other_apis}
+              "other_apis": other_apis, "lazy_loader": lazy_loader}
     result = phases[PHASE]()
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)

@@ -181,6 +181,18 @@ def test_what_users_bring_from_other_apis_trains_as_locally(backend):
 
 
 @pytest.mark.timeout(600)
+def test_a_dataloader_over_a_lazy_dataset_is_split_by_index_as_one_local_fit():
+    """Issue 46 on torch: a cell's model.fit(DataLoader(map-style Dataset, batch_size=64)), its __getitem__
+    reading one row at a time, validated on another such loader, under %%dist_train on 2 workers (allreduce)
+    equals the cell's local fit to 1e-5, history and weights: each worker reads its part of every batch of
+    the loader (it was refused: "cannot be read once")."""
+    result = run_driver("torch", "lazy_loader")
+    assert result["backend"] == "torch"
+    assert_same_history(result["history"], result["expected"])
+    assert result["weight_gap"] < 1e-5, result["weight_gap"]
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_a_seeded_cell_reproduces_on_jax_and_torch_workers_without_tensorflow(backend):
     """Issue 39: keras.utils.set_random_seed(42) in the cell, no --seed: two runs have identical weights and

@@ -16,12 +16,17 @@ STREAMS = {
     "generator": (lambda: (row for row in np.zeros((8, 64), "float32")), "is a generator or iterator",
                   "pass the arrays it reads from"),
 }
-try:  # the JAX/torch extra: a torch DataLoader is refused as the other streams
+try:  # the JAX/torch extra: a torch DataLoader over an iterable dataset is refused as the other streams
     import torch.utils.data
 
-    # Over a TensorDataset it is read once into arrays (test_pipelines.py); over anything else it is not.
-    STREAMS["torch DataLoader"] = (lambda: torch.utils.data.DataLoader(np.zeros((8, 64), "float32"), batch_size=4),
-                                   "is a torch DataLoader over a ndarray", "cannot be read once")
+    class _Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(np.zeros((8, 64), "float32"))
+
+    # Over a TensorDataset it is read once into arrays (test_pipelines.py); over another map-style dataset
+    # it is split by index for training (test_backends.py); over an iterable one it is neither.
+    STREAMS["torch DataLoader"] = (lambda: torch.utils.data.DataLoader(_Stream(), batch_size=4),
+                                   "over an IterableDataset (_Stream)", "cannot be split over the workers by index")
 except ImportError:
     pass
 CELL = ("model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation='softmax')])\n"
