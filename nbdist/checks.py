@@ -235,12 +235,18 @@ def check_inference_model(model: Any, name: str, need_compiled: bool) -> None:
     if not model.built or not model.weights:
         raise NbdistError(f"{name} has no weights yet (it was never built or trained); train it first, "
                           "e.g. with %%dist_train or model.fit.")
-    if need_compiled and not getattr(model, "compiled", False):
-        raise NbdistError(f"{name} is not compiled, so it has no loss or metrics to evaluate; call "
-                          f"{name}.compile(optimizer, loss, metrics=[...]) first.")
+    if need_compiled:
+        check_compiled(model, name)
     if need_compiled and not _has_trained(model):
         warnings.warn(f"{name} has never been trained (its optimizer took no step); the metrics describe its "
                       "initial weights — ignore this if you loaded trained weights.", stacklevel=3)
+
+
+def check_compiled(model: Any, name: str) -> None:
+    """Evaluation needs the model's loss and metrics."""
+    if not getattr(model, "compiled", False):
+        raise NbdistError(f"{name} is not compiled, so it has no loss or metrics to evaluate; call "
+                          f"{name}.compile(optimizer, loss, metrics=[...]) first.")
 
 
 def _has_trained(model: Any) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .checks import (
+    check_compiled,
     check_inference_data,
     check_inference_model,
     check_keras_model,
@@ -91,6 +92,7 @@ def _build_on(model: Any, data: FitData | PyDatasetData, labelled: bool) -> None
     else:
         return
     if labelled:
+        check_compiled(model, "the model")  # the first problem to name: building needs the loss
         ensure_built(model, x, y)
         return
     try:  # predict_step's call, on one row

@@ -116,8 +116,8 @@ def test_regression_metrics_with_regulariser_equal_local_keras() -> None:
 
 def test_bad_input_gets_one_sentence_before_any_worker_starts(digits) -> None:
     model, x, y = digits
-    unbuilt = keras.Sequential([keras.layers.Dense(3)])
-    with pytest.raises(NbdistError, match="has no weights yet"):
+    unbuilt = keras.Sequential([keras.layers.Dense(3)])  # built on the data as Keras would, once compiled
+    with pytest.raises(NbdistError, match="is not compiled"):
         nbdist.evaluate(unbuilt, x, y, workers=2)
     uncompiled = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
     with pytest.raises(NbdistError, match="is not compiled"):
