@@ -98,7 +98,8 @@ def _build_on(model: Any, data: FitData | PyDatasetData, labelled: bool) -> None
     try:  # predict_step's call, on one row
         model(map_struct(lambda a: a[:1], x), training=False)
     except Exception as exc:
-        raise NbdistError(f"the model could not be built on one row of the prediction data ({exc}); check that "
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # one line: Keras' first
+        raise NbdistError(f"the model could not be built on one row of the prediction data ({reason}); check that "
                           "the data fits the model's call().") from None
 
 
