@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..model.spec import uses_ema
 from ..wire.commands import Decision
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,7 @@ class DriverCallbacks:
         for cb in self.user:
             if isinstance(cb, keras.callbacks.SwapEMAWeights) and (validates or cb.swap_on_epoch):
                 opt = self.model.optimizer
-                opt = getattr(opt, "inner_optimizer", opt)
-                if not any(getattr(o, "use_ema", False) for o in getattr(opt, "optimizers", [opt])):
+                if not any(uses_ema(o) for o in getattr(opt, "optimizers", [opt])):
                     try:
                         cb._apply_to_ema_optimizers(_nothing, _nothing)  # raises Keras' own ValueError
                     except ValueError as exc:  # IPython shows Keras' sentence, not this check's traceback
