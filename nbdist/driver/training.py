@@ -416,6 +416,7 @@ class TrainingJob(Run):
     def _release(self) -> None:
         if self._keeper is not None:
             self._keeper.close()
+        self._remove_meeting_place()
         self._drop_data()
 
     def _drop_data(self) -> None:
@@ -438,9 +439,6 @@ class TrainingJob(Run):
         except OSError as exc:
             self._fail(None, f"could not write the checkpoint to {self._keeper.directory} ({exc}); free some "
                              "space or choose another --checkpoint-dir.", "")
-
-    def _release(self) -> None:
-        self._remove_meeting_place()
 
     def _remove_meeting_place(self) -> None:
         """Rank 0 removes the workers' meeting directory when it closes; one that was killed leaves it here
