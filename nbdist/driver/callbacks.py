@@ -19,7 +19,10 @@ Two of Keras' callbacks act inside the workers' passes, so the workers run them 
 here around ``on_test_begin/end``), and TerminateOnNaN(raise_error=True) raises Keras' RuntimeError at
 the batch whose loss is NaN. A plain TerminateOnNaN stops after the epoch whose merged loss is not finite.
 
-Batch-level hooks (``on_train_batch_begin/end``, ``on_test_batch_*``) are NOT called: the batches
+TensorBoard is split the same way: worker 0 writes what happens inside the passes (batch scalars, the
+model's own summaries, profiled batches, the train graph) into its log directory, where the workers share
+the notebook's files; the notebook writes the epoch's part. Other batch-level hooks
+(``on_train_batch_begin/end``, ``on_test_batch_*``) are NOT called: the batches
 run on the workers, and a round trip to the notebook per step would cost most of the speed-up.
 A callback that has one, overridden on its class or set on the instance (LambdaCallback), gets a
 warning naming it.
@@ -31,6 +34,7 @@ from typing import Any
 
 from ..model.spec import uses_ema
 from ..wire.commands import Decision
+from ..wire.messages import BatchSummaries
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +115,28 @@ class DriverCallbacks:
         import keras
 
         return any(isinstance(cb, keras.callbacks.SwapEMAWeights) for cb in self.user)
+
+    def batch_summaries(self, same_files: bool) -> BatchSummaries | None:
+        """What the notebook's ``keras.callbacks.TensorBoard`` writes inside the passes, for worker 0 to write
+        (``same_files``: the workers see the notebook's filesystem); None when there is nothing such. Where the
+        workers write elsewhere (Spark executors, containers), the batch-level part is said in one line."""
+        import keras
+
+        boards = [cb for cb in self.user if isinstance(cb, keras.callbacks.TensorBoard)]
+        if not boards:
+            return None
+        board = boards[0]
+        freq = 0 if board.update_freq == "epoch" else int(board.update_freq)
+        trace = [int(board._start_batch), int(board._stop_batch)] if board._should_trace else [0, 0]
+        part = BatchSummaries(str(board.log_dir), freq, trace, bool(board.write_steps_per_second),
+                              bool(board.write_graph))
+        if same_files:
+            return part
+        if part.per_batch:
+            log.warning("TensorBoard(update_freq=%r, profile_batch=%r) writes batch-level summaries, but these "
+                        "workers do not share the notebook's files: only the epoch's summaries are written "
+                        "(update_freq='epoch' says so).", board.update_freq, board.profile_batch)
+        return None
 
     def check(self, validates: bool) -> None:
         """Before any worker starts, what Keras' callbacks would raise during the fit: SwapEMAWeights without

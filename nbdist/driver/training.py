@@ -30,7 +30,7 @@ from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
 from ..strategies.host_collective import remove_meeting_place
 from ..wire.commands import Rendezvous, Stop
-from ..wire.messages import JobMessage, Placement, TrainSettings
+from ..wire.messages import BatchSummaries, JobMessage, Placement, TrainSettings
 from ..wire.reports import AsyncPull, AsyncPush, Epoch, Store, Weights
 from .async_server import plan_arrays, start_async
 from .failures import last_traceback
@@ -62,6 +62,7 @@ class TrainingJob(Run):
         self._val_shards: list[tuple[int, int]] | None = None
         self._rounds = 0  # averaging rounds per epoch, the same on every worker
         self._keeper: CheckpointKeeper | None = None  # --checkpoint-dir / --resume / --max-restarts
+        self._batch_summaries: BatchSummaries | None = None  # the notebook's TensorBoard's part on worker 0
         self._initial_epoch = 0
         self._restart_pending: tuple[int, str, str] | None = None  # (rank, message, traceback) of the cause
         self._rendezvous: Rendezvous | None = None  # where rank 0's store listens, once it says
@@ -224,6 +225,7 @@ class TrainingJob(Run):
             except Exception:
                 self._release()
                 raise
+            self._batch_summaries = self.fit.callbacks.batch_summaries(state.backend == "local")
             asked = self.fit.callbacks.initial_epoch
             self._first_lr = self.fit.callbacks.begin()
             start = self.fit.callbacks.initial_epoch
@@ -248,6 +250,7 @@ class TrainingJob(Run):
             epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions),
             swap_ema=bool(fit is not None and fit.callbacks.swaps_ema),
             raise_on_nan=bool(fit is not None and fit.callbacks.raises_on_nan),
+            batch_summaries=self._batch_summaries,
             validation_freq=fit.validation_freq if fit is not None else 1,
             weights_every_epoch=self._weights_every_epoch, **self._data_start())
         placement = Placement(backend.bind_host, backend.advertise_host, backend.gloo_ifname, backend.store_on_link,

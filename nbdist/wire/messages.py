@@ -38,6 +38,24 @@ DATA_FIELDS = ("x", "y", "sample_weight", "x_val", "y_val", "sample_weight_val")
 
 
 @dataclass
+class BatchSummaries:
+    """The part of the notebook's ``keras.callbacks.TensorBoard`` that happens inside the passes, written by
+    worker 0 into the same ``log_dir`` (driver/callbacks.py): per-batch scalars (``update_freq`` a number of
+    batches, 0 for "epoch"), the model's own ``tf.summary`` calls, the profiled batches and the train graph."""
+
+    log_dir: str
+    update_freq: int
+    profile_batch: list[int]  # [first, last] global batch; [0, 0]: none
+    write_steps_per_second: bool
+    write_graph: bool
+
+    @property
+    def per_batch(self) -> bool:
+        """Whether it acts at every batch (the worker then runs one step per call, as Keras does)."""
+        return self.update_freq > 0 or self.profile_batch != [0, 0]
+
+
+@dataclass
 class TrainSettings:
     """What only a training job needs, besides the model and the data."""
 
@@ -84,6 +102,17 @@ class TrainSettings:
     # at the batch).
     swap_ema: bool = False
     raise_on_nan: bool = False
+    # The notebook's TensorBoard's part inside the passes, run by worker 0 (None: nothing to write there).
+    batch_summaries: BatchSummaries | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_summaries, dict):  # as it crosses the wire
+            self.batch_summaries = BatchSummaries(**self.batch_summaries)
+
+    @property
+    def step_by_step(self) -> bool:
+        """A notebook's callback acts at every batch on the workers: one step per call into the backend."""
+        return self.raise_on_nan or (self.batch_summaries is not None and self.batch_summaries.per_batch)
 
     @classmethod
     def from_config(cls, config: Any, **run: Any) -> TrainSettings:

@@ -139,8 +139,8 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     callbacks = ([] if solo else [sync]) + [event] + phase_callbacks(link.send, collective)
     if reducer.scheduled:  # several steps per call into TensorFlow (blocks.py)
         train_steps = int(inputs["steps_per_epoch"])
-        # TerminateOnNaN(raise_error=True) reads every step's loss, as locally: one step per call.
-        cap = 1 if job.train.raise_on_nan else MAX_BLOCK
+        # TerminateOnNaN(raise_error=True), TensorBoard's batch summaries act at every step, as locally.
+        cap = 1 if job.train.step_by_step else MAX_BLOCK
         blocks = StepBlocks(block_size(train_steps, train_steps, cap), train_steps, inputs.get("validation_steps"),
                             after_train_step=reducer.advance)
         callbacks.insert(0, blocks.install(model))

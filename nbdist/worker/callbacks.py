@@ -13,18 +13,45 @@ import numpy as np
 from ..model.spec import host_array
 from ..strategies.averaging import WeightedAverager, batch_sizes, sync_after
 from ..strategies.backend_grads import synced_state
+from ..wire.messages import BatchSummaries
 from ..wire.reports import Epoch, Progress, Weights
 from .blocks import BatchSpan
 
 
-def notebook_callbacks(swap_ema: bool, raise_on_nan: bool) -> list[Any]:
+def notebook_callbacks(swap_ema: bool, raise_on_nan: bool, summaries: BatchSummaries | None = None) -> list[Any]:
     """Keras' own callbacks of the notebook's that act inside this worker's passes (driver/callbacks.py)."""
     out: list[Any] = []
+    if summaries is not None:  # first, as the notebook's TensorBoard comes before the others it may trace
+        out.append(PassSummaries(summaries))
     if swap_ema:  # validation with the moving averages; the epoch's end (weights shipped) without them
         out.append(keras.callbacks.SwapEMAWeights(swap_on_epoch=False))
     if raise_on_nan:
         out.append(keras.callbacks.TerminateOnNaN(raise_error=True))
     return out
+
+
+class PassSummaries(keras.callbacks.TensorBoard):
+    """Worker 0's half of the notebook's TensorBoard: what Keras' TensorBoard writes inside the passes (the
+    batch scalars, the model's own summaries, the profiled batches, the train graph), into the same log
+    directory. The epoch's scalars, the evaluation curve, histograms and embeddings are the notebook's copy's,
+    written from the merged logs; this one writes none of them. Batch scalars are worker 0's share of each
+    global batch (its running means), the step is the global step."""
+
+    def __init__(self, summaries: BatchSummaries) -> None:
+        super().__init__(summaries.log_dir, update_freq=summaries.update_freq or "epoch",
+                         profile_batch=tuple(summaries.profile_batch), write_graph=False,
+                         write_steps_per_second=summaries.write_steps_per_second)
+        self._train_graph = summaries.write_graph
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)  # the model's summary is the notebook's copy's (write_graph=False here)
+        self._should_write_train_graph = self._train_graph
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        pass  # the notebook writes the epoch's merged scalars
+
+    def on_test_end(self, logs: Any = None) -> None:
+        self._pop_writer()  # the notebook writes evaluation_*_vs_iterations from the merged logs
 
 
 class AveragingCallback(keras.callbacks.Callback):

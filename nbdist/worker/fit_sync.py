@@ -236,7 +236,8 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
     extra, decision = sync_callbacks(link, job, model, collective, inputs, lr_factor)
     if reads_whole_passes(inputs.get("validation_data")):
         extra.append(KeepValidationIterator())
-    extra += notebook_callbacks(bool(job.train.swap_ema), bool(job.train.raise_on_nan))
+    extra += notebook_callbacks(bool(job.train.swap_ema), bool(job.train.raise_on_nan),
+                                job.train.batch_summaries if job.rank == 0 else None)
     listed = WorkerCallbacks(callbacks + extra, model, int(job.train.epochs), inputs.get("steps_per_epoch"))
     try:
         model.fit(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=listed,

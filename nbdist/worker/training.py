@@ -159,8 +159,8 @@ def run_training(link: Any, job: JobMessage) -> None:
         callbacks = [event] + phase_callbacks(link.send, collective)
         if feed is None and on_tf and not model.run_eagerly:  # several steps per call into TensorFlow (blocks.py)
             steps = int(inputs["steps_per_epoch"])
-            # TerminateOnNaN(raise_error=True) reads every step's loss, as locally: one step per call.
-            block = block_size(int(train.averaging_frequency), steps, 1 if train.raise_on_nan else MAX_BLOCK)
+            # TerminateOnNaN(raise_error=True), TensorBoard's batch summaries act at every step, as locally.
+            block = block_size(int(train.averaging_frequency), steps, 1 if train.step_by_step else MAX_BLOCK)
             if block > 1:
                 callbacks.insert(0, StepBlocks(block, steps, inputs.get("validation_steps")).install(model))
         if collective.world_size > 1:  # a batch hook costs every step its async dispatch

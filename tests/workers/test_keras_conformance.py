@@ -190,6 +190,41 @@ def test_tensorboard_writes_the_local_tags_and_curves(runs):
     assert "evaluation_loss_vs_iterations" in tensorboard_tags(local.out / "tb" / "validation")
 
 
+BATCH_SUMMARIES = """
+import keras
+import tensorflow as tf
+keras.utils.set_random_seed(1)
+
+class Summarised(keras.layers.Layer):
+    def call(self, x):
+        tf.summary.scalar("inside_the_model", keras.ops.sum(x))
+        return x
+
+model = keras.Sequential([keras.Input((64,)), Summarised(), keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", jit_compile=False)
+hist = model.fit(X[:256], y[:256], batch_size=64, epochs=2, shuffle=False, verbose=0,
+                 validation_data=(Xv[:128], yv[:128]), callbacks=[
+    keras.callbacks.TensorBoard(OUT + "/tb", update_freq=1, write_steps_per_second=True)])
+"""
+
+
+def test_tensorboard_batch_summaries_and_the_models_own_as_locally(runs):
+    """update_freq=1: batch scalars and the model's own tf.summary calls, in train and validation, at every
+    global step as locally (their values are worker 0's share of each batch); the epoch's part as before."""
+    local, remote = runs("batch_summaries")
+    named = lambda side, run_dir: {t.rsplit("/", 1)[-1]: t for t in tensorboard_tags(side.out / "tb" / run_dir)}
+    for run_dir in ("train", "validation"):  # the model's own tags are scoped by its layers' numbered names
+        want, got = named(local, run_dir), named(remote, run_dir)
+        assert set(got) == set(want), run_dir
+        for tag in sorted(set(want) - {"keras"}):
+            assert (len(tensorboard_scalars(remote.out / "tb" / run_dir, got[tag]))
+                    == len(tensorboard_scalars(local.out / "tb" / run_dir, want[tag]))), f"{run_dir}/{tag}"
+    assert {"batch_loss", "inside_the_model", "batch_steps_per_second"} <= set(named(local, "train"))
+    assert "inside_the_model" in named(local, "validation")
+    np.testing.assert_allclose(tensorboard_scalars(remote.out / "tb" / "train", "epoch_loss"),
+                               tensorboard_scalars(local.out / "tb" / "train", "epoch_loss"), rtol=1e-5)
+
+
 LR_SCHEDULE = MODEL + """
 rec = HookRecorder()
 hist = model.fit(X[:256], y[:256], batch_size=64, epochs=3, shuffle=False, verbose=0, callbacks=[
@@ -415,6 +450,7 @@ def test_fit_argument_as_locally(runs, argument):
 CELLS = {
     "hooks": (HOOKS, {}),
     "built_ins": (BUILT_INS, {"OPTIMIZER": lambda: keras.optimizers.Adam(0.05)}),
+    "batch_summaries": (BATCH_SUMMARIES, {}),
     "lr_schedule": (LR_SCHEDULE, {}),
     "reduce_lr": (REDUCE_LR, {}),
     "ema": (EMA, {"OPTIMIZER": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9)}),
