@@ -66,11 +66,12 @@ def likely_causes_first(handles: Sequence[Any]) -> list[Any]:
 
 def rebuild(raised_type: str, message: str, worker_traceback: str, rank: int | None) -> BaseException | None:
     """The exception a worker reported (``module:qualname``, worker/main.py keras_raised) as the notebook
-    raises it: exactly that type, its own message, where it was raised beside it. Only a builtin, Keras or TensorFlow
-    exception class already imported here is taken (nothing is imported or unpickled for a name from the
-    network); None where there is none, or it cannot be made from its message alone."""
+    raises it: exactly that type, its own message, where it was raised beside it. The class is looked up by name
+    in a module already imported here (``__main__``: the notebook's own classes); nothing is imported or unpickled
+    for a name from the network, and nbdist's own exceptions are not taken. None where there is none, or it
+    cannot be made from its message alone."""
     module_name, _, qualname = raised_type.partition(":")
-    if module_name.split(".")[0] not in ("builtins", "keras", "tensorflow") or not qualname:
+    if module_name.split(".")[0] == "nbdist" or not qualname:
         return None
     found: Any = sys.modules.get(module_name)
     for part in qualname.split("."):

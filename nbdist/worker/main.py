@@ -144,7 +144,6 @@ def summarise(exc: BaseException) -> str:
 
 
 # The packages whose exceptions the notebook raises again as themselves (driver/failures.py rebuilds them).
-KERAS_TYPES = ("builtins", "keras", "tensorflow")
 _NBDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NEUTRAL = ("site-packages", "dist-packages", os.path.dirname(os.__file__))
 
@@ -152,9 +151,10 @@ _NEUTRAL = ("site-packages", "dist-packages", os.path.dirname(os.__file__))
 def keras_raised(exc: BaseException) -> tuple[str, str] | None:
     """(the type's module:qualname, its message) when ``exc`` is Keras' or the cell's to raise, not nbdist's.
 
-    It is when its type is a builtin, Keras or TensorFlow exception and the code that raised it is Keras'
-    or the cell's: walking outward from where it was raised, the first frame of nbdist, Keras or the user's
-    code decides (TensorFlow, numpy and the standard library only carry it). Where it was raised: for an
+    It is when its type is not nbdist's (a builtin, Keras', TensorFlow's, the cell's own or a library's) and
+    the code that raised it is Keras' or the cell's: walking outward from where it was raised, the first
+    frame of nbdist, Keras or the user's code decides (TensorFlow, numpy and the standard library only carry
+    it). Where it was raised: for an
     error of TensorFlow's graph, the stack its message gives (a Python op's own traceback, else where the
     failing op was defined); else the exception's traceback. nbdist's own failures (its checks, a
     collective's timeout, a lost peer) stay nbdist's."""
@@ -162,7 +162,7 @@ def keras_raised(exc: BaseException) -> tuple[str, str] | None:
 
     kind = type(exc)
     if (not isinstance(exc, Exception) or isinstance(exc, (NbdistError, MessageError))
-            or kind.__module__.split(".")[0] not in KERAS_TYPES):
+            or kind.__module__.split(".")[0] == "nbdist"):
         return None
     message = user_code_message(str(exc), kind.__name__)
     frames = _stack_in_message(message)

@@ -43,6 +43,7 @@ def test_a_workers_keras_error_is_rebuilt_as_its_type_and_nothing_else_is():
     for named in ("os:system", "builtins:KeyboardInterrupt", "builtins:print", "keras:__class__", "nbdist.errors:X"):
         assert rebuild(named, "m", "", 0) is None, named
     assert "keras.src.not_a_module" not in sys.modules and rebuild("keras.src.not_a_module:E", "m", "", 0) is None
+    assert "not_imported_here" not in sys.modules and rebuild("not_imported_here:E", "m", "", 0) is None
     # On the worker: a builtin raised by the cell's code is the cell's; nbdist's own errors stay nbdist's.
     def cells_code():
         raise ValueError("from the cell")
@@ -62,3 +63,21 @@ def test_a_workers_keras_error_is_rebuilt_as_its_type_and_nothing_else_is():
     with pytest.raises(KeyError) as info:
         {}["missing"]
     assert keras_raised(info.value) is not None  # raised here, in a test's (the user's) code
+
+
+class CellsError(Exception):
+    """A class as a notebook cell defines it (its module is the notebook's ``__main__``)."""
+
+
+def test_an_exception_class_the_cell_defined_comes_back_as_itself(monkeypatch):
+    monkeypatch.setattr(CellsError, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "CellsError", CellsError, raising=False)
+
+    def cells_code():
+        raise CellsError("the cell's own")
+
+    with pytest.raises(CellsError) as info:
+        exec(compile("cells_code()", "<ipython-input-2>", "exec"), {"cells_code": cells_code})
+    assert keras_raised(info.value) == ("__main__:CellsError", "the cell's own")
+    err = rebuild("__main__:CellsError", "the cell's own", "Traceback ...", 0)
+    assert type(err) is CellsError and str(err) == "the cell's own" and raised_on_worker(err)

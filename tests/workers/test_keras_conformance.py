@@ -387,6 +387,38 @@ def test_keras_own_check_raises_keras_error(runs):
     same_exception(remote.caught, local.caught)
 
 
+CELLS_ERROR = """
+import keras
+keras.utils.set_random_seed(1)
+
+class ShapeRefused(Exception):
+    pass
+
+class Picky(keras.layers.Layer):
+    def call(self, x, training=False):
+        if training:
+            raise ShapeRefused(f"Picky trains on no batch of shape {tuple(x.shape)[1:]}")
+        return x
+
+model = keras.Sequential([keras.Input((64,)), Picky(), keras.layers.Dense(10, activation="softmax")])
+model.compile("adam", "sparse_categorical_crossentropy")
+try:
+    hist = model.fit(X[:128], y[:128], batch_size=64, epochs=1, verbose=0)
+except Exception as exc:
+    caught = exc
+"""
+
+
+def test_an_exception_class_the_cell_defines_comes_back_as_itself(runs):
+    """Raised by the cell's layer on a worker: the cell's own class (looked up by name), its own message."""
+    local, remote = runs("cells_error")
+    assert type(local.caught) is local.ns["ShapeRefused"]
+    assert type(remote.caught) is remote.ns["ShapeRefused"], repr(remote.caught)  # the class the cell defined
+    # Locally Keras' traceback filtering wraps it in "Exception encountered when calling Picky.call()"; the
+    # workers keep Keras' frames (they tell Keras' errors from nbdist's) and raise the message alone.
+    assert str(remote.caught) == "Picky trains on no batch of shape (64,)" and str(remote.caught) in str(local.caught)
+
+
 BACKUP = MODEL + """
 class Interrupt(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
@@ -463,6 +495,7 @@ CELLS = {
     "nan_raise": (NAN, {"RAISE": True}),
     "callback_raises": (CALLBACK_RAISES, {}),
     "bad_loss": (BAD_LOSS, {}),
+    "cells_error": (CELLS_ERROR, {}),
     "backup": (BACKUP, {}),
     "fit_split": (FIT_SPLIT, {}),
     "fit_steps": (FIT_STEPS, {}),
