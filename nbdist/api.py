@@ -31,15 +31,16 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
           callbacks: list[Any] | None = None, class_weight: dict[Any, float] | None = None,
           sample_weight: Any = None, validation_split: float = 0.0, initial_epoch: int = 0,
           namespace: dict[str, Any] | None = None, features: str | list[str] | None = None,
-          label: str | None = None, **options: Any) -> TrainingJob:
+          label: str | None = None, weight_col: str | None = None, **options: Any) -> TrainingJob:
     """Train ``model`` data-parallel on ``x``/``y`` and put the trained weights back into it.
 
     Options are the fields of ``TrainConfig`` (epochs, batch_size, workers, strategy,
     backend, averaging_frequency, seed, shuffle, ui, background, ...). Blocks until
     training ends unless ``background=True``; returns the ``TrainingJob`` either way.
     The API is silent by default (``ui="none"``). ``x`` may be a Spark DataFrame (name its
-    columns with ``features`` and ``label``) or an RDD of (features, label) pairs: each Spark
-    task then reads its own partition on its executor. With a training DataFrame,
+    columns with ``features`` and ``label``, and ``weight_col`` for a column of per-row
+    ``sample_weight``) or an RDD of (features, label) pairs: each Spark task then reads its own
+    partition on its executor. With a training DataFrame,
     ``validation_data`` may be a DataFrame with the same columns: each task writes its share of
     it too, and the workers stream it as they stream their training rows.
 
@@ -60,10 +61,12 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
         if (callbacks is not None or class_weight is not None or sample_weight is not None
                 or bool(validation_split) or bool(initial_epoch)):
             raise NbdistError("callbacks, class_weight, sample_weight, validation_split and initial_epoch need "
-                              "in-memory data (numpy or pandas); a Spark DataFrame trains without them.")
-        job = prepare(model, config, x, y, validation_data, namespace, features=features, label=label)
+                              "in-memory data (numpy or pandas); a Spark DataFrame trains without them (its "
+                              "per-row weights are a column: weight_col='w').")
+        job = prepare(model, config, x, y, validation_data, namespace, features=features, label=label,
+                      weight_col=weight_col)
     else:
-        no_columns(features, label)
+        no_columns(features, label, weight_col)
         fit = fit_arguments(x, y, config, validation_data=validation_data, callbacks=callbacks,
                             class_weight=class_weight, sample_weight=sample_weight,
                             validation_split=validation_split, initial_epoch=initial_epoch)
@@ -83,14 +86,15 @@ def fit_arguments(x: Any, y: Any, config: TrainConfig, **given: Any) -> FitCall:
 
 def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tuple[Any, ...] | None,
             namespace: dict[str, Any] | None = None, listeners: list[Any] | None = None,
-            features: str | list[str] | None = None, label: str | None = None) -> TrainingJob:
+            features: str | list[str] | None = None, label: str | None = None,
+            weight_col: str | None = None) -> TrainingJob:
     """Check the inputs and build a job for ``--data X,y``, not yet started: nothing has touched the model.
     In-memory data is ``model.fit(x, y, validation_data=...)`` (``prepare_fit``); Spark data stays where it is."""
     if not is_spark_data(x):
-        no_columns(features, label)
+        no_columns(features, label, weight_col)
         fit = fit_arguments(x, y, config, validation_data=validation_data)
         return prepare_fit(model, config, fit, None, namespace, listeners)
-    train_set = spark_dataset(x, y, features, label)
+    train_set = spark_dataset(x, y, features, label, weight_col=weight_col)
     val_set = None
     if spark_validation_data(validation_data):
         # Streamed as the training data is: each task writes its share beside its partition.
@@ -165,13 +169,15 @@ def loaders_split(fit: FitCall, config: TrainConfig) -> tuple[FitCall, TrainConf
 
 
 def check_training_line(config: TrainConfig, x: Any, y: Any, features: str | list[str] | None, label: str | None,
-                        cell_source: str) -> None:
+                        cell_source: str, weight_col: str | None = None) -> None:
     """What ``%%dist_train`` can refuse before its cell runs, so a typo costs nothing: the ``--data``
     (Spark: its schema only), the backend, MLflow, and a cell that trains with its own loop."""
     from .driver.resolve import resolve_backend
 
     if x is not None:
-        training_data(x, y, features, label)
+        training_data(x, y, features, label, weight_col)
+    elif weight_col is not None:  # the cell's own model.fit takes in-memory data: its weights are sample_weight
+        no_columns(None, None, weight_col)
     resolve_backend(config)  # e.g. --backend spark with no SparkContext
     wanted(config.mlflow)  # --mlflow without MLflow installed
     check_no_custom_loop(cell_source)  # a hand-written loop would run in full before anything could tell
@@ -227,11 +233,12 @@ def _build_on(model: Any, train_set: Any) -> None:
         ensure_built(model, row[0], row[1] if len(row) > 1 else None)
 
 
-def training_data(x: Any, y: Any, features: str | list[str] | None = None, label: str | None = None) -> Any:
+def training_data(x: Any, y: Any, features: str | list[str] | None = None, label: str | None = None,
+                  weight_col: str | None = None) -> Any:
     """In-memory data as FitData (what ``model.fit(x, y)`` takes), Spark data as SparkData (left on the executors)."""
     if is_spark_data(x):
-        return spark_dataset(x, y, features, label)
-    no_columns(features, label)
+        return spark_dataset(x, y, features, label, weight_col=weight_col)
+    no_columns(features, label, weight_col)
     if is_py_dataset(x):
         return make_py_dataset_data(x, "training data")
     if is_split_loader(x):  # split by index over the workers, when the fit's arguments are (loaders_split)

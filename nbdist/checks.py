@@ -270,11 +270,14 @@ def check_single_output_on_spark(model: Any, what: str) -> None:
                           "df.toPandas()), or a single-output model.")
 
 
-def no_columns(features: Any, label: Any) -> None:
+def no_columns(features: Any, label: Any, weight_col: Any = None) -> None:
     """Column names belong to Spark data only."""
     if features is not None or label is not None:
         raise NbdistError("--features and --label name the columns of a Spark DataFrame; with numpy or "
                           "pandas data pass --data X,y instead.")
+    if weight_col is not None:
+        raise NbdistError("--weight-col names a Spark DataFrame's column of per-row weights; with numpy or pandas "
+                          "data pass the weights themselves as sample_weight (model.fit(x, y, sample_weight=w)).")
 
 
 def check_class_ids(model: Any, y: Any, what: str) -> None:

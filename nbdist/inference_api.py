@@ -116,7 +116,8 @@ def _classifier(model: Any, data: FitData | PyDatasetData) -> ClassifierSpec | N
 
 def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None, steps: int | None = None,
              return_dict: bool = True, namespace: dict[str, Any] | None = None,
-             features: str | list[str] | None = None, label: str | None = None, **options: Any) -> Any:
+             features: str | list[str] | None = None, label: str | None = None, weight_col: str | None = None,
+             **options: Any) -> Any:
     """Evaluate ``model`` on ``x``/``y`` sharded over workers, with exact merged metrics.
 
     ``x``, ``y`` and ``sample_weight`` are what ``model.evaluate`` takes (arrays, pandas, dicts or
@@ -127,8 +128,9 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None, st
     (precision, recall, f1, support) and ``averages`` (accuracy, macro and weighted
     F1, and for a binary classifier the positive class's precision/recall/F1 and
     the exact ROC AUC). Options: workers, backend, batch_size (default 256).
-    ``x`` may be a Spark DataFrame (name its columns with ``features`` and ``label``) or an
-    RDD of (features, label) pairs: each Spark task then evaluates its partition in place. ``x`` may
+    ``x`` may be a Spark DataFrame (name its columns with ``features`` and ``label``, and ``weight_col``
+    for a column of per-row ``sample_weight``) or an RDD of (features, label) pairs: each Spark task
+    then evaluates its partition in place. ``x`` may
     be a ``keras.utils.PyDataset`` of (x, y) or (x, y, sample_weight) batches (no ``y`` beside it):
     each worker evaluates batches rank, rank + workers, ...; Keras' metrics only, no classifier report.
     ``steps`` and ``return_dict`` as ``model.evaluate`` takes them for arrays: the first ``steps`` batches of
@@ -139,10 +141,10 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None, st
                           "steps × batch_size) or drop steps.")
     if is_spark_data(x):
         if sample_weight is not None:
-            raise NbdistError("sample_weight is for in-memory data; a Spark DataFrame is evaluated unweighted "
-                              "(evaluate a weighted sample in memory instead, e.g. df.limit(n).toPandas()).")
-        return evaluate_spark(model, x, y, features, label, namespace, options)
-    no_columns(features, label)
+            raise NbdistError("sample_weight is for in-memory data; a Spark DataFrame's per-row weights are one of "
+                              "its columns: name it with weight_col='w' (--weight-col w).")
+        return evaluate_spark(model, x, y, features, label, namespace, options, weight_col)
+    no_columns(features, label, weight_col)
     config, data = inference_request(model, x, y, sample_weight, True, dict(options), "the model")
     if steps is not None:
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -183,13 +185,16 @@ def predict(model: Any, x: Any, *, namespace: dict[str, Any] | None = None,
 
 # -- Spark data: partitions evaluated where they live, predictions as a lazy DataFrame ----------
 def evaluate_spark(model: Any, x: Any, y: Any, features: str | Sequence[str] | None, label: str | None,
-                   namespace: dict[str, Any] | None, options: dict[str, Any]) -> dict[str, Any]:
-    """``nbdist.evaluate`` on a DataFrame (or an RDD of (features, label)): partitions evaluated in place."""
+                   namespace: dict[str, Any] | None, options: dict[str, Any],
+                   weight_col: str | None = None) -> dict[str, Any]:
+    """``nbdist.evaluate`` on a DataFrame (or an RDD of (features, label)): partitions evaluated in place;
+    with ``weight_col`` each row weighs as ``model.evaluate``'s ``sample_weight`` (no classifier report then,
+    as for weighted in-memory data)."""
     config = inference_config(dict(options))
     _check_spark_backend(config.backend, "evaluated")
     check_inference_model(model, "the model", need_compiled=True)
     check_single_output_on_spark(model, "evaluated")
-    data = spark_dataset(x, y, features, label)
+    data = spark_dataset(x, y, features, label, weight_col=weight_col)
     check_width(model, data)
     loss = compiled_loss(model)
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
@@ -198,7 +203,7 @@ def evaluate_spark(model: Any, x: Any, y: Any, features: str | Sequence[str] | N
         check_label_column(model, label)
         if classifier is not None and classifier.kind == "multiclass" and classifier.sparse_labels:
             check_label_classes(data, classifier.classes)
-    job = EvaluationJob(model, config, data, namespace, classifier=classifier)
+    job = EvaluationJob(model, config, data, namespace, classifier=None if weight_col else classifier)
     return job.run()
 
 

@@ -13,6 +13,11 @@ data_arguments = [
              help="notebook variables holding features and labels, e.g. --data X,y"),
 ]
 
+# A Spark DataFrame's column of per-row weights: %%dist_train and %dist_evaluate (weight_col= in the API).
+weight_col_argument = argument(
+    "--weight-col", default=None, metavar="COL",
+    help="Spark DataFrame column of per-row weights, used as model.fit's / model.evaluate's sample_weight")
+
 worker_arguments = [
     argument("--workers", type=int, default=None, help="workers (local default: one per visible GPU, else 2)"),
     argument("--backend", default="auto", help="auto | local | spark | containers (default: auto)"),

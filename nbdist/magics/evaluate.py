@@ -10,7 +10,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ..api import evaluate, is_spark_data, labels_in_batches, predict
 from ..errors import NbdistError, TrainingFailed
-from .args import apply, data_arguments, lookup_pair, worker_arguments
+from .args import apply, data_arguments, lookup_pair, weight_col_argument, worker_arguments
 
 _batch = argument("--batch-size", type=int, default=256, help="rows per batch on each worker (default: 256)")
 _features = argument("--features", default=None, metavar="COLS",
@@ -60,6 +60,7 @@ class EvaluateMagics(Magics):
     @_batch
     @_features
     @argument("--label", default=None, metavar="COL", help="Spark DataFrame label column")
+    @weight_col_argument
     @argument("--sample-weight", default=None, metavar="W",
               help="notebook variable holding per-row weights (an array, or a dict or list per output), "
                    "as model.evaluate's sample_weight")
@@ -77,6 +78,7 @@ class EvaluateMagics(Magics):
 
             %dist_evaluate model --data X_test,y_test --workers 2
             %dist_evaluate model --data test_df --features pixels --label digit
+            %dist_evaluate model --data test_df --features pixels --label digit --weight-col w
             %dist_evaluate model --data ds      # a keras.utils.PyDataset or tf.data pipeline of (x, y) batches
         """
         _run(lambda: self._evaluate(line))
@@ -98,7 +100,7 @@ class EvaluateMagics(Magics):
                                   "outputs), e.g. --sample-weight w.")
         result = evaluate(model, x, y, sample_weight=weights, namespace=ns, workers=args.workers,
                           backend=args.backend, batch_size=args.batch_size, features=args.features,
-                          label=args.label)
+                          label=args.label, weight_col=args.weight_col)
         ns[out] = result
         display(EvaluationReport(result))
 

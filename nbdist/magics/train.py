@@ -11,7 +11,15 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..api import FitCall, check_training_line, fit_job, intercept_fit, is_keras_model, prepare
 from ..config import TrainConfig, implied_strategy
 from ..errors import NbdistError, TrainingFailed
-from .args import apply, data_arguments, lookup_pair, tracking_arguments, tracking_options, worker_arguments
+from .args import (
+    apply,
+    data_arguments,
+    lookup_pair,
+    tracking_arguments,
+    tracking_options,
+    weight_col_argument,
+    worker_arguments,
+)
 
 
 def _new_models(before: dict[str, int], namespace: dict[str, Any]) -> list[str]:
@@ -35,6 +43,7 @@ class DistMagics(Magics):
     @argument("--features", default=None, metavar="COLS",
               help="Spark DataFrame feature columns, comma-separated (numeric, array or ML Vector)")
     @argument("--label", default=None, metavar="COL", help="Spark DataFrame label column")
+    @weight_col_argument
     @argument("--validation-data", metavar="Xv,yv", default=None,
               help="notebook variables for validation, evaluated after every epoch")
     @argument("--epochs", type=int, default=None,
@@ -200,7 +209,8 @@ class DistMagics(Magics):
             xv, yv = lookup_pair(args.validation_data, ns, "--validation-data")
             validation = (xv, yv)
         # Before the cell runs, so a typo costs nothing: --data, the backend, MLflow, a hand-written loop.
-        check_training_line(config, x, y, args.features, args.label, self.shell.transform_cell(cell))
+        check_training_line(config, x, y, args.features, args.label, self.shell.transform_cell(cell),
+                            args.weight_col)
         before = {name: id(value) for name, value in ns.items()}
         fit_calls: list[Any] = []
         runner = self._fit_runner(config, explicit, args, out_given, ns, fit_calls)
@@ -228,7 +238,8 @@ class DistMagics(Magics):
             raise NbdistError("--data is required unless the cell calls model.fit(...): name the notebook "
                               "variables to train on, e.g. --data X,y, or call model.fit(X, y) in the cell.")
         model = ns[self._pick_model(args.model, before, ns)]
-        job = prepare(model, config, x, y, validation, namespace=ns, features=args.features, label=args.label)
+        job = prepare(model, config, x, y, validation, namespace=ns, features=args.features, label=args.label,
+                      weight_col=args.weight_col)
         job.start()  # on this (main) thread: workers end with the thread that started them
         ns[f"{args.out}_job"] = job  # also when blocking: after a failure, job.error and job.worker_log(rank)
         if config.background:

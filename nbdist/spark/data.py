@@ -1,5 +1,8 @@
 """Training data that lives on Spark executors: a DataFrame or an RDD of (features, label).
 
+A DataFrame's columns are named: features, a label, and optionally a weight column whose values are
+each row's ``sample_weight`` (it travels with its row to the worker that trains or evaluates it).
+
 The driver never collects rows: the backend counts the rows of each partition (balance.py), gives the
 data one partition per worker with equal shares, and each task reports its own partition's rows.
 pyspark is imported lazily: this module is importable without it.
@@ -81,18 +84,19 @@ def barrier_safe(jrdd: Any) -> bool:
 
 
 def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: str | None,
-                  label_required: bool = True) -> SparkData:
+                  label_required: bool = True, weight_col: str | None = None) -> SparkData:
     """Check a DataFrame/RDD and the column names against it (on the driver: schema only).
 
-    ``label_required=False`` (prediction) accepts a DataFrame with feature columns only.
+    ``label_required=False`` (prediction) accepts a DataFrame with feature columns only. ``weight_col``
+    names a numeric column whose values are each row's ``sample_weight``, as in ``model.fit``/``evaluate``.
     """
     if y is not None:
         raise NbdistError("with Spark data, pass the DataFrame or RDD alone (--data df) and name its columns "
                           "with --features and --label, not a second variable.")
     if is_spark_rdd(x):
-        if features or label:
-            raise NbdistError("--features and --label name DataFrame columns; an RDD must hold "
-                              "(features, label) pairs, so drop them.")
+        if features or label or weight_col:
+            raise NbdistError("--features, --label and --weight-col name DataFrame columns; an RDD must hold "
+                              "(features, label) pairs, so drop them (or convert the RDD to a DataFrame).")
         return SparkData(x, Layout())
     cols = _names(features)
     if not label_required and not label:
@@ -121,7 +125,28 @@ def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: s
     if not isinstance(t, T.NumericType) and not vector_label(x, label):
         raise NbdistError(f"label column {label!r} is {t.simpleString()}, not a number or an array of numbers; "
                           "index it first (e.g. pyspark.ml.feature.StringIndexer).")
-    return SparkData(None, Layout(cols, label), dataframe=x.select(*cols, label))
+    if not weight_col:
+        return SparkData(None, Layout(cols, label), dataframe=x.select(*cols, label))
+    check_weight_column(x, cols, label, weight_col)
+    return SparkData(None, Layout(cols, label, weight_col), dataframe=x.select(*cols, label, weight_col))
+
+
+def check_weight_column(df: Any, features: Sequence[str], label: str, weight_col: Any) -> None:
+    """The weight column (``--weight-col``): one numeric column of ``df``, neither a feature nor the label."""
+    if not isinstance(weight_col, str):
+        raise NbdistError(f"weight_col names one DataFrame column, e.g. weight_col='w', not {weight_col!r}.")
+    if weight_col in features or weight_col == label:
+        role = "the label" if weight_col == label else "a feature column"
+        raise NbdistError(f"weight column {weight_col!r} is also {role}; name a separate column of per-row "
+                          "weights with --weight-col (weight_col=...).")
+    if weight_col not in df.columns:
+        raise NbdistError(f"the DataFrame has no weight column {weight_col!r}; its columns are "
+                          f"{', '.join(df.columns)}.")
+    T = sql_types()
+    t = {f.name: f.dataType for f in df.schema.fields}[weight_col]
+    if not isinstance(t, T.NumericType):
+        raise NbdistError(f"weight column {weight_col!r} is {t.simpleString()}, not a number; cast it "
+                          f"(e.g. df.withColumn({weight_col!r}, F.col({weight_col!r}).cast('float'))).")
 
 
 def vector_label(df: Any, label: str | None) -> bool:
@@ -150,7 +175,13 @@ def spark_validation(train: SparkData, validation: Any) -> Any:
                           "validation (an RDD cannot be streamed beside another); pass DataFrames, or numpy "
                           "validation data.")
     layout = train.layout
-    checked = spark_dataset(validation, None, list(layout.features), layout.label)
+    if layout.weight is not None and layout.weight not in validation.columns:
+        # As model.fit's validation_data=(x_val, y_val) beside a sample_weight: every validation row weighs 1.
+        from pyspark.sql import functions as F
+
+        kind = {f.name: f.dataType for f in train.dataframe.schema.fields}[layout.weight]
+        validation = validation.withColumn(layout.weight, F.lit(1).cast(kind))
+    checked = spark_dataset(validation, None, list(layout.features), layout.label, weight_col=layout.weight)
     want = {f.name: f.dataType for f in train.dataframe.schema.fields}
     for f in checked.dataframe.schema.fields:
         if f.dataType != want[f.name]:

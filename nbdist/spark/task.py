@@ -96,6 +96,7 @@ class Layout:
 
     features: tuple[str, ...] = ()  # empty: rows are (features, label) pairs
     label: str | None = None
+    weight: str | None = None  # a DataFrame's column of per-row sample weights (Arrow batches only)
 
     def split(self, rows: list[Any]) -> tuple[np.ndarray, np.ndarray | None]:
         if not self.features:  # an RDD of (features, label)
@@ -202,11 +203,12 @@ def write_split_batches(batches: Iterable[Any], layout: Layout, directory: str,
     ``VALIDATION_COLUMN``, which go to the shard file under ``directory``/validation. (rows, validation rows)."""
     import pyarrow.compute as pc
 
-    train = ShardWriter(directory, labels=layout.label is not None)
+    weighted = layout.weight is not None
+    train = ShardWriter(directory, labels=layout.label is not None, weights=weighted)
     val = None
     if validation:
         os.makedirs(os.path.join(directory, VALIDATION_DIR), exist_ok=True)
-        val = ShardWriter(os.path.join(directory, VALIDATION_DIR), labels=layout.label is not None)
+        val = ShardWriter(os.path.join(directory, VALIDATION_DIR), labels=layout.label is not None, weights=weighted)
     try:
         for batch in batches:
             if batch.num_rows == 0:
@@ -229,7 +231,19 @@ def _append_batch(writer: ShardWriter, batch: Any, layout: Layout, what: str = "
         return
     blocks = [arrow_features(batch.column(name), name) for name in layout.features]
     y = arrow_label(batch.column(layout.label), layout.label) if layout.label is not None else None
-    writer.append(blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1), y, what)
+    w = arrow_weight(batch.column(layout.weight), layout.weight) if layout.weight is not None else None
+    writer.append(blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1), y, what, w)
+
+
+def arrow_weight(column: Any, name: str) -> np.ndarray:
+    """The weight column: one finite float32 ``sample_weight`` per row."""
+    if column.null_count:
+        raise ValueError(f"weight column {name!r} holds nulls; drop or fill them first (e.g. df.na.fill(1.0, "
+                         f"[{name!r}])).")
+    w = np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float32)
+    if not np.isfinite(w).all():
+        raise ValueError(f"weight column {name!r} holds NaN or infinite values; drop or fill them first.")
+    return w
 
 
 def _write_block(block: list[Any], layout: Layout, writer: ShardWriter) -> None:

@@ -3,7 +3,8 @@
 The task appends its rows, a block at a time as they arrive from Spark, to one Arrow IPC
 file (``shard.arrow``) on the executor's local disk, in the directory it names in
 ``NBDIST_DATA_DIR``: column ``x`` (a fixed-size list of float32 per row) and, with labels,
-``y``. The IPC *file* format ends in a footer that locates every block, so the worker reads
+``y``, and with a DataFrame's weight column, ``w`` (float32: each row's ``sample_weight``). The
+IPC *file* format ends in a footer that locates every block, so the worker reads
 any block on its own (``ShardReader.block``) without reading the rest: it streams its share
 in bounded memory, in any block order (worker/streams.py). Plain Arrow buffers, never pickles.
 
@@ -44,16 +45,17 @@ def npy_header(dtype: np.dtype, shape: Sequence[int], size: int = NPY_HEADER_SIZ
 
 
 class ShardWriter:
-    """Append (x, y) row blocks to ``directory``/shard.arrow; never holds more than one block.
+    """Append (x, y) or (x, y, w) row blocks to ``directory``/shard.arrow; never holds more than one block.
 
-    ``labels``: whether blocks carry y. The file is opened at the first non-empty block (its
-    schema needs the row width); a partition without rows leaves no file (``ShardReader`` reads
-    it as zero rows).
+    ``labels``: whether blocks carry y; ``weights``: whether they carry w, each row's sample weight.
+    The file is opened at the first non-empty block (its schema needs the row width); a partition
+    without rows leaves no file (``ShardReader`` reads it as zero rows).
     """
 
-    def __init__(self, directory: str, labels: bool) -> None:
+    def __init__(self, directory: str, labels: bool, weights: bool = False) -> None:
         self.path = os.path.join(directory, SHARD_FILE)
         self.labels = labels
+        self.weights = weights
         self.rows = 0
         self.block_rows: list[int] = []
         self.width: int | None = None
@@ -62,7 +64,8 @@ class ShardWriter:
         self._sink = None
         self._writer = None
 
-    def append(self, x: np.ndarray, y: np.ndarray | None, what: str = "the features") -> None:
+    def append(self, x: np.ndarray, y: np.ndarray | None, what: str = "the features",
+               w: np.ndarray | None = None) -> None:
         import pyarrow as pa
 
         if len(x) == 0:
@@ -76,6 +79,8 @@ class ShardWriter:
             if self.labels:  # a label per row, or a vector of them (one-hot, multi-label, several targets)
                 kind = pa.from_numpy_dtype(self.y_dtype)
                 fields.append(("y", kind if self.y_width is None else pa.list_(kind, self.y_width)))
+            if self.weights:
+                fields.append(("w", pa.float32()))
             self._sink = pa.OSFile(self.path, "wb")
             self._writer = pa.ipc.new_file(self._sink, pa.schema(fields))
         elif x.shape[1] != self.width:
@@ -89,8 +94,12 @@ class ShardWriter:
                                  "others; every row needs the same number of label values.")
             columns.append(pa.array(y) if self.y_width is None
                            else pa.FixedSizeListArray.from_arrays(pa.array(y.ravel()), self.y_width))
+        names = ["x", "y"][:len(columns)]
+        if self.weights:
+            columns.append(pa.array(np.asarray(w, dtype=np.float32).reshape(len(x))))
+            names.append("w")
         try:
-            self._writer.write_batch(pa.RecordBatch.from_arrays(columns, ["x", "y"][:len(columns)]))
+            self._writer.write_batch(pa.RecordBatch.from_arrays(columns, names))
         except OSError as exc:
             raise disk_error(exc, self.path) from None
         self.rows += len(x)
@@ -140,13 +149,15 @@ class ShardReader:
             self.block_rows = [int(c) for c in counts]
         self.rows = int(sum(self.block_rows))
         self.labels = self._reader is not None and self._reader.schema.get_field_index("y") >= 0
+        self.weights = self._reader is not None and self._reader.schema.get_field_index("w") >= 0
 
     @property
     def blocks(self) -> int:
         return len(self.block_rows)
 
-    def block(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Block ``i`` as numpy arrays (x float32 (rows, width), y or None), read from disk now."""
+    def block(self, i: int) -> tuple[np.ndarray | None, ...]:
+        """Block ``i`` as numpy arrays, read from disk now: (x float32 (rows, width), y or None), or with a
+        weight column (x, y, w), as ``model.fit``'s data tuples."""
         batch = self._reader.get_batch(i)
         col = batch.column(0)
         x = col.flatten().to_numpy().reshape(batch.num_rows, col.type.list_size)
@@ -155,16 +166,15 @@ class ShardReader:
             ycol = batch.column(1)
             y = ycol.to_numpy() if not hasattr(ycol.type, "list_size") else \
                 ycol.flatten().to_numpy().reshape(batch.num_rows, ycol.type.list_size)
-        return x, y
+        return (x, y, batch.column("w").to_numpy()) if self.weights else (x, y)
 
-    def read_all(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """Every row at once (evaluation and prediction, which read their shard whole)."""
+    def read_all(self) -> tuple[np.ndarray | None, ...]:
+        """Every row at once (evaluation and prediction, which read their shard whole), as ``block``'s tuple."""
         if not self.blocks:
             return np.zeros((0, 1), np.float32), (np.zeros(0, np.float32) if self.labels else None)
         parts = [self.block(i) for i in range(self.blocks)]
-        x = np.concatenate([p[0] for p in parts])
-        y = np.concatenate([p[1] for p in parts]) if self.labels else None
-        return x, y
+        return tuple(None if part is None else np.concatenate([p[k] for p in parts])
+                     for k, part in enumerate(parts[0]))
 
     def close(self) -> None:
         if self._file is not None:
@@ -172,8 +182,8 @@ class ShardReader:
             self._file = self._reader = None
 
 
-def load_task_data(directory: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """What the task wrote, whole (evaluation and prediction; training streams it)."""
+def load_task_data(directory: str | None = None) -> tuple[np.ndarray | None, ...]:
+    """What the task wrote, whole (evaluation and prediction; training streams it): (x, y) or (x, y, w)."""
     reader = ShardReader(directory)
     try:
         return reader.read_all()

@@ -43,7 +43,8 @@ def unpack_job(job: JobMessage) -> JobMessage:
     if job.data_source == "task" and job.kind != "train":
         from ..wire.shardfile import load_task_data
 
-        job.x, job.y = load_task_data()
+        job.x, job.y, *weights = load_task_data()  # (x, y, w) with a DataFrame's weight column
+        job.sample_weight = weights[0] if weights else None
     if job.data_file is not None and "leaves" in job.data_file:  # memory-mapped inputs of several
         from ..data.structures import fill_leaves
         from ..wire.shardfile import read_rows

@@ -1,7 +1,8 @@
 """A worker's share streamed from its shard file into Keras in bounded memory (Spark data).
 
 The Spark task wrote the partition as blocks of rows (wire/shardfile.py). Each epoch the worker
-reads those blocks again, one at a time, and cuts them into batches:
+reads those blocks again, one at a time, and cuts them into batches (a DataFrame's weight column
+travels with its rows: ``(x, y, sample_weight)`` batches, as ``model.fit(x, y, sample_weight=w)``'s):
 
     task -> shard.arrow on the executor's disk -> read-ahead thread (a few blocks)
          -> shuffle window (``stream_buffer_bytes`` of rows) -> batches -> tf.data -> model.fit
@@ -136,10 +137,10 @@ class ShardStream:
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.first_epoch = int(first_epoch)
-        x, y = reader.block(0)
-        row_bytes = x[:1].nbytes + (y[:1].nbytes if y is not None else 0)
+        first = reader.block(0)  # (x, y), or (x, y, w) with a DataFrame's weight column
+        row_bytes = sum(a[:1].nbytes for a in first if a is not None)
         self.window = window_rows(buffer_bytes, row_bytes, self.batch_size)
-        self.signature = (x[:0], None if y is None else y[:0])
+        self.signature = tuple(None if a is None else a[:0] for a in first)  # (x, y[, w]) with no rows
 
     def epoch(self, epoch: int) -> Iterator[tuple[np.ndarray, ...]]:
         rng = epoch_rng(self.seed, epoch)
@@ -155,12 +156,13 @@ class ShardStream:
 
 
 def streamed_batches(stream: ShardStream) -> Any:
-    """The infinite tf.data.Dataset of ``(x, y)`` (or ``x``) batches that ``model.fit`` reads."""
+    """The infinite tf.data.Dataset of ``(x, y)``, ``(x, y, sample_weight)`` (or ``x``) batches that
+    ``model.fit`` reads."""
     import tensorflow as tf
 
-    x0, y0 = stream.signature
+    x0, y0 = stream.signature[:2]
     spec = lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype))
-    signature = spec(x0) if y0 is None else (spec(x0), spec(y0))
+    signature = spec(x0) if y0 is None else tuple(spec(a) for a in stream.signature if a is not None)
 
     def batches() -> Iterator[Any]:
         for batch in stream():

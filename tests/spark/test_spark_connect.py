@@ -143,6 +143,14 @@ def test_evaluate_equals_keras_incl_auc(spark, data, test_frame, no_leftover_wor
     assert got["samples"] == len(Xte)
     for name in ("loss", "accuracy", "auc"):
         assert abs(got[name] - want[name]) < 1e-6, (name, got[name], want[name])
+    # A weight column (whole numbers here) is evaluate's sample_weight over Connect too: the loss weighs by it.
+    got = nbdist.evaluate(binary, frame.withColumn("w", F.col("digit") + 1), features="pixels", label="big",
+                          weight_col="w", workers=2)
+    weighted = binary.evaluate(Xte, (yte >= 5).astype("float32"), sample_weight=(yte + 1).astype("float32"),
+                               batch_size=256, verbose=0, return_dict=True)
+    assert abs(weighted["loss"] - want["loss"]) > 1e-3
+    for name in ("loss", "accuracy", "auc"):
+        assert abs(got[name] - weighted[name]) < 1e-6, (name, got[name], weighted[name])
 
 
 def test_predict_equals_model_predict(spark, data, test_frame):

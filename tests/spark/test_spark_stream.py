@@ -206,3 +206,92 @@ def test_a_worker_capped_below_whole_file_loading_trains_by_streaming(spark, no_
         peak = peak_usage(cgroup)
     assert peak > 300 * 2**20, peak  # the worker was in the group while it trained
     assert job.status == "done" and job.state.workers[0].samples == CAP_ROWS
+
+
+def _weighted_model() -> object:
+    import keras
+
+    model = small_model()
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"],
+                  weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="w_acc")])
+    return model
+
+
+def test_a_weight_column_is_sample_weight_for_training_and_evaluation(spark, frame, data, no_leftover_workers):
+    """A DataFrame's weight column (zero on half the rows) is ``model.fit``'s ``sample_weight``: allreduce on
+    2 Spark workers without shuffle ends as ``model.fit(x, y, sample_weight=w)`` on the same global batches,
+    History and weights (a validation DataFrame without the column weighs every row 1, as fit's
+    ``validation_data=(x, y)``); and ``%dist_evaluate --weight-col`` gives ``model.evaluate(..., sample_weight=w)``."""
+    import pandas as pd
+
+    from ..conftest import ipython_shell
+
+    _, X, y = frame
+    _, Xte, _, yte = data
+    rng = np.random.default_rng(0)
+    w = np.where(rng.random(len(X)) < 0.5, 0.0, rng.uniform(0.5, 2.0, len(X))).astype("float32")
+    pdf = pd.DataFrame({"pixels": list(X.astype("float64")), "digit": y.astype("int64"), "w": w.astype("float64")})
+    df = spark.createDataFrame(pdf)
+    val = spark.createDataFrame(pd.DataFrame({"pixels": list(Xte.astype("float64")), "digit": yte.astype("int64")}))
+    streamed = _weighted_model()
+    job = nbdist.train(streamed, df, features="pixels", label="digit", weight_col="w", validation_data=val,
+                       backend="spark", epochs=2, batch_size=32, workers=2, strategy="allreduce", shuffle=False,
+                       lr_scaling="none", seed=0, stream_buffer_bytes=WINDOW_BYTES)
+    assert job.state.backend == "spark"
+    order = partition_order(len(X), 2, 32)
+    local = _weighted_model()
+    want = local.fit(X[order], y[order], sample_weight=w[order], batch_size=64, epochs=2, shuffle=False,
+                     validation_data=(Xte, yte), verbose=0).history
+    for key in ("loss", "accuracy", "w_acc", "val_loss", "val_w_acc"):
+        np.testing.assert_allclose(job.history[key], want[key], atol=1e-5, err_msg=key)
+    for a, b in zip(streamed.get_weights(), local.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    unweighted = _weighted_model()  # the zero weights change the result, as they do locally
+    unweighted.fit(X[order], y[order], batch_size=64, epochs=2, shuffle=False, verbose=0)
+    assert max(np.abs(a - b).max() for a, b in zip(unweighted.get_weights(), local.get_weights())) > 1e-2
+
+    wte = np.where(np.arange(len(Xte)) % 2 == 0, 0.0, 1.0 + (yte % 3)).astype("float32")
+    test_df = spark.createDataFrame(pd.DataFrame({"pixels": list(Xte.astype("float64")), "digit": yte.astype("int64"),
+                                                  "wt": wte.astype("float64")}))
+    shell = ipython_shell()
+    shell.user_ns.update(weighted=streamed, test_df=test_df)
+    shell.run_line_magic("dist_evaluate", "weighted --data test_df --features pixels --label digit --weight-col wt "
+                                          "--backend spark --workers 2 --out wev")
+    got = shell.user_ns["wev"]
+    expect = streamed.evaluate(Xte, yte, sample_weight=wte, batch_size=256, verbose=0, return_dict=True)
+    for key in ("loss", "accuracy", "w_acc"):
+        assert abs(got[key] - expect[key]) < 1e-5, (key, got, expect)
+    plain = streamed.evaluate(Xte, yte, batch_size=256, verbose=0, return_dict=True)
+    assert abs(plain["loss"] - expect["loss"]) > 1e-3 and got["samples"] == len(Xte)
+
+
+@pytest.mark.filterwarnings("ignore:the model has never been trained")
+def test_a_bad_weight_column_is_one_sentence(spark, frame):
+    """Refused at the door, before any Spark job: each problem named with its fix; RDDs and in-memory data
+    have no columns to name."""
+    from pyspark.sql import functions as F
+
+    from nbdist.errors import NbdistError
+
+    df, X, y = frame
+    df = df.withColumn("w", F.lit(1.0)).withColumn("tag", F.lit("a"))
+    cases = [(dict(weight_col="nope"), "no weight column 'nope'"),
+             (dict(weight_col="tag"), "weight column 'tag' is string, not a number"),
+             (dict(weight_col="digit"), "weight column 'digit' is also the label"),
+             (dict(weight_col="pixels"), "weight column 'pixels' is also a feature column")]
+    for kwargs, message in cases:
+        for call in (nbdist.train, nbdist.evaluate):
+            with pytest.raises(NbdistError, match=message) as info:
+                call(small_model(), df, features="pixels", label="digit", backend="spark", **kwargs)
+            assert "\n" not in str(info.value)
+    with pytest.raises(NbdistError, match="pass the weights themselves as sample_weight"):
+        nbdist.train(small_model(), X, y, weight_col="w", backend="local")
+    from IPython.core.error import UsageError
+
+    from ..conftest import ipython_shell
+
+    shell = ipython_shell()
+    shell.user_ns.update(df=df)
+    with pytest.raises(UsageError, match="weight column 'tag' is string"):  # before the cell runs
+        shell.run_cell_magic("dist_train", "--data df --features pixels --label digit --weight-col tag "
+                             "--backend spark --ui none", "model = small_model()")
