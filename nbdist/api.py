@@ -155,12 +155,25 @@ def fit_job(model: Any, config: TrainConfig, fit: FitCall, explicit: dict[str, A
 
 def loaders_split(fit: FitCall, config: TrainConfig) -> tuple[FitCall, TrainConfig]:
     """A torch DataLoader over a map-style dataset split by index over the run's workers (data/torch_loaders.py):
-    its batch is the global batch, in its sampler's order (nbdist shuffles nothing more, scales no rate)."""
+    its batch is the global batch, in its sampler's order (nbdist shuffles nothing more, scales no rate). The
+    run's world is decided here, as for every run (``resolve_world``): no more workers than a loader's batch
+    or the training rows."""
     if not is_split_loader(fit.x) and not is_split_loader(fit.validation_data):
         return fit, config
-    from .driver.resolve import resolve_backend
+    from .driver.resolve import resolve_backend, resolve_world
 
-    world = config.workers or resolve_backend(config).default_workers()
+    # The loaders' batches and the training rows; arrays beside a validation loader bound the world as the run
+    # will bound it (TrainingJob._world_limits), so that the loader is split for the run's workers.
+    batches = [int(v.batch_size) for v in (fit.x, fit.validation_data) if is_split_loader(v) and v.batch_size]
+    if is_split_loader(fit.x):
+        rows = len(fit.x.dataset)
+    else:
+        first = next(iter(fit.x.values()), None) if isinstance(fit.x, dict) else fit.x
+        first = first[0] if isinstance(first, (list, tuple)) and first else first
+        rows = len(first) if hasattr(first, "__len__") else 0
+        batches += [int(fit.batch_size)] if fit.batch_size else []
+    world, _ = resolve_world(config, resolve_backend(config), {"batch": min(batches, default=0), "rows": rows})
+    config = config.replace(workers=world)
     seed = config.seed if config.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
     changes: dict[str, Any] = {"lr_scaling": "none"} if config.lr_scaling == "auto" else {}
     if is_split_loader(fit.x):

@@ -25,7 +25,6 @@ from .checks import (
 from .config import TrainConfig
 from .data.inputs import FitData, PyDatasetData, is_py_dataset, make_fit_data, make_py_dataset_data
 from .data.pipelines import inference_rows, is_pipeline
-from .data.sharding import check_workers
 from .data.structures import map_struct
 from .driver.inference import EvaluationJob, PredictionJob, inference_spec
 from .errors import NbdistError
@@ -75,8 +74,6 @@ def inference_request(model: Any, x: Any, y: Any, sample_weight: Any, need_label
     _build_on(model, data, need_labels)
     check_inference_model(model, name, need_compiled=need_labels)
     check_inference_data(model, data, what, name, need_labels)
-    if config.workers is not None and isinstance(data, FitData):
-        check_workers(len(data), config.workers, what)
     return config, data
 
 

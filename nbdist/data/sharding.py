@@ -1,5 +1,5 @@
-"""Which rows and batches each worker takes: shard bounds, every global batch dealt over the
-workers, a PyDataset's shares."""
+"""How many workers a run uses and which rows and batches each takes: the run's world (``run_world``),
+shard bounds, every global batch dealt over the workers, a PyDataset's shares."""
 from __future__ import annotations
 
 from typing import Any
@@ -29,6 +29,29 @@ def batch_bounds(n: int, batch_size: int, shards: int) -> list[tuple[int, int]]:
     batches than shards."""
     return [(min(n, a * batch_size), min(n, b * batch_size))
             for a, b in shard_bounds(batches_per_epoch(n, batch_size), shards)]
+
+
+# What bounds a run's world, and how the line that says so names it.
+WORLD_LIMITS = {
+    "batch": "the global batch (batch_size={n}) has {n} row{s}, and each step is split into one part per worker",
+    "rows": "the {what} has {n} row{s}",
+    "batches": "the PyDataset has {n} batch{es} per epoch, and each worker reads whole batches",
+}
+
+
+def run_world(asked: int, limits: dict[str, int], what: str = "training data") -> tuple[int, str | None]:
+    """The workers a run uses: as many as ``asked``, but never more than its data can give each a part
+    of (``limits``: a global batch's rows, the rows, a PyDataset's batches; see ``WORLD_LIMITS``). Fewer
+    workers keep the run's meaning (each step is still the global batch; with one worker it is the local
+    fit's step). Returns the world and the one line that says why it is smaller than asked (None: as asked)."""
+    bounds = {name: int(n) for name, n in limits.items() if n is not None and int(n) >= 1}
+    world = min([int(asked), *bounds.values()])
+    if world >= asked:
+        return int(asked), None
+    name = min(bounds, key=lambda k: (bounds[k], list(WORLD_LIMITS).index(k)))
+    n = bounds[name]
+    why = WORLD_LIMITS[name].format(n=n, s="" if n == 1 else "s", es="" if n == 1 else "es", what=what)
+    return world, f"nbdist: {world} worker{'' if world == 1 else 's'} instead of {asked}: {why}."
 
 
 def check_workers(n: int, workers: int, what: str = "training data") -> None:

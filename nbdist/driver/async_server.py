@@ -123,11 +123,11 @@ def async_refusal(data: Any, validation: Any, fit: Any, checkpointing: bool) -> 
 def plan_arrays(fit: Any, rows: int, world: int, per_worker_batch: int) -> tuple[int, list[tuple[int, int]]]:
     """Arrays under --strategy async: every worker holds them whole and trains batches of ``unit`` rows (its
     share of fit's global batch) as the driver deals them; returns ``unit`` and each worker's estimated rows
-    (progress only: a fast worker takes more). One sentence for what cannot be dealt."""
-    from ..data.sharding import check_workers, rank_batch_sizes, share_count
+    (progress only: a fast worker takes more); the world fits the rows and the batch (driver/resolve.py).
+    One sentence for what cannot be dealt."""
+    from ..data.sharding import rank_batch_sizes, share_count
     from ..errors import NbdistError
 
-    check_workers(rows, world)
     if fit.steps_per_epoch is not None and fit.worker_steps(world, per_worker_batch) is not None:
         raise NbdistError(f"--strategy async deals whole passes over the arrays, but steps_per_epoch="
                           f"{fit.steps_per_epoch} makes an epoch part of one; drop steps_per_epoch, or use "

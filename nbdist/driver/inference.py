@@ -102,6 +102,7 @@ class InferenceJob(Run):
 
 class EvaluationJob(InferenceJob):
     kind = "evaluate"
+    data_name = "evaluation data"
     answer = Evaluation
 
     def __init__(self, *args: Any, classifier: ClassifierSpec | None = None, **kwargs: Any) -> None:
@@ -150,6 +151,7 @@ class EvaluationJob(InferenceJob):
 
 class PredictionJob(InferenceJob):
     kind = "predict"
+    data_name = "prediction data"
     answer = Predictions
 
     def result(self) -> Any:

@@ -33,7 +33,7 @@ from .coordinator import Coordinator, Event
 from .failures import describe_exit, first_line, last_traceback, rebuild
 from .health import HealthChecks
 from .interrupts import interrupts_held
-from .resolve import resolve_backend
+from .resolve import resolve_backend, resolve_world
 from .state import TERMINAL, RunState
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class Run(HealthChecks):
     # The sentence for Spark data given to another backend; subclasses say what they do with it.
     spark_data_needs_spark = ("a Spark DataFrame or RDD runs on the Spark backend; use --backend spark "
                               "(or auto with the SparkContext active), or convert it to numpy first.")
+    data_name = "data"  # what the run's data is to the user, in its sentences
 
     def __init__(self, model: Any, config: TrainConfig, data: FitData | SparkData,
                  namespace: dict[str, Any] | None = None, listeners: list[Listener] | None = None) -> None:
@@ -151,14 +152,13 @@ class Run(HealthChecks):
         cfg = self.config
         self._spec = self._make_spec()
         backend = resolve_backend(cfg)
-        world = cfg.workers or backend.default_workers()
-        if not cfg.workers and getattr(backend, "workers_notice", None):  # one per GPU: the run's first line
-            log.warning("%s", backend.workers_notice)
+        world, world_note = resolve_world(cfg, backend, self._world_limits(), self.data_name)
         shards = self._plan_shards(backend, world)
         self._check_collectives(backend, world)
         self.world_size = world
         self._prepare()
         self.state = self._new_state(backend)
+        self.state.world_note = world_note or ""
         self._seed_state(self.state)
         self._shards = None
         if shards is not None:
@@ -175,13 +175,17 @@ class Run(HealthChecks):
         """A package the workers' collectives need and this Python lacks, said before any worker starts
         (training only; local workers run this Python, so what it lacks they lack)."""
 
+    def _world_limits(self) -> dict[str, int]:
+        """What bounds this run's world (``data.sharding.run_world``): in-memory rows, one or more per worker.
+        Spark data is counted by its tasks, after launch (``_take_counts``)."""
+        return {"rows": len(self.data)} if isinstance(self.data, FitData) else {}
+
     def _plan_shards(self, backend: Backend, world: int) -> list[tuple[int, int]] | None:
         """Each rank's rows; None for Spark data, whose tasks count their partitions (``_take_counts``)."""
         if isinstance(self.data, SparkData):  # stays on the executors; its tasks count the rows
             if backend.name != "spark":
                 raise NbdistError(self.spark_data_needs_spark)
             return None
-        check_workers(len(self.data), world)
         return shard_bounds(len(self.data), world)
 
     def _apply_shards(self, shards: list[tuple[int, int]]) -> None:

@@ -91,6 +91,7 @@ class RunState:
     workers: list[WorkerProgress] = field(default_factory=list)
     restarts: int = 0  # times the workers were relaunched from the last checkpoint
     data_note: str = ""  # what was done to the data before the workers started (Spark rebalancing), for the first line
+    world_note: str = ""  # why the run has fewer workers than asked (driver/resolve.py resolve_world), if it has
 
     def __post_init__(self) -> None:
         if not self.workers:

@@ -20,7 +20,7 @@ import numpy as np
 from ..checks import non_finite, non_finite_message
 from ..config import TrainConfig
 from ..data.inputs import FitData, PyDatasetData
-from ..data.sharding import check_workers, shard_bounds, share_count
+from ..data.sharding import shard_bounds, share_count
 from ..data.structures import map_struct
 from ..errors import NbdistError, TrainingFailed
 from ..machine.placement import meeting
@@ -50,6 +50,7 @@ class TrainingJob(Run):
 
     spark_data_needs_spark = ("a Spark DataFrame or RDD trains on the Spark backend; use --backend spark "
                               "(or auto with the SparkContext active), or convert it to numpy first.")
+    data_name = "training data"
 
     def __init__(self, model: Any, config: TrainConfig, train: FitData | PyDatasetData | SparkData,
                  validation: FitData | PyDatasetData | None = None, namespace: dict[str, Any] | None = None,
@@ -106,6 +107,16 @@ class TrainingJob(Run):
     def _make_spec(self) -> ModelSpec:
         return spec_from_model(self.model, self.config.strategy)
 
+    def _world_limits(self) -> dict[str, int]:
+        """A fit's world: no more workers than rows in its global batch (each step is split into one part per
+        worker) and in its data (each worker its rows), or than a PyDataset's batches (each worker whole ones)."""
+        if isinstance(self.data, PyDatasetData):
+            return {"batches": self.data.batches}
+        limits = super()._world_limits()
+        if self.fit is not None and self.fit.global_batch is not None and isinstance(self.data, FitData):
+            limits["batch"] = self.fit.global_batch
+        return limits
+
     def _plan_shards(self, backend: Any, world: int) -> list[tuple[int, int]] | None:
         self._rank_batches = [self.config.batch_size] * world
         if self.fit is None or isinstance(self.data, SparkData):
@@ -118,7 +129,6 @@ class TrainingJob(Run):
             self._rank_batches = [unit] * world
             return shares
         # Every global batch dealt over the workers (data.deal_rows).
-        check_workers(len(self.data), world)
         self._rank_batches, self._rows = self.fit.plan(world, self.config.batch_size)
         self._initial_epoch = self.fit.initial_epoch
         self._epoch_steps = self.fit.worker_steps(world, self.config.batch_size)
@@ -130,10 +140,6 @@ class TrainingJob(Run):
         """Every worker reads whole batches of the PyDataset, strided (data.share_indices). Its rows per
         batch are only known as they are read: batch 0's count stands in for progress until then."""
         data: PyDatasetData = self.data
-        if data.batches < world:
-            raise NbdistError(f"the PyDataset has {data.batches} batch(es) per epoch but there are {world} workers, "
-                              f"and every worker needs at least one batch; use --workers {data.batches} or fewer, "
-                              "or make its batches smaller (more of them).")
         self._initial_epoch = self.fit.initial_epoch
         self._rank_batches = [data.first_rows] * world
         return [(0, share_count(data.batches, r, world) * data.first_rows) for r in range(world)]

@@ -71,7 +71,6 @@ def trained_model(ip):
     ("--data X,y --workers 2", MODEL_CELL + "\nother = keras.models.clone_model(model)", "--model NAME"),
     ("--data X,y --workers 2", MODEL_CELL.split("model.compile")[0], "not compiled"),
     ("--data X,y --workers 0", MODEL_CELL, "workers must be"),
-    ("--data X,y --workers 601", MODEL_CELL, "only 600 examples"),
     ("--data X,y --frobnicate 3", MODEL_CELL, "unrecognized arguments"),
     ("--data X,y --strategy magic", MODEL_CELL, "unknown strategy"),
     ("--data X,y --model missing", MODEL_CELL, "no variable named 'missing'"),

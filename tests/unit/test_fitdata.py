@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from nbdist.data.inputs import FitData, class_weight_to_sample_weight, make_fit_data, split_validation
-from nbdist.data.sharding import deal_rows, rank_batch_sizes
+from nbdist.data.sharding import deal_rows, rank_batch_sizes, run_world
 from nbdist.errors import NbdistError
 from nbdist.strategies.averaging import batch_sizes
 
@@ -20,6 +20,19 @@ def test_every_step_of_the_workers_together_is_one_global_batch(n, batch, world)
     for step in range(steps):
         together = np.concatenate([p[step] for p in per_worker if step < len(p)])
         assert together.tolist() == list(range(step * batch, min(n, (step + 1) * batch)))
+
+
+def test_a_run_has_as_many_workers_as_its_data_allow():
+    """World = min(asked, the global batch's rows, the rows, a PyDataset's batches), the tightest one named."""
+    assert run_world(2, {"batch": 64, "rows": 600}) == (2, None)
+    assert run_world(2, {"batch": 1, "rows": 4}) == (1, "nbdist: 1 worker instead of 2: the global batch "
+                                                        "(batch_size=1) has 1 row, and each step is split into "
+                                                        "one part per worker.")
+    assert run_world(4, {"batch": 32, "rows": 3}, "evaluation data") == (
+        3, "nbdist: 3 workers instead of 4: the evaluation data has 3 rows.")
+    world, note = run_world(8, {"batches": 5, "rows": None})
+    assert world == 5 and "the PyDataset has 5 batches per epoch" in note
+    assert run_world(3, {}) == (3, None)
 
 
 def test_batch_smaller_than_the_workers_is_one_sentence():

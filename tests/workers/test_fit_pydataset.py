@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import nbdist
-from nbdist.errors import NbdistError
 
 from ..conftest import relative_error
 
@@ -139,15 +138,18 @@ def test_py_dataset_trains_like_local_and_each_worker_reads_its_share(ip, digits
     assert abs(remote - local) <= 0.01 + 1e-9, (strategy, remote, local)
 
 
-def test_py_dataset_refusals_are_one_sentence(ip, digits):
-    """Fewer batches than workers, a batch_size or y beside a PyDataset: one sentence, no worker started."""
+def test_py_dataset_of_fewer_batches_than_workers_and_refusals(ip, digits):
+    """Fewer batches than workers: as many workers as batches, said in one line; a batch_size or y beside a
+    PyDataset: one sentence, no worker started."""
     x, y = digits[0][:40], digits[1][:40]
     ip.run_cell(BATCHES_CELL)
     batches = ip.user_ns["Batches"]
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
     model.compile("sgd", "sparse_categorical_crossentropy")
-    with pytest.raises(NbdistError, match="the PyDataset has 1 batch\\(es\\) per epoch but there are 2 workers"):
-        nbdist.train(model, batches(x, y, 64), workers=2)
+    job = nbdist.train(model, batches(x, y, 64), workers=2)
+    assert job.status == "done" and job.world_size == 1
+    assert job.state.world_note == ("nbdist: 1 worker instead of 2: the PyDataset has 1 batch per epoch, and each "
+                                    "worker reads whole batches.")
     ip.user_ns.update(Xs=x, ys=y)
     ip.user_ns["small"] = model
     from IPython.core.error import UsageError
