@@ -308,11 +308,38 @@ def check_fits_model(model: Any, train_set: FitData | PyDatasetData, val_set: Fi
     for data, what in ((train_set, "training data"), (val_set, "validation data")):
         if not isinstance(data, FitData):
             continue
+        check_none_inputs(model, data)
         if isinstance(data.x, np.ndarray) and (data.y is None or isinstance(data.y, np.ndarray)):
             check_model_fits_data(model, data.x, data.y, what, data.sample_weight)
         else:
             check_text_inputs(model, data.x, what)
             check_labels_fit_loss(model, data.y, data.sample_weight, what)  # several outputs: labels per output
+
+
+def check_none_inputs(model: Any, data: FitData) -> None:
+    """An input given as None (Keras takes None for an optional input): the model called on one row as the
+    local fit's first step calls it, so a required input raises Keras' own ValueError before any worker starts.
+    Any other failure of that call is left to the workers' fit, which runs the model as the user wrote it."""
+    if not _has_none(data.x):
+        return
+    from .data.structures import map_struct
+    from .model.spec import home_scope
+
+    try:
+        with home_scope(model):
+            model(map_struct(lambda a: a[:1], data.x), training=False)
+    except ValueError as exc:
+        raise exc.with_traceback(None) from None
+    except Exception:
+        return
+
+
+def _has_none(struct: Any) -> bool:
+    if isinstance(struct, dict):
+        return any(_has_none(v) for v in struct.values())
+    if isinstance(struct, (list, tuple)):
+        return any(_has_none(v) for v in struct)
+    return struct is None
 
 
 def check_inference_data(model: Any, data: FitData | PyDatasetData, what: str, name: str, need_labels: bool) -> None:

@@ -31,7 +31,8 @@ class FitData:
     sample_weight: Struct = None
 
     def __len__(self) -> int:
-        return len(leaves(self.x)[0])
+        """The rows: x's, or y's where every input is None (Keras counts the arrays it is given)."""
+        return next((len(found[0]) for part in (self.x, self.y, self.sample_weight) if (found := leaves(part))), 0)
 
     @property
     def x_file(self) -> NpyFile | None:
