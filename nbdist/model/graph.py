@@ -15,6 +15,9 @@ handled apart:
 - a layer tracker's id sets are rebuilt from the objects it holds;
 - compiled step functions are dropped (Keras makes them again on the first step), and so are the losses a
   layer's last call added (an evaluate's traced call leaves graph tensors there; the next call clears them);
+- TensorFlow's tracking wrappers (``ListWrapper``, ``_TupleWrapper``, ``_DictWrapper``: what a list, tuple or
+  dict assigned to a model becomes on the TensorFlow backend, such as ``compile``'s ``loss``) travel as the
+  plain list, tuple or dict Keras was given (``untracked``);
 - a TensorFlow resource (a lookup table) cannot cross processes: the layer that holds it
   restores it from its assets (Keras's ``save_assets``/``load_assets``, see ``save_assets``);
 - a variable's layout (a ``keras.distribution``'s placement on this process's devices) is dropped: the
@@ -272,6 +275,39 @@ def _by_variable(value: Any, keys: dict[Any, Any]) -> Any:
     return _ByVariable("dict", [(keys[k], v) for k, v in value.items()])
 
 
+def untracked(value: Any) -> Any:
+    """``value`` with TensorFlow's tracking wrappers made the plain lists, tuples (namedtuples kept) and dicts
+    they wrap, at every depth (Keras' ``tree`` takes a ``ListWrapper`` for a node of another type, a
+    ``_TupleWrapper`` for a leaf); ``value`` itself where it holds none."""
+    wrapper = _tf_tracked_type()
+    wrapped = wrapper is not None and isinstance(value, wrapper)
+    if isinstance(value, cabc.Mapping) and (wrapped or isinstance(value, dict)):
+        items = {k: untracked(v) for k, v in value.items()}
+        changed = wrapped or any(items[k] is not v for k, v in value.items())
+        return dict(items) if changed else value
+    if isinstance(value, (list, tuple)) or (wrapped and isinstance(value, cabc.Sequence)):
+        parts = [untracked(v) for v in value]
+        if not wrapped and all(p is v for p, v in zip(parts, value)):
+            return value
+        if isinstance(value, tuple):  # a _TupleWrapper's __class__ is the wrapped tuple's
+            return value.__class__._make(parts) if hasattr(value, "_fields") else tuple(parts)
+        return parts
+    return value
+
+
+def _tf_tracked_type() -> type | None:
+    tf = sys.modules.get("tensorflow")
+    if tf is None:  # another backend: nothing is wrapped
+        return None
+    from tensorflow.python.trackable.data_structures import TrackableDataStructure
+
+    return TrackableDataStructure
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
 def _is_tf_resource(obj: Any) -> bool:
     tf = sys.modules.get("tensorflow")
     if tf is None:  # another backend: no TensorFlow resources to hold
@@ -314,6 +350,7 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
         self.classes = _keras_classes()
         self.tf_function = _tf_function_type()
         self.tf_strategy = _tf_strategy_type()
+        self.tf_tracked = _tf_tracked_type()
 
     def reducer_override(self, obj: Any) -> Any:
         variable, saveable, tracking, optimizer = self.classes
@@ -355,6 +392,9 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
             return kind, (obj._backend,)  # its __getattr__ recurses while unpickling by state
         if _is_tf_resource(obj):
             return _absent, ()
+        if self.tf_tracked is not None and isinstance(obj, self.tf_tracked) and isinstance(
+                obj, (cabc.Mapping, cabc.Sequence)):  # the plain structure Keras was given
+            return _same, (untracked(obj),)
         if self.tf_strategy is not None and isinstance(obj, self.tf_strategy):
             return _current_strategy, ()  # the receiving process's own (a copy would refuse new variables)
         if self.tf_function is not None and isinstance(obj, self.tf_function):

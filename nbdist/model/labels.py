@@ -7,7 +7,8 @@ so they are not written again here: the model's own loss (what ``compile`` got, 
 around it) is computed once on two rows of stand-ins, labels and sample weights of the given ones' shapes
 and dtypes (class id 0, weight 1: their values have their own checks) and predictions of the outputs'.
 Where Keras raises, so would the local ``fit``, and its reason is what the user reads. Only for losses
-Keras ships: a notebook's own loss function is the user's code, judged where it runs, on the workers.
+Keras ships, and for a model without its own ``compute_loss`` or ``train_step``: a notebook's own loss
+function or step is the user's code, judged where it runs, on the workers.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ def loss_refusal(model: Any, y: Any, sample_weight: Any = None) -> Exception | N
     """What Keras raises (its type, its message) because ``y`` (with ``sample_weight``) cannot be the targets
     of the model's compiled loss; None when Keras takes them, or when it cannot be told without running the
     user's code."""
-    loss = getattr(model, "loss", None)
-    if loss is None or y is None or not _keras_losses_only(loss):
+    from .graph import untracked
+
+    loss = untracked(getattr(model, "loss", None))  # as compile got it, not as TensorFlow's tracking holds it
+    if loss is None or y is None or not _keras_losses_only(loss) or _own_loss_step(model):
         return None
     rows = min([ROWS, *(len(a) for a in _leaves(y))])
     labels = _stand_in(y, rows, 0)
@@ -42,6 +45,15 @@ def loss_refusal(model: Any, y: Any, sample_weight: Any = None) -> Exception | N
     except Exception as exc:  # Keras' own refusal: ValueError, KeyError, TypeError, or the backend's error
         return exc
     return None
+
+
+def _own_loss_step(model: Any) -> bool:
+    """The model's class has its own ``compute_loss`` or ``train_step``: how the loss meets the outputs is the
+    user's code (a ``compute_loss`` may split one output in two), judged where it runs."""
+    import keras
+
+    return any(getattr(type(model), name, None) is not getattr(keras.Model, name, None)
+               for name in ("compute_loss", "train_step"))
 
 
 def _keras_losses_only(loss: Any) -> bool:

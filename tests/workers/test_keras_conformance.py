@@ -479,6 +479,98 @@ def test_fit_argument_as_locally(runs, argument):
     assert_same_weights(remote, local)
 
 
+# -- as many workers as the data allow ---------------------------------------------------------------
+BATCH_OF_ONE = MODEL + """
+hist = model.fit(X[:12], y[:12], batch_size=1, epochs=2, shuffle=False, verbose=0, validation_data=(Xv[:5], yv[:5]))
+"""
+
+
+def test_a_batch_of_one_row_trains_on_one_worker_as_locally(runs):
+    """batch_size=1 under --workers 2: one worker (its step is the local step), said in one line."""
+    local, remote = runs("batch_of_one")
+    assert remote.raised is None, f"{type(remote.raised).__name__}: {remote.raised}"
+    assert_same_history(remote, local)
+    assert_same_weights(remote, local)
+    assert [s for s in remote.said if "1 worker instead of 2" in s and "batch_size=1" in s], remote.said
+
+
+SHORT_LAST_BATCH = MODEL + """
+hist = model.fit(X[:65], y[:65], batch_size=64, epochs=2, shuffle=False, verbose=0, validation_data=(Xv[:1], yv[:1]))
+"""
+
+
+def test_a_last_batch_and_validation_of_fewer_rows_than_workers_as_locally(runs):
+    """65 rows in batches of 64 on 2 workers: the last batch's one row leaves a worker out of that step, and
+    the one validation row leaves a worker without any; History (val_* too) and weights are the local ones."""
+    local, remote = runs("short_last_batch")
+    assert remote.raised is None, f"{type(remote.raised).__name__}: {remote.raised}"
+    assert "val_loss" in local.history
+    assert_same_history(remote, local)
+    assert_same_weights(remote, local)
+    assert not [s for s in remote.said if "instead of" in s], remote.said
+
+
+# -- what Keras was given ------------------------------------------------------------------------------
+REQUIRED_NONE = """
+import keras, numpy as np
+inputs = keras.Input((64,), name="pixels")
+model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+model.compile("sgd", "mse")
+try:
+    hist = model.fit([None], y[:64].astype("float32"), epochs=1, verbose=0)
+except Exception as exc:
+    caught = exc
+"""
+
+
+def test_none_for_a_required_input_raises_keras_error(runs):
+    local, remote = runs("required_none")
+    assert isinstance(local.caught, ValueError)
+    same_exception(remote.caught, local.caught)
+
+
+NESTED_LOSSES = """
+import keras
+keras.utils.set_random_seed(1)
+inputs = keras.Input((64,))
+heads = [keras.layers.Dense(1, name=name)(inputs) for name in ("a", "b", "c")]
+model = keras.Model(inputs, (heads[0], [heads[1], heads[2]]))
+model.compile(keras.optimizers.SGD(0.01), loss=("mse", ["mae", "mse"]))
+target = y[:128].astype("float32")[:, None]
+hist = model.fit(X[:128], (target, [target, target]), batch_size=32, epochs=2, shuffle=False, verbose=0)
+"""
+
+
+def test_a_tuple_of_losses_holding_a_list_as_locally(runs):
+    """compile(loss=(l1, [l2, l3])): the workers get the structure Keras was given, not TensorFlow's wrappers."""
+    local, remote = runs("nested_losses")
+    assert remote.raised is None, f"{type(remote.raised).__name__}: {remote.raised}"
+    assert_same_history(remote, local)
+    assert_same_weights(remote, local)
+
+
+OWN_COMPUTE_LOSS = """
+import keras
+keras.utils.set_random_seed(1)
+class TwoLosses(keras.Model):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs):
+        return super().compute_loss(x=x, y=y, y_pred=[y_pred, y_pred], sample_weight=sample_weight, **kwargs)
+inputs = keras.Input((64,))
+model = TwoLosses(inputs, keras.layers.Dense(1)(inputs))
+model.compile(keras.optimizers.SGD(0.01), loss=["mse", "mae"])
+target = y[:128].astype("float32")[:, None]
+hist = model.fit(X[:128], (target, target), batch_size=32, epochs=2, shuffle=False, verbose=0)
+"""
+
+
+def test_a_models_own_compute_loss_meets_the_labels_as_locally(runs):
+    """One output made two by the model's compute_loss, two losses: its code decides, as in Keras' fit."""
+    local, remote = runs("own_compute_loss")
+    assert remote.raised is None, f"{type(remote.raised).__name__}: {remote.raised}"
+    assert_same_history(remote, local)
+    assert_same_weights(remote, local)
+
+
 CELLS = {
     "hooks": (HOOKS, {}),
     "built_ins": (BUILT_INS, {"OPTIMIZER": lambda: keras.optimizers.Adam(0.05)}),
@@ -500,6 +592,11 @@ CELLS = {
     "fit_split": (FIT_SPLIT, {}),
     "fit_steps": (FIT_STEPS, {}),
     "fit_shuffled": (FIT_SHUFFLED, {}),
+    "batch_of_one": (BATCH_OF_ONE, {}),
+    "short_last_batch": (SHORT_LAST_BATCH, {}),
+    "required_none": (REQUIRED_NONE, {}),
+    "nested_losses": (NESTED_LOSSES, {}),
+    "own_compute_loss": (OWN_COMPUTE_LOSS, {}),
 }
 
 
