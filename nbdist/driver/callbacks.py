@@ -118,7 +118,8 @@ class DriverCallbacks:
 
     def batch_summaries(self, same_files: bool) -> BatchSummaries | None:
         """What the notebook's ``keras.callbacks.TensorBoard`` writes inside the passes, for worker 0 to write
-        (``same_files``: the workers see the notebook's filesystem); None when there is nothing such. Where the
+        (``same_files``: the workers see the notebook's filesystem); None unless it acts at every batch
+        (``update_freq`` a number, ``profile_batch``): the train graph alone is not worth a second writer. Where the
         workers write elsewhere (Spark executors, containers), the batch-level part is said in one line."""
         import keras
 
@@ -130,12 +131,13 @@ class DriverCallbacks:
         trace = [int(board._start_batch), int(board._stop_batch)] if board._should_trace else [0, 0]
         part = BatchSummaries(str(board.log_dir), freq, trace, bool(board.write_steps_per_second),
                               bool(board.write_graph))
+        if not part.per_batch:  # the epoch's part alone: one event file per run directory, as locally
+            return None
         if same_files:
             return part
-        if part.per_batch:
-            log.warning("TensorBoard(update_freq=%r, profile_batch=%r) writes batch-level summaries, but these "
-                        "workers do not share the notebook's files: only the epoch's summaries are written "
-                        "(update_freq='epoch' says so).", board.update_freq, board.profile_batch)
+        log.warning("TensorBoard(update_freq=%r, profile_batch=%r) writes batch-level summaries, but these "
+                    "workers do not share the notebook's files: only the epoch's summaries are written "
+                    "(update_freq='epoch' says so).", board.update_freq, board.profile_batch)
         return None
 
     def check(self, validates: bool) -> None:

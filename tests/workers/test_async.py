@@ -170,7 +170,7 @@ model.fit(XA, ya, batch_size=32, epochs=3, validation_data=(Xt, yt), verbose=0, 
 
 
 @pytest.mark.parametrize("road", ["file", "wire"])
-def test_async_trains_on_arrays_dealt_by_batch_index(ip, digits_split, tmp_path, road):
+def test_async_trains_on_arrays_dealt_by_batch_index(ip, digits_split, tmp_path, road, monkeypatch):
     """In-memory arrays feed async: every worker holds them whole (a local worker maps the notebook's .npy;
     with class weights they cross the wire), the driver deals batch indices. The notebook's model ends on
     the shared weights the workers validated last (its accuracy is the last merged val_accuracy)."""
@@ -183,12 +183,17 @@ def test_async_trains_on_arrays_dealt_by_batch_index(ip, digits_split, tmp_path,
     else:
         # Keras' validation_freq: validated after the third epoch only.
         xa, fit = x_train, {"class_weight": {c: 1.0 + (c == 3) for c in range(10)}, "validation_freq": 3}
+    from nbdist.driver.training import TrainingJob
+
+    sent = {}  # the jobs as the workers got them (a finished run keeps no data to make them again)
+    made = TrainingJob._job_message
+    monkeypatch.setattr(TrainingJob, "_job_message", lambda self, rank: sent.setdefault(rank, made(self, rank)))
     ip.run_cell("import keras")
     ip.user_ns.update(XA=xa, ya=y_train, Xt=x_test, yt=y_test, FIT=fit)
     ip.run_cell_magic("dist_train", "--workers 2 --strategy async --ui none", ARRAY_CELL)
     job = ip.user_ns["history_job"]
     assert job.status == "done", job.error
-    message = job._job_message(1)
+    message = sent[1]
     assert message.data_source == road and (message.x is None) == (road == "file")
     if road == "wire":
         assert len(message.x) == len(x_train) and message.sample_weight[y_train == 3].min() == 2.0
