@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install system-deps demo lint test test-install bench clean
+.PHONY: install system-deps demo lint test test-full test-install bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ lint: install
 
 test: lint system-deps
 	$(BIN)/python -m pytest -q -rs --durations=30
+	$(MAKE) test-install
+
+# CI's suite plus the further cases it leaves out (marker full) and the issue's 20 soak trials of each kind.
+test-full: lint system-deps
+	NBDIST_SOAK_TRIALS=20 $(BIN)/python -m pytest -q -rs --durations=30 --full
 	$(MAKE) test-install
 
 # The install tiers (CONTRIBUTING.md): fresh venvs with one extra each, from nbdist's wheel built once.

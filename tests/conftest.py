@@ -19,6 +19,22 @@ import pytest
 CI_BUDGET_SECONDS = 35 * 60
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="also run the tests marked full (make test-full); CI's make test leaves them out")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """``full``: a second case of a path CI already covers (the other backend on the same cluster kind, more
+    strategies of one exchange); run by ``make test-full``, left out of ``make test`` to keep CI's budget."""
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason="a further case of a path CI covers: make test-full runs it")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """Seconds per tier (setup, call and teardown of its tests) against CI's budget.
 

@@ -49,7 +49,7 @@ def test_intercepted_fit_with_callbacks_and_class_weight(engine, ip, tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.full), "torch"])  # JAX: Connect's
 def test_a_jax_or_torch_notebook_trains_in_containers_as_locally(engine, backend):
     """Issue 25: the default image mounts this machine's Python, so its JAX and torch; a notebook of its own
     on that backend (Keras reads KERAS_BACKEND once per process)."""

@@ -1,6 +1,6 @@
 """R1 and R2 soak loops (marker ``soak``; the default run executes them).
 
-The default run does 8 trials of each (each trial starts two workers that import
+The default run (CI's) does 4 trials of each (each trial starts two workers that import
 TensorFlow, ~10 s); ``NBDIST_SOAK_TRIALS=20`` gives the issue's 20, and
 ``benchmarks/soak.py --trials N`` prints the same loops as a table.
 
@@ -31,7 +31,7 @@ import soak
 from ..conftest import ipython_shell
 
 pytestmark = pytest.mark.soak
-TRIALS = int(os.environ.get("NBDIST_SOAK_TRIALS", "8"))
+TRIALS = int(os.environ.get("NBDIST_SOAK_TRIALS", "4"))
 
 
 @pytest.fixture(autouse=True)

@@ -94,7 +94,7 @@ def _left_on_hosts(cluster: NetnsCluster) -> dict[str, list[int]]:
     return {h.name: cluster.pids_on(h, WORKER) for h in HOSTS if cluster.pids_on(h, WORKER)}
 
 
-@pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
+@pytest.mark.parametrize("strategy", [pytest.param("averaging", marks=pytest.mark.full), "allreduce"])
 def test_trains_across_two_hosts(cluster, spark, data, local_accuracy, strategy):
     job, acc = _train(data, strategy)
     assert sorted(w.host for w in job.state.workers) == ["hostA", "hostB"]  # one task on each machine
@@ -158,8 +158,9 @@ def test_coordinator_unreachable_from_the_hosts(cluster, spark, data, monkeypatc
     assert not _left_on_hosts(cluster)
 
 
-def test_no_executors(cluster, data):
+def test_no_executors(cluster, data, monkeypatch):
     """Executors wider than any worker: none starts; one sentence before counting rows, not a hang."""
+    monkeypatch.setenv("NBDIST_EXECUTOR_WAIT", "6")  # none can come: the default 20 s wait proves nothing more
     spark = _session(cluster, **{"spark.executor.cores": "2"})  # each host offers one core
     df = digits_frame(spark, data[0], data[2])
     start = time.monotonic()
@@ -171,8 +172,9 @@ def test_no_executors(cluster, data):
     assert message.startswith("no Spark executor registered") and "spark.executor.cores" in message, message
 
 
-def test_driver_address_unreachable(cluster, data):
+def test_driver_address_unreachable(cluster, data, monkeypatch):
     """spark.driver.host on an address the hosts have no route to: executors never register."""
+    monkeypatch.setenv("NBDIST_EXECUTOR_WAIT", "6")
     spark = _session(cluster, driver=UNREACHABLE_IP)
     df = digits_frame(spark, data[0], data[2])
     start = time.monotonic()

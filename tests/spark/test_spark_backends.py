@@ -14,6 +14,6 @@ need_spark()
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.full), "torch"])  # JAX: Connect's
 def test_a_jax_or_torch_notebook_trains_on_spark_as_locally(backend, no_leftover_workers):
     assert_remote_run(run_driver(backend, "spark"), backend)

@@ -165,7 +165,7 @@ def test_predict_equals_model_predict(spark, data, test_frame):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.parametrize("backend", ["jax", pytest.param("torch", marks=pytest.mark.full)])  # torch: classic's
 def test_a_jax_or_torch_notebook_trains_over_connect_as_locally(spark, backend, no_leftover_workers):
     """Issue 25: a notebook of its own on that backend, a client of this module's server."""
     assert_remote_run(run_driver(backend, "spark", CONNECT_URL[0]), backend)

@@ -118,8 +118,8 @@ def local_and_remote(optimizer: Any, workers: int, **options: Any) -> tuple[Any,
 
 @pytest.mark.parametrize("optimizer, workers", [
     (keras.optimizers.Adam(0.01), 2),
-    (keras.optimizers.AdamW(0.01, weight_decay=0.05), 2),
-    (keras.optimizers.RMSprop(0.01), 2),
+    pytest.param(keras.optimizers.AdamW(0.01, weight_decay=0.05), 2, marks=pytest.mark.full),
+    pytest.param(keras.optimizers.RMSprop(0.01), 2, marks=pytest.mark.full),
     (keras.optimizers.Adagrad(0.1), 2),
     (keras.optimizers.SGD(0.05, momentum=0.9), 2),
     (keras.optimizers.Adam(0.01), 1),
