@@ -406,6 +406,7 @@ def test_two_workers_under_allreduce_train_the_whole_model_as_the_local_global_b
         np.testing.assert_allclose(predicted, model.predict(x, verbose=0), atol=2e-3 if "mixed" in name else 1e-6)
 
 
+@pytest.mark.full  # the two-worker test below covers the same travel and more; this one tells travel from sync
 @pytest.mark.parametrize("name", sorted(ZOO) + ["own_compile_two_optimizers"])
 def test_one_worker_equals_the_local_fit(name, data, digits):
     """One worker trains the model it received as the notebook's own fit would (BatchNorm included)."""
