@@ -9,19 +9,30 @@ import nbdist
 from ..conftest import mlp
 
 
+@pytest.fixture
+def sent(monkeypatch):
+    """The training jobs as the workers got them, by rank (a finished run keeps no data to make them again)."""
+    from nbdist.driver.training import TrainingJob
+
+    jobs: dict[int, object] = {}
+    made = TrainingJob._job_message
+    monkeypatch.setattr(TrainingJob, "_job_message", lambda self, rank: jobs.setdefault(rank, made(self, rank)))
+    return jobs
+
+
 @pytest.mark.parametrize("strategy", ["allreduce", "averaging"])
-def test_a_memory_map_trains_as_the_array_in_memory(digits, tmp_path, strategy, no_leftover_workers):
+def test_a_memory_map_trains_as_the_array_in_memory(digits, tmp_path, strategy, sent, no_leftover_workers):
     X, y = digits
     np.save(tmp_path / "x.npy", X[:1000].astype("float64"))  # cast per block on the workers
     mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
     options = dict(epochs=2, batch_size=32, workers=2, strategy=strategy, averaging_frequency=1, shuffle=False,
                    stream_buffer_bytes=100 * 64 * 4, ui="none")  # windows of ~100 rows, 4 MB blocks
     from_file, in_memory = mlp(), mlp()
-    job = nbdist.train(from_file, mapped, y[:1000], **options)
+    nbdist.train(from_file, mapped, y[:1000], **options)
+    first = sent[1]  # what worker 1 was sent
     nbdist.train(in_memory, X[:1000], y[:1000], **options)
-    sent = job._job_message(1)  # what worker 1 was sent
     # its dealt rows of every global batch of 64 (nbdist.train is model.fit(x, y)): 32..63, 96..127, ...
-    assert sent.data_source == "file" and sent.x is None and sent.data_file["deal"] == [1000, 64, 2, 1]
+    assert first.data_source == "file" and first.x is None and first.data_file["deal"] == [1000, 64, 2, 1]
     for a, b in zip(from_file.get_weights(), in_memory.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
@@ -62,7 +73,7 @@ def two_input_model():
     return model
 
 
-def test_a_memory_map_among_several_inputs_is_read_from_its_file(digits, tmp_path, no_leftover_workers):
+def test_a_memory_map_among_several_inputs_is_read_from_its_file(digits, tmp_path, sent, no_leftover_workers):
     """A dict of inputs with one memory-mapped .npy: local workers read their rows of it from the file (none
     cross the wire or pass through the notebook), the other input travels; training and evaluation are those
     of the arrays in memory."""
@@ -75,11 +86,11 @@ def test_a_memory_map_among_several_inputs_is_read_from_its_file(digits, tmp_pat
     inputs = {"pixels": np.load(tmp_path / "pixels.npy", mmap_mode="r"), "half": X[:, :32].copy()}
     options = dict(epochs=2, batch_size=32, workers=2, strategy="allreduce", shuffle=False, ui="none")
     from_file, in_memory = two_input_model(), two_input_model()
-    job = nbdist.train(from_file, inputs, y, **options)
+    nbdist.train(from_file, inputs, y, **options)
+    first = sent[1]
     nbdist.train(in_memory, {"pixels": X, "half": X[:, :32].copy()}, y, **options)
-    sent = job._job_message(1)
-    assert sent.data_source == "wire" and sent.x["pixels"] is None and len(sent.x["half"]) == 300
-    assert sent.data_file["leaves"]["0"]["deal"] == [600, 64, 2, 1]
+    assert first.data_source == "wire" and first.x["pixels"] is None and len(first.x["half"]) == 300
+    assert first.data_file["leaves"]["0"]["deal"] == [600, 64, 2, 1]
     for a, b in zip(from_file.get_weights(), in_memory.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
     config, data = inference_request(from_file, inputs, y, None, True, {"workers": 2, "batch_size": 64}, "the model")
