@@ -102,7 +102,6 @@ TRAIN_CASES = [
     ("strings", "--data X_strings,y", USE_M0, ["dtype", "astype"]),
     ("object-dtype", "--data X_object,y", USE_M0, ["Python objects", "astype"]),
     ("empty-arrays", "--data X_empty,y_empty", USE_M0, ["empty"]),
-    ("fewer-rows-than-workers", "--data X_one,y_one --workers 2", USE_M0, ["2 workers", "only 1"]),
     ("ragged-list", "--data X_ragged,y", USE_M0, ["cannot be turned into an array"]),
     ("scalar-data", "--data X_scalar,y", USE_M0, ["single value"]),
     ("features-too-narrow", "--data X_narrow,y", USE_M0, ["(32,)", "(64,)"]),
@@ -222,6 +221,17 @@ def test_api_bad_input(ip, call, words):
 
 
 # -- cases that need real workers -------------------------------------------------
+def test_fewer_rows_than_workers_train_on_as_many_workers_as_rows(ip, caplog):
+    """Not bad input (issue 46): one row on 2 workers trains on one worker, as the local fit, said in one line."""
+    ns = ip.user_ns
+    ns.pop("model", None)
+    result = ip.run_cell("%%dist_train --data X_one,y_one --epochs 1 --workers 2 --ui none --out one_row\nmodel = m0")
+    assert result.success, result.error_in_exec
+    assert ns["one_row_job"].world_size == 1 and len(ns["one_row"]["loss"]) == 1
+    assert any("1 worker instead of 2" in r.getMessage() for r in caplog.records), caplog.text
+    assert not wait_no_workers(5)
+
+
 def test_validation_rows_fewer_than_workers_still_train(ip):
     """An empty validation shard on one worker is legal: the run finishes and reports val metrics."""
     ns = ip.user_ns
