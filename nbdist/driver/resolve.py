@@ -43,7 +43,6 @@ def resolve_backend(config: TrainConfig) -> Backend:
     return ContainerBackend(config)
 
 
-
 def resolve_world(config: TrainConfig, backend: Backend, limits: dict[str, int],
                   what: str = "training data") -> tuple[int, str | None]:
     """The run's workers: ``--workers`` or the backend's default (said in one line when the backend says
