@@ -30,6 +30,7 @@ from .driver.inference import EvaluationJob, PredictionJob, inference_spec
 from .errors import NbdistError
 from .model.metrics import ClassifierSpec, classifier_spec, compiled_loss
 from .model.spec import ensure_built
+from .model.tensors import keras_data
 from .spark.backend import is_connect_session
 from .spark.checks import SPARK_BACKENDS, check_label_classes, check_width
 from .spark.data import is_spark_data, is_spark_rdd, spark_dataset, sql_types, vector_label
@@ -93,7 +94,7 @@ def _build_on(model: Any, data: FitData | PyDatasetData, labelled: bool) -> None
         ensure_built(model, x, y)
         return
     try:  # predict_step's call, on one row
-        model(map_struct(lambda a: a[:1], x), training=False)
+        model(keras_data(map_struct(lambda a: a[:1], x)), training=False)
     except Exception as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # one line: Keras' first
         raise NbdistError(f"the model could not be built on one row of the prediction data ({reason}); check that "

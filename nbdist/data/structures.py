@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import NbdistError
+from ..machine.keras_backend import notebook_backend
 from .files import memory_budget, not_in_memory, npy_file, pipeline_message
+from .ragged import RaggedRows, concat, is_ragged, ragged_rows
 
 # An array, a list of Structs or a dict of Structs (or None: not given).
 Struct = Any
@@ -67,7 +69,7 @@ def as_text(arr: np.ndarray) -> np.ndarray | None:
 
 def has_text(struct: Any) -> bool:
     """Whether any array of ``struct`` (an array, or a dict or list of them) holds numpy str or bytes."""
-    return any(getattr(a, "dtype", None) is not None and a.dtype.kind in ("U", "S") for a in flatten(struct)[1])
+    return any(isinstance(getattr(a, "dtype", None), np.dtype) and a.dtype.kind in "US" for a in flatten(struct)[1])
 
 
 def tf_structure(struct: Any) -> Any:
@@ -82,7 +84,10 @@ def tf_structure(struct: Any) -> Any:
 
 def non_finite(arr: np.ndarray, block_bytes: int = 16 * 2**20) -> int:
     """NaN and infinite values in ``arr``, counted a block of rows at a time. A whole-file memory map
-    is read with plain file reads: pages read through the map would stay in the notebook's RSS."""
+    is read with plain file reads: pages read through the map would stay in the notebook's RSS. Ragged
+    rows: their values."""
+    if isinstance(arr, RaggedRows):
+        arr = arr.values
     if arr.ndim == 0 or len(arr) == 0:
         return 0
     step = max(1, block_bytes // max(1, arr[:1].nbytes))
@@ -118,16 +123,25 @@ def to_struct(value: Any, what: str) -> Struct:
     if kind is not None:
         raise NbdistError(pipeline_message(kind, what))
     if is_ragged(value):
-        raise NbdistError(f"{what} is a tf.RaggedTensor (rows of different lengths), and nbdist sends its workers "
-                          "rectangular numpy arrays; pad it to one length (x.to_tensor(), with a masking layer or "
-                          "Embedding(mask_zero=True) so the padding is ignored) or pass the rows as a PyDataset "
-                          "whose batches are padded.")
+        return _ragged_leaf(value, what)
     return _leaf(value, what)
 
 
-def is_ragged(value: Any) -> bool:
-    """A ``tf.RaggedTensor`` (told by its class, so this module needs no TensorFlow)."""
-    return type(value).__name__ == "RaggedTensor" and type(value).__module__.startswith("tensorflow")
+def _ragged_leaf(value: Any, what: str) -> RaggedRows:
+    """A tf.RaggedTensor as its numpy components (data/ragged.py), on the one backend whose Keras takes it."""
+    backend = notebook_backend()
+    if backend != "tensorflow":
+        raise NbdistError(f"{what} is a tf.RaggedTensor, which only Keras' TensorFlow backend takes and this "
+                          f"notebook runs Keras on {backend}; pad it to one length (x.to_tensor()) or set "
+                          "KERAS_BACKEND=tensorflow.")
+    rows = ragged_rows(value)
+    text = as_text(rows.values)
+    if text is not None:  # tf.string values: fixed-width bytes, as for arrays of text
+        return RaggedRows(text, rows.splits)
+    if rows.dtype.kind not in "biuf":
+        raise NbdistError(f"{what} is a tf.RaggedTensor of {rows.dtype}, not numbers or text; cast it first, "
+                          "e.g. tf.cast(x, 'float32').")
+    return rows
 
 
 def _row(value: Any) -> bool:
@@ -205,6 +219,8 @@ def flatten(struct: Struct) -> tuple[Any, list[np.ndarray]]:
     if isinstance(struct, list):
         parts = [flatten(v) for v in struct]
         return {"list": [p[0] for p in parts]}, [a for p in parts for a in p[1]]
+    if isinstance(struct, RaggedRows):  # its values and row splits, rebuilt by unflatten
+        return {"ragged": len(struct.splits)}, struct.arrays()
     return "array", [struct]
 
 
@@ -213,6 +229,8 @@ def unflatten(layout: Any, arrays: Iterator[np.ndarray]) -> Struct:
         return None
     if layout == "array":
         return next(arrays)
+    if "ragged" in layout:
+        return RaggedRows.from_arrays([next(arrays) for _ in range(1 + int(layout["ragged"]))])
     if "dict" in layout:
         return {k: unflatten(sub, arrays) for k, sub in zip(layout["dict"], layout["items"])}
     return [unflatten(sub, arrays) for sub in layout["list"]]
@@ -231,15 +249,43 @@ def flatten_outputs(out: Any) -> tuple[Any, list[np.ndarray]]:
             cls = type(out)
             layout["tuple"] = [cls.__module__, cls.__qualname__, list(out._fields)] if hasattr(out, "_fields") else []
         return layout, [a for p in parts for a in p[1]]
+    if is_ragged(out):  # a model with ragged outputs: predict gives a tf.RaggedTensor
+        return flatten(ragged_rows(out))
     return "array", [np.asarray(out)]
+
+
+def concat_flat(layout: Any, parts: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """Several flattenings with one ``layout`` (shards' rows, in order) as the flattening of all their rows:
+    each array's rows joined, ragged rows' splits shifted (``ragged.concat``)."""
+    out: list[np.ndarray] = []
+    at = 0
+    for leaf in _leaf_layouts(layout):
+        width = 1 if leaf == "array" else 1 + int(leaf["ragged"])
+        if leaf == "array":
+            out.append(np.concatenate([p[at] for p in parts], axis=0))
+        else:
+            out += concat([RaggedRows.from_arrays(p[at:at + width]) for p in parts]).arrays()
+        at += width
+    return out
+
+
+def _leaf_layouts(layout: Any) -> Iterator[Any]:
+    if layout is None:
+        return
+    if layout == "array" or "ragged" in layout:
+        yield layout
+        return
+    for sub in layout["items"] if "dict" in layout else layout["list"]:
+        yield from _leaf_layouts(sub)
 
 
 def unflatten_outputs(layout: Any, arrays: Iterator[np.ndarray]) -> Any:
     """``flatten_outputs`` reversed: lists, tuples and namedtuples (the notebook's own class where it can
     be found by module and name, else one with the same fields) as the model returned them."""
-    if layout is None or layout == "array" or "dict" in layout:
-        return unflatten(layout, arrays) if layout is None or layout == "array" else \
-            {k: unflatten_outputs(sub, arrays) for k, sub in zip(layout["dict"], layout["items"])}
+    if layout is None or layout == "array" or "ragged" in layout:
+        return unflatten(layout, arrays)
+    if "dict" in layout:
+        return {k: unflatten_outputs(sub, arrays) for k, sub in zip(layout["dict"], layout["items"])}
     items = [unflatten_outputs(sub, arrays) for sub in layout["list"]]
     if "tuple" not in layout:
         return items

@@ -16,10 +16,11 @@ import numpy as np
 from ..config import TrainConfig
 from ..data.inputs import FitData, PyDatasetData
 from ..data.sharding import batch_bounds, share_count, strided_batches
-from ..data.structures import flatten, has_text, tf_structure, unflatten_outputs
+from ..data.structures import concat_flat, flatten, has_text, tf_structure, unflatten_outputs
 from ..errors import NbdistError
 from ..model.metrics import ClassifierSpec, merge_classifier_stats, sum_states
 from ..model.spec import ModelSpec, model_from_spec, travelling_model
+from ..model.tensors import keras_data
 from ..spark.data import SparkData
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Evaluation, Predictions
@@ -159,9 +160,9 @@ class PredictionJob(InferenceJob):
         ``model.predict`` returns them: one array, or the list, tuple, namedtuple or dict the model returns."""
         if isinstance(self.data, PyDatasetData):
             return self._py_dataset_result()
-        parts = [self.answers[r].outputs for r in range(self.world_size)]
-        outputs = [np.concatenate([p[i] for p in parts], axis=0) for i in range(len(parts[0]))]
-        return unflatten_outputs(self.answers[0].layout, iter(outputs))
+        layout = self.answers[0].layout
+        outputs = concat_flat(layout, [self.answers[r].outputs for r in range(self.world_size)])
+        return keras_data(unflatten_outputs(layout, iter(outputs)))
 
     def _py_dataset_result(self) -> Any:
         """A PyDataset's predictions in its order: each worker's batches split by their rows, then put back
@@ -185,7 +186,7 @@ def _evaluate_rows(model: Any, x: Any, y: Any, sample_weight: Any) -> None:
         parts = tf_structure((x, y) if sample_weight is None else (x, y, sample_weight))
         model.evaluate(tf.data.Dataset.from_tensor_slices(parts).batch(len(flatten(x)[1][0])), verbose=0)
     else:
-        model.evaluate(x, y, sample_weight=sample_weight, verbose=0)
+        model.evaluate(keras_data(x), keras_data(y), sample_weight=keras_data(sample_weight), verbose=0)
 
 
 def keras_results(spec: ModelSpec, names: list[str], state: list[np.ndarray], build: Any) -> dict[str, Any]:

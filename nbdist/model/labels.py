@@ -110,7 +110,10 @@ def _stand_in(value: Any, rows: int, fill: int) -> Any:
     if isinstance(value, (list, tuple)):
         items = [_stand_in(v, rows, fill) for v in value]
         return None if any(v is None for v in items) else type(value)(items)
-    shape, dtype = tuple(np.shape(value)), np.asarray(value[:1]).dtype
-    if dtype.kind not in "biuf" or not shape:
+    shape = tuple(np.shape(value))
+    if not shape or None in shape:  # ragged labels (data/ragged.py): no one shape to stand in for
+        return None
+    dtype = np.asarray(value[:1]).dtype
+    if dtype.kind not in "biuf":
         return None
     return np.full((rows, *shape[1:]), fill, dtype=dtype)

@@ -22,6 +22,7 @@ import numpy as np
 from ..data.structures import all_zero, leaves, map_struct
 from ..errors import NbdistError
 from . import graph as model_graph
+from .tensors import keras_data
 
 _ITERATION_NAMES = ("iteration", "iterations", "step_counter")
 
@@ -73,7 +74,7 @@ def ensure_built(model: Any, x: Any, y: Any, *, width: int | None = None) -> Non
     try:
         first = lambda struct: map_struct(lambda a: a[:1], struct)  # one row of every input and output
         with home_scope(model):
-            model._symbolic_build(data_batch=(first(x), first(y)))
+            model._symbolic_build(data_batch=(keras_data(first(x)), keras_data(first(y))))
     except Exception as exc:
         raise NbdistError(f"the model could not be built on one row of the training data ({_one_line(exc)}); "
                           "check that the data fits the model's call().") from None

@@ -66,3 +66,22 @@ def without_torch_params(state: dict[str, Any]) -> dict[str, Any]:
     if isinstance(modules, dict) and "_torch_params" in modules:
         state["_modules"] = type(modules)((k, v) for k, v in modules.items() if k != "_torch_params")
     return state
+
+
+def keras_data(struct: Any) -> Any:
+    """Data as Keras takes it: ragged rows (``data.ragged.RaggedRows``, a tf.RaggedTensor's numpy components)
+    as the ``tf.RaggedTensor`` they came from, in dicts, lists and tuples as they are; anything else as it is."""
+    from ..data.ragged import RaggedRows
+
+    if isinstance(struct, RaggedRows):
+        import tensorflow as tf
+
+        return tf.RaggedTensor.from_nested_row_splits(struct.values, list(struct.splits), validate=False)
+    if isinstance(struct, dict):
+        return {k: keras_data(v) for k, v in struct.items()}
+    if isinstance(struct, list):
+        return [keras_data(v) for v in struct]
+    if isinstance(struct, tuple):
+        items = [keras_data(v) for v in struct]
+        return type(struct)(*items) if hasattr(struct, "_fields") else tuple(items)
+    return struct

@@ -157,7 +157,8 @@ def validation_batches(x: Any, y: Any, batch_size: int, sample_weight: Any = Non
     import tensorflow as tf
 
     parts = tf_structure(x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight))
-    data = tf.nest.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), parts)
+    as_tensor = lambda a: a if a is None or isinstance(a, tf.RaggedTensor) else tf.convert_to_tensor(a)
+    data = tf.nest.map_structure(as_tensor, parts)
     dataset = without_autotune(tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat())
     dataset.nbdist_one_pass_per_validation = True  # read whole passes: one iterator serves them all
     return dataset
@@ -183,10 +184,13 @@ def stream_batches(stream: Any) -> Any:
 
 def resident(array: Any) -> Any:
     """``array`` as a non-trainable variable: one copy, which ``tf.data`` reads by reference (None, an
-    optional input left out, as it is)."""
+    optional input left out, as it is). A tf.RaggedTensor as it is: a variable holds no ragged value, and
+    ``tf.gather`` takes its rows as an array's."""
     import tensorflow as tf
 
-    return None if array is None else tf.Variable(array, trainable=False, name="nbdist_shard")
+    if array is None or isinstance(array, tf.RaggedTensor):
+        return array
+    return tf.Variable(array, trainable=False, name="nbdist_shard")
 
 
 def fit_inputs(x: Any, y: Any, batch_size: int, shuffle: bool, seed: int | None, rank: int,

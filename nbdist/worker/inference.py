@@ -162,10 +162,8 @@ def _fit_input(model: Any, x: Any) -> Any:
 
 def run_inference(link: Any, job: JobMessage) -> None:
     from ..model.spec import model_from_spec
-    from .runtime import pin_threads
 
     link.heartbeat_timeout = float(job.heartbeat_timeout)
-    pin_threads(job.threads)
     model = model_from_spec(job.model)
     x, y, batch_size = job.x, job.y, job.batch_size
     share = py_dataset_share(job)

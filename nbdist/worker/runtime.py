@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ..machine.keras_backend import configured_backend, optional_packages_hidden
 from ..machine.placement import interop_threads
-from ..wire.messages import JobMessage
+from ..model.tensors import keras_data
+from ..wire.messages import DATA_FIELDS, JobMessage
 
 
 def import_keras() -> None:
@@ -37,7 +38,10 @@ def pin_threads(threads: int) -> None:
 
 
 def unpack_job(job: JobMessage) -> JobMessage:
-    """The job message (decoded by the link, wire/messages.py), with the shard its Spark task wrote, if any."""
+    """The job message (decoded by the link, wire/messages.py), with the shard its Spark task wrote, if any,
+    and its data as Keras takes it (``keras_data``), this worker's threads pinned first (TensorFlow takes
+    them only before its first tensor)."""
+    pin_threads(job.threads)
     # The Spark task wrote this worker's shard next to it: training streams it (datasets.job_inputs),
     # evaluation and prediction read it whole.
     if job.data_source == "task" and job.kind != "train":
@@ -50,4 +54,6 @@ def unpack_job(job: JobMessage) -> JobMessage:
         from ..wire.shardfile import read_rows
 
         job.x = fill_leaves(job.x, {int(i): read_rows(where) for i, where in job.data_file["leaves"].items()})
+    for name in DATA_FIELDS:  # ragged rows as the tf.RaggedTensor they were (data/ragged.py)
+        setattr(job, name, keras_data(getattr(job, name)))
     return job

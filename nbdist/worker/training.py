@@ -8,7 +8,6 @@ from typing import Any
 from ..wire.commands import Rendezvous
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Progress, Store, WorkerWarning
-from .runtime import pin_threads
 
 log = logging.getLogger("nbdist.worker")
 
@@ -57,7 +56,6 @@ def connect_collective(link: Any, job: JobMessage) -> Any:
 def run_training(link: Any, job: JobMessage) -> None:
     rank, train = job.rank, job.train
     link.heartbeat_timeout = float(job.heartbeat_timeout)
-    pin_threads(job.threads)
     import keras
 
     from ..model.spec import build_optimizer, model_from_spec

@@ -95,17 +95,12 @@ def test_a_scipy_sparse_matrix_is_its_dense_rows_or_one_sentence_when_too_large(
         dense_from_sparse(matrix, "training data x", budget=100)
 
 
-def test_ragged_input_is_refused_as_ragged_and_predictions_keep_keras_structure():
-    """Issue 46: a tf.RaggedTensor is named as ragged (not 'Python objects'), before any worker; predict's
-    tuples and namedtuples survive the wire's flat layout."""
+def test_predictions_keep_keras_structure():
+    """Issue 46: predict's tuples and namedtuples survive the wire's flat layout."""
     import collections
-
-    import tensorflow as tf
 
     from nbdist.data.structures import flatten_outputs, unflatten_outputs
 
-    with pytest.raises(NbdistError, match="RaggedTensor"):
-        make_fit_data(tf.ragged.constant([[1.0, 2.0], [3.0]]), np.zeros(2))
     pair = collections.namedtuple("Pair", "a b")
     globals()["Pair"] = pair  # found by module and name, as a notebook's class is in __main__
     pair.__module__ = __name__
@@ -114,3 +109,39 @@ def test_ragged_input_is_refused_as_ragged_and_predictions_keep_keras_structure(
     back = unflatten_outputs(layout, iter(arrays))
     assert type(back) is list and type(back[1]) is tuple and type(back[1][1]) is pair and type(back[2]) is dict
     np.testing.assert_array_equal(back[1][1].a, np.ones((2, 2)))
+
+
+def test_ragged_rows_are_dealt_travel_as_arrays_and_come_back_as_tf_gather_gives_them():
+    """Issue 46: a tf.RaggedTensor (ragged rank 1 and 2, rows of values with a shape of their own) becomes
+    numpy components at the door, each worker's dealt rows of it cross the wire as plain arrays and are the
+    tf.RaggedTensor ``tf.gather`` gives; validation_split's last rows and a prediction's shards joined too."""
+    import tensorflow as tf
+
+    from nbdist.data.ragged import RaggedRows
+    from nbdist.data.structures import concat_flat, flatten, flatten_outputs, unflatten, unflatten_outputs
+    from nbdist.model.tensors import keras_data
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 5, size=23)
+    tokens = tf.RaggedTensor.from_row_lengths(rng.integers(0, 50, size=int(lengths.sum())).astype("int32"), lengths)
+    nested = tf.RaggedTensor.from_nested_row_lengths(rng.normal(size=(10, 3)).astype("float32"),
+                                                     [[2, 0, 3, 1], [2, 1, 0, 4, 1, 2]])
+    data = make_fit_data({"tokens": tokens, "dense": np.arange(23.0)[:, None]}, np.arange(23))
+    assert isinstance(data.x["tokens"], RaggedRows) and len(data) == 23 and data.x["tokens"].shape == (23, None)
+
+    def same(got, want):
+        assert isinstance(got, tf.RaggedTensor) and got.dtype == want.dtype
+        assert got.row_splits.dtype == want.row_splits.dtype and got.to_list() == want.to_list()
+
+    for rows in deal_rows(23, 8, 3):
+        layout, arrays = flatten(data.take(rows).x)
+        assert all(type(a) is np.ndarray for a in arrays)  # plain numpy on the wire: nothing of TensorFlow
+        same(keras_data(unflatten(layout, iter(list(arrays))))["tokens"], tf.gather(tokens, rows))
+    _, val = split_validation(data, 0.25)
+    same(keras_data(val.x["tokens"]), tokens[17:])  # Keras: the last 25%, floor(23 * 0.75) on
+    for value in (tokens, nested):
+        rows = make_fit_data(value).x
+        same(keras_data(rows[np.array([3, 0, 3, 2])]), tf.gather(value, [3, 0, 3, 2]))
+        shards = [flatten_outputs(value[a:b]) for a, b in ((0, 2), (2, 2), (2, len(rows)))]
+        layout = shards[0][0]
+        same(keras_data(unflatten_outputs(layout, iter(concat_flat(layout, [s[1] for s in shards])))), value)

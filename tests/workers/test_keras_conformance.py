@@ -571,6 +571,59 @@ def test_a_models_own_compute_loss_meets_the_labels_as_locally(runs):
     assert_same_weights(remote, local)
 
 
+# -- ragged inputs (TensorFlow) -------------------------------------------------------------------------
+RAGGED = """
+import keras, numpy as np, tensorflow as tf
+class RaggedMean(keras.layers.Layer):
+    def call(self, t):  # the mean over each row's own length
+        return tf.reduce_mean(t, axis=1)
+tokens = lambda rows: tf.ragged.constant([np.flatnonzero(r > 0.25) for r in rows], dtype="int32")
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.layers.Embedding(64, 8), RaggedMean(), keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+hist = model.fit(tokens(X[:256]), y[:256], batch_size=48, epochs=2, shuffle=False, verbose=0,
+                 validation_data=(tokens(Xv[:96]), yv[:96]))
+"""
+
+
+def test_ragged_inputs_train_validate_evaluate_and_predict_as_locally(runs):
+    """A tf.RaggedTensor x (the bright pixels' positions, rows of different lengths) to an Embedding and a
+    layer reducing over each row's length: fit with ragged validation data gives the local History and
+    weights; nbdist.evaluate and nbdist.predict on it give what Keras' evaluate and predict give."""
+    local, remote = runs("ragged")
+    assert remote.raised is None, f"{type(remote.raised).__name__}: {remote.raised}"
+    assert np.isfinite(local.history["loss"]).all() and np.isfinite(local.history["val_loss"]).all()
+    assert_same_history(remote, local)
+    assert_same_weights(remote, local)
+    model, x, labels = remote.ns["model"], remote.ns["tokens"](remote.ns["Xv"][:150]), remote.ns["yv"][:150]
+    want = model.evaluate(x, labels, batch_size=32, verbose=0, return_dict=True)
+    got = nbdist.evaluate(model, x, labels, batch_size=32, workers=2)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5), key
+    np.testing.assert_allclose(nbdist.predict(model, x, workers=2), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_predict_of_ragged_outputs_is_a_ragged_tensor_as_keras():
+    """A model whose output is ragged (as in Keras' own ragged test, x times a weight): nbdist.predict joins
+    the workers' rows into the tf.RaggedTensor Keras' predict returns."""
+    import tensorflow as tf
+
+    class Twice(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.scale = self.add_weight(shape=(), initializer=keras.initializers.Constant(2.0))
+
+        def call(self, x):
+            return x * self.scale
+
+    x = tf.ragged.constant([[1.0], [2.0, 3.0], [], [4.0, 5.0, 6.0], [7.0]])
+    model = Twice()
+    want = model.predict(x, verbose=0)
+    got = nbdist.predict(model, x, workers=2, batch_size=2)
+    assert type(got) is type(want) is tf.RaggedTensor
+    assert got.to_list() == want.to_list()
+
+
 CELLS = {
     "hooks": (HOOKS, {}),
     "built_ins": (BUILT_INS, {"OPTIMIZER": lambda: keras.optimizers.Adam(0.05)}),
@@ -597,6 +650,7 @@ CELLS = {
     "required_none": (REQUIRED_NONE, {}),
     "nested_losses": (NESTED_LOSSES, {}),
     "own_compute_loss": (OWN_COMPUTE_LOSS, {}),
+    "ragged": (RAGGED, {}),
 }
 
 
