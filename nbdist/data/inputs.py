@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import NbdistError
 from .files import NpyFile, npy_file
+from .ragged import RaggedRows
 from .structures import Struct, fill_leaves, flatten, leaves, map_struct, non_finite, to_struct, unflatten
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,10 @@ class FitData:
 
     @property
     def x_file(self) -> NpyFile | None:
-        """The .npy file ``x`` is the whole-file memory map of (``npy_file``), else None."""
+        """The .npy file ``x`` is the whole-file memory map of (``npy_file``), else None. None too where the
+        labels are ragged: a worker streams a file's rows with array labels only, so these cross the wire."""
+        if any(isinstance(a, RaggedRows) for a in leaves(self.y) + leaves(self.sample_weight)):
+            return None
         return npy_file(self.x)
 
     @property
@@ -155,7 +159,12 @@ def standardize_batch(batch: Any, class_weight: dict[int, float] | None = None) 
     if not isinstance(batch, tuple) or len(batch) not in (1, 2, 3):
         raise NbdistError(f"the PyDataset's __getitem__ returned {type(batch).__name__}; return (x, y), "
                           "(x, y, sample_weight) or x, as Keras expects.")
-    parts = tuple(map_struct(np.asarray, to_struct(part, "a PyDataset batch")) for part in batch)
+    structs = tuple(to_struct(part, "a PyDataset batch") for part in batch)
+    if any(isinstance(a, RaggedRows) for part in structs for a in leaves(part)):
+        raise NbdistError("a PyDataset batch holds a tf.RaggedTensor, and nbdist reads a PyDataset's batches as "
+                          "arrays; return padded batches (x.to_tensor()) from __getitem__, or pass the "
+                          "tf.RaggedTensor itself to fit, which nbdist splits by rows.")
+    parts = tuple(map_struct(np.asarray, part) for part in structs)
     if class_weight is not None:
         if len(parts) != 2:
             raise NbdistError("class_weight with a PyDataset needs batches of (x, y), without sample weights "
@@ -165,7 +174,7 @@ def standardize_batch(batch: Any, class_weight: dict[int, float] | None = None) 
 
 
 def batch_rows(batch: tuple[Any, ...]) -> int:
-    return len(leaves(batch[0])[0])
+    return int(leaves(batch[0])[0].shape[0])  # an array's or a tf.RaggedTensor's rows
 
 
 def make_py_dataset_data(dataset: Any, what: str, class_weight: dict[Any, float] | None = None) -> PyDatasetData:

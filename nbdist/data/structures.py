@@ -128,12 +128,13 @@ def to_struct(value: Any, what: str) -> Struct:
 
 
 def _ragged_leaf(value: Any, what: str) -> RaggedRows:
-    """A tf.RaggedTensor as its numpy components (data/ragged.py), on the one backend whose Keras takes it."""
+    """A tf.RaggedTensor as its numpy components (data/ragged.py), on Keras' TensorFlow backend, where Keras
+    takes it as it is (on JAX and torch Keras pads each batch of it, which nbdist leaves to the user)."""
     backend = notebook_backend()
     if backend != "tensorflow":
-        raise NbdistError(f"{what} is a tf.RaggedTensor, which only Keras' TensorFlow backend takes and this "
-                          f"notebook runs Keras on {backend}; pad it to one length (x.to_tensor()) or set "
-                          "KERAS_BACKEND=tensorflow.")
+        raise NbdistError(f"{what} is a tf.RaggedTensor, which nbdist takes on Keras' TensorFlow backend only (on "
+                          f"{backend}, Keras pads each batch of it to its longest row); pad it yourself "
+                          "(x.to_tensor()) or set KERAS_BACKEND=tensorflow.")
     rows = ragged_rows(value)
     text = as_text(rows.values)
     if text is not None:  # tf.string values: fixed-width bytes, as for arrays of text

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..data.inputs import standardize_batch
+from ..data.ragged import is_ragged
 from ..data.sharding import epoch_order
 from ..data.structures import leaves, map_struct
 from ..wire.messages import JobMessage
@@ -42,7 +43,7 @@ class ArrayBatches:
     def __init__(self, x: Any, y: Any, sample_weight: Any, unit: int, shuffle: bool, seed: int) -> None:
         parts = (x, y, sample_weight)
         self.parts = parts[:3 if sample_weight is not None else 2 if y is not None else 1]  # as a PyDataset's items
-        self.rows = len(leaves(x)[0])
+        self.rows = int(leaves(x)[0].shape[0])
         self.unit, self.shuffle, self.seed = int(unit), bool(shuffle), int(seed)
         self._order = np.arange(self.rows, dtype=np.int64)
 
@@ -61,7 +62,11 @@ class ArrayBatches:
         return tuple(map_struct(lambda a: _rows(a, rows), part) for part in self.parts)
 
 
-def _rows(a: Any, rows: np.ndarray) -> np.ndarray:
+def _rows(a: Any, rows: np.ndarray) -> Any:
+    if is_ragged(a):  # a tf.RaggedTensor (data/ragged.py): its rows as tf.gather takes them
+        import tensorflow as tf
+
+        return tf.gather(a, rows)
     out = np.asarray(a[rows])
     return out.astype(np.float32) if out.dtype == np.float64 else out  # a memory map's rows: as the wire sends them
 
