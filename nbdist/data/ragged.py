@@ -50,14 +50,14 @@ class RaggedRows:
         return int(self.values.nbytes + sum(s.nbytes for s in self.splits))
 
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        raise TypeError("ragged rows are no one numpy array; take their values and splits (arrays())")
+        raise TypeError("ragged rows are no one numpy array; take their values and splits (components())")
 
-    def arrays(self) -> list[np.ndarray]:
-        """What crosses the wire: the values, then the splits (``from_arrays`` reverses it)."""
+    def components(self) -> list[np.ndarray]:
+        """What crosses the wire: the values, then the splits (``from_components`` reverses it)."""
         return [self.values, *self.splits]
 
     @classmethod
-    def from_arrays(cls, arrays: Sequence[np.ndarray]) -> RaggedRows:
+    def from_components(cls, arrays: Sequence[np.ndarray]) -> RaggedRows:
         return cls(arrays[0], tuple(arrays[1:]))
 
     def __getitem__(self, index: slice | np.ndarray | Sequence[int]) -> RaggedRows:

@@ -221,7 +221,7 @@ def flatten(struct: Struct) -> tuple[Any, list[np.ndarray]]:
         parts = [flatten(v) for v in struct]
         return {"list": [p[0] for p in parts]}, [a for p in parts for a in p[1]]
     if isinstance(struct, RaggedRows):  # its values and row splits, rebuilt by unflatten
-        return {"ragged": len(struct.splits)}, struct.arrays()
+        return {"ragged": len(struct.splits)}, struct.components()
     return "array", [struct]
 
 
@@ -231,7 +231,7 @@ def unflatten(layout: Any, arrays: Iterator[np.ndarray]) -> Struct:
     if layout == "array":
         return next(arrays)
     if "ragged" in layout:
-        return RaggedRows.from_arrays([next(arrays) for _ in range(1 + int(layout["ragged"]))])
+        return RaggedRows.from_components([next(arrays) for _ in range(1 + int(layout["ragged"]))])
     if "dict" in layout:
         return {k: unflatten(sub, arrays) for k, sub in zip(layout["dict"], layout["items"])}
     return [unflatten(sub, arrays) for sub in layout["list"]]
@@ -265,7 +265,7 @@ def concat_flat(layout: Any, parts: list[list[np.ndarray]]) -> list[np.ndarray]:
         if leaf == "array":
             out.append(np.concatenate([p[at] for p in parts], axis=0))
         else:
-            out += concat([RaggedRows.from_arrays(p[at:at + width]) for p in parts]).arrays()
+            out += concat([RaggedRows.from_components(p[at:at + width]) for p in parts]).components()
         at += width
     return out
 

@@ -71,6 +71,7 @@ class TrainingJob(Run):
         self._last_weights: tuple[int, list[np.ndarray], int] | None = None
         self._applied_epoch: int | None = None  # the epoch whose state went into the model during the run
         self._opt_weights: list[np.ndarray] = []
+        self._buffers: list[np.ndarray] = []  # rank 0's torch module buffers with those weights
         self._iterations: int | None = None
         self._layout: list[list[int]] = []  # each optimizer's variables among the weights (model_io)
         # An intercepted model.fit (or nbdist.train with fit's arguments): its data plan and the
@@ -342,6 +343,7 @@ class TrainingJob(Run):
         elif isinstance(msg, Weights):
             self._last_weights = (msg.epoch, msg.weights, len(msg.optimizer))
             self._opt_weights = msg.optimizer
+            self._buffers = msg.buffers
             self._iterations = msg.iterations
             self._layout = msg.layout
         elif isinstance(msg, (AsyncPull, AsyncPush)) and self._async is not None:
@@ -483,7 +485,7 @@ class TrainingJob(Run):
             return
         opt = list(self._spec.optimizer_weights or [])
         self._last_weights = (self._initial_epoch - 1, list(self._spec.weights), len(opt))
-        self._opt_weights, self._iterations = opt, self._keeper.iterations
+        self._opt_weights, self._iterations, self._buffers = opt, self._keeper.iterations, []
 
     def _apply_last_weights(self) -> None:
         if self._last_weights is None:
@@ -492,7 +494,7 @@ class TrainingJob(Run):
         # All of the state or none of it (model_io.apply_state); the step count continues (Adam's bias
         # correction, LR schedules).
         apply_state(self.model, weights, self._opt_weights if n_opt and self._optimizer_shared() else None,
-                    self._layout, self._iterations)
+                    self._layout, self._iterations, self._buffers)
 
     def _optimizer_shared(self) -> bool:
         """Rank 0's optimizer state is every worker's: allreduce, or averaging that averages it."""

@@ -22,7 +22,7 @@ import numpy as np
 from ..data.structures import all_zero, leaves, map_struct
 from ..errors import NbdistError
 from . import graph as model_graph
-from .tensors import keras_data
+from .tensors import BufferVariable, keras_data, module_buffers
 
 _ITERATION_NAMES = ("iteration", "iterations", "step_counter")
 
@@ -365,10 +365,16 @@ def set_optimizer_weights(model: Any, values: list[np.ndarray]) -> None:
 
 
 def apply_state(model: Any, weights: list[np.ndarray], optimizer_values: list[np.ndarray] | None,
-                layout: list[list[int]] | None = None, iterations: int | None = None) -> None:
-    """Trained state into the notebook's model: all of it, or (on any mismatch) none of it."""
+                layout: list[list[int]] | None = None, iterations: int | None = None,
+                buffers: list[np.ndarray] | None = None) -> None:
+    """Trained state into the notebook's model: all of it, or (on any mismatch) none of it. ``buffers``:
+    its torch modules' buffers (model/tensors.py ``module_buffers``), where the workers sent them."""
     variables = list(model.weights)
     _check_shapes(variables, weights, "weights")
+    if buffers:
+        held = [BufferVariable(t) for t in module_buffers(model)]
+        _check_shapes(held, buffers, "module buffers")
+        variables, weights = variables + held, list(weights) + list(buffers)
     opt_vars: list[Any] = []
     if optimizer_values is not None:
         build_optimizers(model, layout or [])

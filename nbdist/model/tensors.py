@@ -85,3 +85,54 @@ def keras_data(struct: Any) -> Any:
         items = [keras_data(v) for v in struct]
         return type(struct)(*items) if hasattr(struct, "_fields") else tuple(items)
     return struct
+
+
+def module_buffers(model: Any) -> list[Any]:
+    """The tensors the torch modules inside a Keras model (``keras.layers.TorchModuleWrapper``) keep beside
+    their parameters, such as BatchNorm's running statistics: Keras tracks no variable for them, so they are
+    carried apart (trained state, epoch averages). In the order of the model's layers, then each module's
+    ``named_buffers``; [] where Keras does not run on torch."""
+    if "torch" not in sys.modules or sys.modules.get("keras") is None:
+        return []
+    import keras
+
+    if keras.backend.backend() != "torch":
+        return []
+    seen: set[int] = set()
+    out = []
+    for layer in model._flatten_layers(include_self=True):
+        module = getattr(layer, "module", None) if type(layer).__name__ == "TorchModuleWrapper" else None
+        for _, tensor in (module.named_buffers() if module is not None else ()):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                out.append(tensor)
+    return out
+
+
+class BufferVariable:
+    """A module buffer (``module_buffers``) as averaging reads and writes a variable: shape, dtype,
+    ``numpy()`` and ``assign()``, written in place so that the module keeps the same tensor."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+        self.dtype = str(tensor.dtype).removeprefix("torch.")
+
+    @property
+    def value(self) -> Any:
+        """The tensor itself, as a Keras torch variable's ``value`` (the device averager writes into it)."""
+        return self.tensor
+
+    def numpy(self) -> np.ndarray:
+        return tensor_as_array(self.tensor)[0]
+
+    def assign(self, value: Any) -> None:
+        import torch
+
+        with torch.no_grad():
+            self.tensor.copy_(torch.as_tensor(np.asarray(value)).reshape(self.shape))
+
+
+def float_buffers(model: Any) -> list[BufferVariable]:
+    """The model's floating-point module buffers (``module_buffers``) as variables to average."""
+    return [BufferVariable(t) for t in module_buffers(model) if t.is_floating_point()]

@@ -101,7 +101,8 @@ class Epoch(Typed):
 @dataclass(frozen=True)
 class Weights(Typed):
     """Rank 0's synchronised state after ``epoch``: the model's weights (``get_weights()`` order), then every
-    optimizer's variables, where each optimizer's are among them (``layout``) and the step count."""
+    optimizer's variables, where each optimizer's are among them (``layout``) and the step count; ``buffers``:
+    its torch modules' buffers (model/tensors.py ``module_buffers``), which Keras keeps no variable for."""
 
     TYPE = MessageType.WEIGHTS
     epoch: int
@@ -109,6 +110,7 @@ class Weights(Typed):
     layout: list[list[int]]
     weights: list[np.ndarray] = arrays()
     optimizer: list[np.ndarray] = arrays()
+    buffers: list[np.ndarray] = arrays()
 
 
 @dataclass(frozen=True)

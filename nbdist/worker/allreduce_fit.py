@@ -47,6 +47,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
 
     from ..data.sharding import share_count
     from ..model.spec import averaged_optimizer_variables
+    from ..model.tensors import float_buffers
     from ..strategies.allreduce_hook import AllreduceCallback, GradientAllreduce, broadcast_state, wrap_optimizer
     from ..strategies.averaging import WeightedAverager, batch_sizes
     from ..strategies.backend_grads import HostGradientAllreduce, wrap_jax_optimizer, wrap_torch_optimizer
@@ -117,7 +118,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         normaliser = GlobalMaskNormaliser(collective)
         normaliser.install(model)
         reducer.before_pad = normaliser.pad
-    non_trainable = floats(model.non_trainable_weights)
+    non_trainable = floats(model.non_trainable_weights) + float_buffers(model)  # BatchNorm's statistics
     stats = WeightedAverager(collective, non_trainable, compiled=not host) if non_trainable else None
 
     phases = EpochPhases(reducer) if phase_times_enabled() else None

@@ -293,6 +293,9 @@ class WeightShipper:
 
     def _send(self, head: Weights, state: list[np.ndarray]) -> None:
         """``head`` with the state: the model's weights (``get_weights()``'s), then the optimizers'."""
+        from ..model.tensors import module_buffers, tensor_as_array
+
         n = len(self.model.weights)
-        self.send(dataclasses.replace(head, weights=state[:n], optimizer=state[n:]))
+        buffers = [tensor_as_array(t)[0] for t in module_buffers(self.model)]
+        self.send(dataclasses.replace(head, weights=state[:n], optimizer=state[n:], buffers=buffers))
         self.sent += 1

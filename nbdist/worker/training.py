@@ -122,8 +122,9 @@ def run_training(link: Any, job: JobMessage) -> None:
     averager = None
     try:
         from ..model.spec import averaged_optimizer_variables
+        from ..model.tensors import float_buffers
 
-        variables = [w for w in model.weights if "float" in str(w.dtype)]
+        variables = [w for w in model.weights if "float" in str(w.dtype)] + float_buffers(model)
         if train.average_optimizer:
             variables += averaged_optimizer_variables(model)
         from .device import device_averager, jax_device_averager

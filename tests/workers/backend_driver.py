@@ -184,7 +184,7 @@ class OwnStep(keras.Model):
 
 def own_step() -> keras.Model:
     model = OwnStep()
-    model(np.zeros((1, 64), "float32"))
+    model(np.zeros((2, 64), "float32"))  # two rows: BatchNorm1d refuses one in training mode
     model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
     return model
 
@@ -573,6 +573,20 @@ def other_apis() -> dict[str, object]:
                            lr_scaling="none", ui="none", **plain)
         out["torch_module"] = {"history": job.fit_history.history, "expected": expected,
                                "weight_gap": weight_gap(remote, local)}
+        # A torch BatchNorm1d inside the wrapper: its running statistics are module buffers, no Keras variable.
+        xv, yv = (features[ROWS:ROWS + 200] / 16).astype("float32"), labels[ROWS:ROWS + 200].astype("int64")
+        local, remote = torch_wrapped(batchnorm=True), torch_wrapped(batchnorm=True)
+        local.fit(x, y, batch_size=GLOBAL_BATCH, verbose=0, **plain)
+        job = nbdist.train(remote, x, y, workers=2, batch_size=GLOBAL_BATCH // 2, strategy="allreduce",
+                           lr_scaling="none", ui="none", validation_data=(xv, yv), **plain)
+        stats = [(remote.hidden.module[1].running_mean, local.hidden.module[1].running_mean),
+                 (remote.hidden.module[1].running_var, local.hidden.module[1].running_var)]
+        out["torch_batchnorm"] = {
+            "val_accuracy": job.fit_history.history["val_accuracy"][-1],
+            "notebook_accuracy": remote.evaluate(xv, yv, verbose=0, return_dict=True)["accuracy"],
+            "moved": min(float((r - 0.0 if i == 0 else r - 1.0).abs().max()) for i, (r, _) in enumerate(stats)),
+            "gap_to_local": max(float((r - lo).abs().max() / lo.abs().max()) for r, lo in stats),
+            "batches_tracked": int(remote.hidden.module[1].num_batches_tracked)}
         local, remote = mnist_convnet(), mnist_convnet()
         expected = local.fit(x.reshape(-1, 8, 8, 1), y, batch_size=128, validation_split=0.1, verbose=0,
                              **plain).history
@@ -640,22 +654,26 @@ def lazy_loader() -> dict[str, object]:
             "expected": local["history"].history, "weight_gap": weight_gap(shell.user_ns["model"], local["model"])}
 
 
-def torch_wrapped() -> keras.Model:
-    """A Keras model whose layers are torch.nn modules, as keras.layers.TorchModuleWrapper's docs write it."""
+def torch_wrapped(batchnorm: bool = False) -> keras.Model:
+    """A Keras model whose layers are torch.nn modules, as keras.layers.TorchModuleWrapper's docs write it
+    (``batchnorm``: the hidden module a Linear then a BatchNorm1d)."""
     import torch
 
     class Wrapped(keras.Model):
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.hidden = keras.layers.TorchModuleWrapper(torch.nn.Linear(64, 32))
+            hidden = torch.nn.Linear(64, 32)
+            self.hidden = keras.layers.TorchModuleWrapper(
+                torch.nn.Sequential(hidden, torch.nn.BatchNorm1d(32)) if batchnorm else hidden)
             self.out = keras.layers.TorchModuleWrapper(torch.nn.Linear(32, 10))
 
-        def call(self, x: object) -> object:
-            return torch.nn.functional.softmax(self.out(torch.relu(self.hidden(x))), dim=1)
+        def call(self, x: object, training: object = None) -> object:
+            hidden = torch.relu(self.hidden(x, training=training))
+            return torch.nn.functional.softmax(self.out(hidden, training=training), dim=1)
 
     model = Wrapped()
-    model(np.zeros((1, 64), "float32"))
+    model(np.zeros((2, 64), "float32"))  # two rows: BatchNorm1d refuses one in training mode
     model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 

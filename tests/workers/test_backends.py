@@ -174,6 +174,16 @@ def test_what_users_bring_from_other_apis_trains_as_locally(backend):
         run = result[case]
         assert_same_history(run["history"], run["expected"])
         assert run["weight_gap"] < 1e-5, (case, run["weight_gap"])
+    if backend == "torch":
+        # A torch BatchNorm1d's running statistics (module buffers, no Keras variable) come back to the notebook
+        # (they stayed at 0 / 1), averaged over the workers at each epoch's end as Keras' BatchNormalization's
+        # are: every worker validated with the statistics the notebook holds, so its evaluate equals the merged
+        # val_accuracy; and they are near the local fit's (each worker's from half a batch).
+        bn = result["torch_batchnorm"]
+        assert bn["moved"] > 0.1, bn
+        assert abs(bn["notebook_accuracy"] - bn["val_accuracy"]) < 1e-6, bn
+        assert bn["gap_to_local"] < 0.2, bn
+        assert bn["batches_tracked"] == 17, bn  # the build call, then 16 steps: validation runs in eval mode
     if backend == "jax":
         assert result["keras_distribution"]["notices"] == [
             "the cell's keras.distribution.DataParallel is replaced by nbdist's workers, which each hold the whole "
