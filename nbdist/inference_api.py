@@ -24,7 +24,7 @@ from .checks import (
 )
 from .config import TrainConfig
 from .data.inputs import FitData, PyDatasetData, is_py_dataset, make_fit_data, make_py_dataset_data
-from .data.pipelines import inference_rows, is_pipeline
+from .data.pipelines import inference_rows, is_pipeline, is_split_loader, loader_batches
 from .data.structures import map_struct
 from .driver.inference import EvaluationJob, PredictionJob, inference_spec
 from .errors import NbdistError
@@ -58,7 +58,9 @@ def inference_request(model: Any, x: Any, y: Any, sample_weight: Any, need_label
     config = inference_config(options)
     check_keras_model(model, name)
     what = "evaluation data" if need_labels else "prediction data"
-    if is_pipeline(x):  # read once into the arrays it yields
+    if is_split_loader(x):  # a DataLoader over a lazy map-style dataset: its batches, read by the workers
+        x = loader_batches(x, f"the {what}", ordered=not need_labels)
+    elif is_pipeline(x):  # read once into the arrays it yields
         x, y, sample_weight = inference_rows(x, y, sample_weight, what)
     data: FitData | PyDatasetData
     if is_py_dataset(x):  # fewer batches than workers is fine: a worker without one adds nothing

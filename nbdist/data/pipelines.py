@@ -91,6 +91,21 @@ def split_loaders(fit: FitCall, world: int, seed: int) -> FitCall:
     return out
 
 
+def loader_batches(loader: Any, what: str, ordered: bool) -> Any:
+    """A DataLoader over a map-style dataset for evaluate or predict: the PyDataset of its own batches in
+    the dataset's order (torch_loaders.py with one part per batch), which the workers deal by batch.
+    ``ordered`` (predict: rows come back in the order read) refuses a shuffling loader in one sentence."""
+    from torch.utils.data import RandomSampler
+
+    from .torch_loaders import LoaderShares
+
+    _check_sampler(loader, what)
+    if ordered and isinstance(loader.sampler, RandomSampler):
+        raise NbdistError(f"{what} is a torch DataLoader with shuffle=True, whose row order is drawn anew at each "
+                          "reading; predictions come back in the order read: use shuffle=False.")
+    return LoaderShares(loader, 1, 0, False, 0)
+
+
 def _check_sampler(loader: Any, what: str) -> None:
     """One sentence unless the loader batches rows by batch_size over a sequential or random sampler."""
     from torch.utils.data import RandomSampler, SequentialSampler

@@ -650,8 +650,23 @@ def lazy_loader() -> dict[str, object]:
     shell.run_line_magic("load_ext", "nbdist")
     shell.user_ns.update(names)
     shell.run_cell_magic("dist_train", "--workers 2 --strategy allreduce --ui none", cell)
+    # The trained model evaluated and predicted on a lazy loader of 100 rows in batches of 32 by 2 workers,
+    # beside the same model's own evaluate and predict of that loader.
+    model, held_out = shell.user_ns["model"], DataLoader(LazyDigits(300, 400), batch_size=32)
+    merged = nbdist.evaluate(model, held_out, workers=2)
+    expected = model.evaluate(held_out, verbose=0, return_dict=True)
+    shuffled = ""
+    try:
+        nbdist.predict(model, DataLoader(LazyDigits(300, 400), batch_size=32, shuffle=True), workers=2)
+    except nbdist.NbdistError as exc:
+        shuffled = str(exc)
     return {"backend": keras.backend.backend(), "history": shell.user_ns["history"].history,
-            "expected": local["history"].history, "weight_gap": weight_gap(shell.user_ns["model"], local["model"])}
+            "expected": local["history"].history, "weight_gap": weight_gap(shell.user_ns["model"], local["model"]),
+            "evaluate_gap": max(abs(merged[k] - expected[k]) for k in expected),
+            "samples": merged["samples"],
+            "predict_gap": float(np.abs(nbdist.predict(model, held_out, workers=2)
+                                        - model.predict(held_out, verbose=0)).max()),
+            "shuffled_predict": shuffled}
 
 
 def torch_wrapped(batchnorm: bool = False) -> keras.Model:

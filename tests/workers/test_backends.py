@@ -195,11 +195,17 @@ def test_a_dataloader_over_a_lazy_dataset_is_split_by_index_as_one_local_fit():
     """Issue 46 on torch: a cell's model.fit(DataLoader(map-style Dataset, batch_size=64)), its __getitem__
     reading one row at a time, validated on another such loader, under %%dist_train on 2 workers (allreduce)
     equals the cell's local fit to 1e-5, history and weights: each worker reads its part of every batch of
-    the loader (it was refused: "cannot be read once")."""
+    the loader (it was refused: "cannot be read once"). The trained model's nbdist.evaluate and nbdist.predict
+    of such a loader (2 workers, batches of 32 rows and a last of 4, dealt by batch) equal its own
+    model.evaluate and model.predict (they were refused); a shuffling loader's predict is refused in one
+    sentence (its order is drawn anew at each reading)."""
     result = run_driver("torch", "lazy_loader")
     assert result["backend"] == "torch"
     assert_same_history(result["history"], result["expected"])
     assert result["weight_gap"] < 1e-5, result["weight_gap"]
+    assert result["samples"] == 100 and result["evaluate_gap"] < 1e-5, result
+    assert result["predict_gap"] < 1e-6, result
+    assert "shuffle=True" in result["shuffled_predict"] and "use shuffle=False" in result["shuffled_predict"]
 
 
 @pytest.mark.timeout(600)
