@@ -1,14 +1,12 @@
 """A ``model.fit(...)`` call as nbdist runs it: its arguments, its data dealt to workers, its callbacks.
 
-Under ``%%dist_train`` the cell's own ``model.fit(...)`` is intercepted (``intercept_fit``): the
-call runs on the workers with its arguments and returns a ``keras.callbacks.History`` of the
-merged per-epoch metrics. ``nbdist.train`` takes the same arguments.
-
-``batch_size`` in an intercepted ``fit`` is the GLOBAL batch, split over the workers (sizes
-differ by at most one): every step of all workers together sees the rows one local step would,
-so the same cell trains the same way with or without the magic (``--strategy allreduce``, or
-averaging every step with plain SGD, equal the local call). ``--batch-size`` on the magic line
-stays per worker.
+Under ``%%dist_train`` the cell's own ``model.fit(...)`` is intercepted (``intercept_fit``): the call runs
+on the workers with its arguments and returns a ``keras.callbacks.History`` of the merged per-epoch
+metrics; ``nbdist.train`` takes the same arguments. Its ``batch_size`` is the GLOBAL batch, split over the
+workers (sizes differ by at most one), so every step of all workers together sees the rows one local step
+would and the same cell trains the same way with or without the magic (``--strategy allreduce``, or
+averaging every step with plain SGD, equal the local call). ``--batch-size`` on the magic line stays per
+worker.
 """
 from __future__ import annotations
 
