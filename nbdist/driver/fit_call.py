@@ -75,7 +75,7 @@ class FitRun:
 
     def data_start(self, start_epoch: int, first_epoch: int, steps: int | None, batches: int) -> tuple[int, int]:
         """(pass, batch) where epoch ``start_epoch`` starts reading, for a fit whose data started at
-        ``first_epoch``: the pipeline counts its passes from the epoch it starts at (datasets.py)."""
+        ``first_epoch``: the pipeline counts its passes from the epoch it starts at (worker/datasets.py)."""
         if steps is None:
             return start_epoch, 0
         done, batch = divmod((start_epoch - first_epoch) * steps, batches)
@@ -87,7 +87,7 @@ def keras_epoch_steps(batches: int, steps_per_epoch: int | None, epochs: int) ->
 
     Keras 3 keeps one iterator over the data across epochs: an epoch reads ``steps_per_epoch`` batches
     where the last one stopped, is cut short where the data ends (with a warning), and the data starts
-    over at the next epoch (trainers/epoch_iterator.py)."""
+    over at the next epoch (Keras' trainers/epoch_iterator.py)."""
     if not steps_per_epoch:
         return [batches] * epochs
     out, position = [], 0
@@ -239,7 +239,7 @@ def py_dataset_fit_data(fit: FitCall) -> tuple[PyDatasetData, FitData | PyDatase
 
 
 def fit_plan(fit: FitCall, explicit: dict[str, Any], lr_scaling_given: bool) -> tuple[dict[str, Any], int | None]:
-    """For a cell's ``model.fit(...)`` (an input pipeline already read into arrays, pipelines.py) under the
+    """For a cell's ``model.fit(...)`` (an input pipeline already read into arrays, data/pipelines.py) under the
     magic's ``explicit`` options: the config changes they make, and the global batch."""
     agreed = reconcile(fit, explicit)
     changes = {"epochs": agreed["epochs"], "shuffle": agreed["shuffle"]}

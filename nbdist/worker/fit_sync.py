@@ -32,7 +32,7 @@ log = logging.getLogger("nbdist.worker")
 class MetricStateSum:
     """Sums a model's metric variables over the workers, in float64 (counts stay exact).
 
-    Through one shared-memory segment when every worker runs on this machine (``shared.py``; opened
+    Through one shared-memory segment when every worker runs on this machine (``strategies/shared.py``; opened
     at the first sum, the same point on every worker), else by the collective's allreduce after a
     size check. Measured on the quickstart MLP: the two Gloo allreduces of a sum took 2-6 ms, twice
     an epoch; the shared sum a few tens of microseconds plus the wait for the slowest worker.
