@@ -1,7 +1,27 @@
 """nbdist: data-parallel Keras training from a notebook cell.
 
 ``%load_ext nbdist`` registers ``%%dist_train``; ``nbdist.train`` is the same
-thing as a function.
+thing as a function. The packages are layered (docs/architecture.md, "Layout"; checked by import-linter).
+
+api.py: ``train()`` and ``TrainingJob``, the one door under the magics.
+inference_api.py: the public ``evaluate()`` and ``predict()``.
+config.py: ``TrainConfig``, the one typed configuration of a run.
+fit_arguments.py: one ``model.fit(...)`` call's arguments as a typed value.
+checks.py: the model checked against its data, and training kept finite.
+errors.py: the exceptions a user sees.
+version.py: the package version.
+magics/: the IPython magics.
+driver/: a run as the notebook sees it.
+backends/: where workers come from (local, warm, containers).
+spark/: workers as Spark barrier tasks, data on the executors.
+worker/: the worker program.
+strategies/: how the workers combine their training (allreduce, averaging, async).
+wire/: the authenticated, typed messages between the driver and its workers.
+data/: what data is and how it is dealt.
+model/: what of the model travels and comes back.
+machine/: processes, devices and the Keras backend.
+search/: ``nbdist.tune``, Optuna searches of nbdist runs.
+ui/: progress renderers and the dashboard.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One ``model.fit(...)`` call's arguments as a typed value: a cell's own call (driver/fit_call.py
 ``bind_fit``) or ``nbdist.train``'s (api.py ``fit_arguments``). Defaults are Keras' fit's; ``given`` names the
-arguments the cell spelled out, which the magic line's options must agree with (fit_call.py ``reconcile``)."""
+arguments the cell spelled out, which the magic line's options must agree with (driver/fit_call.py ``reconcile``)."""
 from __future__ import annotations
 
 import dataclasses

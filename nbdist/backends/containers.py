@@ -1,22 +1,13 @@
 """Containers backend: N worker containers (Podman or Docker) running the same worker program.
 
-Every container uses the host's network, so a worker reaches the notebook's
-coordinator on loopback exactly like a local worker, and the host's IPC and PID
-namespaces: the workers of one machine then see one /dev/shm and each other's
-processes, which is what lets them sum gradients and average weights through shared
-memory as local workers do (strategies/shared.py), instead of Gloo messages (five
-times slower for a 100 MB model). In the host's PID namespace a worker is not PID 1,
-so it needs no init process (``--init`` cannot be combined with ``--pid host``). Each ``<engine> run`` stays
-attached in a child process whose output goes to a log file: its exit code is the
-container's, and the log holds the worker's traceback. Containers are named and
-labelled after the run, so ``stop()`` finds and removes all of them.
-
-Without ``--image`` the default image is built here, once, from nothing: an empty
-root file system (a few directories and symlinks) imported into the engine. The
-notebook's interpreter, its standard library, its virtual environment, the nbdist
-package and the host's /usr (shared libraries) are mounted into it read-only at the
-same paths, so nothing needs to be pulled from a registry and the workers run the
-notebook's exact environment.
+Every container shares the host's network (a worker reaches the notebook's coordinator on loopback, as a
+local worker does) and its IPC and PID namespaces (the workers of one machine see one /dev/shm and each
+other's processes, so they sum gradients and average weights through shared memory as local workers do; not
+PID 1, so no ``--init``, which ``--pid host`` refuses anyway). Each ``<engine> run`` stays attached in a
+child process logging to a file: its exit code is the container's, its log the worker's traceback.
+Containers are named and labelled after the run, so ``stop()`` finds and removes all of them. Without
+``--image`` a default image is built once from an empty root file system, with the notebook's interpreter,
+virtual environment, nbdist and the host's /usr mounted read-only at the same paths: nothing is pulled.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Warm local workers: forked in milliseconds from a fork server that has already imported TensorFlow.
 
-A cold worker spends 6-8 s of CPU importing TensorFlow and torch before it can train, which is
-most of the wait between running a ``%%dist_train`` cell and its first metric, and N workers
-started together pay it N times. So the notebook keeps a fork server (worker/fork_server.py):
-one process, started with the workers' environment, that imports everything once and then forks
-each worker of each job. Loading the extension starts it in the background; otherwise the first
-local job starts it and forks its workers from it as soon as its imports are done.
-
-A job takes a server started with the part of its workers' environment that imports may read
-(``command.startup_env``: the thread budget differs with the number of workers, and OpenMP reads
-it when it loads); the rest of the environment goes to each worker with its job, which replaces
-the server's. At most ``KEPT`` servers are kept, the least recently used stopped first. On a machine
-with GPUs the server imports only what initialises no device (torch, nbdist; not Keras nor its backend,
-``placement.warm_server_env``): each worker's GPU is set by its job before it imports them.
-``NBDIST_WARM_WORKERS=0`` turns them off: every worker then starts cold.
+Why: a cold worker's imports (TensorFlow, torch) are most of the wait between running a ``%%dist_train``
+cell and its first metric, paid once per worker. So the notebook keeps fork servers (worker/fork_server.py)
+that import everything once and fork each worker of each job; loading the extension starts one in the
+background. A job takes a server started with the part of its workers' environment that imports may read
+(``command.startup_env``: OpenMP reads the thread budget when it loads); the rest goes to each worker with
+its job. At most ``KEPT`` servers are kept, the least recently used stopped first. With GPUs a server
+imports only what initialises no device (``placement.warm_server_env``), so each worker's GPU is set by its
+job first. ``NBDIST_WARM_WORKERS=0`` turns them off: every worker then starts cold.
 """
 from __future__ import annotations
 

@@ -1,5 +1,13 @@
 """What ``fit``'s data becomes at the door: ``FitData`` (arrays, validation split, class weights)
-and ``PyDatasetData``."""
+and ``PyDatasetData``.
+
+``model.fit`` under ``%%dist_train``, ``--data X,y``, ``nbdist.train``, ``%dist_evaluate`` and ``%dist_predict``
+all take their in-memory data through ``make_fit_data``: ``x``, ``y`` and the sample weights may each be an
+array (numpy, pandas, a nested list, a whole-file ``np.load(..., mmap_mode="r")``, a ``tf.RaggedTensor`` as
+its numpy components), a list or a dict of them, all with the same number of rows; a PyDataset goes through
+``make_py_dataset_data``. Keras' splits are kept: ``validation_split`` takes the last rows, before any
+shuffling (``split_validation``); ``class_weight`` becomes per-row sample weights.
+"""
 from __future__ import annotations
 
 import logging

@@ -1,15 +1,11 @@
-"""Input pipelines given where in-memory data goes (``model.fit(ds)``, ``--data ds``,
-``nbdist.train(model, ds)``, evaluate, predict), read once, in the notebook, into the arrays they
-yield, which then take the one data path of arrays: a finite ``tf.data`` pipeline, and a torch
-``DataLoader`` over a ``TensorDataset``. A DataLoader over another map-style dataset is not read but
-split by index over the workers (``split_loaders``, torch_loaders.py).
-
-Sound only for what reading once keeps: a pipeline that draws random numbers (augmentation in a
-``map``, or in a torch dataset's ``__getitem__``, which cannot be seen and so is not read) would freeze
-one draw for every epoch, and one that repeats forever has no end; both are refused in one sentence.
-The pipeline's own shuffle becomes nbdist's per-epoch shuffle of the rows (a full shuffle, as a
-DataLoader's; tf.data's is within its buffer); its batch size is the fit's global batch. TensorFlow
-and torch are imported only when such a pipeline is given (they are then already).
+"""Input pipelines given where in-memory data goes (``model.fit(ds)``, ``--data ds``, ``nbdist.train(model, ds)``,
+evaluate, predict), read once, in the notebook, into the arrays they yield, which then take the one data
+path of arrays: a finite ``tf.data`` pipeline, and a torch ``DataLoader`` over a ``TensorDataset``. A loader
+over another map-style dataset (whose ``__getitem__`` may draw random numbers unseen) is split by index over
+the workers instead (torch_loaders.py). Sound only for what reading once keeps: a pipeline that draws random
+numbers (augmentation in a ``map``) would freeze one draw for every epoch, and one that repeats forever has
+no end; both are refused in one sentence. The pipeline's shuffle becomes nbdist's per-epoch shuffle of the
+rows (a full one), its batch size the fit's global batch. TensorFlow and torch are imported only then.
 """
 from __future__ import annotations
 

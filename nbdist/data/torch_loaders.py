@@ -1,14 +1,11 @@
-"""A torch ``DataLoader`` over a map-style ``Dataset`` (``__getitem__`` reading lazily), split by index
-over the workers: it travels as a PyDataset (worker/pydatasets.py ships and reads those) whose items
-are each worker's part of one of the loader's batches.
-
-Item ``i`` is worker ``i % world``'s part of the loader's batch ``i // world``: the rows of that batch
-dealt as nbdist deals a global batch (sizes differing by at most one, larger first), collated by the
-loader's ``collate_fn`` from ``dataset[k]``. Read strided (worker r reads items r, r + world, ...), one
-step of all workers is one step of the loader: the fit's global batch is the loader's ``batch_size``.
-The epoch's rows are in order (SequentialSampler) or a permutation drawn from (seed, epoch), the same
-on every worker (RandomSampler); ``drop_last`` drops the epoch's last short batch. The last batch of
-fewer rows than workers leaves some workers without a part: they pad that step with no rows.
+"""A torch ``DataLoader`` over a map-style ``Dataset`` (``__getitem__`` reading lazily), split by index over the
+workers: it travels as a PyDataset (worker/pydatasets.py) whose item ``i`` is worker ``i % world``'s part of
+the loader's batch ``i // world``: that batch's rows dealt as nbdist deals a global batch (sizes differing by
+at most one, larger first), collated by the loader's ``collate_fn`` from ``dataset[k]``. Read strided, one
+step of all workers is one step of the loader: the fit's global batch is the loader's ``batch_size``. The
+epoch's rows are in order (SequentialSampler) or a permutation drawn from (seed, epoch), the same on every
+worker (RandomSampler); ``drop_last`` drops the epoch's last short batch. A last batch of fewer rows than
+workers leaves some workers without a part: they pad that step with no rows.
 """
 from __future__ import annotations
 

@@ -1,31 +1,13 @@
 """The notebook's Keras callbacks, run on the driver with the workers' merged logs.
 
-Each callback sees what it would see in a local ``fit``: ``self.model`` is the notebook's model,
-holding the weights (and optimizer state) every worker shares at the end of the epoch, and
-``logs`` are the merged, exact metrics of all workers. Every epoch-level hook runs in Keras' order:
-``on_train_begin``; per epoch ``on_epoch_begin``, then, where the epoch validated,
-``on_test_begin`` and ``on_test_end`` with the validation logs under their own names (``loss``, not
-``val_loss``: Keras' evaluate's), then ``on_epoch_end`` with every log; ``on_train_end`` with the
-last epoch's logs. History is the last callback, as in Keras: it records what the others wrote
-into the logs (ReduceLROnPlateau's ``learning_rate``). What the callbacks decide goes back to the
-workers before they start the next epoch: ``model.stop_training`` and the optimizer's learning
-rate (read after the next epoch's ``on_epoch_begin``, so LearningRateScheduler works). Files
-(ModelCheckpoint, CSVLogger, TensorBoard) are written once, here. EarlyStopping's restored weights
-are the notebook model's weights when training ends. An exception a callback raises ends the run
-and is raised out of the fit as it is.
-
-Two of Keras' callbacks act inside the workers' passes, so the workers run them too (``swaps_ema``,
-``raises_on_nan``): SwapEMAWeights swaps the moving averages in around every validation there (as
-here around ``on_test_begin/end``), and TerminateOnNaN(raise_error=True) raises Keras' RuntimeError at
-the batch whose loss is NaN. A plain TerminateOnNaN stops after the epoch whose merged loss is not finite.
-
-TensorBoard is split the same way: worker 0 writes what happens inside the passes (batch scalars, the
-model's own summaries, profiled batches, the train graph) into its log directory, where the workers share
-the notebook's files; the notebook writes the epoch's part. Other batch-level hooks
-(``on_train_batch_begin/end``, ``on_test_batch_*``) are NOT called: the batches
-run on the workers, and a round trip to the notebook per step would cost most of the speed-up.
-A callback that has one, overridden on its class or set on the instance (LambdaCallback), gets a
-warning naming it.
+Each callback sees what it would see in a local ``fit``: ``self.model`` is the notebook's model holding the
+weights every worker shares at the epoch's end, ``logs`` are the exact merged metrics, and the epoch-level
+hooks run in Keras' order with History last (``DriverCallbacks``). What they decide (``model.stop_training``,
+the next epoch's learning rate) reaches every worker before its next epoch. Files (ModelCheckpoint, CSVLogger,
+TensorBoard's epoch part) are written once, here. SwapEMAWeights and TerminateOnNaN(raise_error=True) act
+inside the passes, so the workers run them too (``swaps_ema``, ``raises_on_nan``); worker 0 writes
+TensorBoard's batch part (``batch_summaries``). Other batch-level hooks are NOT called (a round trip per step
+would cost most of the speed-up): a callback that has one gets a warning naming it.
 """
 from __future__ import annotations
 
@@ -62,7 +44,16 @@ def warned_batch_hooks(callback: Any) -> list[str]:
 
 
 class DriverCallbacks:
-    """A ``keras.callbacks.CallbackList`` (with a History) driven by the run's merged epochs."""
+    """A ``keras.callbacks.CallbackList`` (with a History) driven by the run's merged epochs.
+
+    Keras' order: ``on_train_begin``; per epoch ``on_epoch_begin``, then, where the epoch validated,
+    ``on_test_begin`` and ``on_test_end`` with the validation logs under their own names (``loss``, not
+    ``val_loss``: Keras' evaluate's), then ``on_epoch_end`` with every log; ``on_train_end`` with the last
+    epoch's logs. History is last, so it records what the others wrote into the logs (ReduceLROnPlateau's
+    ``learning_rate``). The learning rate sent on is read after the next epoch's ``on_epoch_begin``
+    (LearningRateScheduler). EarlyStopping's restored weights are the notebook model's when training ends; an
+    exception a callback raises ends the run and is raised out of the fit as it is. A plain TerminateOnNaN stops
+    after the epoch whose merged loss is not finite."""
 
     def __init__(self, model: Any, callbacks: list[Any] | None, epochs: int, initial_epoch: int = 0) -> None:
         import keras

@@ -1,14 +1,11 @@
 """Checkpoints on disk: one npz file per directory, replaced atomically after every epoch.
 
-A checkpoint holds the synchronised weights, the optimizer's state (its float
-slots and step count), the history so far and a fingerprint of the model and of
-the run's configuration. It is written to a temporary file in the same directory,
-fsynced and renamed over the previous one (``os.replace`` is atomic on POSIX), so
-a crash at any moment leaves either the previous checkpoint or the new one, never
-half of one. No pickle anywhere: arrays in npz (read with ``allow_pickle=False``),
-everything else as JSON stored in the same file.
-
-Pure file logic: no Keras, no sockets. ``model_signature`` takes plain shapes.
+A checkpoint holds the synchronised weights, the optimizer's state (its float slots and step count), the
+history so far and a fingerprint of the model and of the run's configuration. It is written to a temporary
+file in the same directory, fsynced and renamed over the previous one (``os.replace``, atomic on POSIX), so
+a crash at any moment leaves the previous checkpoint or the new one, never half of one. No pickle: arrays in
+npz (read with ``allow_pickle=False``), everything else as JSON in the same file. Pure file logic: no Keras,
+no sockets; ``model_signature`` takes plain shapes.
 """
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """A ``model.fit(...)`` call as nbdist runs it: its arguments, its data dealt to workers, its callbacks.
 
-Under ``%%dist_train`` the cell's own ``model.fit(...)`` is intercepted (``intercept_fit``): the
-call runs on the workers with its arguments and returns a ``keras.callbacks.History`` of the
-merged per-epoch metrics. ``nbdist.train`` takes the same arguments.
-
-``batch_size`` in an intercepted ``fit`` is the GLOBAL batch, split over the workers (sizes
-differ by at most one): every step of all workers together sees the rows one local step would,
-so the same cell trains the same way with or without the magic (``--strategy allreduce``, or
-averaging every step with plain SGD, equal the local call). ``--batch-size`` on the magic line
-stays per worker.
+Under ``%%dist_train`` the cell's own ``model.fit(...)`` is intercepted (``intercept_fit``): the call runs
+on the workers with its arguments and returns a ``keras.callbacks.History`` of the merged per-epoch
+metrics; ``nbdist.train`` takes the same arguments. Its ``batch_size`` is the GLOBAL batch, split over the
+workers (sizes differ by at most one), so every step of all workers together sees the rows one local step
+would and the same cell trains the same way with or without the magic (``--strategy allreduce``, or
+averaging every step with plain SGD, equal the local call). ``--batch-size`` on the magic line stays per
+worker.
 """
 from __future__ import annotations
 
@@ -77,7 +75,7 @@ class FitRun:
 
     def data_start(self, start_epoch: int, first_epoch: int, steps: int | None, batches: int) -> tuple[int, int]:
         """(pass, batch) where epoch ``start_epoch`` starts reading, for a fit whose data started at
-        ``first_epoch``: the pipeline counts its passes from the epoch it starts at (datasets.py)."""
+        ``first_epoch``: the pipeline counts its passes from the epoch it starts at (worker/datasets.py)."""
         if steps is None:
             return start_epoch, 0
         done, batch = divmod((start_epoch - first_epoch) * steps, batches)
@@ -89,7 +87,7 @@ def keras_epoch_steps(batches: int, steps_per_epoch: int | None, epochs: int) ->
 
     Keras 3 keeps one iterator over the data across epochs: an epoch reads ``steps_per_epoch`` batches
     where the last one stopped, is cut short where the data ends (with a warning), and the data starts
-    over at the next epoch (trainers/epoch_iterator.py)."""
+    over at the next epoch (Keras' trainers/epoch_iterator.py)."""
     if not steps_per_epoch:
         return [batches] * epochs
     out, position = [], 0
@@ -241,7 +239,7 @@ def py_dataset_fit_data(fit: FitCall) -> tuple[PyDatasetData, FitData | PyDatase
 
 
 def fit_plan(fit: FitCall, explicit: dict[str, Any], lr_scaling_given: bool) -> tuple[dict[str, Any], int | None]:
-    """For a cell's ``model.fit(...)`` (an input pipeline already read into arrays, pipelines.py) under the
+    """For a cell's ``model.fit(...)`` (an input pipeline already read into arrays, data/pipelines.py) under the
     magic's ``explicit`` options: the config changes they make, and the global batch."""
     agreed = reconcile(fit, explicit)
     changes = {"epochs": agreed["epochs"], "shuffle": agreed["shuffle"]}

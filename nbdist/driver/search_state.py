@@ -1,6 +1,6 @@
 """What a hyperparameter search looks like from the notebook: pure state of its trials.
 
-``nbdist.tune`` (tune.py) fills it as trials start, report merged epochs and end; the search
+``nbdist.tune`` (search/scheduler.py) fills it as trials start, report merged epochs and end; the search
 view (ui/search.py) reads it. Nothing here knows about Optuna, IPython or sockets.
 """
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The model: what travels to the workers and comes back, and what is read from it (no Spark, no sockets).
 
-spec.py: ``ModelSpec`` (the model as it crosses the wire: config, weights, optimizer state, custom
-objects) and the strategy a model implies; graph.py: what the model's traced graph says (sparse
-gradients, layers that need care); tensors.py: backend tensors as numpy and back (ragged rows as
-tf.RaggedTensor); metrics.py: metric state merged exactly over workers; labels.py: labels checked with
-Keras' own loss; seeding.py: a run's seed from the notebook's generators; ensemble.py: the averaging
-``Ensemble`` model of a search's best trials.
+spec.py: ``ModelSpec`` (the pickled model, its weights and optimizer state as arrays) and ``apply_state``.
+graph.py: the model pickled by its attributes (``dump_graph``/``load_graph``), and what cannot travel.
+tensors.py: a framework's tensors as the arrays they travel as, and back.
+metrics.py: exact evaluation from per-shard sufficient statistics (pure numpy).
+labels.py: labels checked against the model's loss by Keras itself, before any worker starts.
+seeding.py: a run's seed from ``--seed`` or the notebook's generators; each worker's seeding.
+ensemble.py: an ensemble of trained models (the mean of their predictions): a search's best trials.
 """

@@ -1,36 +1,13 @@
 """A Keras model as the objects it is: pickled by its attributes, not rebuilt from its config.
 
-Why not Keras's own format: a rebuild from configs (Keras's ``.keras`` zip as much as any
-other) loses whatever no config records: a model's own ``compile(d_optimizer, g_optimizer)``
-arguments, an AdamW's ``exclude_from_weight_decay`` list, attributes set after construction.
-So the model object is pickled (cloudpickle: notebook classes and functions by value) with
-each Keras object's ``__dict__`` as its state, and only what is bound to this process is
-handled apart:
-
-- a backend variable travels as its metadata, and its value unless the caller ships that
-  value apart (``values_apart``: weights and optimizer state, sent as raw arrays so that
-  checkpoints and restarts can replace them); it is made anew on arrival;
-- an optimizer's tables keyed by its variables' process-local ids (``_var_key``) are keyed
-  again by the new variables;
-- a layer tracker's id sets are rebuilt from the objects it holds;
-- compiled step functions are dropped (Keras makes them again on the first step), and so are the losses a
-  layer's last call added (an evaluate's traced call leaves graph tensors there; the next call clears them);
-- TensorFlow's tracking wrappers (``ListWrapper``, ``_TupleWrapper``, ``_DictWrapper``: what a list, tuple or
-  dict assigned to a model becomes on the TensorFlow backend, such as ``compile``'s ``loss``) travel as the
-  plain list, tuple or dict Keras was given (``untracked``);
-- a TensorFlow resource (a lookup table) cannot cross processes: the layer that holds it
-  restores it from its assets (Keras's ``save_assets``/``load_assets``, see ``save_assets``);
-- a variable's layout (a ``keras.distribution``'s placement on this process's devices) is dropped: the
-  receiving process places the whole variable on its own device;
-- a torch tensor travels as a numpy array and is made again on the receiving process's device (a model
-  built on a GPU trains on workers without one), and a torch layer's ``_torch_params`` (its variables'
-  tensors a second time) is left to be remade from the variables;
-- a Keras variable on torch travels with its torch parameter itself, so whatever else holds that parameter
-  (a ``TorchModuleWrapper``'s module) holds the new variable's on arrival: its forward pass reads the
-  variables the optimizer updates, and their ``.grad`` is what backward wrote.
-
-A layer holding such a resource without an assets protocol of its own is refused by
-``check_resources`` before any worker starts.
+Why: a rebuild from configs (Keras' ``.keras`` zip too) loses what no config records: a model's own
+``compile(d_optimizer, g_optimizer)`` arguments, an AdamW's ``exclude_from_weight_decay``, attributes set
+after construction. So ``dump_graph`` cloudpickles the model (notebook classes and functions by value) with
+each Keras object's ``__dict__`` as its state; only what is bound to this process is handled apart
+(``_GraphPickler.reducer_override`` lists each case). Variables in ``values_apart`` (weights, optimizer
+state) travel without their values, which come as raw arrays so checkpoints and restarts can replace them.
+Invariant: ``load_graph`` in another process gives a model that trains as the original; a layer holding a
+TensorFlow resource without an assets protocol is refused by ``check_resources`` before any worker starts.
 """
 from __future__ import annotations
 
@@ -353,6 +330,23 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
         self.tf_tracked = _tf_tracked_type()
 
     def reducer_override(self, obj: Any) -> Any:
+        """How each process-bound object travels:
+
+        - a backend variable as its metadata, and its value unless it is in ``values_apart``; made anew on arrival;
+        - an optimizer's tables keyed by its variables' process-local ids (``_var_key``) are keyed again by the
+          new variables;
+        - a layer tracker's id sets are rebuilt from the objects it holds;
+        - compiled step functions are dropped (Keras makes them again on the first step), and so are the losses
+          a layer's last call added (an evaluate's traced call leaves graph tensors there);
+        - TensorFlow's tracking wrappers (``ListWrapper``, ``_TupleWrapper``, ``_DictWrapper``, such as
+          ``compile``'s ``loss`` on that backend) travel as the plain structure Keras was given (``untracked``);
+        - a TensorFlow resource (a lookup table) is restored by its layer from its assets (``save_assets``);
+        - a variable's layout (a ``keras.distribution``'s placement) is dropped: the receiver places it itself;
+        - a torch tensor travels as a numpy array, made again on the receiver's device (a model built on a GPU
+          trains on workers without one); a torch layer's ``_torch_params`` is remade from the variables;
+        - a Keras variable on torch travels with its torch parameter itself, so whatever else holds that
+          parameter (a ``TorchModuleWrapper``'s module) holds the new variable's on arrival.
+        """
         variable, saveable, tracking, optimizer = self.classes
         kind = type(obj)
         if isinstance(obj, variable):
@@ -360,7 +354,7 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
             if meta.get("_layout") is not None:  # a keras.distribution's placement on this process's devices
                 meta["_layout"] = None
             parameter = _torch_parameter(obj)
-            if parameter is not None:  # the same object wherever it is held (pickle's memo): see the docstring
+            if parameter is not None:  # the same object wherever it is held (pickle's memo): see above
                 return _new_variable, (kind, meta, parameter)
             value = np.asarray(obj.numpy())
             return _new_variable, (kind, meta, (value.shape, value.dtype.str) if id(obj) in self.apart else value)

@@ -1,14 +1,12 @@
 """Whether labels can be the targets of a model's loss, decided by Keras itself, before any worker starts.
 
-Keras' rules for which label shapes a loss takes are many (a class id per row, per time step or per
-pixel for the sparse losses, a trailing axis of 1 squeezed or added, broadcasting for the regression
-losses, the same shape for the cross-entropies, a structure of labels per output by name or position),
-so they are not written again here: the model's own loss (what ``compile`` got, Keras' ``CompileLoss``
-around it) is computed once on two rows of stand-ins, labels and sample weights of the given ones' shapes
-and dtypes (class id 0, weight 1: their values have their own checks) and predictions of the outputs'.
-Where Keras raises, so would the local ``fit``, and its reason is what the user reads. Only for losses
-Keras ships, and for a model without its own ``compute_loss`` or ``train_step``: a notebook's own loss
-function or step is the user's code, judged where it runs, on the workers.
+Keras' rules for which label shapes a loss takes are many (class ids per row, time step or pixel for the
+sparse losses, a trailing axis of 1 squeezed or added, broadcasting, a structure of labels per output), so
+they are not written again here: the model's own loss (Keras' ``CompileLoss`` around what ``compile`` got)
+is computed once on two rows of stand-ins with the given labels' and sample weights' shapes and dtypes
+(class id 0, weight 1) and predictions of the outputs'. Where Keras raises, so would the local ``fit``, and
+its reason is what the user reads. Only for losses Keras ships and a model without its own ``compute_loss``
+or ``train_step``: a notebook's own loss or step is judged where it runs, on the workers.
 """
 from __future__ import annotations
 

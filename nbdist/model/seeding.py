@@ -1,14 +1,11 @@
 """A run's random seed: the user's ``--seed``, else one drawn from the notebook's own generators.
 
 Keras' documentation tells users to seed in the cell (``keras.utils.set_random_seed(42)``, which seeds
-Python's ``random`` and numpy's global generator among others). The run's seed is then drawn from those
-two generators at the moment of the fit: after a seed in the cell the draw is the same every time, so the
-workers shuffle, drop out and draw as they did in the previous run (identical weights and History, as two
-local runs); without one the notebook's generators are in a fresh state and so is the run. The draw
-advances them, as any random consumer in the cell would, so two unseeded runs never share a seed.
-
-Workers seed Python, numpy and their backend with ``seed + rank`` (``seed_worker``), not with Keras'
-``set_random_seed``: that imports TensorFlow whenever it is installed, also on the JAX and torch backends.
+Python's ``random`` and numpy's global generator among others). The run's seed is drawn from those two
+generators at the fit: after a seed in the cell the draw is the same every time, so the workers shuffle,
+drop out and draw as in the previous run (identical weights and History); the draw advances them, so two
+unseeded runs never share a seed. Workers seed Python, numpy and their backend with ``seed + rank``
+(``seed_worker``), not with Keras' ``set_random_seed``, which imports TensorFlow whenever it is installed.
 """
 from __future__ import annotations
 

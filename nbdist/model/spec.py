@@ -1,13 +1,11 @@
 """What of the notebook's model travels to the workers and comes back, decided and checked in one place.
 
-How a model travels (``ModelSpec``): the model object itself, pickled by its attributes
-(``model_graph``: notebook classes, functions and the arguments of its own ``compile`` come
-as they are, nothing rebuilt from a config), with the values of its weights and of every
-optimizer's state (slots, step counters, loss scale, EMA, accumulators) beside it as raw
-arrays, so a checkpoint or a restart can replace them; lookup vocabularies travel as the
-layers' own assets. A worker unpickles the model only after the connection has been
-authenticated (see wire/protocol.py). What comes back from rank 0 is the same state in the
-same order (worker/callbacks.py ``weights_and_optimizer``), applied to the notebook's model all at once or not at all
+``ModelSpec``: the model object itself, pickled by its attributes (``model_graph``: nothing rebuilt from a
+config), with the values of its weights and of every optimizer's state (slots, step counters, loss scale,
+EMA, accumulators) beside it as raw arrays, so a checkpoint or a restart can replace them; lookup
+vocabularies travel as the layers' own assets. A worker unpickles the model only after the connection is
+authenticated (wire/protocol.py). What comes back from rank 0 is the same state in the same order
+(worker/callbacks.py ``weights_and_optimizer``), applied to the notebook's model all at once or not at all
 (``apply_state``).
 """
 from __future__ import annotations

@@ -1,5 +1,13 @@
 """``Search``: the trials run as nbdist jobs, several at once, pumped on the notebook's thread and
-pruned on merged metrics."""
+pruned on merged metrics.
+
+Everything happens on the calling (notebook's main) thread, which pumps every running trial's events in
+turn: a trial's merged epoch is reported to Optuna there (``trial.report``), and when its pruner says so
+that trial's workers are stopped at once, freeing its slot for the next trial. The study lives in Optuna's
+storage (an SQLite file by default), so an interrupted search resumes where it was: finished trials count
+towards ``trials`` and are not run again. An interrupt stops every trial's workers and marks those trials
+failed (``nbdist_interrupted``), leaving no trial RUNNING.
+"""
 from __future__ import annotations
 
 import logging

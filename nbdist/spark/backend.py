@@ -1,23 +1,13 @@
 """Spark backend: workers are barrier tasks of the notebook's SparkSession, classic or Spark Connect.
 
-One launcher serves both kinds of session: the workers' barrier stage is
-``df.mapInArrow(arrow_task, schema, barrier=True)`` over the training DataFrame
-(one partition per worker, rebalanced into equal shares where its partitions do not give
-them: balance.py) or over ``spark.range(n, numPartitions=n)`` when the
-data travels over the wire, and a background thread ``collect()``s it (a barrier
-stage must end in collect). Only an RDD of pairs, which exists on classic
-sessions alone, runs as ``rdd.barrier().mapPartitions`` with the same task body.
-The thread tags its Spark job (a job group on classic sessions, an operation tag
-over Connect), so stopping the run cancels exactly its tasks. Each task starts
-the same worker program as the local backend and reports, over an authenticated
-side channel, its partition's row count, which process it started and how that
-process ended: the driver then knows each worker's exit code and log tail
-without reading executor logs.
-
-Where the coordinator lives: in the notebook, also over Connect. The executors
-connect to it (and to the status listener); a Connect client has no other
-channel to its tasks (gRPC answers only come back when ``collect()`` ends), so a
-notebook the executors cannot reach is told so by the first task, in one sentence.
+One launcher serves both: the barrier stage is ``df.mapInArrow(arrow_task, schema, barrier=True)`` over the
+training DataFrame (one partition per worker, rebalanced into equal shares where needed: balance.py) or over
+``spark.range(n, numPartitions=n)`` when the data travels over the wire; an RDD of pairs (classic sessions
+only) runs as ``rdd.barrier().mapPartitions`` with the same task body. A background thread ``collect()``s
+the stage under a tag of its own (job group, or Connect's operation tag), so stopping the run cancels
+exactly its tasks. Each task starts the local backend's worker program and reports over an authenticated
+side channel its rows, its process and how it ended (exit code, log tail). The coordinator stays in the
+notebook, also over Connect: a notebook the executors cannot reach is told so by the first task.
 """
 from __future__ import annotations
 

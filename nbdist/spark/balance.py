@@ -1,14 +1,12 @@
 """Equal shares of Spark data for the workers, whatever the DataFrame's or RDD's partitioning.
 
-A barrier task reads one partition, so a skewed DataFrame (one Parquet file: [200000, 0]) gave one
-worker nothing. Before the barrier stage one small job counts the rows of each partition (only the
-counts reach the driver). When they already give each worker an equal share (as many partitions
-as workers, within a batch of each other) the partitions are read as they are; otherwise every
-row gets its global index (its partition's offset plus its position in it) and goes to worker
-``index * workers // rows``: one shuffle, which Spark spills to disk (bounded memory), and each
-worker's share is a contiguous range of the data, in order, of floor or ceil(rows / workers) rows.
-
-The pure arithmetic comes first (unit-tested without Spark); pyspark is imported lazily.
+A barrier task reads one partition, so a skewed DataFrame (one Parquet file: [200000, 0]) would give one
+worker nothing. Before the barrier stage one small job counts each partition's rows (only the counts reach
+the driver). When they already give equal shares (as many partitions as workers, within a batch of each
+other) the partitions are read as they are; otherwise each row goes to worker ``index * workers // rows`` of
+its global index: one shuffle, spilled to disk by Spark (bounded memory), and each worker's share is a
+contiguous, ordered range of floor or ceil(rows / workers) rows. The pure arithmetic comes first
+(unit-tested without Spark); pyspark is imported lazily.
 """
 from __future__ import annotations
 

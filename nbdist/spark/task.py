@@ -259,7 +259,7 @@ class TaskSpec:
     secret_hex: str  # travels inside the Spark task: protect Spark RPC (spark.authenticate) on shared clusters
     threads: int
     layout: Layout | None = None  # None: the data comes over the wire from the driver
-    warm: bool = False  # take a warm worker if one waits, and leave one for the next job (spark_warm.py)
+    warm: bool = False  # take a warm worker if one waits, and leave one for the next job (warm.py)
     keras_backend: str | None = None  # the notebook's (machine/keras_backend.py), whatever the executor's
     validation: bool = False  # the partition also holds validation rows (VALIDATION_COLUMN true)
 

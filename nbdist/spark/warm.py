@@ -1,24 +1,13 @@
 """Warm workers on Spark executors: the next job's workers import TensorFlow while the notebook idles.
 
-A Spark task starts its worker as a new process, which spends 5-6 s importing TensorFlow and
-torch: most of a short training call (digits on ``local[2]``: 7-8 s, of which 1.5 s training).
-So when a task's job is over, it starts one worker with ``--warm-socket`` for the next job. That
-worker imports everything, then listens on a Unix socket in a directory only this user can
-enter, and the next task on the same executor with the same worker environment takes it:
-
-- it claims the socket by renaming it (atomic: two tasks never take the same worker);
-- it connects and sends the job line (address, rank, environment) and the run's secret;
-- the worker answers with its pid, and later with its exit code; the task waits on that
-  connection as it waits on a child it started, and the worker kills itself if the connection
-  drops (the task was cancelled or its Python process died), as ``--die-with-parent`` would.
-
-A waiting warm worker exits when the executor is gone (it watches the process that started
-its task's Python worker, by pid and start time) or after ``IDLE_LIMIT`` seconds unused.
-Nothing read from the socket is unpickled: one JSON line and one hex line, from a peer the
-kernel says runs as this user. Not used with GPUs (a worker's device is chosen before
-TensorFlow starts) or when ``NBDIST_WARM_WORKERS=0``.
-
-Runs on the executor: no third-party package at module level.
+A task's worker is a new process, and its imports are most of a short training call. So when a task's job
+is over, it starts one worker with ``--warm-socket`` (``start``); that worker imports everything, then
+listens on a Unix socket in a directory only this user can enter (``pool_dir``), and the next task on the
+same executor with the same worker environment (``env_key``) takes it (``claim``): by renaming the socket
+(atomic: two tasks never take the same worker), then sending the job line and the run's secret. The task
+waits on that connection as on its own child; the worker dies if it drops, exits when the executor is gone
+or after ``IDLE_LIMIT`` seconds unused, and unpickles nothing it reads. Not used with GPUs (a worker's
+device is chosen before TensorFlow starts) or when ``NBDIST_WARM_WORKERS=0``. No third-party import here.
 """
 from __future__ import annotations
 

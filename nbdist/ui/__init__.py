@@ -3,6 +3,17 @@
 kind is one of "start", "worker", "progress", "epoch" (payload: merged logs), "restart" (payload:
 the reason, one sentence) and "end"; a renderer ignores kinds it does not know.
 A renderer may also have ``attach(job)``: it is then given the job (Stop button, worker logs).
+This module picks and makes one (``detect_frontend``, ``make_renderer``, ``make_search_view``); the others:
+
+view.py: what the dashboard shows, computed from a ``RunState`` (pure: no widgets, no IPython).
+widgets.py: the live dashboard: ipywidgets for progress and state, bqplot for the charts.
+html.py: progress as HTML where widgets do not render (Zeppelin's IPython interpreter).
+text.py: plain-text progress: one line per epoch, Keras style.
+summary.py: the static end-of-run summary a saved notebook keeps (an HTML table and a PNG chart).
+report.py: an evaluation result as a table (HTML in a notebook, text in a terminal).
+search.py: the live view of a hyperparameter search: trials, best so far, each trial's curve.
+search_widgets.py: that view as widgets (HTML tables and bqplot charts).
+tracking.py: MLflow tracking: one MLflow run per nbdist run, logged from the notebook.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """The contract between the driver and its workers: the job message, and the version of every message.
 
-protocol.py moves authenticated JSON bodies and arrays; codec.py, this module, reports.py (worker
--> driver) and commands.py (driver -> worker) say what they mean; catalog.py reads any of them. The
-job message, the one big message (driver -> worker, once per worker and run), is a typed, versioned structure:
-``JobMessage.encode()`` gives the JSON body and the arrays in the order ``decode`` reads them
-back, so the driver and the worker cannot disagree about an array's place.
-
-``JOB_VERSION`` changes whenever a field is added, removed or changes meaning; a worker refuses
-a job of another version in one sentence rather than misreading it. The model travels as every
-field of ``ModelSpec``, each encoded by its value (JSON, an array, a list of arrays, bytes), so a
-field added to ModelSpec crosses the wire with no change here. The cloudpickled custom objects
-stay opaque bytes (a uint8 array); only the worker opens them, after authentication.
+protocol.py moves authenticated JSON bodies and arrays; codec.py, this module, reports.py (worker -> driver)
+and commands.py (driver -> worker) say what they mean; catalog.py reads any of them. The job message (driver
+-> worker, once per worker and run) is typed and versioned: ``JobMessage.encode()`` gives the JSON body and
+the arrays in the order ``decode`` reads them back. ``JOB_VERSION`` changes whenever a field is added,
+removed or changes meaning; a worker refuses another version in one sentence. The model travels as every
+field of ``ModelSpec``, each encoded by its value, so a new field crosses with no change here; the
+cloudpickled custom objects stay opaque bytes that only the worker opens, after authentication.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Framed, authenticated messages between the driver and its workers.
 
-Every frame is ``header | payload | mac``. The header carries a magic, the
-protocol version, the frame kind, a per-direction sequence number and the
-payload length; the MAC is HMAC-SHA256 over a direction byte, the header and the
-payload, keyed by a session key that both sides derive from the per-run secret
-and two fresh nonces. So a forged frame fails the MAC, a replayed or reordered
-one fails the sequence check, one reflected back to its sender fails the
-direction byte, and one from an earlier connection fails the session key.
-
-Payloads are JSON (control messages) or raw bytes (array data). Nothing here
-ever unpickles; callers decide what to do with authenticated bytes.
+Every frame is ``header | payload | mac``: the header carries a magic, the protocol version, the frame kind,
+a per-direction sequence number and the payload length; the MAC is HMAC-SHA256 over a direction byte, the
+header and the payload, keyed by a session key both sides derive from the per-run secret and two fresh
+nonces. So a forged frame fails the MAC, a replayed or reordered one the sequence check, one reflected to
+its sender the direction byte, and one from an earlier connection the session key. Payloads are JSON
+(control messages) or raw bytes (array data); nothing here ever unpickles.
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """The shard file: how a Spark task hands its partition to the worker it starts on the same executor.
 
-The task appends its rows, a block at a time as they arrive from Spark, to one Arrow IPC
-file (``shard.arrow``) on the executor's local disk, in the directory it names in
-``NBDIST_DATA_DIR``: column ``x`` (a fixed-size list of float32 per row) and, with labels,
-``y``, and with a DataFrame's weight column, ``w`` (float32: each row's ``sample_weight``). The
-IPC *file* format ends in a footer that locates every block, so the worker reads
-any block on its own (``ShardReader.block``) without reading the rest: it streams its share
-in bounded memory, in any block order (worker/streams.py). Plain Arrow buffers, never pickles.
-
-Why not Parquet: the rows are already decoded numbers and are read once per epoch on the same
-machine; IPC blocks are the arrays themselves (no decoding, no compression to undo), and
-``RecordBatchFileReader.get_batch`` over an ``OSFile`` reads one block's bytes and nothing else.
-``pyarrow.dataset``'s ``to_batches`` is avoided on purpose: it accumulates memory on long reads
-(apache/arrow#39808).
+The task appends its rows, a block at a time as Spark delivers them, to one Arrow IPC file (``shard.arrow``)
+on the executor's local disk, in the directory it names in ``NBDIST_DATA_DIR``: column ``x`` (a fixed-size
+list of float32 per row), with labels ``y``, with a DataFrame's weight column ``w`` (float32 sample
+weights). The IPC *file* format ends in a footer that locates every block, so the worker reads any block on
+its own (``ShardReader.block``) and streams its share in bounded memory, in any order (worker/streams.py).
+Plain Arrow buffers, never pickles. Not Parquet: the rows are decoded numbers read once per epoch on the same
+machine, and an IPC block is the arrays themselves. ``pyarrow.dataset``'s ``to_batches`` is avoided on
+purpose: it accumulates memory on long reads (apache/arrow#39808).
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Several steps per call into TensorFlow, each call ending exactly where the strategy needs it.
 
-Every call of Keras' train function costs a fixed amount of Python and TensorFlow dispatch, and
-Keras' loop adds its callbacks around each call. For a small model that fixed cost is most of a
-step: the quickstart's digits MLP on batches of 32 spends about 1 ms per step on it, more than
-on the step itself. Keras' ``steps_per_execution`` runs N steps per call in one compiled loop,
-but a worker cannot use it as is: its pipelines repeat (datasets.py, one iterator per fit), and
-Keras ends a call only after N steps or when the data ends, so an epoch whose step count is not a
-multiple of N would run into the next epoch's batches, and validation into the next pass.
-
-So a worker under parameter averaging lets Keras drive its loop with ``steps_per_execution = B``
-(callbacks see each call's first and last batch, the last possibly past the epoch's end) and
-installs its own train and test functions, which run ``min(B, steps left in the pass)`` steps:
-the count is set from the call's first batch just before the call (``StepBlocks``, a callback).
-B divides the averaging frequency, so every averaging round still follows exactly the batch it
-followed with one step per call: the same steps, the same rounds, the same numbers.
+Why: every call of Keras' train function costs a fixed Python and TensorFlow dispatch, plus Keras' callbacks
+around it: for a small model most of a step. Keras' ``steps_per_execution`` alone cannot serve a worker:
+its pipelines repeat (datasets.py), and Keras ends a call only after N steps or when the data ends, so a
+call would run into the next epoch's batches. So under parameter averaging Keras drives its loop with
+``steps_per_execution = B`` while the model's train and test functions (``block_function``) run ``min(B,
+steps left in the pass)`` steps, set before each call from its first batch (``StepBlocks``). Invariant: B
+divides the averaging frequency (``block_size``), so every round follows exactly the batch it followed with
+one step per call: the same steps, the same rounds, the same numbers.
 """
 from __future__ import annotations
 

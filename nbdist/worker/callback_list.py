@@ -1,16 +1,12 @@
 """The worker's callback list: nbdist's own batch-end hooks run in order on the training thread, and Keras
 never waits for the device to read a step's logs because of them.
 
-Keras reads every step's logs as Python floats whenever one callback in its list has a batch-end hook that
-is not marked ``async_safe``; on a GPU each such read waits for the step to finish, so the host can no longer
-queue the next step while the device runs this one (JAX and torch: Keras calls TensorFlow's callbacks on the
-training thread anyway). nbdist's strategy hooks (the pad steps and statistics at a pass's end, averaging
-rounds, the metrics' sums, the phase timers) read the batch index, never the logs, and must run in order on
-the training thread, as their collectives pair up across workers. So ``WorkerCallbacks`` calls them itself,
-before it hands the batch end to Keras' own dispatch, and Keras' list holds a stand-in for each that forwards
-every other hook: to Keras none of them has a batch-end hook.
-
-A callback takes this road by setting ``batch_end_in_order = True``.
+Keras reads every step's logs as Python floats whenever a callback in its list has a batch-end hook not
+marked ``async_safe``; on a GPU each read waits for the step, so the host can no longer queue the next one.
+nbdist's hooks (pad steps, averaging rounds, metric sums, phase timers) read the batch index, never the
+logs, and must run in order on the training thread, as their collectives pair up across workers. So
+``WorkerCallbacks`` calls them itself before Keras' own dispatch, and Keras' list holds a stand-in for each
+that forwards every other hook. A callback takes this road by setting ``batch_end_in_order = True``.
 """
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
 """Per-epoch agreement between workers: exact merged metrics, and the driver's callback decisions.
 
-Metrics: Keras computes an epoch's logs from the metric variables (totals and counts, AUC's
-thresholded TP/FP/TN/FN, ...) after the last step. Summing those variables over the workers
-before Keras reads them, then letting Keras compute each result once, gives every worker the
-logs one process would compute over all the data: an average of per-worker AUCs or precisions
-would not. Done after the last training batch (Keras reads ``epoch_logs`` right after it, before
-validation resets the metrics) and after the last validation batch.
-
-Decisions: the notebook's callbacks run on the driver with those merged logs
-(driver/callbacks.py). At every epoch end each worker waits for the driver's word (stop now;
-the learning rate for the next epoch), so all workers act on it at the same epoch.
+Metrics: Keras computes an epoch's logs from the metric variables (totals and counts, AUC's thresholded
+TP/FP/TN/FN, ...). Summing those variables over the workers before Keras reads them gives every worker the
+logs one process would compute over all the data (an average of per-worker AUCs would not). Done after the
+last training batch (Keras reads ``epoch_logs`` then, before validation resets the metrics) and after the
+last validation batch. Decisions: the notebook's callbacks run on the driver with those merged logs
+(driver/callbacks.py); at every epoch end each worker waits for the driver's word (stop now; the next
+epoch's learning rate), so all workers act on it at the same epoch.
 """
 from __future__ import annotations
 
@@ -35,7 +32,7 @@ log = logging.getLogger("nbdist.worker")
 class MetricStateSum:
     """Sums a model's metric variables over the workers, in float64 (counts stay exact).
 
-    Through one shared-memory segment when every worker runs on this machine (``shared.py``; opened
+    Through one shared-memory segment when every worker runs on this machine (``strategies/shared.py``; opened
     at the first sum, the same point on every worker), else by the collective's allreduce after a
     size check. Measured on the quickstart MLP: the two Gloo allreduces of a sum took 2-6 ms, twice
     an epoch; the shared sum a few tens of microseconds plus the wait for the slowest worker.

@@ -1,18 +1,13 @@
 """The fork server: one process that imports what training needs once, then forks each worker.
 
-Importing TensorFlow and torch costs a worker 6-8 s of CPU. The notebook keeps one fork server
-per worker environment (backends/warm.py); a job's local workers are forked from it in
-milliseconds and share its imported libraries' memory until they write to it. Forking is safe
-here because the server never runs TensorFlow, torch or a thread of its own: it only imports
-them, and waits in a one-threaded loop.
-
-Its stdin is a pipe from the notebook carrying requests, one JSON line each, that hold a
-worker's job and the run's secret (a pipe only the notebook holds: never a command line or the
-environment). Its answers go to the file descriptor given by ``--fork-server``: ``forked``
-with the new worker's pid, then ``exit`` with its wait status and peak RSS once it ends (the
-server is its parent, so only the server can reap it). The server's own stdout and stderr are
-its log. It exits when its stdin closes (the notebook went away) or after ``IDLE_LIMIT`` seconds
-with no request and no worker.
+The notebook keeps one per worker environment (backends/warm.py); a job's local workers are forked from it
+in milliseconds and share its imported libraries' memory until they write to it. Forking is safe because the
+server never runs TensorFlow, torch or a thread of its own: it only imports them and waits in a one-threaded
+loop. Requests come on its stdin, a pipe only the notebook holds, one JSON line each (a worker's job and the
+run's secret: never a command line or the environment); answers go to the descriptor given by
+``--fork-server``: ``forked`` with the worker's pid, then ``exit`` with its wait status and peak RSS (only
+the server, its parent, can reap it). It exits when its stdin closes or after ``IDLE_LIMIT`` seconds with no
+request and no worker.
 """
 from __future__ import annotations
 

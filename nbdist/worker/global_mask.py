@@ -1,18 +1,13 @@
 """A masked loss normalised by the global batch's valid entries, as one local step would normalise it.
 
-Keras normalises a masked loss (``mask_zero``, ``Masking``, a padded sequence) by the valid entries of
-the batch it sees: ``apply_mask`` in keras/src/losses/loss.py weights each valid entry by
-``total / valid`` of that batch. A worker sees only its share of the global batch, so its loss is
-``S_w / V_w`` where one local step computes ``sum S_w / sum V_w``: scaled by rows (n_w / N), the
-workers' gradients and logged losses do not add up to the local ones when the shares hold different
-numbers of valid entries.
-
-Here the weight becomes ``total / valid`` of the GLOBAL batch (both summed over the workers inside
-the train step, one tiny sum per masked loss): the worker's loss is then ``(N / n_w) * S_w / V``, and
-weighted by n_w / N, as gradients, logged losses and averaged weights are, the workers' shares add
-up to ``S / V``, the local step's. The same on Keras' three backends, each summing where its step runs
-(``global_weight``). Only training steps change (validation keeps Keras' own
-normalisation per batch); unmasked losses and the ``sum``/``none`` reductions are untouched.
+Keras normalises a masked loss (``mask_zero``, ``Masking``, a padded sequence) by the valid entries of the
+batch it sees (``keras.src.losses.loss.apply_mask``: each valid entry weighted ``total / valid``). A
+worker sees only its share, so its loss ``S_w / V_w`` scaled by rows (n_w / N) would not add up to the local
+``sum S_w / sum V_w`` when shares hold different numbers of valid entries. Here the weight is ``total /
+valid`` of the GLOBAL batch (both summed over the workers inside the train step, one tiny sum per masked
+loss, on each of Keras' three backends: ``global_weight``), so weighted by n_w / N the shares add up to the
+local step's ``S / V``. Only training steps change (validation keeps Keras' per-batch normalisation);
+unmasked losses and the ``sum``/``none`` reductions are untouched.
 """
 from __future__ import annotations
 

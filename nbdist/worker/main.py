@@ -3,7 +3,7 @@
 The same program runs under every backend; only how it is started differs.
 The driver's address comes from ``--address``, the per-run secret as one hex line
 on stdin (never the command line, which other users can read, nor the environment,
-which ``podman inspect`` shows); see backends/secret.py.
+which ``podman inspect`` shows); see wire/secret.py.
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """A notebook's ``keras.utils.PyDataset`` on a worker: this worker's share of its batches.
 
-What a batch means distributed: the PyDataset's own batch. Worker ``rank`` of ``world`` reads the
-batch indices ``order[rank::world]`` of every epoch (strided, ``data.share_indices``), where
-``order`` is ``range(len(ds))``, shuffled by (job seed, epoch) when ``shuffle=True`` as Keras shuffles
-a PyDataset's batch order. So step j of all workers together reads ``world`` consecutive batches of
-the epoch, ``order[j*world:(j+1)*world]``: with 2 workers one step consumes 2 of its batches.
-Strided rather than contiguous so that an unshuffled epoch keeps its order (early batches first on
-every worker) and the shares differ by at most one batch.
-
-Rows per batch are only known once a batch is read, but the allreduce weights every worker's
-gradient by its rows over the step's total before the step. So the training share is read ahead in
-a thread (bounded: a few batches), each batch's rows recorded as it is read; before each step the
-worker looks up its batch's rows and sums them with the other workers' (one scalar allreduce per
-step), and a worker whose share is one batch shorter joins the last step with zero rows (padding),
-so every worker takes the same number of steps. Averaging weights each worker by the rows it read.
-
-The validation share (no shuffling) is read by a plain generator, one pass per epoch: Keras makes a
-new validation iterator every epoch, so each pass must stand on its own.
+A distributed batch is the PyDataset's own batch: worker ``rank`` of ``world`` reads the batch indices
+``order[rank::world]`` of every epoch (``data.sharding.share_indices``), ``order`` being ``range(len(ds))``,
+shuffled by (job seed, epoch) when ``shuffle=True`` as Keras shuffles a PyDataset's batch order; so one step
+of all workers reads ``world`` consecutive batches, an unshuffled epoch keeps its order and shares differ by
+at most one batch. Rows per batch are known only once read, so ``ShareReader`` reads the share ahead in a
+thread (a few batches) and before each step the workers sum their rows (``ShareAllreduceCallback``); a
+shorter share joins the last step with zero rows, so every worker takes the same steps. Averaging weights
+each worker by the rows it read. Validation (``ValidationShare``) is one self-contained pass per epoch.
 """
 from __future__ import annotations
 

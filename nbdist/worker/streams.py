@@ -1,29 +1,13 @@
 """A worker's share streamed from its shard file into Keras in bounded memory (Spark data).
 
-The Spark task wrote the partition as blocks of rows (wire/shardfile.py). Each epoch the worker
-reads those blocks again, one at a time, and cuts them into batches (a DataFrame's weight column
-travels with its rows: ``(x, y, sample_weight)`` batches, as ``model.fit(x, y, sample_weight=w)``'s):
-
-    task -> shard.arrow on the executor's disk -> read-ahead thread (a few blocks)
-         -> shuffle window (``stream_buffer_bytes`` of rows) -> batches -> tf.data -> model.fit
-
-Shuffle (``shuffle=True``): every epoch (1) permutes the order of the blocks, then (2) fills a
-window of at least ``stream_buffer_bytes`` worth of rows from consecutive blocks in that order,
-permutes the rows of the window and cuts full batches from it; the rows left over (fewer than a
-batch) join the next window. The last batch of the epoch is the short one, as Keras'. Both
-permutations are seeded ``(seed + rank, epoch)``: a resumed run sees the uninterrupted run's
-order. Compared with Keras' ``shuffle=True`` (one uniform permutation of the whole share per
-epoch): when the window holds the whole share it IS one uniform permutation; otherwise a batch
-draws its rows from one window of consecutive blocks, so two rows of the same Spark batch (up to
-``spark.sql.execution.arrow.maxRecordsPerBatch`` rows, 10000 by default) meet in a batch more
-often than under a full permutation. Data sorted by label should be repartitioned randomly
-first (``df.orderBy(F.rand())``) or given a window larger than a sorted run.
-
-Without shuffle the batches are exactly those of ``model.fit(x, y, batch_size, shuffle=False)``
-on the partition's rows in order: full batches, then the short one, every epoch.
-
-Memory: the window (its rows concatenated once, batches gathered from it), plus the read-ahead
-blocks and tf.data's prefetched batches; not the share.
+The Spark task wrote the partition as blocks of rows (wire/shardfile.py). Each epoch the worker reads
+them again, one at a time, and cuts them into batches (with a DataFrame's weight column, ``(x, y,
+sample_weight)`` batches): shard.arrow -> read-ahead thread (``READ_AHEAD_BLOCKS``) -> shuffle window
+(``stream_buffer_bytes`` of rows, ``window_batches``) -> batches -> tf.data -> ``model.fit``.
+Invariant: full batches, then the short one, every epoch; unshuffled, exactly ``model.fit(x, y, batch_size,
+shuffle=False)``'s on the partition's rows; shuffled, seeded by (``seed + rank``, epoch), so a resumed run
+sees the uninterrupted run's order (a shuffle within windows of blocks, not one uniform permutation: see
+``window_batches``). Memory: the window, the read-ahead blocks and tf.data's prefetch; never the share.
 """
 from __future__ import annotations
 
@@ -60,7 +44,15 @@ def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
 
 def window_batches(blocks: Iterator[tuple[np.ndarray, ...]], batch_size: int, window: int,
                    shuffle: bool, rng: np.random.Generator) -> Iterator[tuple[np.ndarray, ...]]:
-    """One epoch's batches from a sequence of row blocks (each a tuple of arrays with equal rows)."""
+    """One epoch's batches from a sequence of row blocks (each a tuple of arrays with equal rows).
+
+    With ``shuffle`` (the blocks' order already permuted by ``block_order``): fill a window of at least
+    ``window`` rows from consecutive blocks, permute its rows and cut full batches; the rows left over (fewer
+    than a batch) join the next window; the epoch's last batch is the short one, as Keras'. When the window
+    holds the whole share this IS one uniform permutation, as Keras' ``shuffle=True``; otherwise two rows of
+    the same Spark batch (up to ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows, 10000 by default) meet
+    in a batch more often than under a full permutation, so data sorted by label should be repartitioned
+    randomly first (``df.orderBy(F.rand())``) or given a window larger than a sorted run."""
     held: list[tuple[np.ndarray, ...]] = []
     rows = 0
 
