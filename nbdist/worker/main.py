@@ -148,6 +148,20 @@ _NBDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NEUTRAL = ("site-packages", "dist-packages", os.path.dirname(os.__file__))
 
 
+def keep_keras_frames() -> None:
+    """Keras' frames stay in a worker's tracebacks: they tell its errors from nbdist's (``keras_raised``).
+    Keras' traceback filtering stays on, as in the notebook, with nothing to filter out: it is what adds
+    "Exception encountered when calling <layer>" to an error raised in a layer's call. A Keras without that
+    private exclusion list gets the filtering turned off (the message then lacks that frame)."""
+    import keras
+    from keras.src.utils import traceback_utils
+
+    if isinstance(getattr(traceback_utils, "_EXCLUDED_PATHS", None), tuple):
+        traceback_utils._EXCLUDED_PATHS = ()
+    else:
+        keras.config.disable_traceback_filtering()
+
+
 def keras_raised(exc: BaseException) -> tuple[str, str] | None:
     """(the type's module:qualname, its message) when ``exc`` is Keras' or the cell's to raise, not nbdist's.
 
@@ -386,10 +400,7 @@ def _work(address: str, rank: int, secret: bytes) -> int:
         from .runtime import import_keras, unpack_job
 
         import_keras()  # first, before anything imports Keras with its optional packages
-        import keras
-
-        # Keras' frames stay in a traceback: they tell its errors from nbdist's (keras_raised).
-        keras.config.disable_traceback_filtering()
+        keep_keras_frames()
 
         from ..wire.messages import JobMessage
 
