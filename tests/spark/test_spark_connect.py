@@ -24,6 +24,7 @@ from ..spark_helpers import (
     need_spark,
     partition_order,
     small_model,
+    stop_shared_session,
     wait_until_no_workers,
     wait_warm_ready,
     warm_socket_workers,
@@ -55,6 +56,7 @@ def spark(tmp_path_factory):
     import pyspark
     from pyspark.sql import SparkSession
 
+    stop_shared_session()  # the local[2] session of the modules before: this process is the Connect client only
     home = os.path.dirname(pyspark.__file__)
     port = _free_port()
     environ_before = set(os.environ)
