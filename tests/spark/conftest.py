@@ -3,17 +3,16 @@
 The modules that take this conftest's ``spark`` run first, one after the other, on one local[2] session
 (``spark_helpers.shared_local_session``); the modules with a Spark of their own (a standalone cluster,
 Connect, hosts in network namespaces, warm executors) come after them, and their session's start stops
-the shared one. A module still fails if it leaves any other session active.
+the shared one. A module still fails if it leaves any other session active (tests/conftest.py).
 """
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from ..spark_helpers import digits, is_shared_session, shared_local_session, stop_shared_session
+from ..spark_helpers import digits, shared_local_session, stop_shared_session
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -52,20 +51,6 @@ def spark():
 def shared_session_stopped() -> Iterator[None]:
     yield
     stop_shared_session()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def no_spark_session_left() -> Iterator[None]:
-    """tests/conftest.py's check, but for the shared session, which outlives the module on purpose."""
-    yield
-    if "pyspark" not in sys.modules:
-        return
-    from nbdist.spark.backend import active_spark_session
-
-    session = active_spark_session()
-    if session is not None and not is_shared_session(session):
-        session.stop()
-        pytest.fail(f"this module left a SparkSession active ({session!r}); stop it in the fixture that made it")
 
 
 @pytest.fixture(scope="module")
