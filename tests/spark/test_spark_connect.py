@@ -230,8 +230,15 @@ def test_one_parquet_file_streams_over_connect_in_equal_shares_in_order(spark, d
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.full
 def test_a_model_without_an_input_shape_trains_over_connect(spark, data):
-    """Built on a zero row as wide as the feature column, read from the Connect DataFrame's schema and first row."""
+    """Built on a zero row as wide as the feature column, read from the Connect DataFrame's schema and first row.
+
+    Marked full: CI covers both halves. The width read from a Connect DataFrame's schema and first row
+    (spark/checks.py feature_width) runs in test_evaluate_equals_keras_incl_auc's evaluate here; the model
+    built on a zero row that wide and trained is test_spark_models_and_fit.py's
+    test_a_model_without_an_input_shape_trains_from_a_dataframe.
+    """
     import keras
 
     Xtr, Xte, ytr, yte = data
