@@ -80,15 +80,18 @@ def no_spark_session_left() -> Iterator[None]:
     """Fails the module that leaves a SparkSession active, and stops it.
 
     Runs with ``--backend auto`` attach to an active session, so one left behind would send every
-    later test's workers to Spark and fail them with a sentence about Spark task slots.
+    later test's workers to Spark and fail them with a sentence about Spark task slots. The local[2]
+    session the modules of tests/spark/ share outlives each of them on purpose (its package stops it).
     """
     yield
     if "pyspark" not in sys.modules:
         return
     from nbdist.spark.backend import active_spark_session
 
+    from .spark_helpers import is_shared_session
+
     session = active_spark_session()
-    if session is not None:
+    if session is not None and not is_shared_session(session):
         session.stop()
         pytest.fail(f"this module left a SparkSession active ({session!r}); stop it in the fixture that made it")
 

@@ -20,9 +20,36 @@ def need_spark() -> None:
         pytest.skip("Spark needs Java: run scripts/install_system_deps.sh")
 
 
+_SHARED: list[Any] = []  # the one local[2] session of the modules that share it (tests/spark/conftest.py)
+
+
+def shared_local_session() -> Any:
+    """The local[2] SparkSession that the test modules of tests/spark/ share, started on first use.
+
+    A JVM's start per module was the tier's largest fixed cost; the modules on the plain local[2]
+    session run one after the other (tests/spark/conftest.py orders them first) on this one, and
+    ``stop_shared_session`` ends it before a module that needs its own (``spark_session``) and at
+    the end of the package.
+    """
+    if not _SHARED:
+        _SHARED.append(spark_session("local[2]"))
+    return _SHARED[0]
+
+
+def is_shared_session(session: Any) -> bool:
+    return bool(_SHARED) and session is _SHARED[0]
+
+
+def stop_shared_session() -> None:
+    while _SHARED:
+        _SHARED.pop().stop()
+
+
 def spark_session(master: str, **conf: str) -> Any:
+    """A new SparkSession; the shared local[2] one is stopped first (``getOrCreate`` would return it)."""
     from pyspark.sql import SparkSession
 
+    stop_shared_session()
     # Executors run this interpreter, so they import the same numpy/TensorFlow/nbdist.
     os.environ["PYSPARK_PYTHON"] = PYTHON
     builder = (SparkSession.builder.master(master).appName("nbdist-tests")

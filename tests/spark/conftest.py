@@ -1,10 +1,37 @@
-"""Fixtures of the local[2] Spark test modules (test_spark_standalone.py brings its own ``spark``)."""
+"""Fixtures of the local[2] Spark test modules: one SparkSession shared by them all.
+
+The modules that take this conftest's ``spark`` run first, one after the other, on one local[2] session
+(``spark_helpers.shared_local_session``); the modules with a Spark of their own (a standalone cluster,
+Connect, hosts in network namespaces, warm executors) come after them, and their session's start stops
+the shared one. A module still fails if it leaves any other session active (tests/conftest.py).
+"""
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from ..spark_helpers import digits, spark_session
+from ..spark_helpers import digits, shared_local_session, stop_shared_session
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Within tests/spark/, the modules on the shared session first (order otherwise kept)."""
+    here = __file__.rsplit("/", 1)[0] + "/"
+    spark_items = [i for i, item in enumerate(items) if str(item.path).startswith(here)]
+    if not spark_items:
+        return
+
+    def on_shared(item) -> bool:
+        defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("spark")
+        return bool(defs) and defs[-1].func.__module__ == __name__
+
+    modules: dict[str, bool] = {}
+    for i in spark_items:
+        modules[str(items[i].path)] = modules.get(str(items[i].path), False) or on_shared(items[i])
+    chosen = sorted((items[i] for i in spark_items), key=lambda item: not modules[str(item.path)])
+    for i, item in zip(spark_items, chosen):
+        items[i] = item
 
 
 @pytest.fixture(autouse=True)
@@ -16,10 +43,14 @@ def no_warm_executor_workers(monkeypatch):
 
 @pytest.fixture(scope="module")
 def spark():
-    """A local[2] SparkSession for one test module, stopped after it."""
-    session = spark_session("local[2]")
-    yield session
-    session.stop()
+    """The local[2] SparkSession these modules share (stopped at the package's end or by another's start)."""
+    return shared_local_session()
+
+
+@pytest.fixture(autouse=True, scope="package")
+def shared_session_stopped() -> Iterator[None]:
+    yield
+    stop_shared_session()
 
 
 @pytest.fixture(scope="module")

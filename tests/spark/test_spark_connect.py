@@ -24,6 +24,7 @@ from ..spark_helpers import (
     need_spark,
     partition_order,
     small_model,
+    stop_shared_session,
     wait_until_no_workers,
     wait_warm_ready,
     warm_socket_workers,
@@ -55,6 +56,7 @@ def spark(tmp_path_factory):
     import pyspark
     from pyspark.sql import SparkSession
 
+    stop_shared_session()  # the local[2] session of the modules before: this process is the Connect client only
     home = os.path.dirname(pyspark.__file__)
     port = _free_port()
     environ_before = set(os.environ)
@@ -228,8 +230,15 @@ def test_one_parquet_file_streams_over_connect_in_equal_shares_in_order(spark, d
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.full
 def test_a_model_without_an_input_shape_trains_over_connect(spark, data):
-    """Built on a zero row as wide as the feature column, read from the Connect DataFrame's schema and first row."""
+    """Built on a zero row as wide as the feature column, read from the Connect DataFrame's schema and first row.
+
+    Marked full: CI covers both halves. The width read from a Connect DataFrame's schema and first row
+    (spark/checks.py feature_width) runs in test_evaluate_equals_keras_incl_auc's evaluate here; the model
+    built on a zero row that wide and trained is test_spark_models_and_fit.py's
+    test_a_model_without_an_input_shape_trains_from_a_dataframe.
+    """
     import keras
 
     Xtr, Xte, ytr, yte = data

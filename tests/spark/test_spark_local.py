@@ -31,7 +31,18 @@ def local_accuracy(data):
     return accuracy(model, Xte, yte)
 
 
+@pytest.mark.full
 def test_dataframe_training_matches_local_fit(spark, data, local_accuracy):
+    """Averaging on a local[2] DataFrame, 30 epochs, within a point of one machine with the same settings.
+
+    Marked full: CI checks each of its parts elsewhere. A DataFrame's averaging run on local[2] equals the
+    in-memory averaging run to 1e-5, every row trained (test_spark_stream.py's
+    test_streamed_equals_in_memory_without_shuffle[averaging]); averaging on a Spark DataFrame within a
+    point of the local fit is test_spark_connect.py's test_both_strategies_match_local_fit_and_warm_workers_
+    serve_the_second_run, and on local workers test_training.py's
+    test_accuracy_two_workers_within_one_point_of_local; the workers gone after a Spark run,
+    test_killed_worker_fails_fast_and_leaves_nothing here and test_rdd_of_pairs_trains_on_spark.
+    """
     Xtr, Xte, ytr, yte = data
     df = digits_frame(spark, Xtr, ytr)
     model = small_model()

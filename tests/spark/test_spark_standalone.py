@@ -103,7 +103,15 @@ def spark(cluster):
     session.stop()
 
 
+@pytest.mark.full
 def test_dataframe_training_on_standalone_cluster(spark):
+    """Averaging on a DataFrame as test_spark_local.py's local[2] run, on the standalone cluster.
+
+    Marked full: CI covers each of its parts elsewhere. The accuracy against one machine with the same
+    settings is test_spark_local.py's test_dataframe_training_matches_local_fit; a DataFrame trained by
+    a standalone cluster's executors (cold workers first, then warm) is the next test's; cold workers on a
+    standalone cluster that leave nothing are test_multihost.py's test_trains_across_two_hosts[allreduce].
+    """
     Xtr, Xte, ytr, yte = digits()
     assert spark.sparkContext.master.startswith("spark://127.0.0.1")
     local = small_model()

@@ -36,7 +36,8 @@ def frame(spark, data):
     assert parts == [n // 2, n // 2], parts  # contiguous halves: the local backend's shards
     firsts = df.rdd.glom().map(lambda rows: int(rows[0].digit) if rows else -1).collect()
     assert firsts == [int(ytr[0]), int(ytr[n // 2])], firsts
-    return df, Xtr[:n], ytr[:n]
+    yield df, Xtr[:n], ytr[:n]
+    spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")  # the session outlives this module
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "averaging"])

@@ -78,14 +78,28 @@ def accuracy(model, x, y) -> float:
     return float((model.predict(x, verbose=0).argmax(1) == y).mean())
 
 
-@pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
-def test_notebook_objects_train_within_one_point_of_local(digits_split, strategy):
+@pytest.fixture(scope="module")
+def local_runs(digits_split) -> dict[str, tuple[list[np.ndarray], float]]:
+    """Each model's local fit (15 epochs, batch 32), run once for both strategies' tests: its initial weights
+    and its test accuracy."""
     x_train, x_test, y_train, y_test = digits_split
-    local, dist = combined_model(4), combined_model(4)
-    dist.set_weights(local.get_weights())
-    local.fit(x_train, y_train, batch_size=32, epochs=15, verbose=0)
+    found = {}
+    for name, build in (("combined", lambda: combined_model(4)), ("subclassed", lambda: subclassed(5))):
+        local = build()
+        initial = local.get_weights()
+        local.fit(x_train, y_train, batch_size=32, epochs=15, verbose=0)
+        found[name] = initial, accuracy(local, x_test, y_test)
+    return found
+
+
+@pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
+def test_notebook_objects_train_within_one_point_of_local(digits_split, local_runs, strategy):
+    x_train, x_test, y_train, y_test = digits_split
+    initial, local_accuracy = local_runs["combined"]
+    dist = combined_model(4)
+    dist.set_weights(initial)
     job = nbdist.train(dist, x_train, y_train, epochs=15, batch_size=32, workers=2, seed=4, strategy=strategy)
-    assert accuracy(dist, x_test, y_test) >= accuracy(local, x_test, y_test) - 0.01
+    assert accuracy(dist, x_test, y_test) >= local_accuracy - 0.01
     assert set(job.history) == {"loss", "top2"} and job.history["top2"][-1] > 0.9
     # The notebook's model holds the workers' final synchronised weights, the integer counter included
     # (rank 0 counted its own steps: 15 epochs of ceil(674 / 32) batches).
@@ -95,16 +109,15 @@ def test_notebook_objects_train_within_one_point_of_local(digits_split, strategy
 
 
 @pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
-def test_subclassed_model_built_with_build_trains(digits_split, strategy):
+def test_subclassed_model_built_with_build_trains(digits_split, local_runs, strategy):
     x_train, x_test, y_train, y_test = digits_split
-    local = subclassed(5)
-    local.fit(x_train, y_train, batch_size=32, epochs=15, verbose=0)
+    local_accuracy = local_runs["subclassed"][1]
     dist = subclassed(5)
     job = nbdist.train(dist, x_train, y_train, epochs=15, batch_size=32, workers=2, seed=5, strategy=strategy)
     # Averaging with Adam is not local Adam (docs/keras-cell.md: what averaging with K > 1 is): 2 points of
     # 450 test rows.
     slack = 0.02 if strategy == "averaging" else 0.01
-    assert accuracy(dist, x_test, y_test) >= accuracy(local, x_test, y_test) - slack
+    assert accuracy(dist, x_test, y_test) >= local_accuracy - slack
     assert set(job.history) == {"loss", "penalty"}  # its own train_step's metrics reach the history
     assert int(dist.optimizer.iterations.numpy()) == 15 * 22
 
