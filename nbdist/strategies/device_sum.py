@@ -17,19 +17,12 @@ meanwhile) rather than stall every step.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 BUCKET_BYTES = 25 * 2**20
 CHECK_EVERY = 50
-
-
-def configured_bucket_bytes() -> int:
-    """The device sum's bucket size: NBDIST_TORCH_BUCKET_BYTES (tests, tuning), else PyTorch DDP's 25 MiB
-    (TensorFlow's device sum uses these torch buckets too)."""
-    return int(os.environ.get("NBDIST_TORCH_BUCKET_BYTES", "") or BUCKET_BYTES)
 
 
 def bucket_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:

@@ -14,7 +14,7 @@ cleared, the job joined and the state put back (``join_jax_job``).
 The state and the batch go into the step "replicated" (``P()``) with ``check_vma`` off: each process's
 shard is its own batch, its own metrics and statistics; only the summed gradients, and so the weights and
 the optimizer's state, are the same everywhere. Every process must run the same program: the engine is
-chosen only where every step's batch has the same rows on every worker (``placement.choose_jax_engine``).
+chosen only where every step's batch has the same rows on every worker (machine/engines.py).
 An averaging round is one jitted ``shard_map`` of its own over the same mesh, between Keras' steps, on the
 variables the running fit's state was synced into. JAX's CPU collectives have had wrong sums and hangs
 (DESIGN.md 9): the sums are tested against numpy, and the job's heartbeat ends a run whose peer died (nbdist's
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import socket
 import time
 from collections.abc import Sequence
@@ -35,13 +34,6 @@ import numpy as np
 log = logging.getLogger("nbdist.worker")
 
 PORT_KEY = "nbdist/jax/coordinator"
-FORCED = "NBDIST_JAX_DEVICE_SUM"
-
-
-def jax_device_sum_forced() -> bool:
-    """NBDIST_JAX_DEVICE_SUM=1: the averaging strategy's rounds inside the workers' JAX job on CPUs too, over
-    Gloo (the GPU's code path: tests, and comparing it with the host's rounds). Allreduce asks by ``--engine``."""
-    return os.environ.get(FORCED, "") == "1"
 
 
 def free_port(host: str) -> int:
@@ -102,7 +94,7 @@ def join_jax_job(model: Any, collective: Any, host: str, timeout: float, on_gpu:
     if jax.local_device_count() != 1:
         raise RuntimeError(f"nbdist's JAX job needs one device per worker process, and this worker sees "
                            f"{jax.local_device_count()}; give each worker one GPU (CUDA_VISIBLE_DEVICES) or train "
-                           "with --engine gloo (allreduce) or NBDIST_JAX_DEVICE_SUM=0 (averaging)")
+                           "with --engine gloo (allreduce) or device_sum='never' (averaging)")
     for v, value in zip(variables, values):
         v.assign(value)
     for layer, name, value in arrays:

@@ -67,11 +67,12 @@ import numpy as np
 from ..machine.placement import usable_cores
 from ..machine.processes import ProcessId, remove_quietly
 from .direct import add_in_rank_order
-from .ring import ALIGN, block_bounds, pieces, segment_bounds
+from .ring import ALIGN, aligned_offsets, block_bounds, pieces, segment_bounds
 from .shm_files import _attach, _create, boot_id
 from .sum_threads import Pass, PhaseThreads, clip, run_passes
 
 log = logging.getLogger(__name__)
+__all__ = ["ALIGN", "aligned_offsets", "pieces"]  # the bucket's layout, for its callers
 
 LINE = 64  # bytes: one counter per cache line, and every row starts on one
 SHM_DIR = "/dev/shm"

@@ -4,7 +4,7 @@ soon as it is filled), then handed back to TensorFlow by DLPack (no copy). The a
 the same way (``TFDeviceAverage``, at the end: the variables into ``device_sum.TorchDeviceAverage``'s buckets).
 
 On GPUs (engine ``nccl``, every worker with a GPU of its own) the buckets are CUDA tensors summed by NCCL;
-``NBDIST_TF_DEVICE_SUM=1`` runs the very same code on CPU tensors over a Gloo group, which is how the tests
+``device_sum="always"`` runs the very same code on CPU tensors over a Gloo group, which is how the tests
 run it. On CPUs the numpy exchange stays the default (allreduce_hook.py): it is faster there.
 
 The sum runs inside Keras' compiled train step as one ``tf.py_function`` (TensorFlow's own collectives
@@ -30,20 +30,12 @@ assigns the gradient itself) is handed back as a copy, since its bucket is refil
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from .device_sum import TorchDeviceAverage, TorchDeviceSum, engine_device
 
-FORCED = "NBDIST_TF_DEVICE_SUM"
 ALIGN = 16  # float32 elements: 64 bytes, TensorFlow's alignment (EIGEN_MAX_ALIGN_BYTES)
-
-
-def tf_device_sum_forced() -> bool:
-    """NBDIST_TF_DEVICE_SUM=1: TensorFlow's gradients summed as torch tensors over Gloo on a CPU, the GPU's code
-    path (tests, and comparing it with the numpy exchange)."""
-    return os.environ.get(FORCED, "") == "1"
 
 
 def check_aligned(buckets: Sequence[Any]) -> None:
@@ -115,7 +107,7 @@ class TFDeviceSum:
 class TFDeviceAverage(TorchDeviceAverage):
     """The averaging strategy's round on TensorFlow's variables, on their device: each variable's value handed to
     torch by DLPack (no copy) and copied into ``TorchDeviceAverage``'s buckets, which are all-reduced (NCCL on the
-    worker's GPU; Gloo on CPU tensors with NBDIST_TF_DEVICE_SUM=1, the tests); each sum handed back to TensorFlow
+    worker's GPU; Gloo on CPU tensors with device_sum="always", the tests); each sum handed back to TensorFlow
     by DLPack (no copy), divided by the total there and assigned to its variable.
 
     The round runs eagerly between TensorFlow's calls (worker/callbacks.py). Streams (NOT RUN ON A GPU):

@@ -23,7 +23,7 @@ checks them (every step on a CPU, every ``CHECK_EVERY`` steps on a GPU, a mismat
 meanwhile), so the host runs ahead of the GPU as it does without the overlap.
 
 Not overlapped (``overlap_refusal`` says why; ``TorchDeviceSum`` alone, as before): one bucket (nothing to
-overlap), NBDIST_TORCH_OVERLAP=0, a model with its own ``train_step`` (it may change gradients in place between
+overlap), overlap=False, a model with its own ``train_step`` (it may change gradients in place between
 backward and ``apply``, which no check would see), ``jit_compile=True`` (not tried), torch older than 2.1, a
 trainable variable whose tensor is not a leaf that requires grad. Unchanged by it: mixed precision's loss scale
 (the hook copies ``.grad``, the scaled gradient ``apply`` gets; the wrapped ``apply`` unscales after the sum, as
@@ -34,7 +34,6 @@ before), ``gradient_accumulation_steps`` (Keras' step zeroes ``.grad`` every ste
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,8 +41,6 @@ from typing import Any
 from .device_sum import BUCKET_BYTES, RowsCheck, bucket_plan, fill, unpack
 
 log = logging.getLogger(__name__)
-
-OVERLAP_ENV = "NBDIST_TORCH_OVERLAP"  # "0": the buckets only at apply time (TorchDeviceSum alone)
 
 
 def backward_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
@@ -98,8 +95,6 @@ def overlap_refusal(model: Any, tensors: Sequence[Any], buckets: int) -> str | N
     import torch
     from keras.src.backend.torch.trainer import TorchTrainer
 
-    if os.environ.get(OVERLAP_ENV, "1") == "0":
-        return f"{OVERLAP_ENV}=0"
     if buckets < 2:
         return "one bucket: nothing to overlap"
     if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
