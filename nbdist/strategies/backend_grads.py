@@ -2,7 +2,7 @@
 
 TensorFlow's train step hands its gradients to ``GradientAllreduce.reduce`` as graph tensors
 (allreduce_hook.py). The other two backends hand them over as arrays, and the same numpy exchange sums
-them (shared memory, one round of messages, or the ring), weighted by each worker's rows:
+them (shared memory, or Gloo between machines), weighted by each worker's rows:
 
 - torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
   ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between. When every

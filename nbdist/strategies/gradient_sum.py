@@ -1,42 +1,11 @@
-"""The summing engine of allreduce: each step's gradients, in one aligned bucket, summed over the workers.
+"""The host side of allreduce: each step's gradients in one aligned bucket, summed over the workers.
 
-numpy in, numpy out, no Keras: the Keras optimizer hook that feeds it from the train step is
-``allreduce_hook.py``. The result is the sample-weighted average sum_w (n_w / total) g_w, so a
-short last batch counts for what it holds; every worker's shard size is exchanged once at the
-start, so each step's total is known before the step (``step_totals``).
-
-The usual path (Keras' own train step, Gloo, 2+ workers): the hook scales each worker's loss by
-n / total inside the tape, so the gradients come out already weighted, for free. They then only need
-summing, and the ring in ``ring.py`` sums them straight from TensorFlow's memory into ONE
-aligned bucket: no copy of the gradients before the sum (measured here for 100
-MiB: copy-then-allreduce took 1.2-1.7x a raw Gloo allreduce; the ring about 1.0x).
-
-A small bucket (what a worker sends to all its peers at most ``direct_sum_bytes``, 4 MiB by
-default) is instead copied into the bucket and summed in one step: there the rounds of
-messages, not the bytes, are the time. Workers that all run on this machine sum it through
-one shared-memory segment (``shared.py``: no message at all; on a 2-worker CNN of 117 KiB the
-last worker to arrive waits 0.3-0.6 ms per step). Others send it to every peer in ONE round
-of messages (``direct.py``: 0.6 ms median, against 2.5-3.5 ms in Gloo's allreduce, but with
-waits of 4-8 ms one step in five, when a halted virtual CPU has to wake for a message).
-
-A large bucket between workers that all run on this machine is summed through shared memory
-too, chunk by chunk (``shared.py`` ``SharedChunkedSum``: each worker adds its slice of each chunk,
-then all copy the summed chunk out), reading the gradients where TensorFlow left them as the ring
-does, at memory speed instead of through loopback TCP twice: 100 MiB between 2 workers here took
-0.24-0.7 of a raw Gloo allreduce (``benchmarks/shared_sum.py``). Otherwise the ring.
-
-The fallback (a custom ``train_step`` that never calls ``scale_loss``, or a
-single worker): the gradients are scaled by n / total while they are copied into the
-bucket, then summed as a small bucket is, or, if large, through shared memory as above, or in chunks of
-a few MiB whose asynchronous Gloo allreduces start as soon as each is filled.
-
-Either way every gradient starts on a 64-byte boundary of a 64-byte aligned
-bucket: TensorFlow adopts such numpy outputs of ``tf.numpy_function`` without
-copying (measured here: an unaligned 100 MiB output costs a ~9 ms copy per step).
-Adopted means shared: a variable assigned the gradient itself (Keras does
-``v.assign(g)`` for ``overwrite_with_gradient`` variables) keeps the bucket's
-memory as its value. So a bucket is refilled only when no view of it handed to
-TensorFlow is alive (weak references tell); otherwise the step uses another bucket.
+numpy in, numpy out, no Keras (the optimizer hooks are allreduce_hook.py and backend_grads.py). The result is
+the sample-weighted average sum_w (n_w / total) g_w; the bucket's last slot carries each worker's rows, and the
+summed rows must equal the step's total. The plan's engine sums it (machine/engines.py): one row of shared
+memory (small), shared memory chunk by chunk reading the gradients where they are (chunked), or Gloo's
+allreduce in chunks started as each is filled (between machines). Every gradient starts on a 64-byte boundary,
+so TensorFlow adopts the summed views without a copy; a bucket still lent to TensorFlow is never refilled.
 """
 from __future__ import annotations
 

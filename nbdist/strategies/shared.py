@@ -1,10 +1,7 @@
 """Sum buckets across workers of one machine through shared memory: no messages at all.
 
-The one-round sum of ``direct.py`` still sends messages over loopback TCP, and a worker waiting
-for one blocks in the kernel: its virtual CPU halts, and on this machine's VMs (idle vCPUs halt
-at once, ``haltpoll.guest_halt_poll_ns=0``) waking it costs from 0.5 to 8 ms. When every worker
-runs on the same machine they can instead share one memory segment. A worker with a core of its
-own spins while it waits (briefly, then sleeps), so it never halts.
+Workers of one machine share one memory segment instead of sending messages over loopback TCP; a worker with
+a core of its own spins while it waits (briefly, then sleeps), so its CPU never halts.
 
 Two sums share the segment's machinery:
 
@@ -66,13 +63,55 @@ import numpy as np
 
 from ..machine.placement import usable_cores
 from ..machine.processes import ProcessId, remove_quietly
-from .direct import add_in_rank_order
-from .ring import ALIGN, aligned_offsets, block_bounds, pieces, segment_bounds
 from .shm_files import _attach, _create, boot_id
-from .sum_threads import Pass, PhaseThreads, clip, run_passes
 
 log = logging.getLogger(__name__)
-__all__ = ["ALIGN", "aligned_offsets", "pieces"]  # the bucket's layout, for its callers
+
+ALIGN = 16  # float32 elements (64 bytes): every array in a bucket, and every cut of one, starts on a cache line
+Pieces = list[tuple[int, int, int, int]]  # (array, from, to, bucket position)
+
+
+def aligned_offsets(sizes: Sequence[int], align: int = ALIGN) -> np.ndarray:
+    """Start of each array in the bucket (each a multiple of ``align``), then the end of the last."""
+    starts, at = [], 0
+    for size in sizes:
+        at = -(-at // align) * align
+        starts.append(at)
+        at += int(size)
+    return np.array(starts + [at], dtype=np.int64)
+
+
+def pieces(offsets: Sequence[int], sizes: Sequence[int], a: int, b: int) -> Pieces:
+    """The parts of the arrays that land in bucket[a:b]: (array, from, to, bucket position)."""
+    out = []
+    for i, (start, size) in enumerate(zip(offsets, sizes)):
+        lo, hi = max(a, int(start)), min(b, int(start) + int(size))
+        if lo < hi:
+            out.append((i, lo - int(start), hi - int(start), lo))
+    return out
+
+
+def block_bounds(length: int, world: int, align: int = ALIGN) -> list[tuple[int, int]]:
+    """``range(length)`` cut into ``world`` consecutive blocks of nearly equal size, cut at ``align``."""
+    per = -(-length // world)
+    per = -(-per // align) * align
+    return [(min(r * per, length), min((r + 1) * per, length)) for r in range(world)]
+
+
+def segment_bounds(a: int, b: int, segment: int, align: int = ALIGN) -> list[tuple[int, int]]:
+    """``range(a, b)`` cut into consecutive segments of at most ``segment`` elements."""
+    segment = max(align, segment // align * align)
+    return [(s, min(s + segment, b)) for s in range(a, b, segment)]
+
+
+def add_in_rank_order(rows: np.ndarray, out: np.ndarray) -> None:
+    """``out = ((rows[0] + rows[1]) + rows[2]) + ...``: the same order, hence the same bits, everywhere."""
+    if len(rows) == 1:
+        out[:] = rows[0]
+        return
+    np.add(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        np.add(out, row, out=out)
 
 LINE = 64  # bytes: one counter per cache line, and every row starts on one
 SHM_DIR = "/dev/shm"
@@ -261,7 +300,6 @@ class SharedChunkedSum(_Segment):
                        for s in (0, 1)]
         self._phase = int(self._seq[rank])
         self._plans: dict[int, ChunkPlan] = {}
-        self._threads: PhaseThreads | None = None
 
     def plan(self, offsets: Sequence[int], sizes: Sequence[int], length: int) -> ChunkPlan:
         return chunk_plan(offsets, sizes, length, self.chunk, self.rank, self.world)
@@ -279,7 +317,6 @@ class SharedChunkedSum(_Segment):
         ``scales``: each array's float32 factor, or None; an array is multiplied by it as it is copied in
         (the same bits as scaling it first), and a factor of 0 writes zeros (0 x inf would be NaN).
         ``out`` may be the one array itself (in place): each chunk of it is read before it is written.
-        The passes run on the threads of ``use_threads``.
         """
         def put(row: np.ndarray, a: int, parts: Pieces) -> None:
             for k, lo, hi, pos in parts:
@@ -294,7 +331,7 @@ class SharedChunkedSum(_Segment):
         def take(summed: np.ndarray, a: int, b: int, parts: Pieces) -> None:
             np.copyto(out[a:b], summed)
 
-        self._exchange(plan, put, take, self._threads)
+        self._exchange(plan, put, take)
 
     def average_in_place(self, arrays: Sequence[np.ndarray], weight: float, plan: ChunkPlan) -> float:
         """Every array := the ``weight``-weighted average over workers of that array, in place; the summed weight.
@@ -324,17 +361,9 @@ class SharedChunkedSum(_Segment):
         self._exchange(plan, put, take)
         return float(total[0])
 
-    def use_threads(self, threads: int) -> None:
-        """Split each phase's passes over ``threads`` threads (sum_threads.py) in ``sum_into``; 1: none."""
-        if self._threads is not None:
-            self._threads.close()
-        self._threads = PhaseThreads(threads, self.timeout) if threads > 1 else None
-
-    def _exchange(self, plan: ChunkPlan, put: Any, take: Any, threads: PhaseThreads | None = None) -> None:
+    def _exchange(self, plan: ChunkPlan, put: Any, take: Any) -> None:
         """The phases of a chunked sum: in phase i this worker puts chunk i into its row, adds its slice of
-        chunk i - 1 and hands chunk i - 2, summed by everyone, to ``take``; peers move in lockstep.
-        ``threads``: the three passes of a phase split over them, by ranges of the bucket (``put`` and
-        ``take`` must then work on any range of a chunk)."""
+        chunk i - 1 and hands chunk i - 2, summed by everyone, to ``take``; peers move in lockstep."""
         rank, world, chunks = self.rank, self.world, plan.chunks
         g = self._phase
         with np.errstate(all="ignore"):  # alignment gaps hold stale floats: their sums mean nothing
@@ -342,44 +371,22 @@ class SharedChunkedSum(_Segment):
                 phase = g + 1 + i
                 self._wait_all(phase - 1)
                 slot, last = self._slots[phase % 2], self._slots[(phase - 1) % 2]
-                passes: list[Pass] = []
                 if i >= 2:  # chunk i - 2, summed by everyone in the last phase
                     a, b, parts, _, _ = chunks[i - 2]
-                    passes.append((a, b, _take_range(take, slot[world], a, parts)))
+                    take(slot[world][:b - a], a, b, parts)
                 if i < len(chunks):
                     a, b, parts, _, _ = chunks[i]
-                    passes.append((a, b, _put_range(put, slot[rank], a, parts)))
+                    put(slot[rank], a, parts)
                 if 1 <= i <= len(chunks):  # this worker's slice of chunk i - 1
                     _, _, _, lo, hi = chunks[i - 1]
                     if lo < hi:
-                        passes.append((lo, hi, _add_range(last, world)))
-                run_passes(passes, threads)
+                        add_in_rank_order(last[:world, lo:hi], last[world, lo:hi])
                 self._seq[rank] = phase  # after the rows: peers that see it see them too (TSO)
         self._phase = g + len(chunks) + 2
-
-    def close(self) -> None:
-        if self._threads is not None:
-            self._threads.close()
-            self._threads = None
-        super().close()
 
     def _drop_views(self) -> None:
         super()._drop_views()
         self._slots = None  # type: ignore[assignment]
-
-
-def _take_range(take: Any, summed: np.ndarray, a: int, parts: Pieces) -> Any:
-    """``take`` of bucket positions ``range(c, d)`` of the chunk starting at ``a``."""
-    return lambda c, d: take(summed[c - a:d - a], c, d, clip(parts, c, d))
-
-
-def _put_range(put: Any, row: np.ndarray, a: int, parts: Pieces) -> Any:
-    return lambda c, d: put(row, a, clip(parts, c, d))
-
-
-def _add_range(rows: np.ndarray, world: int) -> Any:
-    """This worker's slice (a range of it) of the chunk in ``rows``, summed in rank order into its output row."""
-    return lambda c, d: add_in_rank_order(rows[:world, c:d], rows[world, c:d])
 
 
 def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId | None], bool] | None:
