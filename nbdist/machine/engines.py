@@ -88,8 +88,9 @@ class Plan:
 
     @property
     def engine_name(self) -> str:
-        """The name reports give the engine: none, shared, gloo, nccl or jax."""
-        return self.mode if self.engine == "torch" else self.engine
+        """The name reports give the engine (``--engine``'s words): none, gloo (host buckets, in shared memory
+        or over Gloo, and device tensors over Gloo), nccl or jax; ``summed_by`` says more."""
+        return "gloo" if self.engine == "shared" else self.mode if self.engine == "torch" else self.engine
 
 
 def nccl_obstacle(gpus: Sequence[object]) -> str | None:

@@ -114,7 +114,7 @@ class GradientSum:
 
     @property
     def engine(self) -> str:
-        """The engine's name in reports: shared, gloo, nccl or jax."""
+        """The engine's name in reports (``Plan.engine_name``)."""
         return self.plan.engine_name
 
     @property
