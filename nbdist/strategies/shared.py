@@ -1,50 +1,11 @@
 """Sum buckets across workers of one machine through shared memory: no messages at all.
 
-Workers of one machine share one memory segment instead of sending messages over loopback TCP; a worker with
-a core of its own spins while it waits (briefly, then sleeps), so its CPU never halts.
-
-Two sums share the segment's machinery:
-
-``SharedMemorySum``, for a small bucket (at most ``direct_sum_bytes``): each worker writes its
-bucket into its own row and publishes the call's number in its own counter; the others watch the
-counter and add all rows in rank order, so every worker computes the same sum bit for bit. One
-wait per call. Layout: one int64 counter per worker, each on its own 64-byte line, then two slots
-of ``world`` rows. Call k writes slot k % 2. A worker starts call k + 1 only after every peer has
-published call k, hence after every peer has finished reading call k - 1, the slot k + 1
-overwrites: two slots and one counter per worker are all the synchronisation needed.
-
-``SharedChunkedSum``, for a large bucket (a 100 MiB model's gradients, or its weights when
-averaging): the segment has a fixed size, two slots of ``world`` input rows and one output row of
-``chunk`` floats, and the bucket passes through it chunk by chunk. Each chunk is summed by
-reduce-scatter then all-gather: every worker adds only its 1/world slice of the chunk (the rows
-in rank order, as above) into the output row, then everyone copies the whole summed chunk out.
-Each value is computed once, by one worker, and copied by all: the same bits everywhere, and the
-same bits as ``SharedMemorySum`` (the same additions in the same order). A worker touches each
-byte a small, fixed number of times, in chunks that stay in the caches, instead of pushing the
-bucket through loopback TCP twice.
-The protocol runs in phases numbered on from the counter's last value. In phase P a worker
-  1. waits until every peer has published P - 1,
-  2. copies the output row of slot P % 2 (chunk P - 2, summed) into its result,
-  3. writes its chunk P into its input row of slot P % 2,
-  4. adds its slice of chunk P - 1 from the input rows of slot (P - 1) % 2 into that slot's output row,
-  5. publishes P.
-(A call of L chunks takes L + 2 phases; chunks "before the first" and "after the last" are empty.)
-Why it is safe with one counter per worker and two slots: every read and write of phase P happens
-after every peer published P - 1 and before this worker publishes P, so a peer is at most one phase
-ahead. Step 2 reads slices written by peers in phase P - 1 (published); they are next overwritten
-in phase P + 1 (chunk P's slices), which no peer enters before this worker publishes P. Step 3
-overwrites chunk P - 2's inputs, which peers read in phase P - 1 (published); its readers wait for
-P. Step 4 reads inputs written in phase P - 1 (published), overwritten only in phase P + 1; it
-overwrites chunk P - 3's sum, which peers copied out in phase P - 1 (published); its readers wait
-for P + 1. Hence no slot is read and written by two workers at once, for any world size.
-
-Ordering: data is written before the counter, and a reader loads the counter before the rows.
-x86-64 keeps stores in order and loads in order (TSO), so that is enough there; other
-architectures would need memory barriers Python cannot issue, so they keep the message path.
-
-The segment lives in /dev/shm only until every worker has mapped it (mode 0600, a random name);
-then it is unlinked, so a killed job leaves nothing behind. Nothing in it is ever unpickled:
-it holds raw float32 and int64. A dead peer is noticed while waiting for it (``PeerGone``).
+``SharedMemorySum`` sums a small bucket through one row per worker; ``SharedChunkedSum`` a large one chunk by
+chunk (reduce-scatter, then all-gather), reading the arrays where they are. Invariants: every worker adds the
+rows in rank order, so all get the same bits (the same as each other's and as Gloo's order); a worker waits
+for every peer's counter before it reuses a slot, so no slot is read and written at once; x86-64 only (TSO).
+The segment lives in /dev/shm only until every worker has mapped it (mode 0600, a random name), and holds raw
+floats, never pickles. A dead peer is named while a worker waits for it (``PeerGone``).
 """
 from __future__ import annotations
 
@@ -229,6 +190,14 @@ class SharedMemorySum(_Segment):
     Every worker must call it with a bucket of ``length`` floats of ``dtype`` (float32, or float64
     for sums that must stay exact, such as metric counts) the same number of times. Build it with
     ``open_shared_sum``, which falls back to None when the workers cannot share.
+
+    ``SharedMemorySum``, for a small bucket (at most ``direct_sum_bytes``): each worker writes its
+    bucket into its own row and publishes the call's number in its own counter; the others watch the
+    counter and add all rows in rank order, so every worker computes the same sum bit for bit. One
+    wait per call. Layout: one int64 counter per worker, each on its own 64-byte line, then two slots
+    of ``world`` rows. Call k writes slot k % 2. A worker starts call k + 1 only after every peer has
+    published call k, hence after every peer has finished reading call k - 1, the slot k + 1
+    overwrites: two slots and one counter per worker are all the synchronisation needed.
     """
 
     def __init__(self, rank: int, world: int, length: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
@@ -288,6 +257,35 @@ class SharedChunkedSum(_Segment):
     ``sum_into(arrays, out, plan)`` reads the arrays where they are (e.g. TensorFlow's gradients)
     and writes only ``out``; ``summer(bucket)`` sums a bucket in place. Every worker must make the
     same calls with the same layouts. Build it with ``open_chunked_sum``.
+
+    ``SharedChunkedSum``, for a large bucket (a 100 MiB model's gradients, or its weights when
+    averaging): the segment has a fixed size, two slots of ``world`` input rows and one output row of
+    ``chunk`` floats, and the bucket passes through it chunk by chunk. Each chunk is summed by
+    reduce-scatter then all-gather: every worker adds only its 1/world slice of the chunk (the rows
+    in rank order, as above) into the output row, then everyone copies the whole summed chunk out.
+    Each value is computed once, by one worker, and copied by all: the same bits everywhere, and the
+    same bits as ``SharedMemorySum`` (the same additions in the same order). A worker touches each
+    byte a small, fixed number of times, in chunks that stay in the caches, instead of pushing the
+    bucket through loopback TCP twice.
+    The protocol runs in phases numbered on from the counter's last value. In phase P a worker
+      1. waits until every peer has published P - 1,
+      2. copies the output row of slot P % 2 (chunk P - 2, summed) into its result,
+      3. writes its chunk P into its input row of slot P % 2,
+      4. adds its slice of chunk P - 1 from the input rows of slot (P - 1) % 2 into that slot's output row,
+      5. publishes P.
+    (A call of L chunks takes L + 2 phases; chunks "before the first" and "after the last" are empty.)
+    Why it is safe with one counter per worker and two slots: every read and write of phase P happens
+    after every peer published P - 1 and before this worker publishes P, so a peer is at most one phase
+    ahead. Step 2 reads slices written by peers in phase P - 1 (published); they are next overwritten
+    in phase P + 1 (chunk P's slices), which no peer enters before this worker publishes P. Step 3
+    overwrites chunk P - 2's inputs, which peers read in phase P - 1 (published); its readers wait for
+    P. Step 4 reads inputs written in phase P - 1 (published), overwritten only in phase P + 1; it
+    overwrites chunk P - 3's sum, which peers copied out in phase P - 1 (published); its readers wait
+    for P + 1. Hence no slot is read and written by two workers at once, for any world size.
+
+    Ordering: data is written before the counter, and a reader loads the counter before the rows.
+    x86-64 keeps stores in order and loads in order (TSO), so that is enough there; other
+    architectures would need memory barriers Python cannot issue, so they keep the message path.
     """
 
     def __init__(self, rank: int, world: int, chunk: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
