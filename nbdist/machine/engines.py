@@ -60,7 +60,8 @@ class Choice:
 @dataclass(frozen=True)
 class Plan:
     """The engine that sums: ``none`` (one worker), ``shared`` (mode small | chunked), ``torch`` (mode gloo |
-    nccl; tensors host | device; overlap) or ``jax`` (psum inside the step). ``notice``: the one line said."""
+    nccl; tensors host | device; overlap) or ``jax`` (psum inside the step). ``bucket_bytes``: the device
+    sum's buckets, or the chunked shared sum's rows. ``notice``: the one line the run says."""
 
     engine: str
     mode: str = ""
@@ -207,4 +208,4 @@ def _host(facts: Facts, choice: Choice, notice: str | None) -> Plan:
     if not facts.has_torch:
         raise NbdistError("workers on several machines sum over torch.distributed, and torch is not installed "
                           "here: pip install 'nbdist[torch]' (a CPU build is enough without GPUs).")
-    return Plan("torch", "gloo", bucket_bytes=facts.bucket_bytes, notice=notice)
+    return Plan("torch", "gloo", notice=notice)
