@@ -113,12 +113,21 @@ def engine_plan(collective: Any, train: Any, strategy: str, bucket_bytes: int,
     return select(facts, engine_choice(train))
 
 
-def device_averager(collective: Any, variables: list[Any], plan: Any) -> Any:
+def device_averager(collective: Any, model: Any, variables: list[Any], plan: Any) -> Any:
     """The averaging strategy's rounds on the tensors where they are, as ``plan`` says (``engine_plan``):
-    ``TorchDeviceAverage`` on Keras' torch backend, ``TFDeviceAverage`` on TensorFlow (NCCL on GPUs, Gloo on CPU
-    tensors with device_sum="always"); None: the host's ``WeightedAverager``."""
+    ``JaxDeviceAverage`` inside the workers' JAX job (joined keeping the model's state), ``TFDeviceAverage`` or
+    ``TorchDeviceAverage`` in torch's device buckets (NCCL on GPUs, Gloo on CPU tensors with
+    device_sum="always"); None: the host's ``WeightedAverager``."""
     import keras
 
+    if plan.engine == "jax":
+        import jax
+
+        from ..strategies import jax_device_sum
+
+        jax_device_sum.join_jax_job(model, collective, collective.store.host, collective.timeout,
+                                    jax.default_backend() == "gpu")
+        return jax_device_sum.JaxDeviceAverage(model, variables)
     if plan.engine != "torch" or not plan.device:
         return None
     from ..strategies.device_sum import TorchDeviceAverage, device_group, engine_device
@@ -128,17 +137,3 @@ def device_averager(collective: Any, variables: list[Any], plan: Any) -> Any:
         return TFDeviceAverage(variables, plan.mode, plan.bucket_bytes, collective.timeout)
     return TorchDeviceAverage(variables, engine_device(plan.mode), device_group(plan.mode, collective.timeout),
                               plan.bucket_bytes)
-
-
-def jax_device_averager(collective: Any, model: Any, variables: list[Any], timeout: float, plan: Any) -> Any:
-    """The averaging strategy's rounds inside the workers' JAX job (``JaxDeviceAverage``: XLA's all-reduce on the
-    devices) where the plan says JAX; None: the host's ``WeightedAverager``. Joining the job keeps the model's
-    state (``join_jax_job``)."""
-    if plan.engine != "jax":
-        return None
-    import jax
-
-    from ..strategies import jax_device_sum
-
-    jax_device_sum.join_jax_job(model, collective, collective.store.host, timeout, jax.default_backend() == "gpu")
-    return jax_device_sum.JaxDeviceAverage(model, variables)

@@ -127,14 +127,13 @@ def run_training(link: Any, job: JobMessage) -> None:
         variables = [w for w in model.weights if "float" in str(w.dtype)]
         if train.average_optimizer:
             variables += averaged_optimizer_variables(model)
-        from .device import device_averager, engine_plan, jax_device_averager
+        from .device import device_averager, engine_plan
 
         # One selector (machine/engines.py): the rounds on the devices (device_sum.py, tf_device_sum.py,
         # jax_device_sum.py), else through the host, in shared memory when every worker runs on this machine.
         flat_bytes = 4 * (sum(math.prod(int(d) for d in v.shape) for v in variables) + 1)
         plan = engine_plan(collective, train, "averaging", flat_bytes)
-        averager = (jax_device_averager(collective, model, variables, float(train.sync_timeout), plan)
-                    if keras.backend.backend() == "jax" else device_averager(collective, variables, plan))
+        averager = device_averager(collective, model, variables, plan)
         if averager is None:
             averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf)
             averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), plan)
