@@ -7,9 +7,7 @@ The issue's 16-core check (benchmarks/gpu_check/check.py step_cpu_scaling) train
 (a) the kernel: one step's gradient exchange of that model between 2 worker processes of this machine
     (``GradientSum.exchange``, the torch/JAX path: scaled, summed through shared memory chunk by chunk,
     copied out), ms per call: the bucket filled first, then summed (as before), or the scale fused into
-    the sum's copy-in (now); then the fused sum with its passes split over 2 threads per worker
-    (NBDIST_SUM_THREADS=2; on 2 cores that is 4 threads on 2 cores, unpinned), and one phase's passes in
-    one process on 1 and 2 threads.
+    the sum's copy-in (now), pinned and unpinned.
 (b) training: plain fit on all cores, 1 worker (all cores), 2 workers (a core each), samples per second
     and each worker's ms per step in compute and in synchronisation (its phase timers); with ``--before
     DIR`` (an nbdist checkout, e.g. ``git archive BASE nbdist | tar -x -C DIR``) the 2 workers also run
@@ -59,24 +57,22 @@ class _Var:
 
 KERNEL_MODES = [("bucket filled, then summed; 1 thread, pinned", False, 1, True),
                 ("scale fused into the sum; 1 thread, pinned", True, 1, True),
-                ("scale fused; 1 thread, unpinned", True, 1, False),
-                ("scale fused; 2 threads each, unpinned", True, 2, False)]
+                ("scale fused; 1 thread, unpinned", True, 1, False)]
 
 
 def _kernel_rank(rank: int, port: int, repeats: int) -> None:
     """Every mode of ``KERNEL_MODES`` in turn, call after call, in the same 2 processes (load hits all alike)."""
     import torch
 
+    from nbdist.machine.engines import Plan
     from nbdist.strategies.collective import GlooCollective
     from nbdist.strategies.gradient_sum import GradientSum
-    from nbdist.strategies.sum_threads import PhaseThreads
 
     torch.set_num_threads(1)
     gloo = GlooCollective(rank, 2, "127.0.0.1", port, timeout=120)
-    summer = GradientSum(gloo, [_Var(s) for s in shapes()])
+    summer = GradientSum(gloo, [_Var(s) for s in shapes()], Plan("shared", "chunked", bucket_bytes=2 * 2**20))
     chunked = summer._chunked
     assert chunked is not None, "the workers could not share memory"
-    pool = PhaseThreads(2, 60)
     waited = [0.0]
     wait_all = chunked._wait_all
 
@@ -92,10 +88,9 @@ def _kernel_rank(rank: int, port: int, repeats: int) -> None:
     waits: dict[str, list[float]] = {m[0]: [] for m in KERNEL_MODES}
     digests: dict[str, float] = {}
     for i in range(repeats + 5):  # the first five rounds warm up
-        for label, fused, threads, pinned in KERNEL_MODES:
+        for label, fused, _threads, pinned in KERNEL_MODES:
             os.sched_setaffinity(0, {CORES[rank % len(CORES)]} if pinned else set(CORES))
             summer.fused_scale = fused
-            chunked._threads = pool if threads > 1 else None
             summer.weight, summer.total = 64.0, 128.0
             gloo.allreduce_sum(np.zeros(1, np.float32))  # both start together
             waited[0] = 0.0
@@ -106,8 +101,6 @@ def _kernel_rank(rank: int, port: int, repeats: int) -> None:
                 times[label].append(dt)
                 waits[label].append(waited[0])
             digests[label] = float(sum(float(np.sum(o, dtype=np.float64)) for o in out))
-    chunked._threads = None
-    pool.close()
     summer.close()
     gloo.close()
     print(json.dumps({label: {"ms": statistics.median(times[label]) * 1e3,
@@ -155,30 +148,6 @@ def passes_in_one_process(repeats: int = 200) -> dict[str, float]:
             "add_2_rows": med(lambda: np.add(g, a, out=b))}
 
 
-def phase_in_one_process(threads: int, repeats: int = 400) -> float:
-    """Median microseconds of one phase's three passes (copy out, scaled copy in, add a slice) on ``threads``."""
-    from nbdist.strategies.direct import add_in_rank_order
-    from nbdist.strategies.sum_threads import PhaseThreads, run_passes
-
-    c, w = 2**19, 2
-    rows = np.random.default_rng(0).standard_normal((w + 1, c)).astype(np.float32)
-    g, out, row, f = rows[0].copy(), np.empty(c, np.float32), np.empty(c, np.float32), np.float32(0.5)
-    passes = [(0, c, lambda a, b: np.copyto(out[a:b], rows[w, a:b])),
-              (0, c, lambda a, b: np.multiply(g[a:b], f, out=row[a:b])),
-              (0, c // w, lambda a, b: add_in_rank_order(rows[:w, a:b], rows[w, a:b]))]
-    pool = PhaseThreads(threads, 60) if threads > 1 else None
-    ts = []
-    for i in range(repeats + 20):
-        t = time.perf_counter()
-        run_passes(passes, pool)
-        if i >= 20:
-            ts.append(time.perf_counter() - t)
-    if pool is not None:
-        pool.close()
-    return statistics.median(ts) * 1e6
-
-
-# -- (b) training -------------------------------------------------------------------------------
 def generated(rows: int, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, DIM), dtype=np.float32)
@@ -303,9 +272,6 @@ def main() -> int:
         print(f"{'':<48}{'ms/call':>9}{'waited':>9}{'ratio':>7}  same sums")
         for label, r in res:
             print(f"{label:<48}{r['ms']:>9.3f}{r['wait_ms']:>9.3f}{r['ms'] / base:>7.2f}  {r['same']}")
-        one, two = phase_in_one_process(1), phase_in_one_process(2)
-        print(f"one phase's passes (2 MiB chunk, 2 workers' rows), one process: 1 thread {one:.0f} us, "
-              f"2 threads {two:.0f} us, ratio {two / one:.2f}")
     if args.part in ("fit", "all"):
         rows = fit_part(args.rows, args.epochs, args.fit_repeats, args.before)
         plain = rows[0][1]["samples_per_s"]

@@ -11,8 +11,8 @@ Rows (issue 9):
      P3w a second run 10 s later in it (warm)                             goal <= 0.25, acc >= Keras - 1 pt
   P3C, P3Cw the same with nbdist over Spark Connect (a DataFrame); Elephas cannot run over Connect
      (no SparkContext, no RDDs), so its time is the classic session's      goal <= 0.25, acc >= Keras - 1 pt
-  P4 per-step sync time in nbdist / raw Gloo allreduce of the same bytes, on the message path
-     (the ring, as between machines), with both bus bandwidths and loopback TCP bandwidth  goal <= 1.10
+  P4 per-step sync time in nbdist / raw Gloo allreduce of the same bytes, on the path between
+     machines (Gloo's allreduce of nbdist's bucket), with both bus bandwidths and loopback TCP bandwidth  goal <= 1.10
   P4M the same on one machine: nbdist sums through shared memory (the default for local workers)
      / raw Gloo's loopback allreduce                                      goal <= 0.7
   P5 %%dist_train cell start to first metric on screen (s)                goal <= 6
@@ -118,7 +118,7 @@ GOALS = {
     "P3w": ("the same, a second run 10 s later (warm)", "<= 0.25", "x"),
     "P3C": ("wall time, nbdist over Connect / Elephas 7.3", "<= 0.25", "x"),  # Elephas: classic only
     "P3Cw": ("the same, a second run 10 s later (warm)", "<= 0.25", "x"),
-    "P4": ("sync per step, nbdist ring / raw Gloo allreduce", "<= 1.10", "x"),
+    "P4": ("sync per step, nbdist Gloo path / raw Gloo allreduce", "<= 1.10", "x"),
     "P4M": ("sync per step, one machine / raw Gloo", "<= 0.7", "x"),
     "P5": ("cell start to first metric on screen", "<= 6", "s"),
     "P6": ("driver RSS growth, >= 1 GB DataFrame", "< 100", "MB"),

@@ -6,7 +6,7 @@
    shared memory (strategies/shared.py).
    Goal >= 1.8.
 2. Synchronisation of 100 MB of gradients per step: nbdist's time inside the gradient
-   allreduce (the ring of strategies/ring.py summing the gradients, weighted through the loss,
+   allreduce (Gloo's allreduce of the gradient bucket, weighted through the loss,
    from TensorFlow's memory into the bucket; the averages go back to TensorFlow as aligned
    views, without a copy) / a raw torch.distributed Gloo allreduce of the same bytes between
    2 processes, in one call. Goal <= 1.10.
@@ -70,7 +70,7 @@ def nbdist_sync_per_step(steps: int = 12, mib: int = 100, shared_memory: bool = 
     Each worker times its own allreduce steps; the one that waited least for its peer's
     compute is the closer measure of synchronisation itself, so the minimum over workers.
     ``shared_memory``: the two local workers sum through shared memory (nbdist's default on one
-    machine); False: through the ring of messages, the path between machines.
+    machine); False: through Gloo's allreduce, the path between machines.
     """
     import keras
 

@@ -1,6 +1,6 @@
 """TensorFlow's device sum against the numpy exchange on the CPU (issue 36): 2 workers on Keras' TensorFlow
 backend, ``--strategy allreduce``, the gradients summed by the default numpy exchange (``tf.numpy_function``,
-shared memory) or as tensors moved by DLPack into torch's bucketed sum over Gloo (NBDIST_TF_DEVICE_SUM=1, the
+shared memory) or as tensors moved by DLPack into torch's bucketed sum over Gloo (device_sum="always", the
 GPU's code with NCCL there). ``python benchmarks/tf_device_sum.py [--epochs 5] [--rounds 2]`` prints, per model,
 the mean epoch after the first in ms per step and the time inside the sum per step (the workers' reports), in
 alternating rounds, the largest weight difference between the two runs, and, in this process, what the bridge
@@ -19,7 +19,7 @@ from two_worker_steps import alternating, arguments, build, weight_gap
 
 MODELS = {"digits_mlp": (64, [32], 1536), "mlp_1.3M": (256, [1024, 1024], 4096)}
 ONLY = os.environ.get("BENCH_MODELS", "").split(",") if os.environ.get("BENCH_MODELS") else list(MODELS)
-RUNS = {"numpy": {}, "device": {"NBDIST_TF_DEVICE_SUM": "1"}}
+RUNS = {"numpy": {}, "device": {"device_sum": "always"}}
 
 
 def bridge(name: str, calls: int = 200) -> dict[str, float]:
@@ -50,7 +50,7 @@ def main() -> None:
     args = arguments(epochs=5)
     out: dict[str, object] = {}
     for name in ONLY:
-        runs = alternating(MODELS[name], {label: {"env": env} for label, env in RUNS.items()}, args)
+        runs = alternating(MODELS[name], RUNS, args)
         times = {label: [round(r["ms_per_step"], 2) for r in rs] for label, rs in runs.items()}
         out[name] = {"ms_per_step": times,
                      "sum_ms_per_step": {label: [round(r["sync_ms"], 3) for r in rs] for label, rs in runs.items()},

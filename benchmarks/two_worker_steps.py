@@ -4,7 +4,6 @@ alternating rounds. Import it after the script has chosen its Keras backend (KER
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,22 +24,15 @@ def build(dim: int, hidden: list[int], lr: float = 1e-3) -> keras.Model:
     return model
 
 
-def two_workers(model: keras.Model, rows: int, epochs: int, batch: int, env: dict[str, str] | None = None,
-                **options: Any) -> dict[str, Any]:
-    """Train ``model`` on 2 local workers (``batch`` rows each per step) on ``rows`` generated rows; ``env`` is
-    set while they start (they inherit it). Returns ms per step (epochs after the first), the slowest worker's
-    sync ms per round, the weights and each worker's ``summed_by``."""
+def two_workers(model: keras.Model, rows: int, epochs: int, batch: int, **options: Any) -> dict[str, Any]:
+    """Train ``model`` on 2 local workers (``batch`` rows each per step) on ``rows`` generated rows, with
+    nbdist.train's ``options`` (the engine's typed fields). Returns ms per step (epochs after the first), the
+    slowest worker's sync ms per round, the weights and each worker's ``summed_by``."""
     dim = int(model.inputs[0].shape[-1])
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(rows, dim)).astype("float32"), rng.integers(0, 10, rows)
-    env = env or {}
-    os.environ.update(env)
-    try:
-        job = nbdist.train(model, x, y, workers=2, strategy="allreduce", epochs=epochs, batch_size=batch,
-                           shuffle=False, lr_scaling="none", ui="none", **options)
-    finally:
-        for key in env:
-            del os.environ[key]
+    job = nbdist.train(model, x, y, workers=2, strategy="allreduce", epochs=epochs, batch_size=batch,
+                       shuffle=False, lr_scaling="none", ui="none", **options)
     seconds = job.state.epoch_seconds[1:]
     reports = [job.reports[r] for r in range(2)]
     return {"ms_per_step": 1000 * sum(seconds) / len(seconds) / (rows // (2 * batch)),
@@ -54,13 +46,14 @@ def arguments(epochs: int) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=epochs)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64, help="rows per worker per step")
+    parser.add_argument("--bucket-mib", type=float, default=25, help="the device sum's buckets (bucket_bytes)")
     return parser.parse_args()
 
 
 def alternating(model: tuple[int, list[int], int], configs: Mapping[str, Mapping[str, Any]], args: argparse.Namespace,
                 lr: float = 1e-3) -> dict[str, list[dict[str, Any]]]:
     """``two_workers`` on the MLP ``model`` (features, hidden widths, rows) for every configuration (its keyword
-    arguments: ``env`` and nbdist.train's options), one after another, ``args.rounds`` times: each
+    arguments: nbdist.train's options), one after another, ``args.rounds`` times: each
     configuration's runs, in order."""
     dim, hidden, rows = model
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in configs}

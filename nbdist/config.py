@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import NbdistError
-from .machine.placement import ENGINES
+from .machine.engines import BUCKET_BYTES, Choice, check_choice
 
 STRATEGIES = ("averaging", "allreduce", "async")
 BACKENDS = ("auto", "local", "spark", "containers")
@@ -53,15 +53,19 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: bool = False
     max_restarts: int = 0
-    engine: str | None = None  # allreduce only; None picks nccl on GPU, else gloo
-    # --strategy allreduce on Gloo: gradient buckets whose copies to all peers come to at most this
-    # many bytes per worker are summed in one round of messages (strategies/direct.py), larger ones
-    # by the ring (strategies/ring.py). 0: always the ring.
+    # How the workers sum (machine/engines.py chooses from these and the workers' GPUs and machines).
+    # engine, allreduce only: None (NCCL with a GPU per worker, JAX's psum on JAX with one, else shared memory
+    # or Gloo), "gloo", "nccl" or "jax".
+    engine: str | None = None
+    # "auto": tensors summed where they are on GPUs, in host memory on CPUs; "always": where they are even on
+    # CPUs (torch's Gloo on CPU tensors, JAX's psum over Gloo: the GPU's code path, for tests); "never": host.
+    device_sum: str = "auto"
+    overlap: bool = True  # torch: the device sum's buckets start during the backward pass
+    bucket_bytes: int = BUCKET_BYTES  # the device sum's buckets (PyTorch DDP's 25 MiB)
+    # Host buckets whose copies to all peers come to at most direct_sum_bytes are summed through one row of
+    # shared memory (strategies/shared.py) when every worker runs on this machine; larger ones chunk by chunk
+    # through rows of shared_chunk_bytes. shared_memory=False, or several machines: Gloo's allreduce.
     direct_sum_bytes: int = 4 * 2**20
-    # Those small buckets, when every worker runs on this machine, are summed through shared
-    # memory instead of messages (strategies/shared.py), and so are larger ones (gradients, or the
-    # averaged weights) of more than one chunk: chunk by chunk through a segment of rows of
-    # shared_chunk_bytes. False: always messages (the ring, Gloo).
     shared_memory: bool = True
     shared_chunk_bytes: int = 2 * 2**20
     # TensorFlow workers run Keras' Adam and SGD updates as TensorFlow's fused kernels, the same
@@ -136,14 +140,18 @@ class TrainConfig:
             raise NbdistError(f"local_slot must be a whole number from 0 to local_share - 1 ({self.local_share - 1}), "
                               f"got {self.local_slot!r}.")
         _validate_checkpointing(self)
-        if self.engine is not None:
-            if self.engine not in ENGINES:
-                raise NbdistError(f"unknown engine {self.engine!r}; use one of: {', '.join(ENGINES)}.")
-            if self.strategy == "averaging":
-                raise NbdistError(f"--engine {self.engine} applies to --strategy allreduce; "
-                                  "add --strategy allreduce or drop --engine.")
+        if not isinstance(self.overlap, bool):
+            raise NbdistError(f"overlap must be True or False, got {self.overlap!r}.")
+        check_choice(self.engine_choice())
+        if self.engine is not None and self.strategy == "averaging":
+            raise NbdistError(f"--engine {self.engine} applies to --strategy allreduce; "
+                              "add --strategy allreduce or drop --engine.")
         _validate_containers(self)
         _validate_tracking(self)
+
+    def engine_choice(self) -> Choice:
+        """The engine-related fields, as the selector takes them (machine/engines.py)."""
+        return engine_choice(self)
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -151,6 +159,12 @@ class TrainConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def engine_choice(settings: Any) -> Choice:
+    """The engine-related fields of a TrainConfig or a job's TrainSettings, as the selector takes them."""
+    return Choice(settings.engine, settings.device_sum, settings.overlap, settings.bucket_bytes,
+                  settings.shared_memory, settings.direct_sum_bytes, settings.shared_chunk_bytes)
 
 
 def default_local_workers() -> int:

@@ -1025,21 +1025,6 @@ def step_cpu_scaling(rec: Recorder, args) -> None:
             return info
 
         rec.run(f"nbdist_w{w}", do, need_s=20)
-    # The shared sum's passes split over each worker's threads (opt-in until measured on many cores).
-    os.environ["NBDIST_SUM_THREADS"] = "budget"
-    try:
-        for w in [w for w in s["cpu_workers"] if w > 1][-2:]:
-            def threaded(w=w):
-                _, info = nbdist_fit(args.out, f"cpu_w{w}_sum_threads", build, x, y, s["cpu_batch"],
-                                     s["cpu_epochs"], w, s["nb_timeout"], rec=rec)
-                if info.get("samples_per_s") and base.get("samples_per_s"):
-                    info["throughput_over_plain"] = r(info["samples_per_s"] / base["samples_per_s"], 3)
-                info["summary"] += f"; NBDIST_SUM_THREADS=budget: throughput x{info.get('throughput_over_plain')} plain"
-                return info
-
-            rec.run(f"nbdist_w{w}_sum_threads", threaded, need_s=20)
-    finally:
-        os.environ.pop("NBDIST_SUM_THREADS", None)
     table = {k: {"samples_per_s": v.get("samples_per_s"), "over_plain": v.get("throughput_over_plain"),
                  "over_w1": v.get("throughput_over_w1")} for k, v in rec.data["results"].items()}
     rec.data["table"] = table

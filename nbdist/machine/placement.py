@@ -1,20 +1,13 @@
-"""Which device and which collective engine each allreduce worker uses (pure logic).
+"""Which device, cores and threads each worker uses (pure logic, unit-tested without GPUs).
 
-Kept free of TensorFlow, torch and processes so it can be unit-tested on a
-machine without GPUs. NOT VERIFIED ON A GPU: nbdist was developed on a CPU-only
-machine, so the decisions below are tested, but the NCCL and Horovod engines
-they select have never run (see strategies/allreduce_hook.py).
+One GPU per worker (CUDA_VISIBLE_DEVICES per rank, round-robin beyond the GPUs), contiguous cores per local
+worker, and the sentences a run says about them. Which engine sums is machine/engines.py's.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from ..errors import NbdistError
-
-ENGINES = ("gloo", "nccl", "horovod", "jax")
 
 
 def gpu_for_local_rank(local_rank: int, gpu_count: int) -> int | None:
@@ -151,147 +144,6 @@ def shared_core_slices(cores: list[int] | set[int] | tuple[int, ...], world: int
     return None if slices is None else slices[slot * world:(slot + 1) * world]
 
 
-def choose_engine(requested: str | None, has_gpu: bool, horovod_error: str | None) -> tuple[str, str | None]:
-    """Resolve ``--engine`` on a worker: (engine to use, warning sentence or None).
-
-    ``horovod_error`` is why ``import horovod.tensorflow`` failed (None: it works).
-    Horovod is optional: when it cannot be imported we say so and use the default.
-    NCCL needs a GPU, so asking for it on a CPU worker is an error with the fix.
-    """
-    default = "nccl" if has_gpu else "gloo"
-    if requested is None:
-        return default, None
-    if requested not in ENGINES:
-        raise NbdistError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}.")
-    if requested == "jax":
-        raise NbdistError(JAX_ONLY)
-    if requested == "nccl" and not has_gpu:
-        raise NbdistError("--engine nccl needs a GPU on every worker and this worker has none; "
-                          "use --engine gloo (the default on CPU).")
-    if requested == "horovod" and horovod_error is not None:
-        return default, (f"--engine horovod: Horovod cannot be imported on this worker ({horovod_error}), "
-                         f"so nbdist uses its default engine, {default}.")
-    return requested, None
-
-
-def nccl_obstacle(gpus: Sequence[object]) -> str | None:
-    """Why NCCL cannot sum for these workers, as a clause (None: it can).
-
-    ``gpus``: each worker's GPU, by rank, as an identity (its host and device, ``worker/device.py``), or a
-    false value for none. NCCL needs a GPU on every worker, and refuses two ranks on one device
-    ("invalid usage"), so every worker must have its own.
-    """
-    lacking = [str(rank) for rank, gpu in enumerate(gpus) if not gpu]
-    if not gpus or lacking:
-        return (f"worker {lacking[0]} has no GPU" if len(lacking) == 1
-                else f"workers {', '.join(lacking)} have no GPU") if lacking else "there are no workers"
-    first: dict[object, int] = {}
-    for rank, gpu in enumerate(gpus):
-        if gpu in first:
-            return f"workers {first[gpu]} and {rank} share one GPU"
-        first[gpu] = rank
-    return None
-
-
-def sharing_notice(obstacle: str) -> str:
-    """The one line a run on GPUs says when it sums over Gloo instead of NCCL, and what that costs."""
-    return (f"{obstacle[0].upper()}{obstacle[1:]}, and NCCL needs a GPU of its own for every worker: the "
-            "gradients are summed over Gloo, through host memory (each step copies them off the GPU and back).")
-
-
-def choose_torch_engine(requested: str | None, gpus: Sequence[object]) -> tuple[str, str | None]:
-    """Resolve ``--engine`` under allreduce on Keras' torch backend: (engine to use, warning sentence or None).
-
-    ``gpus``: each worker's GPU identity by rank, or a false value for none (summed over the workers first,
-    so every worker makes the same choice: an NCCL group needs all of them). NCCL when every worker has a GPU
-    of its own (``nccl_obstacle``), else Gloo, said in one line where some have GPUs; ``--engine nccl``
-    otherwise is refused with the fix. Horovod is not driven on torch (docs/backends.md): said
-    once, and the default engine sums.
-    """
-    obstacle = nccl_obstacle(gpus)
-    every = obstacle is None
-    default = "nccl" if every else "gloo"
-    if requested is None:
-        return default, (sharing_notice(obstacle) if obstacle and any(gpus) else None)
-    if requested not in ENGINES:
-        raise NbdistError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}.")
-    if requested == "jax":
-        raise NbdistError(JAX_ONLY)
-    if requested == "nccl" and not every:
-        raise NbdistError(f"--engine nccl needs a GPU of its own for every worker and {obstacle}; use --engine "
-                          "gloo (the default then), or give each worker its own GPU (--workers at most the GPUs).")
-    if requested == "horovod":
-        return default, ("--engine horovod is not available on Keras' torch backend: Horovod 0.28.1's PyTorch "
-                         "extension does not build against torch 2.13 as released (it compiles as C++14 and "
-                         "torch's headers need C++17), and nbdist does not drive it there; the gradients are "
-                         f"summed over {'NCCL' if every else 'Gloo'}.")
-    return requested, None
-
-
-JAX_ONLY = ("--engine jax sums with JAX's own collectives and needs Keras' jax backend (KERAS_BACKEND=jax); "
-            "use --engine gloo or nccl on this backend.")
-
-
-def unequal_rows_notice(requested: str | None) -> str:
-    """Why JAX's device sum gives way to the host path when the workers' rows per step differ (every process
-    runs one program): worded for ``--engine jax`` asked by name, or for the default on GPUs (``None``)."""
-    if requested == "jax":
-        return ("--engine jax needs the same rows per step on every worker (rows divisible by the workers, array "
-                "data); these shares differ, so the gradients are summed over Gloo.")
-    return ("Every worker has a GPU of its own, but JAX's sum on the GPUs needs the same rows per step on every "
-            "worker (rows divisible by the workers, array data) and these shares differ: the gradients are summed "
-            "over Gloo, through host memory (each step copies them off the GPU and back).")
-
-
-def choose_jax_engine(requested: str | None, equal_steps: bool | None = None,
-                      gpus: Sequence[object] = ()) -> tuple[str, str | None]:
-    """Resolve ``--engine`` under allreduce on Keras' JAX backend: (engine to use, warning sentence or None).
-
-    ``jax``: the sum inside the jitted step over JAX's collectives (strategies/jax_device_sum.py, NCCL inside
-    XLA on GPUs). It needs every step's batch to have the same rows on every worker (``equal_steps``; None: not
-    known yet), as every process runs one program, and, where any worker has a GPU (``gpus``, by rank, as for
-    ``nccl_obstacle``), a GPU of its own for every worker. ``gloo``: a host call in the step, the gradients
-    summed in host memory. The default is ``jax`` where every worker has a GPU of its own (the host call
-    would copy every gradient off the GPU and back each step) and ``gloo`` on CPUs, where the host path
-    measured faster (docs/gpus.md); a condition the default cannot meet is said once, with its cost, and
-    Gloo sums. NCCL and Horovod are not driven on JAX: said once, and Gloo sums."""
-    if requested == "gloo":
-        return "gloo", None
-    if requested is not None and requested not in ENGINES:
-        raise NbdistError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}.")
-    obstacle = nccl_obstacle(gpus) if any(gpus) else None
-    if requested is None:
-        if not any(gpus):
-            return "gloo", None
-        if obstacle:
-            return "gloo", sharing_notice(obstacle)
-        return ("gloo", unequal_rows_notice(None)) if equal_steps is False else ("jax", None)
-    if requested == "jax":
-        if obstacle:
-            return "gloo", (f"--engine jax sums over NCCL inside XLA on GPUs, which needs a GPU of its own for every "
-                            f"worker, and {obstacle}: the gradients are summed over Gloo, through host memory.")
-        return ("gloo", unequal_rows_notice("jax")) if equal_steps is False else ("jax", None)
-    why = ("Horovod 0.28.1, its last release, has no JAX support" if requested == "horovod" else
-           "nbdist does not drive NCCL from JAX by itself; --engine jax sums with JAX's own collectives, NCCL "
-           "inside XLA on GPUs")
-    return "gloo", f"--engine {requested} is not available on Keras' jax backend: {why}; the gradients are summed " \
-        "over Gloo."
-
-
-def nccl_or_gloo(engine: str, warning: str | None, requested: str | None,
-                 gpus: Sequence[object]) -> tuple[str, str | None]:
-    """TensorFlow's engine (``choose_engine``, decided by each worker alone) checked against every worker's
-    GPU: NCCL stands only where each has its own (``nccl_obstacle``); otherwise Gloo with its one line, or,
-    when NCCL was asked for by name, the refusal with the fix."""
-    obstacle = None if engine != "nccl" else nccl_obstacle(gpus)
-    if obstacle is None:
-        return engine, warning
-    if requested == "nccl":
-        raise NbdistError(f"--engine nccl needs a GPU of its own for every worker and {obstacle}; use --engine "
-                          "gloo (the default then), or give each worker its own GPU (--workers at most the GPUs).")
-    return "gloo", sharing_notice(obstacle)
-
-
 WARM_IMPORTS = "NBDIST_WARM_IMPORTS"
 
 
@@ -329,15 +181,6 @@ def gpu_missing_notice(engine: str | None, device: str, gpus_asked: bool = False
             "an executor without GPU resources, or CUDA_VISIBLE_DEVICES empty): it trains on the CPU.")
 
 
-def horovod_import_error() -> str | None:
-    """None if ``horovod.tensorflow`` imports, else a short reason. Horovod is never a dependency."""
-    try:
-        import horovod.tensorflow  # noqa: F401
-    except Exception as exc:  # ImportError, or a build that does not match this TensorFlow
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def spark_task_visible_devices(addresses: list[str] | tuple[str, ...] | None) -> str | None:
     """CUDA_VISIBLE_DEVICES for the worker a Spark task hosts, from the GPUs Spark assigned the task.
 
@@ -372,7 +215,7 @@ def collectives_missing(world_size: int, strategy: str, engine: str | None,
     needs a package this Python lacks; None when they have what they need.
 
     Without torch, several synchronous workers of this machine meet and sum through shared memory
-    (``meeting``); an engine named with ``--engine`` (Gloo, NCCL, JAX's job, Horovod) is torch.distributed's
+    (``meeting``); an engine named with ``--engine`` (Gloo, NCCL, JAX's job) is torch.distributed's
     or meets through its store. ``--strategy async`` and one worker use none."""
     import importlib.util
 

@@ -82,7 +82,7 @@ class DistMagics(Magics):
     @argument("--background", action="store_true", help="return at once; training continues")
     @argument("--max-restarts", type=int, default=0, metavar="N",
               help="when a worker fails, relaunch all workers from the last checkpoint, up to N times")
-    @argument("--engine", default=None, help="collective engine: gloo | nccl | horovod | jax (JAX: summed in the step)")
+    @argument("--engine", default=None, help="collective engine: gloo | nccl | jax (JAX: summed in the step)")
     @apply(tracking_arguments)
     @argument("--stream-buffer", type=int, default=64, metavar="MIB",
               help="Spark data: MiB of rows each worker holds and shuffles together while it streams its "
@@ -150,14 +150,13 @@ class DistMagics(Magics):
         GPUs: each local worker sees one GPU (``CUDA_VISIBLE_DEVICES`` by rank, within the notebook's
         own); with GPUs and no ``--workers``, one worker per visible GPU; more workers than GPUs share
         them round-robin (JAX workers then allocate GPU memory as they go). One worker sums nothing.
-        Engines: allreduce sums over NCCL only when every worker has a GPU of its own, else over Gloo
-        through host memory, said in one line (``--engine nccl`` then refused in one sentence); on JAX,
-        with a GPU per worker, JAX's own collectives inside the jitted step (``--engine jax``), else
-        Gloo through a host call (``--engine gloo`` by name), and ``--engine nccl`` or ``horovod`` is
-        said in one warning and runs over Gloo. ``--strategy averaging`` averages on the GPUs under the
-        same rule (NCCL on torch and TensorFlow, JAX's collectives on JAX). Each worker's device is in the dashboard
-        and ``job.reports``. Not yet run on a GPU (docs/gpus.md). Horovod 0.28.1 as released does
-        not build against torch 2.13, and ``--engine horovod`` on torch is one warning too. What differs
+        Engines (one choice, machine/engines.py): allreduce sums over NCCL only when every worker has a GPU of
+        its own, else through host memory (shared memory on one machine, Gloo between machines), said in one
+        line (``--engine nccl`` then refused in one sentence); on JAX, with a GPU per worker, JAX's own
+        collectives inside the jitted step (``--engine jax``), else a host call (``--engine gloo`` by name).
+        ``--strategy averaging`` averages on the GPUs under the same rule. Each worker's device and what summed
+        it are in the dashboard and ``job.reports``. ``--engine horovod`` is gone (Horovod 0.28.1 does not
+        build with TensorFlow >= 2.16). What differs
         on JAX and torch: one step per call into the backend, and dense gradients only. See
         docs/backends.md.
 

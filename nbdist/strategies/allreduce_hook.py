@@ -1,26 +1,10 @@
-"""The Keras optimizer hook of allreduce: gradients averaged across workers at every step.
+"""The Keras optimizer hook of allreduce on TensorFlow: gradients averaged across workers at every step.
 
-Keras 3's TensorFlow trainer hands gradients to ``optimizer.apply`` inside the
-compiled train step; that is the one place to intervene, so ``model.fit`` keeps
-its callbacks, metrics, validation and History. The optimizer's ``apply`` is
-wrapped on this worker's instance, and the result is the sample-weighted average
-sum_w (n_w / total) g_w, summed by ``gradient_sum.py`` (the bucket, the ring, direct
-messages, shared memory).
-
-The usual path (Keras' own train step, Gloo, 2+ workers): ``optimizer.scale_loss``
-is wrapped too and multiplies the loss by n / total inside the tape, so the
-gradients come out already weighted, for free, and only need summing.
-
-Every worker must run the same number of allreduces per epoch or the collective
-deadlocks. A worker whose shard has fewer batches runs the missing steps after
-its last batch: it contributes zero samples and applies the averaged gradient
-like everyone else, so all workers keep identical weights.
-
-Engines: Gloo (CPU; the tensors cross via ``tf.numpy_function`` as numpy views
-and ``torch.from_numpy``, in either direction) is the tested path. NCCL (GPU): the gradients
-stay on the device and are summed by torch's NCCL in buckets, moved by DLPack (``tf_device_sum.py``;
-the same code runs over Gloo on CPU tensors in the tests, NBDIST_TF_DEVICE_SUM=1; never run on a GPU).
-Horovod's raw ops are written to the same shape but NOT VERIFIED: no importable Horovod where this was built.
+Keras 3's TensorFlow trainer hands gradients to ``optimizer.apply`` inside the compiled train step; wrapping
+that apply (and ``scale_loss``, which multiplies the loss by n / total so the gradients arrive weighted)
+keeps ``model.fit`` whole. The result is sum_w (n_w / total) g_w, summed by the plan's engine
+(machine/engines.py): the host bucket (gradient_sum.py) or torch's buckets on the device (tf_device_sum.py).
+Invariant: every worker runs the same allreduces per epoch; a shorter shard pads with zero-row steps.
 """
 from __future__ import annotations
 
@@ -31,9 +15,10 @@ from typing import Any
 import keras
 import numpy as np
 
+from ..machine.engines import Plan
 from .averaging import FlatBuffer, WeightedAverager, batch_sizes, state_digest, synced_state
 from .collective import Collective
-from .gradient_sum import CHUNK_ELEMENTS, DIRECT_SUM_BYTES, SHARED_CHUNK_BYTES, GradientSum
+from .gradient_sum import CHUNK_ELEMENTS, GradientSum
 
 
 def broadcast_state(collective: Collective, variables: Sequence[Any], compiled: bool = False) -> bool:
@@ -68,20 +53,17 @@ class GradientAllreduce(GradientSum):
     """Sample-weighted gradient average across workers, one flat bucket per step: the train step's side
     (loss scaling, the step's share, sparse and missing gradients, pad steps, other engines)."""
 
-    def __init__(self, collective: Collective, variables: Sequence[Any], engine: str = "gloo",
-                 chunk_elements: int = CHUNK_ELEMENTS, direct_sum_bytes: int = DIRECT_SUM_BYTES,
-                 shared_memory: bool = True, shared_chunk_bytes: int = SHARED_CHUNK_BYTES,
-                 loss_scaling: bool = True) -> None:
+    def __init__(self, collective: Collective, variables: Sequence[Any], plan: Plan | None = None,
+                 chunk_elements: int = CHUNK_ELEMENTS, loss_scaling: bool = True) -> None:
         """``loss_scaling``: scale each worker's loss by its share (TensorFlow's train step); off, the
         gradients are scaled as they are copied (backend_grads.py)."""
-        super().__init__(collective, variables, engine, chunk_elements, direct_sum_bytes, shared_memory,
-                         shared_chunk_bytes)
+        super().__init__(collective, variables, plan, chunk_elements)
         # Variables Keras assigns their gradient itself: a device sum hands theirs back as a copy.
         self._kept = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
-        self._engine_impl, self._weight_var = self._open_engine(engine)
+        self._engine_impl = self._open_engine()
         self.loss_scale: Any = None  # n / total, multiplied into the loss by the wrapped scale_loss
         self._loss_scaled = False  # set while a train step that called scale_loss is traced
-        if loss_scaling and self.sums_on_gloo and self._engine_impl is None:
+        if loss_scaling and self.sums_on_host:
             import tensorflow as tf
 
             self.loss_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="nbdist_loss_scale")
@@ -95,22 +77,15 @@ class GradientAllreduce(GradientSum):
         # (worker/global_mask.py).
         self.before_pad: Callable[[], None] | None = None
 
-    def _open_engine(self, engine: str) -> tuple[Any, Any]:
-        """TensorFlow's engine besides the numpy exchange, and the variable that carries the step's samples into
-        it (Horovod's): NCCL sums on the GPU (``tf_device_sum.py``), and so does Gloo on CPU tensors with
-        NBDIST_TF_DEVICE_SUM=1, the GPU's code; plain Gloo: neither (the exchanges below)."""
-        from .tf_device_sum import TFDeviceSum, tf_device_sum_forced
+    def _open_engine(self) -> Any:
+        """TensorFlow's device sum (tf_device_sum.py) where the plan sums tensors where they are; else None
+        (the numpy exchange below)."""
+        if not self.plan.device or self.plan.engine != "torch":
+            return None
+        from .tf_device_sum import TFDeviceSum
 
-        if engine == "nccl" or (engine == "gloo" and tf_device_sum_forced() and self.collective.world_size > 1):
-            from .device_sum import configured_bucket_bytes
-
-            return TFDeviceSum(self.shapes, engine, self._kept, configured_bucket_bytes(),
-                               getattr(self.collective, "timeout", None)), None
-        if engine == "gloo":
-            return None, None
-        import tensorflow as tf
-
-        return _HorovodEngine(), tf.Variable(0.0, trainable=False, dtype=tf.float32, name="nbdist_batch_samples")
+        return TFDeviceSum(self.shapes, self.plan.mode, self._kept, self.plan.bucket_bytes,
+                           getattr(self.collective, "timeout", None))
 
     @property
     def device_sum(self) -> bool:
@@ -122,7 +97,9 @@ class GradientAllreduce(GradientSum):
     @property
     def summed_by(self) -> str | None:
         """"device" once the device sum has summed a step; else how the numpy exchange sums."""
-        return "device" if self.device_sum and self._engine_impl.steps else super().summed_by
+        if self.device_sum:
+            return "device" if self._engine_impl.steps else None
+        return super().summed_by
 
     def final_check(self) -> None:
         """At the run's end: the summed rows of the steps since the device sum last read them (up to 49 on a
@@ -145,8 +122,6 @@ class GradientAllreduce(GradientSum):
         """This worker's samples in the next step and (Gloo) all workers' samples in it."""
         self.weight = float(samples)
         self.total = None if total is None else float(total)
-        if self._weight_var is not None:
-            self._weight_var.assign(self.weight)
         if self.loss_scale is not None and self.total:
             self.loss_scale.assign(self.weight / self.total)
 
@@ -221,7 +196,7 @@ class GradientAllreduce(GradientSum):
         self._check_present(grads)
         # Sparse gradients (an Embedding's tf.IndexedSlices) travel as slices through the numpy exchange
         # (``gather_slices``); a device sum sums them dense (the same gradient, the whole table's size).
-        on_host = self.engine == "gloo" and self._engine_impl is None
+        on_host = self._engine_impl is None
         sparse = [isinstance(g, tf.IndexedSlices) and on_host for g in grads]
         if self._sparse is None:
             self._sparse = sparse
@@ -232,7 +207,7 @@ class GradientAllreduce(GradientSum):
         dense = [tf.zeros(s, tf.float32) if g is None or sp else tf.cast(tf.convert_to_tensor(g), tf.float32)
                  for g, s, sp in zip(grads, self.shapes, sparse)]
         if on_host:
-            uncopied = self._ring is not None or self._chunked is not None
+            uncopied = self._chunked is not None
             exchange = (self.exchange if not prescaled else self.exchange_sum if uncopied
                         else self.exchange_copy)
             if self._table is None:
@@ -356,30 +331,6 @@ class AllreduceCallback(keras.callbacks.Callback):
             t0 = time.perf_counter()
             self.non_trainable.average(self.samples)
             self.reducer.seconds += time.perf_counter() - t0
-
-
-# -- an engine that could not be run here ----------------------------------
-class _HorovodEngine:
-    """Horovod's raw ops (``grouped_allreduce``), for images that ship a working Horovod.
-
-    NOT VERIFIED: Horovod does not build against TensorFlow 2.21 here. Horovod
-    needs its own launcher's rendezvous (horovodrun / mpirun) for ``hvd.init()``;
-    when that fails the worker reports it like any other error.
-    """
-
-    def __init__(self) -> None:
-        import horovod.tensorflow as hvd
-
-        hvd.init()
-        self.hvd = hvd
-
-    def reduce(self, owner: GradientAllreduce, dense: list[Any]) -> list[Any]:
-        import tensorflow as tf
-
-        n = owner._weight_var.read_value()
-        summed = self.hvd.grouped_allreduce([g * n for g in dense] + [tf.reshape(n, [1])], op=self.hvd.Sum)
-        total = summed[-1][0]
-        return [s / total for s in summed[:-1]]
 
 
 def _no_slices(shape: tuple[int, ...]) -> Any:

@@ -1,59 +1,11 @@
 """Asynchronous local SGD against a shared model: the rule of ``--strategy async`` (pure, no sockets).
 
-The driver serves it (driver/async_server.py), the workers train against it (worker/async_fit.py).
-
-Data (worker/async_batches.py): the driver deals batch indices, K at a time, to whichever worker is free,
-so a block's message is a few integers whatever the data. A PyDataset's batches are its own. In-memory
-arrays (x, y, sample_weight or class_weight, validation_data or validation_split, as for fit) go whole to
-every worker once, in its job (a local worker maps the notebook's ``np.load(..., mmap_mode="r")`` .npy
-instead); batch i of an epoch is rows ``order[i*u:(i+1)*u]``, ``order`` the epoch's shuffled rows (the
-run's seed, the same on every worker) and ``u`` one worker's share of fit's global batch (``--batch-size``
-itself with ``--data``). Refused in one sentence: a Spark DataFrame or RDD (it stays on its executors),
-steps_per_epoch short of a pass, PyDataset validation data, checkpoints and restarts. Tested on the
-TensorFlow, JAX and torch backends, local processes, Spark tasks, containers and ``%%dist_tune`` trials.
-
-Why this algorithm. The strategies nbdist has are synchronous: every step (allreduce) or every K steps
-(averaging) every worker waits for the slowest, so one worker 3x slower makes the run 3x slower. The
-asynchronous designs in the literature, judged for a driver (the notebook) that already holds an
-authenticated channel to every worker:
-
-- Downpour SGD (Dean et al., 2012) and Elephas's ``asynchronous`` mode: workers push gradients or
-  deltas to a parameter server that applies them as they come. Elephas applies every delta unscaled,
-  so N workers take N full steps per step of data seen and its server trusts (unpickles) network bytes.
-- Hogwild! (Recht et al., 2011) and Elephas's ``hogwild``: the same without locks. Sound for sparse
-  updates on shared memory; for dense Keras weights over a network it only adds torn reads.
-- Elastic averaging SGD (Zhang, Choromanska, LeCun, 2015): workers are pulled towards a centre
-  variable by an elastic force; it adds a hyperparameter (rho) whose good value depends on the model.
-- Staleness-aware async SGD (Zhang, Gupta, Lian, Liu, 2016): divide a stale update's rate by its
-  staleness; with it async SGD matches synchronous accuracy in their experiments.
-- Asynchronous local SGD with an outer step (DiLoCo, Douillard et al. 2023, and its async variants):
-  workers take K local steps and send the difference of their weights, applied by an outer optimizer.
-
-The choice is asynchronous local SGD with a plain outer step and staleness-aware scaling: each worker
-trains K local steps from the shared weights it last pulled (version v), sends delta = its weights -
-those weights with its sample count, v and a per-worker sequence number, and continues from the new
-shared weights it gets back, without waiting for any other worker. The driver applies
-
-    shared += delta / N / (1 + max(0, staleness - (N - 1)))
-
-where staleness = versions applied since v. Scaled by 1/N, a round of N deltas from one base is exactly
-a synchronous averaging round (``--strategy averaging``), so with equal workers the rule is the
-averaging the project already measures; a slow worker's deltas simply come less often: it slows its
-own contribution, not the others. Staleness up to N - 1 is what every worker of a synchronous round
-absorbs too and is not penalised; beyond it, Zhang et al.'s rate / staleness damps the delta. Deltas
-staler than ``max_staleness`` (default 4 N) are refused: the worker pulls and goes on, its block lost.
-A sequence number not above the worker's last is refused (a replay); the wire's HMAC and per-frame
-sequence already refuse forged and replayed frames, this refuses a replayed update inside them.
-
-The local learning rate follows ``--lr-scaling`` as under allreduce (auto: times N for adaptive
-optimizers): with each delta counted 1/N, the shared model then moves as much per sample as allreduce's.
-Measured (tests/workers/test_async.py): without it the async MLP on digits stayed 1-1.5 points behind
-allreduce at 10 epochs; with it, within 0.5.
-
-Optimizer state stays local to each worker (Adam's moments describe its own trajectory; averaging
-them asynchronously has no meaning), so the shared model's optimizer state is not in the notebook's
-model after the run. An async run is not reproducible bit for bit: the order in which deltas arrive
-depends on timing, even with ``--seed``.
+The driver serves it (driver/async_server.py), the workers train against it (worker/async_fit.py): each
+worker trains K local steps from the shared weights it pulled and sends its delta, without waiting for others.
+The rule: ``shared += delta / N / (1 + max(0, staleness - (N - 1)))`` (``staleness_scale``); deltas staler
+than ``max_staleness`` (default 4 N) and replayed sequence numbers are refused. With equal workers a round of
+N deltas is exactly an averaging round. Optimizer state stays on each worker; a run is not reproducible bit
+for bit (arrival order depends on timing).
 """
 from __future__ import annotations
 
@@ -87,7 +39,32 @@ class Verdict:
 
 class SharedModel:
     """The shared weights, their version, and each worker's last applied sequence number. Not thread-safe:
-    the driver applies pushes one at a time from its event loop."""
+    the driver applies pushes one at a time from its event loop.
+
+    The choice is asynchronous local SGD with a plain outer step and staleness-aware scaling: each worker
+    trains K local steps from the shared weights it last pulled (version v), sends delta = its weights -
+    those weights with its sample count, v and a per-worker sequence number, and continues from the new
+    shared weights it gets back, without waiting for any other worker. The driver applies
+
+        shared += delta / N / (1 + max(0, staleness - (N - 1)))
+
+    where staleness = versions applied since v. Scaled by 1/N, a round of N deltas from one base is exactly
+    a synchronous averaging round (``--strategy averaging``), so with equal workers the rule is the
+    averaging the project already measures; a slow worker's deltas simply come less often: it slows its
+    own contribution, not the others. Staleness up to N - 1 is what every worker of a synchronous round
+    absorbs too and is not penalised; beyond it, Zhang et al.'s rate / staleness damps the delta. Deltas
+    staler than ``max_staleness`` (default 4 N) are refused: the worker pulls and goes on, its block lost.
+    A sequence number not above the worker's last is refused (a replay); the wire's HMAC and per-frame
+    sequence already refuse forged and replayed frames, this refuses a replayed update inside them.
+
+    The local learning rate follows ``--lr-scaling`` as under allreduce (auto: times N for adaptive
+    optimizers): with each delta counted 1/N, the shared model then moves as much per sample as allreduce's.
+
+    Optimizer state stays local to each worker (Adam's moments describe its own trajectory; averaging
+    them asynchronously has no meaning), so the shared model's optimizer state is not in the notebook's
+    model after the run. An async run is not reproducible bit for bit: the order in which deltas arrive
+    depends on timing, even with ``--seed``.
+    """
 
     def __init__(self, weights: Sequence[np.ndarray], world_size: int, max_staleness: int | None = None) -> None:
         if world_size < 1:
@@ -142,7 +119,18 @@ class BatchPool:
 
     ``order`` is the epoch's batch order (shuffled by the caller). An epoch is complete when every batch
     was dealt and every dealt block was reported back (pushed or refused): only then does a worker start
-    the next one, so every epoch's metrics and callbacks see all of its data once."""
+    the next one, so every epoch's metrics and callbacks see all of its data once.
+
+    Data (worker/async_batches.py): the driver deals batch indices, K at a time, to whichever worker is free,
+    so a block's message is a few integers whatever the data. A PyDataset's batches are its own. In-memory
+    arrays (x, y, sample_weight or class_weight, validation_data or validation_split, as for fit) go whole to
+    every worker once, in its job (a local worker maps the notebook's ``np.load(..., mmap_mode="r")`` .npy
+    instead); batch i of an epoch is rows ``order[i*u:(i+1)*u]``, ``order`` the epoch's shuffled rows (the
+    run's seed, the same on every worker) and ``u`` one worker's share of fit's global batch (``--batch-size``
+    itself with ``--data``). Refused in one sentence: a Spark DataFrame or RDD (it stays on its executors),
+    steps_per_epoch short of a pass, PyDataset validation data, checkpoints and restarts. Tested on the
+    TensorFlow, JAX and torch backends, local processes, Spark tasks, containers and ``%%dist_tune`` trials.
+    """
 
     def __init__(self, order: Sequence[int]) -> None:
         self.order = list(order)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..model.spec import host_array, view_of
 from .collective import Collective
-from .ring import aligned_offsets
+from .shared import aligned_offsets
 
 
 def synced_state(model: Any) -> None:
@@ -284,11 +284,11 @@ class WeightedAverager:
 
     @property
     def summed_by(self) -> str:
-        """How a round is summed: "shared" (memory), "direct" (one round of messages) or "allreduce"."""
+        """How a round is summed: "shared" (one row of memory), "shared-chunked" or "allreduce"."""
         if self.summer is None:
             return "allreduce"
-        return {"SharedMemorySum": "shared", "SharedChunkedSum": "shared-chunked",
-                "DirectSum": "direct"}.get(type(self.summer).__name__, "custom")
+        return {"SharedMemorySum": "shared", "SharedChunkedSum": "shared-chunked"}.get(
+            type(self.summer).__name__, "custom")
 
     def close(self) -> None:
         close = getattr(self.summer, "close", None)
@@ -296,33 +296,15 @@ class WeightedAverager:
             close()
 
 
-def open_averaging_sum(collective: Any, length: int, shared_memory: bool = True,
-                       direct_sum_bytes: int = 4 * 2**20,
-                       shared_chunk_bytes: int = 2 * 2**20) -> Callable[[np.ndarray], None] | None:
-    """How a round's buffer of ``length`` float32 is summed; None: the collective's allreduce.
-
-    Collective: every worker calls it at the same point. A small buffer (its copies to all peers
-    at most ``direct_sum_bytes``, the allreduce strategy's rule) is summed through shared memory
-    when every worker runs on this machine, else in one round of messages to every peer. A
-    large one (more than one chunk of ``shared_chunk_bytes``) through shared memory chunk by chunk
-    when every worker runs on this machine, else by Gloo's allreduce, where the bytes rather than
-    the rounds are the time.
-    """
-    from .collective import GlooCollective
-    from .direct import DirectSum
+def open_averaging_sum(collective: Any, length: int, plan: Any) -> Callable[[np.ndarray], None] | None:
+    """How a round's buffer of ``length`` float32 is summed as the plan says (machine/engines.py): through one
+    row of shared memory ("small") or chunk by chunk ("chunked"); None: the collective's allreduce (also where
+    the segment could not be mapped). Collective: every worker calls it at the same point."""
     from .shared import open_chunked_sum, open_shared_sum
 
     inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
-    world = inner.world_size
-    if not isinstance(inner, GlooCollective) or world < 2:
+    if inner.world_size < 2 or plan.engine != "shared":
         return None
-    if 4 * length * (world - 1) > direct_sum_bytes:
-        # Large: a chunked shared-memory sum of more than one chunk (the allreduce strategy's rule).
-        if shared_memory and shared_chunk_bytes > 0 and 4 * length > shared_chunk_bytes:
-            return open_chunked_sum(inner, length, shared_chunk_bytes // 4)
-        return None
-    if shared_memory:
-        summer = open_shared_sum(inner, length)
-        if summer is not None:
-            return summer
-    return DirectSum(inner.rank, world, length, inner.timeout)
+    if plan.mode == "small":
+        return open_shared_sum(inner, length)
+    return open_chunked_sum(inner, length, max(16, plan.bucket_bytes // 4))

@@ -1,29 +1,14 @@
-"""The gradient allreduce on Keras' JAX and torch backends, and what their trainers need from nbdist.
+"""The gradient allreduce on Keras' JAX and torch backends: their optimizers wrapped so that gradients are
+summed between the backward pass and the update.
 
-TensorFlow's train step hands its gradients to ``GradientAllreduce.reduce`` as graph tensors
-(allreduce_hook.py). The other two backends hand them over as arrays, and the same numpy exchange sums
-them (shared memory, one round of messages, or the ring), weighted by each worker's rows:
-
-- torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
-  ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between. When every
-  worker has a GPU of its own they are summed there instead, over NCCL (``device_sum.py``), in buckets that
-  start during the backward pass (``torch_overlap.py``).
-- JAX: the train step is one jitted, stateless function that ends in ``optimizer.stateless_apply``.
-  The wrapped ``stateless_apply`` sums the gradients through an ordered ``io_callback``: a host call
-  inside the compiled step, so the step stays jitted; it reuses nbdist's exchange, its timeouts and
-  health checks, for one copy of the gradients each way. ``--engine jax`` sums them with JAX's own
-  collectives inside the step instead (jax_device_sum.py).
-
-JAX dispatches steps asynchronously, so the host call of step j may run after Python has moved on to
-step j + 1: each step's (rows, total rows) is queued by ``set_weight`` and taken by its own exchange,
-in order. Callbacks that read or write variables in the middle of a JAX fit (averaging, metric sums,
-pad steps) call ``synced_state`` first: Keras' JAX trainer keeps the state outside the variables
-between steps, and re-reads them after such a sync.
+torch: the wrapped ``optimizer.apply`` sums ``.grad`` (host buckets, or torch's device buckets); JAX: the
+wrapped ``stateless_apply`` sums through an ordered ``io_callback`` inside the jitted step (or, ``--engine
+jax``, jax_device_sum.py). Invariant: each step's (rows, total rows) is queued by ``set_weight`` and taken by
+that step's own exchange, in order, however late JAX runs it.
 """
 from __future__ import annotations
 
 import collections
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +18,7 @@ import numpy as np
 from .allreduce_hook import GradientAllreduce
 from .averaging import synced_state
 
-__all__ = ["HostGradientAllreduce", "SelfDistributionGuard", "device_sum_forced", "synced_state",
+__all__ = ["HostGradientAllreduce", "SelfDistributionGuard", "synced_state",
            "wrap_jax_optimizer", "wrap_torch_optimizer"]
 
 
@@ -62,22 +47,26 @@ def refuse_self_distribution(model: Any) -> None:
                           "the torch backend.")
 
 
-def device_sum_forced() -> bool:
-    """NBDIST_TORCH_DEVICE_SUM=1: torch's gradients summed as tensors over Gloo on a CPU, the GPU's code path
-    (tests, and comparing it with the host exchange)."""
-    return os.environ.get("NBDIST_TORCH_DEVICE_SUM", "") == "1"
-
-
-def bucket_bytes() -> int:
-    """The torch device sum's bucket size: NBDIST_TORCH_BUCKET_BYTES (tests, tuning), else PyTorch DDP's 25 MiB."""
-    from .device_sum import configured_bucket_bytes
-
-    return configured_bucket_bytes()
-
-
 class HostGradientAllreduce(GradientAllreduce):
     """``GradientAllreduce`` for gradients that arrive as numpy arrays (JAX's host call, torch's ``.grad``), or,
-    on torch with engine ``nccl``, as tensors on the GPU, summed there (``device_sum.TorchDeviceSum``)."""
+    on torch with engine ``nccl``, as tensors on the GPU, summed there (``device_sum.TorchDeviceSum``).
+
+    - torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
+      ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between. When every
+      worker has a GPU of its own they are summed there instead, over NCCL (``device_sum.py``), in buckets that
+      start during the backward pass (``torch_overlap.py``).
+    - JAX: the train step is one jitted, stateless function that ends in ``optimizer.stateless_apply``.
+      The wrapped ``stateless_apply`` sums the gradients through an ordered ``io_callback``: a host call
+      inside the compiled step, so the step stays jitted; it reuses nbdist's exchange, its timeouts and
+      health checks, for one copy of the gradients each way. ``--engine jax`` sums them with JAX's own
+      collectives inside the step instead (jax_device_sum.py).
+
+    JAX dispatches steps asynchronously, so the host call of step j may run after Python has moved on to
+    step j + 1: each step's (rows, total rows) is queued by ``set_weight`` and taken by its own exchange,
+    in order. Callbacks that read or write variables in the middle of a JAX fit (averaging, metric sums,
+    pad steps) call ``synced_state`` first: Keras' JAX trainer keeps the state outside the variables
+    between steps, and re-reads them after such a sync.
+    """
 
     def __init__(self, collective: Any, variables: Sequence[Any], *args: Any, **kwargs: Any) -> None:
         self._variables = list(variables)
@@ -87,20 +76,18 @@ class HostGradientAllreduce(GradientAllreduce):
         self._overlap: Any = None  # torch_overlap.TorchOverlap: the device sum's buckets started during backward
         self.overlapped = False  # whether any step's buckets started during its backward pass
 
-    def _open_engine(self, engine: str) -> tuple[Any, Any]:
-        """torch: NCCL sums the CUDA gradients where they are (device_sum.py); Gloo sums through the numpy
-        exchange (on a CPU the arrays share the tensors' memory: no copy, and the shared-memory sums beat a
-        Gloo allreduce), or, with NBDIST_TORCH_DEVICE_SUM=1, the torch tensors over Gloo as NCCL would."""
-        if engine == "gloo" and not device_sum_forced():
-            return None, None
-        if engine in ("nccl", "gloo") and keras.backend.backend() == "torch":
-            from .device_sum import TorchDeviceSum, device_group, engine_device
+    def _open_engine(self) -> Any:
+        """torch's device sum (device_sum.py) where the plan sums tensors where they are: NCCL on the GPUs, or
+        Gloo on CPU tensors (device_sum="always"); else None (the numpy exchange, which on a CPU shares the
+        tensors' memory)."""
+        if not self.plan.device or self.plan.engine != "torch":
+            return None
+        if keras.backend.backend() != "torch":
+            raise ValueError(f"the torch device sum is not wired on Keras' {keras.backend.backend()} backend")
+        from .device_sum import TorchDeviceSum, device_group, engine_device
 
-            group = device_group(engine, getattr(self.collective, "timeout", None))
-            return TorchDeviceSum(self.shapes, engine_device(engine), group, bucket_bytes()), None
-        if engine == "gloo":
-            return None, None
-        raise ValueError(f"engine {engine!r} is not wired on Keras' {keras.backend.backend()} backend")
+        group = device_group(self.plan.mode, getattr(self.collective, "timeout", None))
+        return TorchDeviceSum(self.shapes, engine_device(self.plan.mode), group, self.plan.bucket_bytes)
 
     @property
     def summed_by(self) -> str | None:
@@ -118,10 +105,13 @@ class HostGradientAllreduce(GradientAllreduce):
 
         if not isinstance(self._engine_impl, TorchDeviceSum):
             return "no device sum"
+        if not self.plan.overlap:
+            return "overlap=False"
         tensors = [v.value for v in self._variables]
-        reason = overlap_refusal(model, tensors, len(backward_plan(self.sizes, max(1, bucket_bytes() // 4))))
+        limit = max(1, self.plan.bucket_bytes // 4)
+        reason = overlap_refusal(model, tensors, len(backward_plan(self.sizes, limit)))
         if reason is None:
-            self._overlap = TorchOverlap(self._engine_impl, tensors, self, bucket_bytes())
+            self._overlap = TorchOverlap(self._engine_impl, tensors, self, self.plan.bucket_bytes)
         return reason
 
     def final_check(self) -> None:

@@ -1,35 +1,18 @@
 """Gradients summed where they are: torch tensors into a few flat buckets on their own device, each bucket
 all-reduced by torch.distributed (NCCL for CUDA tensors, Gloo for CPU ones), never through numpy.
 
-The same code runs on the GPU (NCCL) and, in the tests, on the CPU (Gloo on torch tensors), so what the
-CPU proves (weighting, bucketing, None gradients, dtypes, the rows check, pad steps) is what the GPU runs.
-NOT VERIFIED ON A GPU beyond a one-rank group: there was none where this was written (docs/gpus.md).
-
-Buckets of ``BUCKET_BYTES`` (PyTorch DDP's default size): each bucket's all-reduce starts, asynchronously,
-as soon as it is filled, while the next is being filled. This is the sum at ``apply``, after the backward pass;
-by default the buckets start during it instead (torch_overlap.py), and this path stays for the cases that
-cannot be overlapped soundly and for a step summed again. They are preallocated once and reused every step
-(the optimizer has consumed last step's sums before the next backward pass writes new gradients: stream
-order on the GPU, program order on the CPU). The last bucket carries this worker's rows in its last slot:
-the summed rows must equal the step's total, as the host exchange checks. On a GPU that check reads the
-device, which waits for the step: it runs every ``CHECK_EVERY`` steps (a mismatch is kept on the device
-meanwhile) rather than stall every step.
+The same code runs on the GPU and, in the tests, on CPU tensors over Gloo, so what the CPU proves (weighting,
+bucketing, None gradients, dtypes, the rows check, pad steps) is what the GPU runs. Invariant: the summed rows
+equal the step's total (checked every step on a CPU, every ``CHECK_EVERY`` on a GPU).
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 BUCKET_BYTES = 25 * 2**20
 CHECK_EVERY = 50
-
-
-def configured_bucket_bytes() -> int:
-    """The device sum's bucket size: NBDIST_TORCH_BUCKET_BYTES (tests, tuning), else PyTorch DDP's 25 MiB
-    (TensorFlow's device sum uses these torch buckets too)."""
-    return int(os.environ.get("NBDIST_TORCH_BUCKET_BYTES", "") or BUCKET_BYTES)
 
 
 def bucket_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
@@ -123,7 +106,18 @@ def unpack(plan: Sequence[Sequence[int]], buckets: Sequence[Any], sizes: Sequenc
 
 
 class TorchDeviceSum:
-    """sum_w (n_w / total) g_w over the workers, on the gradients' device (``owner``: HostGradientAllreduce)."""
+    """sum_w (n_w / total) g_w over the workers, on the gradients' device (``owner``: HostGradientAllreduce).
+
+    Buckets of ``BUCKET_BYTES`` (PyTorch DDP's default size): each bucket's all-reduce starts, asynchronously,
+    as soon as it is filled, while the next is being filled. This is the sum at ``apply``, after the backward pass;
+    by default the buckets start during it instead (torch_overlap.py), and this path stays for the cases that
+    cannot be overlapped soundly and for a step summed again. They are preallocated once and reused every step
+    (the optimizer has consumed last step's sums before the next backward pass writes new gradients: stream
+    order on the GPU, program order on the CPU). The last bucket carries this worker's rows in its last slot:
+    the summed rows must equal the step's total, as the host exchange checks. On a GPU that check reads the
+    device, which waits for the step: it runs every ``CHECK_EVERY`` steps (a mismatch is kept on the device
+    meanwhile) rather than stall every step.
+    """
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], device: Any, group: Any = None,
                  bucket_bytes: int = BUCKET_BYTES, check_every: int | None = None, align: int = 1) -> None:

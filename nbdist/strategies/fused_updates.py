@@ -1,29 +1,10 @@
 """Keras' Adam and SGD updates as TensorFlow's fused kernels, on the workers (TensorFlow backend only).
 
-Why: Keras writes each optimizer update as separate tensor operations (Adam: about ten passes
-over the parameters, each making a temporary the size of the variable). On a 25M-parameter model
-on one core that update took 124-133 ms a step, three times the forward and backward passes at 32
-rows (42 ms); TensorFlow's fused kernel for the same formula takes 45 ms (measured here). A
-worker runs on one core, where plain ``fit`` in the notebook has them all, so the update decided
-whether two workers could keep up with one process.
-
-The same step: ``ResourceApplyAdam`` computes exactly Keras' Adam (``alpha = lr * sqrt(1 - b2^t) /
-(1 - b1^t)``, ``m += (g - m)(1 - b1)``, ``v += (g^2 - v)(1 - b2)``, ``var -= m alpha / (sqrt(v) + eps)``,
-the same operations in the same order), ``ResourceApplyKerasMomentum`` Keras' SGD with momentum
-(Nesterov too), ``ResourceApplyGradientDescent`` plain SGD; results agree to float32 rounding
-(the kernels may fuse a multiply and an add). Everything around the update stays Keras':
-gradient clipping, weight decay (AdamW), learning-rate schedules, EMA, loss scaling, the step
-counter. Used only where the class's own ``update_step`` is Keras' (a subclass that overrides it
-keeps its own), without AMSGrad, on dense float gradients (an ``IndexedSlices`` keeps Keras' path).
-
-By default only where ``FUSED_MIN_PARAMETERS`` or more parameters get dense gradients: below that the
-update is not where the step's time goes, and Keras' own operations keep a one-worker run equal to a
-local fit to the last bit (tests/workers/test_training.py holds it to 1e-6; fused, 7e-6 after 3 epochs).
-Counted at each trace from the gradients themselves: an embedding table's slices keep Keras' update,
-so its rows must not count. They did: a two-tower recommender (2.2M parameters, all in two tables, and
-a Dense(1) after the dot product) had the Dense layer's 2 parameters fused, and Adam on the tables'
-sparse rows (an update of about lr whatever a tiny gradient's size) grew those last-bit differences to
-8.7e-3 from the local fit, on one worker.
+Keras writes an update as about ten passes over the parameters; the fused kernel computes the same formula
+in one (``ResourceApplyAdam``, ``ResourceApplyKerasMomentum``, ``ResourceApplyGradientDescent``), equal to float32
+rounding. Used only where the optimizer's own ``update_step`` is Keras', on dense float gradients, and by
+default only for models of ``FUSED_MIN_PARAMETERS`` or more dense-gradient parameters (smaller ones keep
+Keras' operations and a one-worker run equal to a local fit to the last bit).
 """
 from __future__ import annotations
 
@@ -56,6 +37,15 @@ def install_fused_updates(model: Any, min_parameters: int = 0) -> list[str]:
 
     Only on TensorFlow and for models of at least ``min_parameters`` trainable parameters; a
     LossScaleOptimizer's inner optimizer is the one that updates.
+
+    The same step: ``ResourceApplyAdam`` computes exactly Keras' Adam (``alpha = lr * sqrt(1 - b2^t) /
+    (1 - b1^t)``, ``m += (g - m)(1 - b1)``, ``v += (g^2 - v)(1 - b2)``, ``var -= m alpha / (sqrt(v) + eps)``,
+    the same operations in the same order), ``ResourceApplyKerasMomentum`` Keras' SGD with momentum
+    (Nesterov too), ``ResourceApplyGradientDescent`` plain SGD; results agree to float32 rounding
+    (the kernels may fuse a multiply and an add). Everything around the update stays Keras':
+    gradient clipping, weight decay (AdamW), learning-rate schedules, EMA, loss scaling, the step
+    counter. Used only where the class's own ``update_step`` is Keras' (a subclass that overrides it
+    keeps its own), without AMSGrad, on dense float gradients (an ``IndexedSlices`` keeps Keras' path).
     """
     import keras
 

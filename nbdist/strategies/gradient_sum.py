@@ -1,42 +1,11 @@
-"""The summing engine of allreduce: each step's gradients, in one aligned bucket, summed over the workers.
+"""The host side of allreduce: each step's gradients in one aligned bucket, summed over the workers.
 
-numpy in, numpy out, no Keras: the Keras optimizer hook that feeds it from the train step is
-``allreduce_hook.py``. The result is the sample-weighted average sum_w (n_w / total) g_w, so a
-short last batch counts for what it holds; every worker's shard size is exchanged once at the
-start, so each step's total is known before the step (``step_totals``).
-
-The usual path (Keras' own train step, Gloo, 2+ workers): the hook scales each worker's loss by
-n / total inside the tape, so the gradients come out already weighted, for free. They then only need
-summing, and the ring in ``ring.py`` sums them straight from TensorFlow's memory into ONE
-aligned bucket: no copy of the gradients before the sum (measured here for 100
-MiB: copy-then-allreduce took 1.2-1.7x a raw Gloo allreduce; the ring about 1.0x).
-
-A small bucket (what a worker sends to all its peers at most ``direct_sum_bytes``, 4 MiB by
-default) is instead copied into the bucket and summed in one step: there the rounds of
-messages, not the bytes, are the time. Workers that all run on this machine sum it through
-one shared-memory segment (``shared.py``: no message at all; on a 2-worker CNN of 117 KiB the
-last worker to arrive waits 0.3-0.6 ms per step). Others send it to every peer in ONE round
-of messages (``direct.py``: 0.6 ms median, against 2.5-3.5 ms in Gloo's allreduce, but with
-waits of 4-8 ms one step in five, when a halted virtual CPU has to wake for a message).
-
-A large bucket between workers that all run on this machine is summed through shared memory
-too, chunk by chunk (``shared.py`` ``SharedChunkedSum``: each worker adds its slice of each chunk,
-then all copy the summed chunk out), reading the gradients where TensorFlow left them as the ring
-does, at memory speed instead of through loopback TCP twice: 100 MiB between 2 workers here took
-0.24-0.7 of a raw Gloo allreduce (``benchmarks/shared_sum.py``). Otherwise the ring.
-
-The fallback (a custom ``train_step`` that never calls ``scale_loss``, or a
-single worker): the gradients are scaled by n / total while they are copied into the
-bucket, then summed as a small bucket is, or, if large, through shared memory as above, or in chunks of
-a few MiB whose asynchronous Gloo allreduces start as soon as each is filled.
-
-Either way every gradient starts on a 64-byte boundary of a 64-byte aligned
-bucket: TensorFlow adopts such numpy outputs of ``tf.numpy_function`` without
-copying (measured here: an unaligned 100 MiB output costs a ~9 ms copy per step).
-Adopted means shared: a variable assigned the gradient itself (Keras does
-``v.assign(g)`` for ``overwrite_with_gradient`` variables) keeps the bucket's
-memory as its value. So a bucket is refilled only when no view of it handed to
-TensorFlow is alive (weak references tell); otherwise the step uses another bucket.
+numpy in, numpy out, no Keras (the optimizer hooks are allreduce_hook.py and backend_grads.py). The result is
+the sample-weighted average sum_w (n_w / total) g_w; the bucket's last slot carries each worker's rows, and the
+summed rows must equal the step's total. The plan's engine sums it (machine/engines.py): one row of shared
+memory (small), shared memory chunk by chunk reading the gradients where they are (chunked), or Gloo's
+allreduce in chunks started as each is filled (between machines). Every gradient starts on a 64-byte boundary,
+so TensorFlow adopts the summed views without a copy; a bucket still lent to TensorFlow is never refilled.
 """
 from __future__ import annotations
 
@@ -48,36 +17,24 @@ from typing import Any
 
 import numpy as np
 
+from ..machine.engines import Plan
 from .averaging import batch_sizes
 from .collective import Collective, GlooCollective
-from .direct import DirectSum
-from .ring import ALIGN, RingSum, aligned_offsets, pieces
-from .shared import CHUNK_ELEMENTS as SHARED_CHUNK_ELEMENTS
-from .shared import ChunkPlan, SharedChunkedSum, SharedMemorySum, open_chunked_sum, open_shared_sum
+from .shared import (
+    ALIGN,
+    ChunkPlan,
+    SharedChunkedSum,
+    SharedMemorySum,
+    aligned_offsets,
+    open_chunked_sum,
+    open_shared_sum,
+    pieces,
+)
 from .sparse_grads import SliceExchange
 
 log = logging.getLogger(__name__)
 
-CHUNK_ELEMENTS = 6 * 2**20 // 4  # ~6 MiB per allreduce: best of 2-50 chunks per 100 MiB measured here
-# Measured here (median ms, 2 pinned workers): 1 MiB direct 1.4, ring 2.7, Gloo 4.3; 4 MiB direct
-# 4.1, ring 6.4. With 4 workers on 2 cores, 1 MiB (3 MiB sent) direct 5.0, ring 7.9, but 4 MiB
-# (12 MiB sent) direct 20, ring 15.
-DIRECT_SUM_BYTES = 4 * 2**20
-SHARED_CHUNK_BYTES = 4 * SHARED_CHUNK_ELEMENTS
-
-
-def direct_sum_fits(bucket_bytes: int, world: int, limit: int = DIRECT_SUM_BYTES) -> bool:
-    """Whether a bucket is summed in one round: its copies to all peers come to at most ``limit`` bytes."""
-    return world > 1 and bucket_bytes * (world - 1) <= limit
-
-
-def chunked_sum_fits(bucket_bytes: int, chunk_bytes: int = SHARED_CHUNK_BYTES) -> bool:
-    """Whether a large bucket goes through the chunked shared-memory sum: it spans more than one chunk.
-
-    A bucket of one chunk would be the one-row shared sum, which ``direct_sum_bytes`` turned off
-    for it; it then takes the message path (``direct_sum_bytes=0`` asks for the ring that way).
-    """
-    return chunk_bytes > 0 and bucket_bytes > chunk_bytes
+CHUNK_ELEMENTS = 6 * 2**20 // 4  # ~6 MiB per asynchronous Gloo allreduce of a host bucket
 
 
 def chunk_bounds(length: int, chunk: int = CHUNK_ELEMENTS, align: int = ALIGN) -> list[tuple[int, int]]:
@@ -115,11 +72,11 @@ class GradientSum:
     ``exchange_copy`` or ``exchange_sum`` from the train step through ``tf.numpy_function``.
     """
 
-    def __init__(self, collective: Collective, variables: Sequence[Any], engine: str = "gloo",
-                 chunk_elements: int = CHUNK_ELEMENTS, direct_sum_bytes: int = DIRECT_SUM_BYTES,
-                 shared_memory: bool = True, shared_chunk_bytes: int = SHARED_CHUNK_BYTES) -> None:
+    def __init__(self, collective: Collective, variables: Sequence[Any], plan: Plan | None = None,
+                 chunk_elements: int = CHUNK_ELEMENTS) -> None:
+        """``plan``: the engine (machine/engines.py); None: Gloo's allreduce of the host bucket."""
         self.collective = collective
-        self.engine = engine
+        self.plan = plan if plan is not None else Plan("torch", "gloo")
         self.shapes = [tuple(v.shape) for v in variables]
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.offsets = aligned_offsets(self.sizes)
@@ -130,30 +87,25 @@ class GradientSum:
         self.chunks = chunk_bounds(len(self.buffer), chunk_elements)
         self._pieces = [pieces(self.offsets, self.sizes, a, b) for a, b in self.chunks]
         self._sum = _ChunkSum(collective)
-        self._ring: RingSum | None = None
-        self._direct: DirectSum | SharedMemorySum | None = None
-        self._chunked: SharedChunkedSum | None = None  # a large bucket through shared memory
+        self._shared: SharedMemorySum | None = None  # a small bucket through one row of shared memory
+        self._chunked: SharedChunkedSum | None = None  # a large one, chunk by chunk
         self._chunked_plan: ChunkPlan | None = None
         self.prescaled: bool | None = None  # which exchange the train step uses, fixed when first traced
         self.fused_scale = True  # the chunked sum scales as it copies in (False: the bucket filled first; benchmarks)
-        self.sums_on_gloo = False  # several workers, summing through the exchanges below
         inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
-        if engine == "gloo" and isinstance(inner, GlooCollective) and inner.world_size > 1:
-            count_at = int(self.offsets[-1])
-            if direct_sum_fits(4 * len(self.buffer), inner.world_size, direct_sum_bytes):
-                if shared_memory:  # all workers on this machine: no messages at all
-                    self._direct = open_shared_sum(inner, len(self.buffer))
-                if self._direct is None:
-                    self._direct = DirectSum(inner.rank, inner.world_size, len(self.buffer), inner.timeout)
+        # Several workers summing host buckets (not the tensors where they are).
+        self.sums_on_host = inner.world_size > 1 and self.plan.engine in ("shared", "torch") and not self.plan.device
+        if self.sums_on_host and self.plan.engine == "shared":
+            if self.plan.mode == "small":
+                self._shared = open_shared_sum(inner, len(self.buffer))
             else:
-                layout = ([int(o) for o in self.offsets[:-1]] + [count_at], self.sizes + [1], count_at + 1)
-                if shared_memory and chunked_sum_fits(4 * len(self.buffer), shared_chunk_bytes):
-                    self._chunked = open_chunked_sum(inner, len(self.buffer), shared_chunk_bytes // 4)
-                if self._chunked is not None:  # all workers on this machine: summed at memory speed
-                    self._chunked_plan = self._chunked.plan(*layout)
-                else:
-                    self._ring = RingSum(inner.rank, inner.world_size, *layout, inner.timeout)
-            self.sums_on_gloo = True
+                self._chunked = open_chunked_sum(inner, len(self.buffer), max(ALIGN, self.plan.bucket_bytes // 4))
+            if self._chunked is not None:
+                count_at = int(self.offsets[-1])
+                self._chunked_plan = self._chunked.plan([int(o) for o in self.offsets[:-1]] + [count_at],
+                                                        self.sizes + [1], count_at + 1)
+            if self._shared is None and self._chunked is None:  # the segment could not be mapped: Gloo
+                self.plan = Plan("torch", "gloo", notice=self.plan.notice)
         self.weight = 0.0  # samples in this worker's current batch; set before each step
         self.total: float | None = None  # samples of all workers in the current step
         self.seconds = 0.0  # wall time spent synchronising (read by the progress callback)
@@ -161,20 +113,16 @@ class GradientSum:
         self._slices = SliceExchange(collective)  # sparse gradients' exchange (sparse_grads.py)
 
     @property
-    def summed_by(self) -> str | None:
-        """How the train step sums on Gloo: "ring", "direct" (one round) or "allreduce" (after a scaled copy).
+    def engine(self) -> str:
+        """The engine's name in reports (``Plan.engine_name``)."""
+        return self.plan.engine_name
 
-        None until the step is traced, or on another engine.
-        """
-        if self.prescaled is None or self.engine != "gloo":
+    @property
+    def summed_by(self) -> str | None:
+        """How the steps are summed (``Plan.summed_by``); None until the step is traced, or for one worker."""
+        if self.prescaled is None and not self.plan.device:
             return None
-        if self._chunked is not None:
-            return "shared-chunked"
-        if self.prescaled and self._ring is not None:
-            return "ring"
-        if isinstance(self._direct, SharedMemorySum):
-            return "shared"
-        return "direct" if self._direct is not None else "allreduce"
+        return self.plan.summed_by
 
     # -- the Gloo path: numpy in, numpy out ------------------------------
     def exchange(self, *grads: np.ndarray) -> list[np.ndarray]:
@@ -197,7 +145,7 @@ class GradientSum:
         bucket = self._free_bucket()
         buf = self.buffer = bucket.data
         last = len(self.chunks) - 1
-        whole = self._direct or self._chunked  # sums the filled bucket in one call
+        whole = self._shared or self._chunked  # sums the filled bucket in one call
         self._sum.begin()
         try:
             for k, ((a, b), parts) in enumerate(zip(self.chunks, self._pieces)):
@@ -236,20 +184,14 @@ class GradientSum:
             self._sum.finish()
         return self._hand_back(bucket, total, t0)
 
-    def use_threads(self, threads: int) -> None:
-        """Split the chunked shared-memory sum's passes over ``threads`` threads (sum_threads.py)."""
-        if self._chunked is not None:
-            self._chunked.use_threads(threads)
-
     def close(self) -> None:
-        """The sum's threads stopped (the segment stays mapped until the process ends)."""
-        self.use_threads(1)
+        """The run's end (the segment stays mapped until the process ends)."""
 
     def exchange_sum(self, *grads: np.ndarray) -> list[np.ndarray]:
         """Sum gradients already scaled by n / total (through the loss) across workers.
 
-        The ring (or the chunked shared-memory sum) reads them where TensorFlow left them and
-        writes only the bucket: no pass over the gradients besides the sum itself.
+        The chunked shared-memory sum reads them where TensorFlow left them and writes only the bucket:
+        no pass over the gradients besides the sum itself.
         """
         t0 = time.perf_counter()
         total = self._check_total()
@@ -258,12 +200,8 @@ class GradientSum:
         arrays = [np.reshape(g, -1) for g in grads] + [np.array([self.weight], dtype=np.float32)]
         self._sum.begin()
         try:
-            if self._chunked is not None:
-                assert self._chunked_plan is not None
-                self._chunked.sum_into(arrays, bucket.data, self._chunked_plan)
-            else:
-                assert self._ring is not None
-                self._ring(arrays, bucket.data)
+            assert self._chunked is not None and self._chunked_plan is not None
+            self._chunked.sum_into(arrays, bucket.data, self._chunked_plan)
         finally:
             self._sum.finish()
         return self._hand_back(bucket, total, t0)

@@ -1,30 +1,14 @@
-"""The gradient sum on Keras' JAX backend as a collective inside the jitted step (``--engine jax``), and the
-averaging strategy's rounds the same way (``JaxDeviceAverage``).
+"""The gradient sum on Keras' JAX backend inside the jitted step (``--engine jax``), and averaging rounds the
+same way: ``jax.lax.psum`` over one ``jax.distributed`` job of one device per worker (NCCL on GPUs, Gloo on CPUs).
 
-Every worker process joins one ``jax.distributed`` job, over a global mesh of one device per process,
-and Keras' train step runs inside ``shard_map`` over that mesh: each process computes its own batch's
-gradients and the wrapped ``stateless_apply`` sums them with ``jax.lax.psum`` before the update, weighted
-by rows as the host path weights them (sum_w (n_w / N) g_w). XLA runs the sum: NCCL on GPUs, Gloo on CPUs,
-so the CPU test runs the GPU's code path. Nothing leaves the device during a step.
-
-JAX allows ``jax.distributed.initialize`` only before its backend starts, and a worker has already made
-the notebook's model by the time the workers' store exists: the state is read into numpy, the backend
-cleared, the job joined and the state put back (``join_jax_job``).
-
-The state and the batch go into the step "replicated" (``P()``) with ``check_vma`` off: each process's
-shard is its own batch, its own metrics and statistics; only the summed gradients, and so the weights and
-the optimizer's state, are the same everywhere. Every process must run the same program: the engine is
-chosen only where every step's batch has the same rows on every worker (``placement.choose_jax_engine``).
-An averaging round is one jitted ``shard_map`` of its own over the same mesh, between Keras' steps, on the
-variables the running fit's state was synced into. JAX's CPU collectives have had wrong sums and hangs
-(DESIGN.md 9): the sums are tested against numpy, and the job's heartbeat ends a run whose peer died (nbdist's
-own timeout as the collective's bound).
+Invariants: every process runs the same program, so the engine is chosen only where every step has the same
+rows on every worker (machine/engines.py); the sums are weighted by rows as the host path's are; joining the
+job keeps the model's state (``join_jax_job``); the job's heartbeat ends a run whose peer died.
 """
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import socket
 import time
 from collections.abc import Sequence
@@ -35,13 +19,6 @@ import numpy as np
 log = logging.getLogger("nbdist.worker")
 
 PORT_KEY = "nbdist/jax/coordinator"
-FORCED = "NBDIST_JAX_DEVICE_SUM"
-
-
-def jax_device_sum_forced() -> bool:
-    """NBDIST_JAX_DEVICE_SUM=1: the averaging strategy's rounds inside the workers' JAX job on CPUs too, over
-    Gloo (the GPU's code path: tests, and comparing it with the host's rounds). Allreduce asks by ``--engine``."""
-    return os.environ.get(FORCED, "") == "1"
 
 
 def free_port(host: str) -> int:
@@ -102,7 +79,7 @@ def join_jax_job(model: Any, collective: Any, host: str, timeout: float, on_gpu:
     if jax.local_device_count() != 1:
         raise RuntimeError(f"nbdist's JAX job needs one device per worker process, and this worker sees "
                            f"{jax.local_device_count()}; give each worker one GPU (CUDA_VISIBLE_DEVICES) or train "
-                           "with --engine gloo (allreduce) or NBDIST_JAX_DEVICE_SUM=0 (averaging)")
+                           "with --engine gloo (allreduce) or device_sum='never' (averaging)")
     for v, value in zip(variables, values):
         v.assign(value)
     for layer, name, value in arrays:
@@ -208,7 +185,27 @@ def local_part(tree: Any) -> Any:
 
 
 class JaxDeviceSum:
-    """Keras' JAX train step over the global mesh, the gradients summed inside it (installed on one model)."""
+    """Keras' JAX train step over the global mesh, the gradients summed inside it (installed on one model).
+
+    Every worker process joins one ``jax.distributed`` job, over a global mesh of one device per process,
+    and Keras' train step runs inside ``shard_map`` over that mesh: each process computes its own batch's
+    gradients and the wrapped ``stateless_apply`` sums them with ``jax.lax.psum`` before the update, weighted
+    by rows as the host path weights them (sum_w (n_w / N) g_w). XLA runs the sum: NCCL on GPUs, Gloo on CPUs,
+    so the CPU test runs the GPU's code path. Nothing leaves the device during a step.
+
+    JAX allows ``jax.distributed.initialize`` only before its backend starts, and a worker has already made
+    the notebook's model by the time the workers' store exists: the state is read into numpy, the backend
+    cleared, the job joined and the state put back (``join_jax_job``).
+
+    The state and the batch go into the step "replicated" (``P()``) with ``check_vma`` off: each process's
+    shard is its own batch, its own metrics and statistics; only the summed gradients, and so the weights and
+    the optimizer's state, are the same everywhere. Every process must run the same program: the engine is
+    chosen only where every step's batch has the same rows on every worker (machine/engines.py).
+    An averaging round is one jitted ``shard_map`` of its own over the same mesh, between Keras' steps, on the
+    variables the running fit's state was synced into. JAX's CPU collectives have had wrong sums and hangs
+    (DESIGN.md 9): the sums are tested against numpy, and the job's heartbeat ends a run whose peer died (nbdist's
+    own timeout as the collective's bound).
+    """
 
     AXIS = "workers"
 

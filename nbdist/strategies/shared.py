@@ -1,53 +1,11 @@
 """Sum buckets across workers of one machine through shared memory: no messages at all.
 
-The one-round sum of ``direct.py`` still sends messages over loopback TCP, and a worker waiting
-for one blocks in the kernel: its virtual CPU halts, and on this machine's VMs (idle vCPUs halt
-at once, ``haltpoll.guest_halt_poll_ns=0``) waking it costs from 0.5 to 8 ms. When every worker
-runs on the same machine they can instead share one memory segment. A worker with a core of its
-own spins while it waits (briefly, then sleeps), so it never halts.
-
-Two sums share the segment's machinery:
-
-``SharedMemorySum``, for a small bucket (at most ``direct_sum_bytes``): each worker writes its
-bucket into its own row and publishes the call's number in its own counter; the others watch the
-counter and add all rows in rank order, so every worker computes the same sum bit for bit. One
-wait per call. Layout: one int64 counter per worker, each on its own 64-byte line, then two slots
-of ``world`` rows. Call k writes slot k % 2. A worker starts call k + 1 only after every peer has
-published call k, hence after every peer has finished reading call k - 1, the slot k + 1
-overwrites: two slots and one counter per worker are all the synchronisation needed.
-
-``SharedChunkedSum``, for a large bucket (a 100 MiB model's gradients, or its weights when
-averaging): the segment has a fixed size, two slots of ``world`` input rows and one output row of
-``chunk`` floats, and the bucket passes through it chunk by chunk. Each chunk is summed by
-reduce-scatter then all-gather: every worker adds only its 1/world slice of the chunk (the rows
-in rank order, as above) into the output row, then everyone copies the whole summed chunk out.
-Each value is computed once, by one worker, and copied by all: the same bits everywhere, and the
-same bits as ``SharedMemorySum`` (the same additions in the same order). A worker touches each
-byte a small, fixed number of times, in chunks that stay in the caches, instead of pushing the
-bucket through loopback TCP twice.
-The protocol runs in phases numbered on from the counter's last value. In phase P a worker
-  1. waits until every peer has published P - 1,
-  2. copies the output row of slot P % 2 (chunk P - 2, summed) into its result,
-  3. writes its chunk P into its input row of slot P % 2,
-  4. adds its slice of chunk P - 1 from the input rows of slot (P - 1) % 2 into that slot's output row,
-  5. publishes P.
-(A call of L chunks takes L + 2 phases; chunks "before the first" and "after the last" are empty.)
-Why it is safe with one counter per worker and two slots: every read and write of phase P happens
-after every peer published P - 1 and before this worker publishes P, so a peer is at most one phase
-ahead. Step 2 reads slices written by peers in phase P - 1 (published); they are next overwritten
-in phase P + 1 (chunk P's slices), which no peer enters before this worker publishes P. Step 3
-overwrites chunk P - 2's inputs, which peers read in phase P - 1 (published); its readers wait for
-P. Step 4 reads inputs written in phase P - 1 (published), overwritten only in phase P + 1; it
-overwrites chunk P - 3's sum, which peers copied out in phase P - 1 (published); its readers wait
-for P + 1. Hence no slot is read and written by two workers at once, for any world size.
-
-Ordering: data is written before the counter, and a reader loads the counter before the rows.
-x86-64 keeps stores in order and loads in order (TSO), so that is enough there; other
-architectures would need memory barriers Python cannot issue, so they keep the message path.
-
-The segment lives in /dev/shm only until every worker has mapped it (mode 0600, a random name);
-then it is unlinked, so a killed job leaves nothing behind. Nothing in it is ever unpickled:
-it holds raw float32 and int64. A dead peer is noticed while waiting for it (``PeerGone``).
+``SharedMemorySum`` sums a small bucket through one row per worker; ``SharedChunkedSum`` a large one chunk by
+chunk (reduce-scatter, then all-gather), reading the arrays where they are. Invariants: every worker adds the
+rows in rank order, so all get the same bits (the same as each other's and as Gloo's order); a worker waits
+for every peer's counter before it reuses a slot, so no slot is read and written at once; x86-64 only (TSO).
+The segment lives in /dev/shm only until every worker has mapped it (mode 0600, a random name), and holds raw
+floats, never pickles. A dead peer is named while a worker waits for it (``PeerGone``).
 """
 from __future__ import annotations
 
@@ -66,12 +24,55 @@ import numpy as np
 
 from ..machine.placement import usable_cores
 from ..machine.processes import ProcessId, remove_quietly
-from .direct import add_in_rank_order
-from .ring import ALIGN, block_bounds, pieces, segment_bounds
 from .shm_files import _attach, _create, boot_id
-from .sum_threads import Pass, PhaseThreads, clip, run_passes
 
 log = logging.getLogger(__name__)
+
+ALIGN = 16  # float32 elements (64 bytes): every array in a bucket, and every cut of one, starts on a cache line
+Pieces = list[tuple[int, int, int, int]]  # (array, from, to, bucket position)
+
+
+def aligned_offsets(sizes: Sequence[int], align: int = ALIGN) -> np.ndarray:
+    """Start of each array in the bucket (each a multiple of ``align``), then the end of the last."""
+    starts, at = [], 0
+    for size in sizes:
+        at = -(-at // align) * align
+        starts.append(at)
+        at += int(size)
+    return np.array(starts + [at], dtype=np.int64)
+
+
+def pieces(offsets: Sequence[int], sizes: Sequence[int], a: int, b: int) -> Pieces:
+    """The parts of the arrays that land in bucket[a:b]: (array, from, to, bucket position)."""
+    out = []
+    for i, (start, size) in enumerate(zip(offsets, sizes)):
+        lo, hi = max(a, int(start)), min(b, int(start) + int(size))
+        if lo < hi:
+            out.append((i, lo - int(start), hi - int(start), lo))
+    return out
+
+
+def block_bounds(length: int, world: int, align: int = ALIGN) -> list[tuple[int, int]]:
+    """``range(length)`` cut into ``world`` consecutive blocks of nearly equal size, cut at ``align``."""
+    per = -(-length // world)
+    per = -(-per // align) * align
+    return [(min(r * per, length), min((r + 1) * per, length)) for r in range(world)]
+
+
+def segment_bounds(a: int, b: int, segment: int, align: int = ALIGN) -> list[tuple[int, int]]:
+    """``range(a, b)`` cut into consecutive segments of at most ``segment`` elements."""
+    segment = max(align, segment // align * align)
+    return [(s, min(s + segment, b)) for s in range(a, b, segment)]
+
+
+def add_in_rank_order(rows: np.ndarray, out: np.ndarray) -> None:
+    """``out = ((rows[0] + rows[1]) + rows[2]) + ...``: the same order, hence the same bits, everywhere."""
+    if len(rows) == 1:
+        out[:] = rows[0]
+        return
+    np.add(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        np.add(out, row, out=out)
 
 LINE = 64  # bytes: one counter per cache line, and every row starts on one
 SHM_DIR = "/dev/shm"
@@ -189,6 +190,14 @@ class SharedMemorySum(_Segment):
     Every worker must call it with a bucket of ``length`` floats of ``dtype`` (float32, or float64
     for sums that must stay exact, such as metric counts) the same number of times. Build it with
     ``open_shared_sum``, which falls back to None when the workers cannot share.
+
+    ``SharedMemorySum``, for a small bucket (at most ``direct_sum_bytes``): each worker writes its
+    bucket into its own row and publishes the call's number in its own counter; the others watch the
+    counter and add all rows in rank order, so every worker computes the same sum bit for bit. One
+    wait per call. Layout: one int64 counter per worker, each on its own 64-byte line, then two slots
+    of ``world`` rows. Call k writes slot k % 2. A worker starts call k + 1 only after every peer has
+    published call k, hence after every peer has finished reading call k - 1, the slot k + 1
+    overwrites: two slots and one counter per worker are all the synchronisation needed.
     """
 
     def __init__(self, rank: int, world: int, length: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
@@ -248,6 +257,35 @@ class SharedChunkedSum(_Segment):
     ``sum_into(arrays, out, plan)`` reads the arrays where they are (e.g. TensorFlow's gradients)
     and writes only ``out``; ``summer(bucket)`` sums a bucket in place. Every worker must make the
     same calls with the same layouts. Build it with ``open_chunked_sum``.
+
+    ``SharedChunkedSum``, for a large bucket (a 100 MiB model's gradients, or its weights when
+    averaging): the segment has a fixed size, two slots of ``world`` input rows and one output row of
+    ``chunk`` floats, and the bucket passes through it chunk by chunk. Each chunk is summed by
+    reduce-scatter then all-gather: every worker adds only its 1/world slice of the chunk (the rows
+    in rank order, as above) into the output row, then everyone copies the whole summed chunk out.
+    Each value is computed once, by one worker, and copied by all: the same bits everywhere, and the
+    same bits as ``SharedMemorySum`` (the same additions in the same order). A worker touches each
+    byte a small, fixed number of times, in chunks that stay in the caches, instead of pushing the
+    bucket through loopback TCP twice.
+    The protocol runs in phases numbered on from the counter's last value. In phase P a worker
+      1. waits until every peer has published P - 1,
+      2. copies the output row of slot P % 2 (chunk P - 2, summed) into its result,
+      3. writes its chunk P into its input row of slot P % 2,
+      4. adds its slice of chunk P - 1 from the input rows of slot (P - 1) % 2 into that slot's output row,
+      5. publishes P.
+    (A call of L chunks takes L + 2 phases; chunks "before the first" and "after the last" are empty.)
+    Why it is safe with one counter per worker and two slots: every read and write of phase P happens
+    after every peer published P - 1 and before this worker publishes P, so a peer is at most one phase
+    ahead. Step 2 reads slices written by peers in phase P - 1 (published); they are next overwritten
+    in phase P + 1 (chunk P's slices), which no peer enters before this worker publishes P. Step 3
+    overwrites chunk P - 2's inputs, which peers read in phase P - 1 (published); its readers wait for
+    P. Step 4 reads inputs written in phase P - 1 (published), overwritten only in phase P + 1; it
+    overwrites chunk P - 3's sum, which peers copied out in phase P - 1 (published); its readers wait
+    for P + 1. Hence no slot is read and written by two workers at once, for any world size.
+
+    Ordering: data is written before the counter, and a reader loads the counter before the rows.
+    x86-64 keeps stores in order and loads in order (TSO), so that is enough there; other
+    architectures would need memory barriers Python cannot issue, so they keep the message path.
     """
 
     def __init__(self, rank: int, world: int, chunk: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
@@ -260,7 +298,6 @@ class SharedChunkedSum(_Segment):
                        for s in (0, 1)]
         self._phase = int(self._seq[rank])
         self._plans: dict[int, ChunkPlan] = {}
-        self._threads: PhaseThreads | None = None
 
     def plan(self, offsets: Sequence[int], sizes: Sequence[int], length: int) -> ChunkPlan:
         return chunk_plan(offsets, sizes, length, self.chunk, self.rank, self.world)
@@ -278,7 +315,6 @@ class SharedChunkedSum(_Segment):
         ``scales``: each array's float32 factor, or None; an array is multiplied by it as it is copied in
         (the same bits as scaling it first), and a factor of 0 writes zeros (0 x inf would be NaN).
         ``out`` may be the one array itself (in place): each chunk of it is read before it is written.
-        The passes run on the threads of ``use_threads``.
         """
         def put(row: np.ndarray, a: int, parts: Pieces) -> None:
             for k, lo, hi, pos in parts:
@@ -293,7 +329,7 @@ class SharedChunkedSum(_Segment):
         def take(summed: np.ndarray, a: int, b: int, parts: Pieces) -> None:
             np.copyto(out[a:b], summed)
 
-        self._exchange(plan, put, take, self._threads)
+        self._exchange(plan, put, take)
 
     def average_in_place(self, arrays: Sequence[np.ndarray], weight: float, plan: ChunkPlan) -> float:
         """Every array := the ``weight``-weighted average over workers of that array, in place; the summed weight.
@@ -323,17 +359,9 @@ class SharedChunkedSum(_Segment):
         self._exchange(plan, put, take)
         return float(total[0])
 
-    def use_threads(self, threads: int) -> None:
-        """Split each phase's passes over ``threads`` threads (sum_threads.py) in ``sum_into``; 1: none."""
-        if self._threads is not None:
-            self._threads.close()
-        self._threads = PhaseThreads(threads, self.timeout) if threads > 1 else None
-
-    def _exchange(self, plan: ChunkPlan, put: Any, take: Any, threads: PhaseThreads | None = None) -> None:
+    def _exchange(self, plan: ChunkPlan, put: Any, take: Any) -> None:
         """The phases of a chunked sum: in phase i this worker puts chunk i into its row, adds its slice of
-        chunk i - 1 and hands chunk i - 2, summed by everyone, to ``take``; peers move in lockstep.
-        ``threads``: the three passes of a phase split over them, by ranges of the bucket (``put`` and
-        ``take`` must then work on any range of a chunk)."""
+        chunk i - 1 and hands chunk i - 2, summed by everyone, to ``take``; peers move in lockstep."""
         rank, world, chunks = self.rank, self.world, plan.chunks
         g = self._phase
         with np.errstate(all="ignore"):  # alignment gaps hold stale floats: their sums mean nothing
@@ -341,44 +369,22 @@ class SharedChunkedSum(_Segment):
                 phase = g + 1 + i
                 self._wait_all(phase - 1)
                 slot, last = self._slots[phase % 2], self._slots[(phase - 1) % 2]
-                passes: list[Pass] = []
                 if i >= 2:  # chunk i - 2, summed by everyone in the last phase
                     a, b, parts, _, _ = chunks[i - 2]
-                    passes.append((a, b, _take_range(take, slot[world], a, parts)))
+                    take(slot[world][:b - a], a, b, parts)
                 if i < len(chunks):
                     a, b, parts, _, _ = chunks[i]
-                    passes.append((a, b, _put_range(put, slot[rank], a, parts)))
+                    put(slot[rank], a, parts)
                 if 1 <= i <= len(chunks):  # this worker's slice of chunk i - 1
                     _, _, _, lo, hi = chunks[i - 1]
                     if lo < hi:
-                        passes.append((lo, hi, _add_range(last, world)))
-                run_passes(passes, threads)
+                        add_in_rank_order(last[:world, lo:hi], last[world, lo:hi])
                 self._seq[rank] = phase  # after the rows: peers that see it see them too (TSO)
         self._phase = g + len(chunks) + 2
-
-    def close(self) -> None:
-        if self._threads is not None:
-            self._threads.close()
-            self._threads = None
-        super().close()
 
     def _drop_views(self) -> None:
         super()._drop_views()
         self._slots = None  # type: ignore[assignment]
-
-
-def _take_range(take: Any, summed: np.ndarray, a: int, parts: Pieces) -> Any:
-    """``take`` of bucket positions ``range(c, d)`` of the chunk starting at ``a``."""
-    return lambda c, d: take(summed[c - a:d - a], c, d, clip(parts, c, d))
-
-
-def _put_range(put: Any, row: np.ndarray, a: int, parts: Pieces) -> Any:
-    return lambda c, d: put(row, a, clip(parts, c, d))
-
-
-def _add_range(rows: np.ndarray, world: int) -> Any:
-    """This worker's slice (a range of it) of the chunk in ``rows``, summed in rank order into its output row."""
-    return lambda c, d: add_in_rank_order(rows[:world, c:d], rows[world, c:d])
 
 
 def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId | None], bool] | None:

@@ -1,34 +1,9 @@
 """Sparse gradients (``tf.IndexedSlices``) under allreduce: the slices one local step on the global batch holds.
 
-What Keras does with them: its TensorFlow backend keeps an ``IndexedSlices`` through elementwise ops and
-applies it with ``scatter_*`` (keras/src/backend/tensorflow/sparse.py, optimizer.py). Adam's, AdamW's and
-RMSprop's ``square(gradient)`` squares each slice before duplicates are summed, Adagrad scatter-adds
-each slice's square: their state takes the sum of the squares of a row's slices, not the square of its
-summed gradient. So the update depends on how the gradient is cut into slices, not only on its sum (SGD,
-with or without momentum, is linear and does not care), and the distributed step must hand Keras the
-slices the local step would.
-
-What the local step's slices are: TensorFlow's tape gives one segment of slices per lookup of the table
-(``tf.gather``'s gradient: the looked-up indices flattened, one slice each) and concatenates the segments
-of a table looked up several times (a table shared by two inputs, or token and position lookups of one
-table), always in the same order. A segment is one of two kinds:
-
-- **per row**: the indices come from the batch (token ids, user ids): one slice per id of each row, holding
-  that row's gradient. The workers' rows of a global batch are its rows dealt in rank order
-  (``data.dealt_rows``), so every worker's segment, scaled by its share n / N, concatenated in rank order,
-  is the local segment, slice for slice.
-- **broadcast**: the indices do not come from the batch (a position embedding looked up on
-  ``arange(maxlen)`` once per step): one slice per index, holding the gradient summed over the batch's
-  rows. The local segment is the sum of the workers' (each scaled by n / N) under the same indices, once:
-  concatenated, Adam would square each worker's part separately.
-
-How a segment is told: from the traced train step, once, by what its indices are computed from. A segment
-is per row when its indices depend on the values of the step's data (the train function's inputs, or an
-input iterator), and broadcast when they depend only on constants, variables or the data's *shape*
-(``arange(shape(x)[1])``). Looking at the values of a step instead could not tell them apart: per-row ids
-may repeat the same indices on every worker (a constant feature), and a broadcast segment's length may
-equal a batch's. A run with ``run_eagerly=True`` has no graph to read: every segment counts as per row there
-(a position embedding then differs from the local step on 2+ workers; said once in the log).
+Adam's and Adagrad's updates depend on how a gradient is cut into slices, so the distributed step hands Keras
+the local step's slices: a per-row segment (indices from the batch) is every worker's slices, scaled by its
+share, in rank order; a broadcast segment (indices from constants or shapes) is their sum under the same
+indices, once. Which kind a segment is, is read once from the traced train step (``from_batch``).
 """
 from __future__ import annotations
 
@@ -118,6 +93,36 @@ class SliceExchange:
 
     ``layout``: each sparse gradient's segments and their kinds, read from the first traced step and the
     same for every worker (one model); a pad step, run eagerly with empty slices, takes part with it.
+
+    What Keras does with them: its TensorFlow backend keeps an ``IndexedSlices`` through elementwise ops and
+    applies it with ``scatter_*`` (keras/src/backend/tensorflow/sparse.py, optimizer.py). Adam's, AdamW's and
+    RMSprop's ``square(gradient)`` squares each slice before duplicates are summed, Adagrad scatter-adds
+    each slice's square: their state takes the sum of the squares of a row's slices, not the square of its
+    summed gradient. So the update depends on how the gradient is cut into slices, not only on its sum (SGD,
+    with or without momentum, is linear and does not care), and the distributed step must hand Keras the
+    slices the local step would.
+
+    What the local step's slices are: TensorFlow's tape gives one segment of slices per lookup of the table
+    (``tf.gather``'s gradient: the looked-up indices flattened, one slice each) and concatenates the segments
+    of a table looked up several times (a table shared by two inputs, or token and position lookups of one
+    table), always in the same order. A segment is one of two kinds:
+
+    - **per row**: the indices come from the batch (token ids, user ids): one slice per id of each row, holding
+      that row's gradient. The workers' rows of a global batch are its rows dealt in rank order
+      (``data.dealt_rows``), so every worker's segment, scaled by its share n / N, concatenated in rank order,
+      is the local segment, slice for slice.
+    - **broadcast**: the indices do not come from the batch (a position embedding looked up on
+      ``arange(maxlen)`` once per step): one slice per index, holding the gradient summed over the batch's
+      rows. The local segment is the sum of the workers' (each scaled by n / N) under the same indices, once:
+      concatenated, Adam would square each worker's part separately.
+
+    How a segment is told: from the traced train step, once, by what its indices are computed from. A segment
+    is per row when its indices depend on the values of the step's data (the train function's inputs, or an
+    input iterator), and broadcast when they depend only on constants, variables or the data's *shape*
+    (``arange(shape(x)[1])``). Looking at the values of a step instead could not tell them apart: per-row ids
+    may repeat the same indices on every worker (a constant feature), and a broadcast segment's length may
+    equal a batch's. A run with ``run_eagerly=True`` has no graph to read: every segment counts as per row there
+    (a position embedding then differs from the local step on 2+ workers; said once in the log).
     """
 
     def __init__(self, collective: Any) -> None:

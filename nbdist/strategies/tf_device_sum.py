@@ -1,49 +1,19 @@
-"""TensorFlow's gradients summed where they are: handed to torch by DLPack (no copy) and summed by the torch
-device sum (``device_sum.TorchDeviceSum``: buckets of 25 MiB on the gradients' device, each all-reduced as
-soon as it is filled), then handed back to TensorFlow by DLPack (no copy). The averaging strategy's rounds
-the same way (``TFDeviceAverage``, at the end: the variables into ``device_sum.TorchDeviceAverage``'s buckets).
+"""TensorFlow's gradients (and averaging rounds) summed where they are: handed to torch's device buckets by
+DLPack (no copy), summed by ``device_sum.TorchDeviceSum``, handed back by DLPack.
 
-On GPUs (engine ``nccl``, every worker with a GPU of its own) the buckets are CUDA tensors summed by NCCL;
-``NBDIST_TF_DEVICE_SUM=1`` runs the very same code on CPU tensors over a Gloo group, which is how the tests
-run it. On CPUs the numpy exchange stays the default (allreduce_hook.py): it is faster there.
-
-The sum runs inside Keras' compiled train step as one ``tf.py_function`` (TensorFlow's own collectives
-would need TensorFlow's cluster set-up; this reuses nbdist's store and torch's NCCL). Its GPU kernel calls
-Python with the gradients still on the GPU, and takes back the tensors it returns as they are.
-
-Streams (what this relies on; NOT RUN ON A GPU: no TensorFlow on the GPU machines). TensorFlow and torch
-each queue their GPU work on streams of their own, in the one CUDA context of the process, and a DLPack
-capsule carries no stream. So:
-
-- before the first bucket is filled, one ``torch.cuda.synchronize()`` (the whole device, so TensorFlow's
-  stream too) waits until TensorFlow has written this step's gradients, and also until it has finished
-  reading the last step's sums out of the buckets, which are refilled now;
-- after the buckets' all-reduces, the host waits for torch's stream (``work.wait()`` made it wait for
-  NCCL's), because TensorFlow reads the sums on its own stream, which cannot wait for torch's.
-
-Two waits per step, whatever the number of buckets; between them the buckets are filled and summed on
-torch's streams without the host. The buckets live as long as the run (no memory returns to torch's
-allocator while TensorFlow may still read it). TensorFlow adopts only 64-byte aligned memory (an unaligned
-DLPack tensor aborts the process), so each gradient starts on a multiple of 16 floats of its bucket.
-A gradient TensorFlow could keep past the step (a variable with ``overwrite_with_gradient``, which Keras
-assigns the gradient itself) is handed back as a copy, since its bucket is refilled next step.
+NCCL on GPUs (a GPU per worker); ``device_sum="always"`` runs the same code on CPU tensors over Gloo, as the
+tests do. Invariants: every gradient starts 64-byte aligned in its bucket (TensorFlow adopts nothing else), a
+gradient TensorFlow may keep is handed back as a copy, and on a GPU the host waits for both streams once
+before and once after the sums (``TFDeviceSum``).
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from .device_sum import TorchDeviceAverage, TorchDeviceSum, engine_device
 
-FORCED = "NBDIST_TF_DEVICE_SUM"
 ALIGN = 16  # float32 elements: 64 bytes, TensorFlow's alignment (EIGEN_MAX_ALIGN_BYTES)
-
-
-def tf_device_sum_forced() -> bool:
-    """NBDIST_TF_DEVICE_SUM=1: TensorFlow's gradients summed as torch tensors over Gloo on a CPU, the GPU's code
-    path (tests, and comparing it with the numpy exchange)."""
-    return os.environ.get(FORCED, "") == "1"
 
 
 def check_aligned(buckets: Sequence[Any]) -> None:
@@ -53,7 +23,29 @@ def check_aligned(buckets: Sequence[Any]) -> None:
 
 class TFDeviceSum:
     """sum_w (n_w / total) g_w of TensorFlow gradients, on their device (``owner``: GradientAllreduce, which
-    sets ``weight`` and ``total`` before each step and counts ``seconds`` and ``steps``)."""
+    sets ``weight`` and ``total`` before each step and counts ``seconds`` and ``steps``).
+
+    The sum runs inside Keras' compiled train step as one ``tf.py_function`` (TensorFlow's own collectives
+    would need TensorFlow's cluster set-up; this reuses nbdist's store and torch's NCCL). Its GPU kernel calls
+    Python with the gradients still on the GPU, and takes back the tensors it returns as they are.
+
+    Streams (what this relies on; NOT RUN ON A GPU: no TensorFlow on the GPU machines). TensorFlow and torch
+    each queue their GPU work on streams of their own, in the one CUDA context of the process, and a DLPack
+    capsule carries no stream. So:
+
+    - before the first bucket is filled, one ``torch.cuda.synchronize()`` (the whole device, so TensorFlow's
+      stream too) waits until TensorFlow has written this step's gradients, and also until it has finished
+      reading the last step's sums out of the buckets, which are refilled now;
+    - after the buckets' all-reduces, the host waits for torch's stream (``work.wait()`` made it wait for
+      NCCL's), because TensorFlow reads the sums on its own stream, which cannot wait for torch's.
+
+    Two waits per step, whatever the number of buckets; between them the buckets are filled and summed on
+    torch's streams without the host. The buckets live as long as the run (no memory returns to torch's
+    allocator while TensorFlow may still read it). TensorFlow adopts only 64-byte aligned memory (an unaligned
+    DLPack tensor aborts the process), so each gradient starts on a multiple of 16 floats of its bucket.
+    A gradient TensorFlow could keep past the step (a variable with ``overwrite_with_gradient``, which Keras
+    assigns the gradient itself) is handed back as a copy, since its bucket is refilled next step.
+    """
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], engine: str, kept: Sequence[bool],
                  bucket_bytes: int, timeout: float | None = None) -> None:
@@ -115,7 +107,7 @@ class TFDeviceSum:
 class TFDeviceAverage(TorchDeviceAverage):
     """The averaging strategy's round on TensorFlow's variables, on their device: each variable's value handed to
     torch by DLPack (no copy) and copied into ``TorchDeviceAverage``'s buckets, which are all-reduced (NCCL on the
-    worker's GPU; Gloo on CPU tensors with NBDIST_TF_DEVICE_SUM=1, the tests); each sum handed back to TensorFlow
+    worker's GPU; Gloo on CPU tensors with device_sum="always", the tests); each sum handed back to TensorFlow
     by DLPack (no copy), divided by the total there and assigned to its variable.
 
     The round runs eagerly between TensorFlow's calls (worker/callbacks.py). Streams (NOT RUN ON A GPU):

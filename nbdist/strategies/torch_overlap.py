@@ -1,40 +1,14 @@
-"""The torch device sum's buckets overlapped with the backward pass (PyTorch DDP's design): a bucket's all-reduce
-starts as soon as the backward pass has produced all its gradients, while it goes on with earlier layers.
+"""The torch device sum's buckets overlapped with the backward pass (PyTorch DDP's design).
 
-``TorchDeviceSum`` (device_sum.py) fills and all-reduces its buckets at ``optimizer.apply``, after the backward
-pass. Here a post-accumulate-grad hook on each trainable variable's torch tensor tells ``BucketReadiness`` that
-its gradient is final; the buckets are planned in the variables' reverse order (the order backward produces
-them) and launched strictly in bucket order, so every worker calls the same collectives in the same order
-whatever order its hooks fire in. Each bucket is weighted as ``TorchDeviceSum`` weights it (copied, then
-multiplied by rows / total rows), so the sums are the same numbers.
-
-The last bucket always waits for ``apply``: it carries this worker's rows. Each worker also knows, on the host
-(the hooks run there), whether its early buckets may not hold the gradients ``apply`` was given (a gradient that
-arrived twice: backward called again, by the step or a callback; a gradient tensor at ``apply`` that is not the
-one the hook copied; one that came early and is None at ``apply``): that flag is agreed on the host, one integer
-all-reduced (MAX) per step over a Gloo group of its own (made beside the sum's group, on the same ranks),
-started before the last bucket. Not over the sum's group, even on a CPU: a worker may launch a bucket early
-that another launches at ``apply``, and the flag issued between them would pair with a bucket. At ``apply``
-the buckets not yet launched (a variable without a gradient this step, a pad step's zeros, hooks that fired
-before the step's rows were set) are filled from the gradients ``apply`` got, the last one too; if any worker
-set the flag, all of them sum the step again through ``TorchDeviceSum``, so an odd step costs a second sum and
-never a wrong one. No step reads the device for the flag: the summed rows are checked as ``TorchDeviceSum``
-checks them (every step on a CPU, every ``CHECK_EVERY`` steps on a GPU, a mismatch kept on the device
-meanwhile), so the host runs ahead of the GPU as it does without the overlap.
-
-Not overlapped (``overlap_refusal`` says why; ``TorchDeviceSum`` alone, as before): one bucket (nothing to
-overlap), NBDIST_TORCH_OVERLAP=0, a model with its own ``train_step`` (it may change gradients in place between
-backward and ``apply``, which no check would see), ``jit_compile=True`` (not tried), torch older than 2.1, a
-trainable variable whose tensor is not a leaf that requires grad. Unchanged by it: mixed precision's loss scale
-(the hook copies ``.grad``, the scaled gradient ``apply`` gets; the wrapped ``apply`` unscales after the sum, as
-before), ``gradient_accumulation_steps`` (Keras' step zeroes ``.grad`` every step and accumulates inside
-``apply``, after the sum, so each step's sum is the same either way), pad steps (no backward: every bucket at
-``apply``, from the zeros). The hooks are removed when the run ends (``close``).
+A post-accumulate-grad hook on each trainable tensor marks its gradient final; buckets, planned in the order
+backward produces gradients, start in bucket order as they fill, so every worker calls the same collectives in
+the same order. Invariant: the sums equal ``TorchDeviceSum``'s at ``apply``; any worker that saw a gradient its
+buckets may not hold (agreed by one MAX per step on a Gloo group of its own) makes all sum the step again.
+Refused (``overlap_refusal``): one bucket, ``overlap=False``, a model's own ``train_step``, ``jit_compile``.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,8 +16,6 @@ from typing import Any
 from .device_sum import BUCKET_BYTES, RowsCheck, bucket_plan, fill, unpack
 
 log = logging.getLogger(__name__)
-
-OVERLAP_ENV = "NBDIST_TORCH_OVERLAP"  # "0": the buckets only at apply time (TorchDeviceSum alone)
 
 
 def backward_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
@@ -98,8 +70,6 @@ def overlap_refusal(model: Any, tensors: Sequence[Any], buckets: int) -> str | N
     import torch
     from keras.src.backend.torch.trainer import TorchTrainer
 
-    if os.environ.get(OVERLAP_ENV, "1") == "0":
-        return f"{OVERLAP_ENV}=0"
     if buckets < 2:
         return "one bucket: nothing to overlap"
     if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
@@ -117,7 +87,31 @@ class TorchOverlap:
     """The device sum of ``summer`` (TorchDeviceSum: its device and group, and its path for steps summed again),
     started by hooks on ``tensors`` (the trainable variables' torch tensors, in ``owner.shapes``' order).
     ``flag_group``: the Gloo group the flag is agreed on (default: a new one on the same ranks; every worker
-    makes its ``TorchOverlap`` at the same point, as ``new_group`` needs)."""
+    makes its ``TorchOverlap`` at the same point, as ``new_group`` needs).
+
+    The last bucket always waits for ``apply``: it carries this worker's rows. Each worker also knows, on the host
+    (the hooks run there), whether its early buckets may not hold the gradients ``apply`` was given (a gradient that
+    arrived twice: backward called again, by the step or a callback; a gradient tensor at ``apply`` that is not the
+    one the hook copied; one that came early and is None at ``apply``): that flag is agreed on the host, one integer
+    all-reduced (MAX) per step over a Gloo group of its own (made beside the sum's group, on the same ranks),
+    started before the last bucket. Not over the sum's group, even on a CPU: a worker may launch a bucket early
+    that another launches at ``apply``, and the flag issued between them would pair with a bucket. At ``apply``
+    the buckets not yet launched (a variable without a gradient this step, a pad step's zeros, hooks that fired
+    before the step's rows were set) are filled from the gradients ``apply`` got, the last one too; if any worker
+    set the flag, all of them sum the step again through ``TorchDeviceSum``, so an odd step costs a second sum and
+    never a wrong one. No step reads the device for the flag: the summed rows are checked as ``TorchDeviceSum``
+    checks them (every step on a CPU, every ``CHECK_EVERY`` steps on a GPU, a mismatch kept on the device
+    meanwhile), so the host runs ahead of the GPU as it does without the overlap.
+
+    Not overlapped (``overlap_refusal`` says why; ``TorchDeviceSum`` alone, as before): one bucket (nothing to
+    overlap), overlap=False, a model with its own ``train_step`` (it may change gradients in place between
+    backward and ``apply``, which no check would see), ``jit_compile=True`` (not tried), torch older than 2.1, a
+    trainable variable whose tensor is not a leaf that requires grad. Unchanged by it: mixed precision's loss scale
+    (the hook copies ``.grad``, the scaled gradient ``apply`` gets; the wrapped ``apply`` unscales after the sum, as
+    before), ``gradient_accumulation_steps`` (Keras' step zeroes ``.grad`` every step and accumulates inside
+    ``apply``, after the sum, so each step's sum is the same either way), pad steps (no backward: every bucket at
+    ``apply``, from the zeros). The hooks are removed when the run ends (``close``).
+    """
 
     def __init__(self, summer: Any, tensors: Sequence[Any], owner: Any, bucket_bytes: int = BUCKET_BYTES,
                  flag_group: Any = None) -> None:

@@ -21,8 +21,8 @@ from ..model.spec import ModelSpec
 from .codec import MessageError, MessageType
 
 # Bump on any change to the fields or meaning of any message (this job's, wire/reports.py's, wire/commands.py's):
-# the job carries it and a worker of another version refuses the job. 5: every message typed.
-JOB_VERSION = 5
+# the job carries it and a worker of another version refuses the job. 5: every message typed; 6: engine fields.
+JOB_VERSION = 6
 
 JOB_KINDS = ("train", "evaluate", "predict")
 # The shard came in the job's arrays / the Spark task wrote it to a file / the worker reads its rows of
@@ -66,6 +66,9 @@ class TrainSettings:
     direct_sum_bytes: int
     shared_memory: bool
     shared_chunk_bytes: int
+    device_sum: str  # machine/engines.py: where tensors are summed (auto, always, never)
+    overlap: bool
+    bucket_bytes: int
     sync_timeout: float
     startup_timeout: float
     rounds_per_epoch: int  # averaging rounds every worker runs per epoch (uneven shards pad to the longest)

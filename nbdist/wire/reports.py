@@ -169,7 +169,7 @@ class WorkerError(Typed):
 
 @dataclass(frozen=True)
 class WorkerWarning(Typed):
-    """Something worth saying once, not fatal (e.g. --engine horovod unavailable on a worker)."""
+    """Something worth saying once, not fatal (e.g. workers sharing a GPU sum through host memory)."""
 
     TYPE = MessageType.WARNING
     message: str

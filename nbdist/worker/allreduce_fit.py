@@ -2,43 +2,13 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, WorkerWarning
 
 log = logging.getLogger("nbdist.worker")
-
-
-def jax_engine(requested: str | None, collective: Any = None) -> tuple[str, str | None]:
-    """The engine on Keras' JAX backend (``placement.choose_jax_engine``): JAX's own collectives inside the
-    jitted step where every worker has a GPU of its own, else Gloo through a host call; ``--engine`` decides
-    when given. Every worker sums the GPUs (every one asked the same), so all choose alike."""
-    from ..machine.placement import choose_jax_engine
-    from .device import worker_gpus
-
-    gpus = worker_gpus(collective) if requested != "gloo" and collective is not None else ()
-    return choose_jax_engine(requested, None, gpus)
-
-
-def resolve_engine(requested: str | None, collective: Any) -> tuple[str, str | None]:
-    import keras
-
-    from ..machine.placement import choose_engine, choose_torch_engine, horovod_import_error, nccl_or_gloo
-    from .device import worker_gpus
-
-    backend = keras.backend.backend()
-    if backend == "jax":
-        return jax_engine(requested, collective)
-    if backend == "torch":  # NCCL only where every worker has a GPU of its own
-        return choose_torch_engine(requested, worker_gpus(collective))
-    import tensorflow as tf
-
-    has_gpu = bool(tf.config.list_physical_devices("GPU"))
-    horovod_error = horovod_import_error() if requested == "horovod" else None
-    gpus = worker_gpus(collective)  # every worker sums this, whatever it chooses: one order of collectives
-    engine, warning = choose_engine(requested, has_gpu, horovod_error)
-    return nccl_or_gloo(engine, warning, requested, gpus)
 
 
 def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
@@ -52,11 +22,11 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     from ..strategies.averaging import WeightedAverager, batch_sizes
     from ..strategies.backend_grads import HostGradientAllreduce, wrap_jax_optimizer, wrap_torch_optimizer
     from ..strategies.gradient_sum import shard_samples, step_totals
-    from ..strategies.sum_threads import sum_threads
+    from ..strategies.shared import aligned_offsets
     from .blocks import MAX_BLOCK, StepBlocks, block_size
     from .callbacks import EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
-    from .device import training_device
+    from .device import engine_plan, training_device
     from .fit_sync import fit_and_report
     from .phases import EpochPhases, phase_callbacks, phase_timer, phase_times_enabled
     from .pydatasets import ShareAllreduceCallback, job_feed
@@ -64,11 +34,6 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     rank, train = job.rank, job.train
     # One worker: nothing to sum, so Keras' own step trains, with no hook, no copy and no collective.
     solo = collective.world_size == 1
-    engine, warning = ("none", None) if solo else resolve_engine(train.engine, collective)
-    if warning:
-        log.warning("%s", warning)
-        link.send(WorkerWarning(warning))
-    log.info("worker %d: allreduce on engine %s", rank, engine)
 
     floats = lambda vs: [v for v in vs if "float" in str(v.dtype)]
     # Rank 0's weights and optimizer state are everyone's starting point.
@@ -82,22 +47,27 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     feed = job_feed(job, batch_size)
     inputs, samples, val_samples = (feed.inputs, feed.samples, feed.val_samples) if feed else job_inputs(job)
     reader = feed.train if feed else None
+    shares: list[int] = []
     if reader is not None:  # rows known as read: each step's total is summed just before it
         totals, steps = None, share_count(reader.data.batches, 0, collective.world_size)
     else:
         # Every step's total samples, known up front: the gradients are scaled by n / total as they
         # are copied into the bucket. len(totals) is the steps every worker runs per epoch.
-        totals = step_totals(shard_samples(collective, samples), train.batch_sizes or batch_size)
+        shares = shard_samples(collective, samples)
+        totals = step_totals(shares, train.batch_sizes or batch_size)
         steps = len(totals)
-    if engine == "jax":  # one program on every process: every step's rows the same on every worker
-        engine = _equal_steps_or_gloo(link, collective, samples if reader is None else None,
-                                      train.batch_sizes or [batch_size], train.engine)
-    reducer = (HostGradientAllreduce if host else GradientAllreduce)(
-        collective, model.trainable_variables, "gloo" if solo or engine == "jax" else engine,
-        direct_sum_bytes=int(train.direct_sum_bytes),
-        shared_memory=bool(train.shared_memory), shared_chunk_bytes=int(train.shared_chunk_bytes))
-    reducer.use_threads(sum_threads(job.threads))  # the budget's cores sum while the model waits (opt-in)
-    if totals is not None and engine == "gloo" and not host and not model.run_eagerly and not reducer.device_sum:
+    # The engine, from facts every worker shares (machine/engines.py); JAX's psum needs every step's rows equal
+    # (one program on every process): array data, equal shares and batch sizes.
+    equal = len(set(shares)) == 1 and len(set(train.batch_sizes or [batch_size])) == 1
+    bucket = 4 * (int(aligned_offsets([int(math.prod(v.shape)) for v in model.trainable_variables])[-1]) + 1)
+    plan = engine_plan(collective, train, "allreduce", bucket, equal if backend == "jax" else None)
+    if plan.notice:
+        log.warning("%s", plan.notice)
+        link.send(WorkerWarning(plan.notice))
+    engine = plan.engine_name
+    log.info("worker %d: allreduce on engine %s (%s)", rank, engine, plan.summed_by)
+    reducer = (HostGradientAllreduce if host else GradientAllreduce)(collective, model.trainable_variables, plan)
+    if totals is not None and reducer.sums_on_host and not host and not model.run_eagerly:
         # Each step finds its share in the graph, so a call may run several (blocks.py). The device sum
         # (tf_device_sum.py) is told each step's share from Python, as on a GPU.
         reducer.schedule(batch_sizes(samples, batch_size), totals)
@@ -153,26 +123,10 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     finally:
         reducer.close()  # no hook stays on the model's tensors, no thread of the sum runs
     link.send(Done(sync_seconds=reducer.seconds, rounds=reducer.steps, engine=engine, padded_steps=sync.padded_steps,
-                   summed_by="device" if engine == "jax" else reducer.summed_by, device=training_device(), **report))
+                   summed_by=plan.summed_by if engine == "jax" else reducer.summed_by, device=training_device(),
+                   **report))
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",
              rank, reducer.steps, sync.padded_steps, reducer.seconds)
-
-
-def _equal_steps_or_gloo(link: Any, collective: Any, samples: int | None, sizes: list[int],
-                         requested: str | None) -> str:
-    """``jax`` (already chosen for the workers' GPUs) where every worker has the same rows at every step (array
-    data, equal shares and batch sizes), else ``gloo`` with its one sentence. ``samples`` None: a PyDataset feed,
-    whose last batches may differ."""
-    from ..machine.placement import unequal_rows_notice
-    from ..strategies.gradient_sum import shard_samples
-
-    shares = shard_samples(collective, samples) if samples is not None else []
-    if len(set(shares)) == 1 and len(set(sizes)) == 1:
-        return "jax"
-    warning = unequal_rows_notice(requested)
-    log.warning("%s", warning)
-    link.send(WorkerWarning(warning))
-    return "gloo"
 
 
 def _install_jax_engine(model: Any, collective: Any, timeout: float) -> None:

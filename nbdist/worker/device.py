@@ -1,9 +1,8 @@
-"""Which device this worker trains on, read from the framework that trains (the worker's own side).
+"""Which device this worker trains on, and the facts every worker shares for the engine's choice.
 
 A worker sees at most one GPU (CUDA_VISIBLE_DEVICES per rank, machine/placement.py), so its GPU is its device 0;
-the report names it by the host's numbering (the id in CUDA_VISIBLE_DEVICES) and by its product name.
-NOT VERIFIED ON A GPU for TensorFlow (no TensorFlow on the GPU machines); torch and JAX are read as the
-GPU check reads them (benchmarks/gpu_check).
+the report names it by the host's numbering and product name. ``engine_plan`` sums every worker's GPU and
+machine once, so all hand the same facts to machine/engines.py's ``select`` and choose alike.
 """
 from __future__ import annotations
 
@@ -79,69 +78,62 @@ def _jax_gpu_identity() -> str:
     return f"{socket.gethostname()}/{_host_index(device.local_hardware_id)}"
 
 
-def worker_gpus(collective: Any, mine: str | None = None) -> list[int]:
-    """Every worker's GPU, by rank, as an integer identity (0: none), summed once so that every worker makes
-    the same engine choice (placement.choose_torch_engine). Identities are CRC-32s of ``gpu_identity``:
-    exact in a float64, and two workers on one device give the same."""
+def worker_facts(collective: Any, mine: str | None = None) -> tuple[list[int], bool]:
+    """Every worker's GPU by rank as an integer identity (0: none; CRC-32s of ``gpu_identity``, exact in a
+    float64, equal for two workers on one device) and whether all run on one machine (one kernel's boot id),
+    summed once so that every worker makes the same engine choice."""
+    from ..strategies.shm_files import boot_id
+
     identity = gpu_identity() if mine is None else mine
-    flags = np.zeros(collective.world_size, dtype=np.float64)
-    flags[collective.rank] = float(zlib.crc32(identity.encode()) | 1) if identity else 0.0
+    world, rank = collective.world_size, collective.rank
+    flags = np.zeros(2 * world, dtype=np.float64)
+    flags[rank] = float(zlib.crc32(identity.encode()) | 1) if identity else 0.0
+    flags[world + rank] = float(zlib.crc32(boot_id().encode()) | 1)
     collective.allreduce_sum(flags)
-    return [int(f) for f in flags]
+    return [int(f) for f in flags[:world]], len({int(f) for f in flags[world:]}) == 1
 
 
-# Per Keras backend, the variable that runs the device's code over Gloo on CPUs ("1", tests) or keeps the
-# averaging strategy's rounds in host memory ("0": the way back should the device's rounds misbehave on some
-# GPU; allreduce has --engine gloo for that).
-DEVICE_SUM_VARIABLES = {"torch": "NBDIST_TORCH_DEVICE_SUM", "tensorflow": "NBDIST_TF_DEVICE_SUM",
-                        "jax": "NBDIST_JAX_DEVICE_SUM"}
-
-
-def host_rounds_asked(backend: str) -> bool:
-    """Whether the user set this backend's device-sum variable to 0: averaging rounds through host memory."""
-    return os.environ.get(DEVICE_SUM_VARIABLES.get(backend, ""), "") == "0"
-
-
-def device_averager(collective: Any, variables: list[Any]) -> Any:
-    """The averaging strategy's rounds on the GPUs where every worker has a GPU of its own: ``TorchDeviceAverage``
-    on Keras' torch backend, ``TFDeviceAverage`` on TensorFlow (or, NBDIST_TORCH_DEVICE_SUM=1 and
-    NBDIST_TF_DEVICE_SUM=1 respectively, the same code over Gloo on CPU tensors); None: the host's
-    ``WeightedAverager``. Every worker of more than one decides from the same sum."""
+def engine_plan(collective: Any, train: Any, strategy: str, bucket_bytes: int,
+                equal_steps: bool | None = None) -> Any:
+    """The engine that sums this run (machine/engines.py ``select``), from facts every worker shares and the
+    job's typed choices (TrainSettings); refused in one sentence (NbdistError) where it cannot be met."""
     import keras
 
-    backend = keras.backend.backend()
-    if collective.world_size == 1 or backend not in ("torch", "tensorflow") or host_rounds_asked(backend):
-        return None
-    from ..machine.placement import choose_torch_engine
-    from ..strategies.backend_grads import device_sum_forced
-    from ..strategies.device_sum import TorchDeviceAverage, configured_bucket_bytes, device_group, engine_device
-    from ..strategies.tf_device_sum import TFDeviceAverage, tf_device_sum_forced
+    from ..config import engine_choice
+    from ..machine.engines import Facts, Plan, gpu_facts, select
+    from ..strategies.host_collective import HostCollective
 
-    engine, _ = choose_torch_engine(None, worker_gpus(collective))  # the one line is the allreduce's
-    forced = tf_device_sum_forced() if backend == "tensorflow" else device_sum_forced()
-    if engine != "nccl" and not forced:
-        return None
-    if backend == "tensorflow":
-        return TFDeviceAverage(variables, engine, configured_bucket_bytes(), collective.timeout)
-    return TorchDeviceAverage(variables, engine_device(engine), device_group(engine, collective.timeout),
-                              configured_bucket_bytes())
+    if collective.world_size < 2:
+        return Plan("none")
+    gpus, one_host = worker_facts(collective)
+    kind, obstacle = gpu_facts(gpus)
+    inner = getattr(collective, "inner", collective)
+    facts = Facts(keras.backend.backend(), strategy, collective.world_size, kind, obstacle, one_host,
+                  int(bucket_bytes), equal_steps, has_torch=not isinstance(inner, HostCollective))
+    return select(facts, engine_choice(train))
 
 
-def jax_device_averager(collective: Any, model: Any, variables: list[Any], timeout: float) -> Any:
-    """The averaging strategy's rounds inside the workers' JAX job (``JaxDeviceAverage``: XLA's all-reduce on the
-    devices) where Keras runs on JAX and every worker has a GPU of its own (or, NBDIST_JAX_DEVICE_SUM=1, the same
-    code over Gloo on CPUs); None: the host's ``WeightedAverager``. Joining the job keeps the model's state
-    (``join_jax_job``). Every worker of more than one decides from the same sum."""
-    if collective.world_size == 1 or host_rounds_asked("jax"):
-        return None
-    from ..machine.placement import choose_jax_engine
-    from ..strategies import jax_device_sum
+def device_averager(collective: Any, model: Any, variables: list[Any], plan: Any) -> Any:
+    """The averaging strategy's rounds on the tensors where they are, as ``plan`` says (``engine_plan``):
+    ``JaxDeviceAverage`` inside the workers' JAX job (joined keeping the model's state), ``TFDeviceAverage`` or
+    ``TorchDeviceAverage`` in torch's device buckets (NCCL on GPUs, Gloo on CPU tensors with
+    device_sum="always"); None: the host's ``WeightedAverager``."""
+    import keras
 
-    # Every round runs one program on every worker (the rounds per epoch are padded to the same count), so
-    # unequal shares do not matter here as they do for the allreduce's step.
-    gpus = worker_gpus(collective)
-    engine, _ = choose_jax_engine("jax" if jax_device_sum.jax_device_sum_forced() else None, True, gpus)
-    if engine != "jax":
+    if plan.engine == "jax":
+        import jax
+
+        from ..strategies import jax_device_sum
+
+        jax_device_sum.join_jax_job(model, collective, collective.store.host, collective.timeout,
+                                    jax.default_backend() == "gpu")
+        return jax_device_sum.JaxDeviceAverage(model, variables)
+    if plan.engine != "torch" or not plan.device:
         return None
-    jax_device_sum.join_jax_job(model, collective, collective.store.host, timeout, bool(gpus[collective.rank]))
-    return jax_device_sum.JaxDeviceAverage(model, variables)
+    from ..strategies.device_sum import TorchDeviceAverage, device_group, engine_device
+    from ..strategies.tf_device_sum import TFDeviceAverage
+
+    if keras.backend.backend() == "tensorflow":
+        return TFDeviceAverage(variables, plan.mode, plan.bucket_bytes, collective.timeout)
+    return TorchDeviceAverage(variables, engine_device(plan.mode), device_group(plan.mode, collective.timeout),
+                              plan.bucket_bytes)

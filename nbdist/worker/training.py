@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -127,17 +128,16 @@ def run_training(link: Any, job: JobMessage) -> None:
         variables = [w for w in model.weights if "float" in str(w.dtype)] + float_buffers(model)
         if train.average_optimizer:
             variables += averaged_optimizer_variables(model)
-        from .device import device_averager, jax_device_averager
+        from .device import device_averager, engine_plan
 
-        # torch, TensorFlow or JAX with a GPU per worker: each round on the GPUs (device_sum.py, tf_device_sum.py,
-        # jax_device_sum.py); else one exchange through the host, through shared memory when every worker runs on
-        # this machine.
-        averager = (jax_device_averager(collective, model, variables, float(train.sync_timeout))
-                    if keras.backend.backend() == "jax" else device_averager(collective, variables))
+        # One selector (machine/engines.py): the rounds on the devices (device_sum.py, tf_device_sum.py,
+        # jax_device_sum.py), else through the host, in shared memory when every worker runs on this machine.
+        flat_bytes = 4 * (sum(math.prod(int(d) for d in v.shape) for v in variables) + 1)
+        plan = engine_plan(collective, train, "averaging", flat_bytes)
+        averager = device_averager(collective, model, variables, plan)
         if averager is None:
             averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf)
-            averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), bool(train.shared_memory),
-                                                 int(train.direct_sum_bytes), int(train.shared_chunk_bytes))
+            averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), plan)
         batch_size = rank_batch_size(job)
         # A PyDataset: this worker's share of its batches (pydatasets.py); arrays: one repeated
         # pipeline for the whole fit, so Keras keeps one iterator (see datasets.py).

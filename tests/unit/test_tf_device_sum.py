@@ -37,7 +37,7 @@ def one_rank() -> Iterator[None]:
 
 @pytest.fixture
 def owner(one_rank: None) -> GradientAllreduce:
-    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s, np.float32) for s in SHAPES], "gloo")
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s, np.float32) for s in SHAPES])
     reducer._engine_impl = TFDeviceSum(SHAPES, "gloo", KEPT, bucket_bytes=4 * 32)  # 3 buckets
     return reducer
 

@@ -252,8 +252,8 @@ def device_paths(x: np.ndarray, y: np.ndarray, plain: dict) -> dict[str, object]
 
 def torch_device_sums() -> dict[str, object]:
     """Issue 36 on torch: 2 workers summing their gradients as torch tensors (the GPU's code, over Gloo here:
-    NBDIST_TORCH_DEVICE_SUM=1) in buckets of 1 KiB (4 for this MLP), started during the backward pass (the
-    default) and at apply (NBDIST_TORCH_OVERLAP=0), against the numpy exchange and the local fit; the
+    device_sum="always") in buckets of 1 KiB (4 for this MLP), started during the backward pass (the
+    default) and at apply (overlap=False), against the numpy exchange and the local fit; the
     averaging strategy's rounds on the device too."""
     features, labels = load_digits(return_X_y=True)
     rows = ROWS + 1  # shares of 257 and 256 rows: worker 1 joins the last step of each epoch with zeros (a pad step)
@@ -263,19 +263,13 @@ def torch_device_sums() -> dict[str, object]:
     out: dict[str, object] = {}
     local = mlp(keras.optimizers.Adam(0.01))
     expected = local.fit(x, y, verbose=0, **plain).history
-    settings = {"overlapped": {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_BUCKET_BYTES": "1024"},
-                "at_apply": {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_BUCKET_BYTES": "1024",
-                             "NBDIST_TORCH_OVERLAP": "0"},
+    settings = {"overlapped": {"device_sum": "always", "bucket_bytes": 1024},
+                "at_apply": {"device_sum": "always", "bucket_bytes": 1024, "overlap": False},
                 "numpy": {}}
     models = {}
-    for name, env in settings.items():
-        os.environ.update(env)  # the workers inherit it
-        try:
-            models[name] = mlp(keras.optimizers.Adam(0.01))
-            job = nbdist.train(models[name], x, y, strategy="allreduce", **per_worker)
-        finally:
-            for key in env:
-                del os.environ[key]
+    for name, options in settings.items():
+        models[name] = mlp(keras.optimizers.Adam(0.01))
+        job = nbdist.train(models[name], x, y, strategy="allreduce", **per_worker, **options)
         out[name] = {"history": job.fit_history.history, "expected": expected,
                      "weight_gap": weight_gap(models[name], local),
                      "summed_by": [job.reports[r]["summed_by"] for r in range(2)],
@@ -287,11 +281,8 @@ def torch_device_sums() -> dict[str, object]:
     # The averaging strategy's rounds on the device too (every step with SGD: the local step).
     local_sgd, remote_sgd = mlp(keras.optimizers.SGD(0.1)), mlp(keras.optimizers.SGD(0.1))
     expected_sgd = local_sgd.fit(x, y, verbose=0, **plain).history
-    os.environ["NBDIST_TORCH_DEVICE_SUM"] = "1"
-    try:
-        averaged = nbdist.train(remote_sgd, x, y, strategy="averaging", averaging_frequency=1, **per_worker)
-    finally:
-        del os.environ["NBDIST_TORCH_DEVICE_SUM"]
+    averaged = nbdist.train(remote_sgd, x, y, strategy="averaging", averaging_frequency=1, device_sum="always",
+                            **per_worker)
     out["device_average"] = {"history": averaged.fit_history.history, "expected": expected_sgd,
                              "weight_gap": weight_gap(remote_sgd, local_sgd),
                              "summed_by": [averaged.reports[r]["summed_by"] for r in range(2)]}
@@ -306,6 +297,7 @@ def overlapped_keras_steps(x: np.ndarray, y: np.ndarray) -> dict[str, object]:
     leaves no hook on the model's tensors."""
     import torch.distributed as dist
 
+    from nbdist.machine.engines import Plan
     from nbdist.strategies.backend_grads import HostGradientAllreduce, wrap_torch_optimizer
     from nbdist.strategies.collective import SoloCollective
 
@@ -320,15 +312,14 @@ def overlapped_keras_steps(x: np.ndarray, y: np.ndarray) -> dict[str, object]:
     optimizers = {"adam": lambda: keras.optimizers.Adam(0.01),
                   "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
                   "accumulate": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)}
-    env = {"NBDIST_TORCH_DEVICE_SUM": "1", "NBDIST_TORCH_BUCKET_BYTES": "1024"}
+    plan = Plan("torch", "gloo", "device", overlap=True, bucket_bytes=1024)  # device_sum="always" on a CPU
     out: dict[str, object] = {}
-    os.environ.update(env)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for name, make in optimizers.items():
             local, model = mlp(make()), mlp(make())
             local.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
-            owner = HostGradientAllreduce(SoloCollective(), model.trainable_variables)
+            owner = HostGradientAllreduce(SoloCollective(), model.trainable_variables, plan)
             wrap_torch_optimizer(model.optimizer, owner)
             refused = owner.overlap_backward(model)
             overlap = owner._overlap
@@ -342,8 +333,6 @@ def overlapped_keras_steps(x: np.ndarray, y: np.ndarray) -> dict[str, object]:
                                            for v in model.trainable_variables)}
     finally:
         dist.destroy_process_group()
-        for key in env:
-            del os.environ[key]
     return out
 
 

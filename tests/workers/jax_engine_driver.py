@@ -77,17 +77,13 @@ def main() -> dict[str, object]:
                      "weight_gap": max(float(np.abs(u - v).max()) for u, v in zip(remote.get_weights(),
                                                                                    local.get_weights())),
                      "engines": [job.reports[r].get("engine") for r in sorted(job.reports)]}
-    # The averaging strategy's rounds inside the JAX job (NBDIST_JAX_DEVICE_SUM=1: the GPUs' code path over Gloo).
+    # The averaging strategy's rounds inside the JAX job (device_sum="always": the GPUs' code path over Gloo).
     # Every step with SGD: the local step on the global batch. Every 3 steps on uneven shares (a round where
     # worker 1 has trained nothing), BatchNorm and Dropout: what the host's rounds train.
     def average(model: keras.Model, data: int, k: int, device: bool) -> dict[str, object]:
-        if device:
-            os.environ["NBDIST_JAX_DEVICE_SUM"] = "1"
-        try:
-            job = nbdist.train(model, x[:data], y[:data], workers=2, strategy="averaging", averaging_frequency=k,
-                               lr_scaling="none", ui="none", batch_size=GLOBAL_BATCH // 2, seed=7, **fit_args)
-        finally:
-            os.environ.pop("NBDIST_JAX_DEVICE_SUM", None)
+        job = nbdist.train(model, x[:data], y[:data], workers=2, strategy="averaging", averaging_frequency=k,
+                           lr_scaling="none", ui="none", batch_size=GLOBAL_BATCH // 2, seed=7,
+                           device_sum="always" if device else "auto", **fit_args)
         return {"history": job.fit_history.history,
                 "summed_by": [job.reports[r].get("summed_by") for r in sorted(job.reports)]}
 

@@ -7,13 +7,13 @@ computes, so parameters must match to 1e-5 relative.
 
 The `digits` fixture (scikit-learn digits, scaled to [0, 1]) comes from conftest.py.
 """
-import logging
 
 import keras
 import numpy as np
 import pytest
 
 import nbdist
+from nbdist.errors import NbdistError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -60,7 +60,7 @@ def accuracy(model, x, y):
 
 
 @pytest.mark.parametrize("direct_sum_bytes,shared_memory,summed_by",
-                         [(4 * 2**20, True, "shared"), (4 * 2**20, False, "direct"), (0, True, "ring")])
+                         [(4 * 2**20, True, "shared"), (4 * 2**20, False, "allreduce"), (0, True, "shared-chunked")])
 def test_allreduce_two_workers_with_batch_b_equal_local_fit_with_batch_2b(digits, direct_sum_bytes, shared_memory,
                                                                            summed_by):
     """C3: 2 allreduce workers with batch b and SGD end with the parameters of a local fit with batch 2b."""
@@ -72,9 +72,9 @@ def test_allreduce_two_workers_with_batch_b_equal_local_fit_with_batch_2b(digits
     assert_same_parameters(model, ref)
     assert set(job.history) == {"loss", "accuracy"} and len(job.history["loss"]) == 1
     assert all(w.sync_seconds > 0 for w in job.state.workers)  # time inside the allreduce is reported
-    # Keras' train step scaled the loss (scale_loss): the MLP's small bucket was summed through
-    # shared memory (both workers are on this machine), or with that off in one round of
-    # messages, or, with direct sums off, the ring summed the gradients uncopied.
+    # Keras' train step scaled the loss (scale_loss): the MLP's small bucket was summed through one row of
+    # shared memory (both workers are on this machine), or with that off by Gloo's allreduce, or, with
+    # small sums off, chunk by chunk through shared memory, reading the gradients uncopied.
     assert [r["summed_by"] for r in job.reports.values()] == [summed_by, summed_by]
 
 
@@ -106,12 +106,12 @@ def test_allreduce_equals_local_fit_for_a_train_step_that_does_not_scale_the_los
     """C3 for a notebook model whose own ``train_step`` never calls ``optimizer.scale_loss``."""
     # Without scale_loss the gradients arrive unweighted: nbdist weights them while copying them
     # into the bucket instead, and the average is the same (here summed by chunked Gloo allreduces,
-    # the path of large buckets).
+    # the path between machines).
     x, y = digits
     x, y = x[:1000], y[:1000]
     model = compiled(own_step_mlp(), keras.optimizers.SGD(0.1))
     job = nbdist.train(model, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
-                       lr_scaling="none", direct_sum_bytes=0)
+                       lr_scaling="none", direct_sum_bytes=0, shared_memory=False)
     ref = local_reference(own_step_mlp, keras.optimizers.SGD(0.1), x, y, workers=2, batch_size=16, epochs=1)
     assert_same_parameters(model, ref)
     assert [r["summed_by"] for r in job.reports.values()] == ["allreduce", "allreduce"]
@@ -135,16 +135,15 @@ def test_four_allreduce_workers_with_uneven_shards_match_local_adam_and_validate
     assert abs(job.history["val_accuracy"][-1] - got) < 1e-6  # validation ran on the final weights
 
 
-def test_cnn_accuracy_parity_and_horovod_falls_back(digits, caplog):
+def test_cnn_accuracy_parity_and_horovod_is_refused_in_one_sentence(digits):
     x, y = digits
     x = x.reshape(-1, 8, 8, 1)
     xt, yt, xv, yv = x[:1500], y[:1500], x[1500:], y[1500:]
     model = compiled(cnn(), keras.optimizers.Adam(0.01))
-    with caplog.at_level(logging.WARNING, logger="nbdist"):
-        nbdist.train(model, xt, yt, epochs=4, batch_size=32, workers=2, strategy="allreduce",
-                     engine="horovod", shuffle=False, lr_scaling="none")
-    warnings = [r.getMessage() for r in caplog.records if "Horovod cannot be imported" in r.getMessage()]
-    assert len(warnings) == 1 and "default engine, gloo" in warnings[0]
+    with pytest.raises(NbdistError, match="^--engine horovod is gone: Horovod 0.28.1"):
+        nbdist.train(model, xt, yt, epochs=4, batch_size=32, workers=2, strategy="allreduce", engine="horovod")
+    nbdist.train(model, xt, yt, epochs=4, batch_size=32, workers=2, strategy="allreduce", shuffle=False,
+                 lr_scaling="none")
     ref = local_reference(cnn, keras.optimizers.Adam(0.01), xt, yt, 2, 32, epochs=4)
     got, want = accuracy(model, xv, yv), accuracy(ref, xv, yv)
     assert want > 0.8 and abs(got - want) <= 0.01, (got, want)
@@ -196,10 +195,10 @@ def max_gap(a, b):
 
 
 @pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
-def test_tensorflow_device_sum_equals_the_numpy_exchange_and_the_local_fit_with_pad_steps(digits, monkeypatch,
+def test_tensorflow_device_sum_equals_the_numpy_exchange_and_the_local_fit_with_pad_steps(digits,
                                                                                            precision):
     """Issue 36, TensorFlow: 2 workers summing their gradients as tensors (DLPack into torch's buckets, the GPU's
-    code, over Gloo here: NBDIST_TF_DEVICE_SUM=1; buckets of 1 KiB, 4 for this MLP) train the weights of the
+    code, over Gloo here: device_sum="always"; buckets of 1 KiB, 4 for this MLP) train the weights of the
     default numpy exchange, and of the local fit on the global batch; shares of 257 and 256 rows, so worker 1
     joins each epoch's last step with zeros (a pad step). mixed_float16: a LossScaleOptimizer's scaled
     gradients summed and unscaled as through the numpy exchange."""
@@ -213,10 +212,8 @@ def test_tensorflow_device_sum_equals_the_numpy_exchange_and_the_local_fit_with_
             "lr_scaling": "none", "ui": "none"}
     numpy_sum = compiled(build(), optimizer())
     numpy_job = nbdist.train(numpy_sum, x, y, **args)
-    monkeypatch.setenv("NBDIST_TF_DEVICE_SUM", "1")
-    monkeypatch.setenv("NBDIST_TORCH_BUCKET_BYTES", "1024")
     device = compiled(build(), optimizer())
-    job = nbdist.train(device, x, y, **args)
+    job = nbdist.train(device, x, y, device_sum="always", bucket_bytes=1024, **args)
     reports = [job.reports[r] for r in range(2)]
     assert [(r["summed_by"], r["engine"], r["padded_steps"]) for r in reports] == [
         ("device", "gloo", 0), ("device", "gloo", 2)], reports
@@ -229,9 +226,9 @@ def test_tensorflow_device_sum_equals_the_numpy_exchange_and_the_local_fit_with_
 
 
 def test_tensorflow_device_average_equals_the_local_fit_every_step_and_the_host_average_with_pad_rounds(
-        digits, monkeypatch):
+        digits):
     """Issue 36, TensorFlow's averaging rounds on the device (``TFDeviceAverage``: the variables by DLPack into
-    torch's buckets, the GPU's code, over Gloo here: NBDIST_TF_DEVICE_SUM=1; buckets of 1 KiB, 4 for this MLP).
+    torch's buckets, the GPU's code, over Gloo here: device_sum="always"; buckets of 1 KiB, 4 for this MLP).
     Shares of 257 and 256 rows: with SGD averaged every step, worker 1 joins each epoch's last round with no
     samples and the run is the local fit on the global batch (weights to 1e-5, same history); averaged every 2
     steps (worker 0: 5 rounds an epoch, worker 1: 4 and a pad round), it equals the host's ``WeightedAverager``."""
@@ -241,10 +238,9 @@ def test_tensorflow_device_average_equals_the_local_fit_every_step_and_the_host_
             "lr_scaling": "none", "ui": "none"}
     host = compiled(mlp(), keras.optimizers.SGD(0.1))
     host_job = nbdist.train(host, x, y, averaging_frequency=2, **args)
-    monkeypatch.setenv("NBDIST_TF_DEVICE_SUM", "1")
-    monkeypatch.setenv("NBDIST_TORCH_BUCKET_BYTES", "1024")
+    args_device = {**args, "device_sum": "always", "bucket_bytes": 1024}
     every_step = compiled(mlp(), keras.optimizers.SGD(0.1))
-    job = nbdist.train(every_step, x, y, averaging_frequency=1, **args)
+    job = nbdist.train(every_step, x, y, averaging_frequency=1, **args_device)
     assert [job.reports[r]["summed_by"] for r in range(2)] == ["device", "device"]
     local = compiled(mlp(), keras.optimizers.SGD(0.1))
     expected = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
@@ -252,7 +248,7 @@ def test_tensorflow_device_average_equals_the_local_fit_every_step_and_the_host_
     for key, values in expected.items():
         np.testing.assert_allclose(job.history[key], values, rtol=1e-5, atol=1e-7, err_msg=key)
     device = compiled(mlp(), keras.optimizers.SGD(0.1))
-    device_job = nbdist.train(device, x, y, averaging_frequency=2, **args)
+    device_job = nbdist.train(device, x, y, averaging_frequency=2, **args_device)
     reports = [device_job.reports[r] for r in range(2)]
     assert [(r["summed_by"], r["rounds"]) for r in reports] == [("device", 10), ("device", 10)], reports
     assert [host_job.reports[r]["summed_by"] for r in range(2)] == ["shared", "shared"]

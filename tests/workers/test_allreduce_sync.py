@@ -13,7 +13,7 @@ from nbdist.strategies.allreduce_hook import GradientAllreduce
 from nbdist.strategies.averaging import batch_sizes
 from nbdist.strategies.collective import SoloCollective
 from nbdist.strategies.gradient_sum import chunk_bounds, step_totals
-from nbdist.strategies.ring import ALIGN, aligned_offsets, pieces
+from nbdist.strategies.shared import ALIGN, aligned_offsets, pieces
 
 from ..ranks import run_ranks
 
@@ -91,15 +91,16 @@ def _grads(rank, step):
 STEPS = [(3, 1), (4, 4), (2, 0)]
 
 
-def _rank_main(rank: int, world: int, port: int, direct_sum_bytes: int, shared_memory: bool) -> None:
-    """One worker of test_two_process_exchange (run in its own process)."""
+def _rank_main(rank: int, world: int, port: int, engine: str, mode: str) -> None:
+    """One worker of test_two_process_exchange (run in its own process): the host engine the plan names."""
+    from nbdist.machine.engines import Plan
     from nbdist.strategies.collective import GlooCollective
     from nbdist.worker.phases import PhaseClock, PhaseCollective
 
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
     clock = PhaseClock()
-    reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], chunk_elements=32,
-                                direct_sum_bytes=direct_sum_bytes, shared_memory=shared_memory)
+    plan = Plan(engine, mode, bucket_bytes=256)  # chunked: rows of 64 floats
+    reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], plan, chunk_elements=32)
     clock.strategy_timer = reducer
     errors = []
     for step, counts in enumerate(STEPS):
@@ -111,7 +112,8 @@ def _rank_main(rank: int, world: int, port: int, direct_sum_bytes: int, shared_m
         errors.append(max(float(np.abs(o - w).max()) for o, w in zip(out, want)))
     print(json.dumps({"errors": errors, "chunks": len(reducer.chunks), "busy_after": clock.busy_for(),
                       "steps": reducer.steps, "seconds": reducer.seconds,
-                      "small_sum": type(reducer._direct).__name__, **_broadcast_start(gloo, rank)}), flush=True)
+                      "small_sum": type(reducer._shared or reducer._chunked).__name__,
+                      **_broadcast_start(gloo, rank)}), flush=True)
     gloo.close()
 
 
@@ -130,11 +132,12 @@ def _broadcast_start(gloo, rank: int) -> dict:
     return {"broadcast_sent": sent, "broadcast_values": [np.asarray(v.numpy()).tolist() for v in variables]}
 
 
-@pytest.mark.parametrize("direct_sum_bytes,shared_memory,small_sum",
-                         [(0, True, "NoneType"), (2**20, False, "DirectSum"), (2**20, True, "SharedMemorySum")],
-                         ids=["chunked-allreduce", "one-round", "shared-memory"])
-def test_two_process_exchange_equals_the_weighted_average(direct_sum_bytes, shared_memory, small_sum):
-    reports = run_ranks("tests.workers.test_allreduce_sync:_rank_main", 2, direct_sum_bytes, shared_memory, timeout=90)
+@pytest.mark.parametrize("engine,mode,small_sum",
+                         [("torch", "gloo", "NoneType"), ("shared", "chunked", "SharedChunkedSum"),
+                          ("shared", "small", "SharedMemorySum")],
+                         ids=["chunked-allreduce", "shared-chunked", "shared-memory"])
+def test_two_process_exchange_equals_the_weighted_average(engine, mode, small_sum):
+    reports = run_ranks("tests.workers.test_allreduce_sync:_rank_main", 2, engine, mode, timeout=90)
     for report in reports:
         assert report["small_sum"] == small_sum
         assert report["chunks"] > 4 and report["steps"] == len(STEPS) and report["seconds"] > 0

@@ -136,7 +136,7 @@ def test_the_paths_that_differ_per_backend(backend):
 def test_torch_device_sum_overlapped_with_backward_equals_it_at_apply_the_numpy_exchange_and_the_local_fit():
     """Issue 36, torch: 2 workers summing their gradients as torch tensors (Gloo here, NCCL's code) in 4
     buckets started during the backward pass (the default: "device-overlapped") train the same weights as
-    the buckets started at apply (NBDIST_TORCH_OVERLAP=0) and as the numpy exchange, to 1e-6, and the local
+    the buckets started at apply (overlap=False) and as the numpy exchange, to 1e-6, and the local
     fit to 1e-5, with a pad step per epoch on one worker; the notebook's model holds no hook; Keras' own step
     (plain, LossScaleOptimizer, gradient_accumulation_steps=2) in one process on a one-rank group: every
     step's early buckets held the gradients apply got (none summed again), the weights equal the plain fit's,

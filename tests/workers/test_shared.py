@@ -224,7 +224,7 @@ def _arrays(rank, step):
 
 def _chunked_rank_main(rank: int, world: int, port: int, mode: str) -> None:
     from nbdist.strategies.collective import GlooCollective
-    from nbdist.strategies.ring import aligned_offsets
+    from nbdist.strategies.shared import aligned_offsets
 
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
     offsets = aligned_offsets(SIZES + [1])
@@ -234,9 +234,6 @@ def _chunked_rank_main(rank: int, world: int, port: int, mode: str) -> None:
     gloo.allreduce_sum(np.zeros(1, np.float32))  # rank 0 has unlinked the segment by now
     report["left_in_shm"] = _segments()
     plan = summer.plan([int(o) for o in offsets[:-1]], SIZES + [1], length)
-    if mode == "threads":  # each phase's passes split over 3 threads, in ranges of 64 floats and more
-        summer.use_threads(3)
-        summer._threads.minimum = 64
     errors, digests = [], []
     out = np.full(length, np.nan, np.float32)
     for step in range(5):
@@ -247,7 +244,7 @@ def _chunked_rank_main(rank: int, world: int, port: int, mode: str) -> None:
         t0 = time.monotonic()
         arrays = _arrays(rank, step)
         # Scaled as they are copied in (the gradients' factor n / total; 0 for a worker with no rows), the count not.
-        factor = np.float32(0.0 if step == 4 and rank == 1 else 0.375 + rank) if mode == "threads" else None
+        factor = np.float32(0.0 if step == 4 and rank == 1 else 0.375 + rank) if mode == "scaled" else None
         scales = None if factor is None else [factor] * len(SIZES) + [None]
         try:
             if step % 2:  # in place, as the averaging strategy sums its buffer
@@ -277,9 +274,9 @@ def _chunked_rank_main(rank: int, world: int, port: int, mode: str) -> None:
         gloo.close()
 
 
-@pytest.mark.parametrize("world, mode", [(2, "run"), (3, "run"), (3, "threads")])
+@pytest.mark.parametrize("world, mode", [(2, "run"), (3, "run"), (3, "scaled")])
 def test_chunked_sum_between_real_processes_is_the_rank_order_sum_with_the_same_bits_everywhere(world, mode):
-    """"threads": each phase's passes split over 3 threads, the gradients scaled as they are copied in."""
+    """"scaled": the gradients scaled as they are copied in."""
     before = _segments()
     reports = run_ranks("tests.workers.test_shared:_chunked_rank_main", world, mode)
     for report in reports:
