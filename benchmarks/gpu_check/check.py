@@ -528,6 +528,12 @@ def step_env(rec: Recorder, args) -> None:
 
     def placement():
         from nbdist.machine import placement as pl
+        from nbdist.machine.engines import Facts, gpu_facts, select
+
+        def engine(backend, gpus):
+            kind, obstacle = gpu_facts(gpus)
+            plan = select(Facts(backend, gpus=kind, obstacle=obstacle, bucket_bytes=100 * 2**20))
+            return f"{plan.engine_name}/{plan.summed_by}", plan.notice
 
         count = pl.count_host_gpus()
         res = {"count_host_gpus": count,
@@ -535,10 +541,10 @@ def step_env(rec: Recorder, args) -> None:
                "per_rank": {rk: pl.local_gpu_env(rk) for rk in range(4)},
                "per_rank_parent_hidden": {rk: pl.local_gpu_env(rk, environ={"CUDA_VISIBLE_DEVICES": ""})
                                           for rk in range(2)},
-               "torch_engine_2_ranks_own_gpus": pl.choose_torch_engine(None, ["h/0", "h/1"])[0],
-               "torch_engine_2_ranks_one_gpu": pl.choose_torch_engine(None, ["h/0", "h/0"]),
-               "jax_engine_2_ranks_own_gpus": pl.choose_jax_engine(None, None, ["h/0", "h/1"])[0],
-               "jax_engine_2_ranks_one_gpu": pl.choose_jax_engine(None, None, ["h/0", "h/0"]),
+               "torch_engine_2_ranks_own_gpus": engine("torch", ["h/0", "h/1"])[0],
+               "torch_engine_2_ranks_one_gpu": engine("torch", ["h/0", "h/0"]),
+               "jax_engine_2_ranks_own_gpus": engine("jax", ["h/0", "h/1"])[0],
+               "jax_engine_2_ranks_one_gpu": engine("jax", ["h/0", "h/0"]),
                "default_workers": pl.default_worker_count(
                    pl.visible_gpu_count(count, os.environ.get("CUDA_VISIBLE_DEVICES")), 2),
                "jax_env_2_workers": pl.local_gpu_env(1, gpu_count=count, world=2),
