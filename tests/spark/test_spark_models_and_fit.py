@@ -58,7 +58,9 @@ def test_async_trains_arrays_on_spark_tasks(spark, data):
     job = nbdist.train(model, Xtr, ytr, epochs=3, batch_size=16, workers=2, strategy="async", backend="spark",
                        validation_data=(Xte, yte), ui="none")
     assert job.status == "done" and job.state.backend == "spark", job.error
-    assert min(job.reports[r]["async_pushed"] for r in range(2)) > 0
+    # Both tasks' workers ran and reported; under load one may start after the other has been dealt every
+    # block (async's meaning: nobody waits for a late worker), so blocks are counted over both.
+    assert sorted(job.reports) == [0, 1] and sum(job.reports[r]["async_pushed"] for r in range(2)) > 0, job.reports
     val_accuracy = job.history["val_accuracy"]
     print("async val_accuracy", val_accuracy, "refused", [job.reports[r]["async_refused"] for r in range(2)])
     assert len(val_accuracy) == 3 and val_accuracy[-1] > 0.85, val_accuracy
@@ -95,6 +97,9 @@ def test_async_trains_a_notebook_pydataset_on_spark_tasks(spark, data, tmp_path)
                        backend="spark", validation_data=(Xte, yte), ui="none")
     assert job.status == "done" and job.state.backend == "spark", job.error
     workers = set(readers.read_text().split()) - {str(os.getpid())}  # the driver reads batch 0 to check it
-    assert len(workers) == 2, workers
-    assert min(job.reports[r]["async_pushed"] for r in range(2)) > 0
+    # Every worker dealt a block read its batches in its own process (a worker that starts after the other
+    # was dealt every block reads none: async waits for nobody).
+    took_part = [r for r in range(2) if job.reports[r]["async_pushed"] + job.reports[r]["async_refused"] > 0]
+    assert len(workers) == len(took_part) >= 1, (workers, job.reports)
+    assert sum(job.reports[r]["async_pushed"] for r in range(2)) > 0
     assert job.history["val_accuracy"][-1] > 0.8, job.history
