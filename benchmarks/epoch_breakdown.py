@@ -107,7 +107,7 @@ def nbdist_fit(epochs: int, workers: int, strategy: str, batch: int = 32) -> dic
     def timed(rank: int, msg: Any) -> None:  # the driver's own cost per message
         t0 = time.perf_counter()
         handle(rank, msg)
-        driver[msg.type].append(time.perf_counter() - t0)
+        driver[msg.TYPE.value].append(time.perf_counter() - t0)
 
     job._handle_message = timed
     job.start()
