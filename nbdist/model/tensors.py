@@ -109,6 +109,12 @@ def module_buffers(model: Any) -> list[Any]:
     return out
 
 
+def buffer_arrays(model: Any) -> list[np.ndarray]:
+    """The model's module buffers (``module_buffers``) as numpy copies: a CPU tensor's ``numpy()`` shares its
+    memory, and the next step would change what is still to be sent."""
+    return [np.array(tensor_as_array(t)[0]) for t in module_buffers(model)]
+
+
 class BufferVariable:
     """A module buffer (``module_buffers``) as averaging reads and writes a variable: shape, dtype,
     ``numpy()`` and ``assign()``, written in place so that the module keeps the same tensor."""

@@ -242,10 +242,12 @@ class WeightShipper:
 
     def __call__(self, epoch: int) -> None:
         from ..model.spec import optimizer_layout, optimizer_state_variables, optimizer_steps
+        from ..model.tensors import buffer_arrays
 
         self._epoch = epoch
         model = self.model
-        head = Weights(epoch, optimizer_steps(model), optimizer_layout(model))
+        # The torch modules' buffers as they are now, with the weights of this epoch (copies: sent later).
+        head = Weights(epoch, optimizer_steps(model), optimizer_layout(model), buffers=buffer_arrays(model))
         if self.every_epoch:
             self._send(head, weights_and_optimizer(model)[0])
             return
@@ -293,9 +295,6 @@ class WeightShipper:
 
     def _send(self, head: Weights, state: list[np.ndarray]) -> None:
         """``head`` with the state: the model's weights (``get_weights()``'s), then the optimizers'."""
-        from ..model.tensors import module_buffers, tensor_as_array
-
         n = len(self.model.weights)
-        buffers = [tensor_as_array(t)[0] for t in module_buffers(self.model)]
-        self.send(dataclasses.replace(head, weights=state[:n], optimizer=state[n:], buffers=buffers))
+        self.send(dataclasses.replace(head, weights=state[:n], optimizer=state[n:]))
         self.sent += 1
