@@ -173,7 +173,30 @@ def compiled_transfer(variables: Sequence[Any], shapes: Sequence[tuple[int, ...]
     return read, write
 
 
-class WeightedAverager:
+class Averager:
+    """What every averaging engine is: ``average(samples) -> total`` (``samples``: what this worker trained on since
+    the last round; the variables set to every worker's sample-weighted average; the total: all workers' samples),
+    ``seconds`` and ``rounds`` so far, ``summed_by`` (how, for reports) and ``close``. Engines define ``_round``."""
+
+    seconds = 0.0
+    rounds = 0
+    summed_by = "device"
+
+    def average(self, samples: int) -> Any:
+        t0 = time.perf_counter()
+        total = self._round(samples)
+        self.seconds += time.perf_counter() - t0
+        self.rounds += 1
+        return total
+
+    def _round(self, samples: int) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class WeightedAverager(Averager):
     """One averaging round: the sample-weighted average of every worker's variables, in ONE sum.
 
     Each worker contributes ``samples * weights`` and, in the buffer's last slot, ``samples``;
@@ -192,22 +215,16 @@ class WeightedAverager:
         self._plans: dict[Any, Any] = {}
         self._one = np.ones(1, dtype=np.float32)  # the weight's slot in an in-place round
         self.clock = clock  # a PhaseClock told when a shared-memory round waits (it sees no collective call)
-        self.seconds = 0.0
-        self.rounds = 0
 
     def average(self, samples: int) -> int:
-        """Average with every worker; ``samples`` is what this worker trained on since the last round."""
-        if self.collective.world_size == 1:
-            return samples
-        t0 = time.perf_counter()
+        """Average with every worker (one worker: nothing to do, no round counted)."""
+        return samples if self.collective.world_size == 1 else super().average(samples)
+
+    def _round(self, samples: int) -> int:
         in_place = self._in_place_plan()
         if in_place is not None:
-            total = self._average_in_place(samples, in_place)
-        else:
-            total = self._average_through_buffer(samples)
-        self.seconds += time.perf_counter() - t0
-        self.rounds += 1
-        return total
+            return self._average_in_place(samples, in_place)
+        return self._average_through_buffer(samples)
 
     def _average_in_place(self, samples: int, plan: Any) -> int:
         """A large model on one machine: each variable's memory into the shared segment and the average back

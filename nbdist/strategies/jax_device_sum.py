@@ -10,11 +10,12 @@ from __future__ import annotations
 import gc
 import logging
 import socket
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from .averaging import Averager
 
 log = logging.getLogger("nbdist.worker")
 
@@ -272,7 +273,7 @@ class JaxDeviceSum:
         return on_mesh(tree, self.device, self.replicated)
 
 
-class JaxDeviceAverage:
+class JaxDeviceAverage(Averager):
     """The averaging strategy's round over the workers' JAX job: sum_w n_w v_w / sum_w n_w of the variables
     where they are (XLA's all-reduce inside one jitted ``shard_map``: NCCL on GPUs, Gloo on CPUs), assigned back.
     The variables hold the running fit's state when a round starts (``AveragingCallback`` syncs it) and Keras'
@@ -302,26 +303,13 @@ class JaxDeviceAverage:
             return weighted_mean(values, samples, self.AXIS, fused)
 
         spec = PartitionSpec()
-        self._round = jax.jit(jax.shard_map(body, mesh=self.replicated.mesh, in_specs=(spec, spec),
-                                            out_specs=(spec, spec), check_vma=False), donate_argnums=0)
-        self.seconds = 0.0
-        self.rounds = 0
+        self._mean = jax.jit(jax.shard_map(body, mesh=self.replicated.mesh, in_specs=(spec, spec),
+                                           out_specs=(spec, spec), check_vma=False), donate_argnums=0)
 
-    @property
-    def summed_by(self) -> str:
-        return "device"
-
-    def average(self, samples: int) -> Any:
-        """One round; ``samples``: what this worker trained on since the last. Returns the summed count as a
-        device scalar (the other averagers' int; reading it waits for the round)."""
-        t0 = time.perf_counter()
+    def _round(self, samples: int) -> Any:
+        """The summed count comes back as a device scalar (the other averagers' int; reading it waits for the round)."""
         values = on_mesh([v.value for v in self.variables], self.device, self.replicated)
-        averaged, total = self._round(values, on_mesh(np.float32(samples), self.device, self.replicated))
+        averaged, total = self._mean(values, on_mesh(np.float32(samples), self.device, self.replicated))
         for v, value in zip(self.variables, local_part(averaged)):
             v.assign(value)
-        self.seconds += time.perf_counter() - t0
-        self.rounds += 1
         return local_part(total)
-
-    def close(self) -> None:
-        pass
