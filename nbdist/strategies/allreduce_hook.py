@@ -3,7 +3,7 @@
 Keras 3's TensorFlow trainer hands gradients to ``optimizer.apply`` inside the compiled train step; wrapping
 that apply (and ``scale_loss``, which multiplies the loss by n / total so the gradients arrive weighted)
 keeps ``model.fit`` whole. The result is sum_w (n_w / total) g_w, summed by the plan's engine
-(machine/engines.py): the host bucket (gradient_sum.py) or torch's buckets on the device (tf_device_sum.py).
+(machine/engines.py): the host bucket (gradient_sum.py) or torch's buckets on the device (device_sum.py).
 Invariant: every worker runs the same allreduces per epoch; a shorter shard pads with zero-row steps.
 """
 from __future__ import annotations
@@ -78,27 +78,20 @@ class GradientAllreduce(GradientSum):
         self.before_pad: Callable[[], None] | None = None
 
     def _open_engine(self) -> Any:
-        """TensorFlow's device sum (tf_device_sum.py) where the plan sums tensors where they are; else None
-        (the numpy exchange below)."""
+        """The device engine (device_sum.py) where the plan sums tensors where they are; else None (the numpy
+        exchange below)."""
         if not self.plan.device or self.plan.engine != "torch":
             return None
-        from .tf_device_sum import TFDeviceSum
+        from .device_sum import open_device_sum
 
-        return TFDeviceSum(self.shapes, self.plan.mode, self._kept, self.plan.bucket_bytes,
-                           getattr(self.collective, "timeout", None))
-
-    @property
-    def device_sum(self) -> bool:
-        """Whether the gradients are summed as tensors on their device (``tf_device_sum.py``), not on the host."""
-        from .tf_device_sum import TFDeviceSum
-
-        return isinstance(self._engine_impl, TFDeviceSum)
+        return open_device_sum(self.shapes, self.plan.mode, self.plan.bucket_bytes,
+                               getattr(self.collective, "timeout", None), keras.backend.backend(), self._kept)
 
     @property
     def summed_by(self) -> str | None:
-        """"device" once the device sum has summed a step; else how the numpy exchange sums."""
-        if self.device_sum:
-            return "device" if self._engine_impl.steps else None
+        """"device" once the device engine has summed a step; else how the numpy exchange sums."""
+        if self._engine_impl is not None:
+            return "device" if self.steps else None
         return super().summed_by
 
     def final_check(self) -> None:
@@ -228,9 +221,28 @@ class GradientAllreduce(GradientSum):
                 it = iter(slices)
                 out = [next(it) if sp else o for o, sp in zip(out, sparse)]
         else:
-            out = self._engine_impl.reduce(self, dense)
+            out = self._device_reduce(dense)
         return [None if g is None else o if isinstance(o, tf.IndexedSlices) else tf.cast(o, g.dtype)
                 for g, o in zip(grads, out)]
+
+    def _device_reduce(self, dense: list[Any]) -> list[Any]:
+        """The device engine's sum as one ``tf.py_function`` in the train step (traced, or eagerly in a pad step):
+        its kernel calls Python with the gradients where they are and takes back what it returns as it is. Pinned
+        to the worker's device (on the CPU, TensorFlow would copy every gradient to the host). A missing gradient
+        stays the zeros it came as (the caller hands back None for it)."""
+        import tensorflow as tf
+
+        present = self._present or [True] * len(dense)
+
+        def run(*tensors: Any) -> list[Any]:
+            given = iter(tensors)
+            out = self._engine_impl.reduce(self, [next(given) if p else None for p in present])
+            return [o for o, p in zip(out, present) if p]
+
+        with tf.device("/GPU:0" if self.plan.mode == "nccl" else "/CPU:0"):
+            summed = iter(tf.py_function(run, [d for d, p in zip(dense, present) if p],
+                                         Tout=[tf.float32] * sum(present), name="nbdist_device_sum"))
+        return [tf.ensure_shape(next(summed), s) if p else d for d, s, p in zip(dense, self.shapes, present)]
 
     def _gather_slices(self, grads: Sequence[Any], prescaled: bool) -> list[Any]:
         """Each sparse gradient (tf.IndexedSlices) as the slices one local step on the global batch holds:

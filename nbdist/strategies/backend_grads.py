@@ -76,19 +76,6 @@ class HostGradientAllreduce(GradientAllreduce):
         self._overlap: Any = None  # torch_overlap.TorchOverlap: the device sum's buckets started during backward
         self.overlapped = False  # whether any step's buckets started during its backward pass
 
-    def _open_engine(self) -> Any:
-        """torch's device sum (device_sum.py) where the plan sums tensors where they are: NCCL on the GPUs, or
-        Gloo on CPU tensors (device_sum="always"); else None (the numpy exchange, which on a CPU shares the
-        tensors' memory)."""
-        if not self.plan.device or self.plan.engine != "torch":
-            return None
-        if keras.backend.backend() != "torch":
-            raise ValueError(f"the torch device sum is not wired on Keras' {keras.backend.backend()} backend")
-        from .device_sum import TorchDeviceSum, device_group, engine_device
-
-        group = device_group(self.plan.mode, getattr(self.collective, "timeout", None))
-        return TorchDeviceSum(self.shapes, engine_device(self.plan.mode), group, self.plan.bucket_bytes)
-
     @property
     def summed_by(self) -> str | None:
         """"device" where the gradients are summed as tensors where they are (device_sum.py), "device-overlapped"
@@ -100,10 +87,9 @@ class HostGradientAllreduce(GradientAllreduce):
     def overlap_backward(self, model: Any) -> str | None:
         """The device sum's buckets started during the backward pass, by hooks on the variables' torch tensors
         (torch_overlap.py), where that is sound; otherwise the reason, and the buckets start at ``apply``."""
-        from .device_sum import TorchDeviceSum
         from .torch_overlap import TorchOverlap, backward_plan, overlap_refusal
 
-        if not isinstance(self._engine_impl, TorchDeviceSum):
+        if self._engine_impl is None:
             return "no device sum"
         if not self.plan.overlap:
             return "overlap=False"

@@ -130,7 +130,7 @@ def run_training(link: Any, job: JobMessage) -> None:
             variables += averaged_optimizer_variables(model)
         from .device import device_averager, engine_plan
 
-        # One selector (machine/engines.py): the rounds on the devices (device_sum.py, tf_device_sum.py,
+        # One selector (machine/engines.py): the rounds on the devices (device_sum.py,
         # jax_device_sum.py), else through the host, in shared memory when every worker runs on this machine.
         flat_bytes = 4 * (sum(math.prod(int(d) for d in v.shape) for v in variables) + 1)
         plan = engine_plan(collective, train, "averaging", flat_bytes)
