@@ -200,9 +200,7 @@ class GradientAllreduce(GradientSum):
         dense = [tf.zeros(s, tf.float32) if g is None or sp else tf.cast(tf.convert_to_tensor(g), tf.float32)
                  for g, s, sp in zip(grads, self.shapes, sparse)]
         if on_host:
-            uncopied = self._chunked is not None
-            exchange = (self.exchange if not prescaled else self.exchange_sum if uncopied
-                        else self.exchange_copy)
+            exchange = self.exchange_copy if prescaled else self.exchange
             if self._table is None:
                 out = tf.numpy_function(exchange, dense, Tout=[tf.float32] * len(dense), stateful=True,
                                         name="nbdist_gradient_allreduce")
