@@ -10,7 +10,7 @@ every ``CHECK_EVERY`` on a GPU); an averaging round divides by the summed sample
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .averaging import Averager
@@ -177,7 +177,9 @@ class DeviceBuckets:
     framework's tensors come in and go back (``TorchTensors``, ``TFTensors``)."""
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], device: Any, group: Any = None,
-                 bucket_bytes: int = BUCKET_BYTES, tensors: TorchTensors | None = None) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, tensors: TorchTensors | None = None,
+                 planner: Callable[[Sequence[int], int], list[list[int]]] = bucket_plan) -> None:
+        """``planner``: which members go in which bucket (``bucket_plan``: in order; torch_overlap.py: backward's)."""
         import torch
         import torch.distributed as dist
 
@@ -190,29 +192,30 @@ class DeviceBuckets:
         align = self.tensors.align
         self.slots = None if align == 1 else aligned_slots(self.sizes, align)
         room = self.sizes if self.slots is None else self.slots
-        self.plan = bucket_plan(room, max(1, bucket_bytes // 4)) or [[]]
+        self.plan = planner(room, max(1, bucket_bytes // 4)) or [[]]
         lengths = [sum(room[i] for i in b) for b in self.plan]
         lengths[-1] += 1  # the count
         self.buckets = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in lengths]
         if any(b.data_ptr() % (4 * align) for b in self.buckets):
             raise RuntimeError(f"torch allocated a bucket that is not {4 * align}-byte aligned")
 
+    def launch(self, k: int, tensors: Sequence[Any], scale: float, count: float) -> Any:
+        """Bucket ``k`` filled with its members of ``tensors`` times ``scale`` (zeros where ``scale`` is 0: a pad,
+        none of this worker's values; ``count`` in the last bucket's last slot) and its all-reduce started."""
+        bucket = self.buckets[k]
+        if scale:
+            at = fill(bucket, self.plan[k], self.sizes, tensors, self.slots)
+            bucket[:at].mul_(scale)
+        else:
+            bucket.zero_()
+        if k == len(self.plan) - 1:
+            bucket[-1] = count
+        return self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.group, async_op=True)
+
     def all_reduce(self, tensors: Sequence[Any], scale: float, count: float) -> None:
-        """Each bucket filled with ``tensors`` times ``scale`` (zeros where ``scale`` is 0: a pad, none of this
-        worker's values), ``count`` in the last slot, all-reduced asynchronously as soon as it is filled, while the
-        next is being filled; returns once summed (on a GPU: the compute stream waits, the host does not)."""
-        pending = []
-        for k, (members, bucket) in enumerate(zip(self.plan, self.buckets)):
-            if scale:
-                at = fill(bucket, members, self.sizes, tensors, self.slots)
-                bucket[:at].mul_(scale)
-            else:
-                bucket.zero_()
-            if k == len(self.plan) - 1:
-                bucket[-1] = count
-            pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.group,
-                                                 async_op=True))
-        for work in pending:
+        """Every bucket launched (``launch``) as soon as it is filled, while the next is being filled; returns once
+        summed (on a GPU: the compute stream waits for the sums, the host does not)."""
+        for work in [self.launch(k, tensors, scale, count) for k in range(len(self.plan))]:
             work.wait()
 
     def count(self) -> Any:

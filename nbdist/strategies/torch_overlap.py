@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .device_sum import BUCKET_BYTES, RowsCheck, bucket_plan, fill, unpack
+from .device_sum import BUCKET_BYTES, DeviceBuckets, RowsCheck, bucket_plan, unpack
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def overlap_refusal(model: Any, tensors: Sequence[Any], buckets: int) -> str | N
     return None
 
 
-class TorchOverlap:
+class TorchOverlap(DeviceBuckets):
     """The device sum of ``summer`` (TorchDeviceSum: its device and group, and its path for steps summed again),
     started by hooks on ``tensors`` (the trainable variables' torch tensors, in ``owner.shapes``' order).
     ``flag_group``: the Gloo group the flag is agreed on (default: a new one on the same ranks; every worker
@@ -115,20 +115,12 @@ class TorchOverlap:
 
     def __init__(self, summer: Any, tensors: Sequence[Any], owner: Any, bucket_bytes: int = BUCKET_BYTES,
                  flag_group: Any = None) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self._torch, self._dist = torch, dist
+        super().__init__(summer.shapes, summer.device, summer.group, bucket_bytes, planner=backward_plan)
+        torch = self._torch
         self.summer, self.owner = summer, owner
-        self.sizes, self.shapes = summer.sizes, summer.shapes
-        self.plan = backward_plan(self.sizes, max(1, bucket_bytes // 4))
         self.ready = BucketReadiness(self.plan)
-        lengths = [sum(self.sizes[i] for i in b) for b in self.plan]
-        self.rows_at = lengths[-1]
-        lengths[-1] += 1  # this worker's rows
-        self.buckets = [torch.zeros(n, dtype=torch.float32, device=summer.device) for n in lengths]
         self.rows = RowsCheck(summer.device, summer.check_every)
-        self.flag_group = dist.new_group(backend="gloo") if flag_group is None else flag_group
+        self.flag_group = self._dist.new_group(backend="gloo") if flag_group is None else flag_group
         self._flag = torch.zeros(1, dtype=torch.int32)  # on the host: 1 where this worker's early buckets may be wrong
         self._seen: list[Any] = [None] * len(self.sizes)  # the gradient tensor each hook copied from
         self._pending: list[Any] = []
@@ -151,15 +143,8 @@ class TorchOverlap:
 
     def _launch(self, k: int, grads: Sequence[Any], n: float, total: float) -> None:
         """Bucket ``k`` filled with ``grads`` weighted by n / total (as TorchDeviceSum), its all-reduce started."""
-        torch = self._torch
-        bucket = self.buckets[k]
-        with torch.no_grad():
-            at = fill(bucket, self.plan[k], self.sizes, grads)
-            if k == len(self.plan) - 1:
-                bucket[at] = n
-            bucket[:at].mul_(n / total)
-            self._pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.summer.group,
-                                                       async_op=True))
+        with self._torch.no_grad():
+            self._pending.append(self.launch(k, grads, n / total, n))
         if self.events is not None:
             self.events.append(("launch", k))
 
@@ -188,10 +173,9 @@ class TorchOverlap:
             log.info("a worker's gradients changed after the backward pass: this step is summed again")
             owner.seconds += time.perf_counter() - t0
             return self.summer.reduce(owner, grads)
-        with torch.no_grad():
-            self.rows.add(self.buckets[-1][self.rows_at], total)  # read every step on a CPU, every 50 on a GPU
         out: list[Any] = [None] * len(grads)
         with torch.no_grad():
+            self.rows.add(self.count(), total)  # read every step on a CPU, every 50 on a GPU
             unpack(self.plan, self.buckets, self.sizes, self.shapes, grads, out)
         self.early_launches += early
         owner.seconds += time.perf_counter() - t0
@@ -204,4 +188,4 @@ class TorchOverlap:
         for handle in handles:
             handle.remove()
         self._pending, self._seen, self.buckets = [], [], []
-        self.summer = self.owner = self.flag_group = None
+        self.summer = self.owner = self.flag_group = self.group = None
