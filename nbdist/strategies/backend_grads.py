@@ -48,24 +48,15 @@ def refuse_self_distribution(model: Any) -> None:
 
 
 class HostGradientAllreduce(GradientAllreduce):
-    """``GradientAllreduce`` for gradients that arrive as numpy arrays (JAX's host call, torch's ``.grad``), or,
-    on torch with engine ``nccl``, as tensors on the GPU, summed there (``device_sum.TorchDeviceSum``).
+    """``GradientAllreduce`` for Keras' torch and JAX backends (see the module's docstring).
 
-    - torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
-      ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between. When every
-      worker has a GPU of its own they are summed there instead, over NCCL (``device_sum.py``), in buckets that
-      start during the backward pass (``torch_overlap.py``).
-    - JAX: the train step is one jitted, stateless function that ends in ``optimizer.stateless_apply``.
-      The wrapped ``stateless_apply`` sums the gradients through an ordered ``io_callback``: a host call
-      inside the compiled step, so the step stays jitted; it reuses nbdist's exchange, its timeouts and
-      health checks, for one copy of the gradients each way. ``--engine jax`` sums them with JAX's own
-      collectives inside the step instead (jax_device_sum.py).
-
-    JAX dispatches steps asynchronously, so the host call of step j may run after Python has moved on to
-    step j + 1: each step's (rows, total rows) is queued by ``set_weight`` and taken by its own exchange,
-    in order. Callbacks that read or write variables in the middle of a JAX fit (averaging, metric sums,
-    pad steps) call ``synced_state`` first: Keras' JAX trainer keeps the state outside the variables
-    between steps, and re-reads them after such a sync.
+    torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
+    ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums them in between (``reduce_torch``), on the
+    device where the plan says (device_sum.py), in buckets that may start during the backward pass
+    (torch_overlap.py). JAX: an ordered ``io_callback`` inside the jitted step (``reduce_arrays``), reusing
+    nbdist's exchange, its timeouts and health checks. Callbacks that read or write variables in the middle of a
+    JAX fit (averaging, metric sums, pad steps) call ``synced_state`` first: Keras' JAX trainer keeps the state
+    outside the variables between steps.
     """
 
     def __init__(self, collective: Any, variables: Sequence[Any], *args: Any, **kwargs: Any) -> None:

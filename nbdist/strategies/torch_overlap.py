@@ -89,28 +89,15 @@ class TorchOverlap(DeviceBuckets):
     ``flag_group``: the Gloo group the flag is agreed on (default: a new one on the same ranks; every worker
     makes its ``TorchOverlap`` at the same point, as ``new_group`` needs).
 
-    The last bucket always waits for ``apply``: it carries this worker's rows. Each worker also knows, on the host
-    (the hooks run there), whether its early buckets may not hold the gradients ``apply`` was given (a gradient that
-    arrived twice: backward called again, by the step or a callback; a gradient tensor at ``apply`` that is not the
-    one the hook copied; one that came early and is None at ``apply``): that flag is agreed on the host, one integer
-    all-reduced (MAX) per step over a Gloo group of its own (made beside the sum's group, on the same ranks),
-    started before the last bucket. Not over the sum's group, even on a CPU: a worker may launch a bucket early
-    that another launches at ``apply``, and the flag issued between them would pair with a bucket. At ``apply``
-    the buckets not yet launched (a variable without a gradient this step, a pad step's zeros, hooks that fired
-    before the step's rows were set) are filled from the gradients ``apply`` got, the last one too; if any worker
-    set the flag, all of them sum the step again through ``TorchDeviceSum``, so an odd step costs a second sum and
-    never a wrong one. No step reads the device for the flag: the summed rows are checked as ``TorchDeviceSum``
-    checks them (every step on a CPU, every ``CHECK_EVERY`` steps on a GPU, a mismatch kept on the device
-    meanwhile), so the host runs ahead of the GPU as it does without the overlap.
-
-    Not overlapped (``overlap_refusal`` says why; ``TorchDeviceSum`` alone, as before): one bucket (nothing to
-    overlap), overlap=False, a model with its own ``train_step`` (it may change gradients in place between
-    backward and ``apply``, which no check would see), ``jit_compile=True`` (not tried), torch older than 2.1, a
-    trainable variable whose tensor is not a leaf that requires grad. Unchanged by it: mixed precision's loss scale
-    (the hook copies ``.grad``, the scaled gradient ``apply`` gets; the wrapped ``apply`` unscales after the sum, as
-    before), ``gradient_accumulation_steps`` (Keras' step zeroes ``.grad`` every step and accumulates inside
-    ``apply``, after the sum, so each step's sum is the same either way), pad steps (no backward: every bucket at
-    ``apply``, from the zeros). The hooks are removed when the run ends (``close``).
+    The flag (this worker's early buckets may not hold the gradients ``apply`` got: a gradient that arrived twice,
+    a gradient tensor at ``apply`` other than the one the hook copied, or one that came early and is None at
+    ``apply``) is agreed on the host, never over the sum's group: a worker may launch a bucket early that another
+    launches at ``apply``, and the flag would pair with a bucket. At ``apply`` the buckets not yet launched (a
+    variable without a gradient, a pad step's zeros, hooks that fired before the step's rows were set) are filled
+    from the gradients ``apply`` got. No step reads the device for the flag: the rows are checked as
+    ``TorchDeviceSum`` checks them, so the host runs ahead of the GPU as it does without the overlap. Unchanged
+    by it: mixed precision's loss scale (the hook copies ``.grad``, the scaled gradient ``apply`` gets),
+    ``gradient_accumulation_steps`` (accumulated inside ``apply``, after the sum). The hooks go at ``close``.
     """
 
     def __init__(self, summer: Any, tensors: Sequence[Any], owner: Any, bucket_bytes: int = BUCKET_BYTES,
