@@ -10,7 +10,7 @@ every ``CHECK_EVERY`` on a GPU); an averaging round divides by the summed sample
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .averaging import Averager
@@ -74,39 +74,6 @@ class RowsCheck:
             self._mismatch.zero_()
             said = f"{summed:g} summed" + (f", {total:g} expected" if total is not None else "")
             raise RuntimeError(f"workers disagree on this step's samples: {said}")
-
-
-def fill(bucket: Any, members: Sequence[int], sizes: Sequence[int], grads: Sequence[Any],
-         slots: Sequence[int] | None = None) -> int:
-    """Bucket ``bucket`` filled with its members' gradients, flat and in order (zeros for a None gradient);
-    returns the elements filled (the rows slot, in the last bucket, comes after them). Under no_grad.
-    ``slots``: each gradient's room in the bucket where it is padded past its size (``aligned_slots``)."""
-    at = 0
-    for i in members:
-        size, g = sizes[i], grads[i]
-        part = bucket[at:at + size]
-        if g is None:
-            part.zero_()
-        else:
-            part.copy_(g.detach().reshape(-1))  # casts to float32 and moves, in one copy
-        at += size if slots is None else slots[i]
-    return at
-
-
-def unpack(plan: Sequence[Sequence[int]], buckets: Sequence[Any], sizes: Sequence[int],
-           shapes: Sequence[tuple[int, ...]], grads: Sequence[Any], out: list[Any],
-           slots: Sequence[int] | None = None) -> None:
-    """The summed gradients as views of their buckets, in each gradient's own dtype and device (a None
-    gradient stays None); ``slots`` as in ``fill``."""
-    for members, bucket in zip(plan, buckets):
-        at = 0
-        for i in members:
-            g, size = grads[i], sizes[i]
-            if g is not None:
-                view = bucket[at:at + size].view(shapes[i])
-                out[i] = view if view.dtype == g.dtype and view.device == g.device else view.to(
-                    device=g.device, dtype=g.dtype)
-            at += size if slots is None else slots[i]
 
 
 class TorchTensors:
@@ -199,13 +166,26 @@ class DeviceBuckets:
         if any(b.data_ptr() % (4 * align) for b in self.buckets):
             raise RuntimeError(f"torch allocated a bucket that is not {4 * align}-byte aligned")
 
+    def parts(self, k: int | None = None) -> Iterator[tuple[int, Any]]:
+        """(member, its flat slice of its bucket) for bucket ``k``'s members, or every bucket's."""
+        for members, bucket in zip(self.plan, self.buckets) if k is None else [(self.plan[k], self.buckets[k])]:
+            at = 0
+            for i in members:
+                yield i, bucket[at:at + self.sizes[i]]
+                at += self.sizes[i] if self.slots is None else self.slots[i]
+
     def launch(self, k: int, tensors: Sequence[Any], scale: float, count: float) -> Any:
-        """Bucket ``k`` filled with its members of ``tensors`` times ``scale`` (zeros where ``scale`` is 0: a pad,
-        none of this worker's values; ``count`` in the last bucket's last slot) and its all-reduce started."""
+        """Bucket ``k`` filled with its members of ``tensors`` (zeros for a None), flat, times ``scale`` (zeros where
+        ``scale`` is 0: a pad, none of this worker's values), ``count`` in the last bucket's last slot, and its
+        all-reduce started. Under no_grad."""
         bucket = self.buckets[k]
         if scale:
-            at = fill(bucket, self.plan[k], self.sizes, tensors, self.slots)
-            bucket[:at].mul_(scale)
+            for i, part in self.parts(k):
+                if tensors[i] is None:
+                    part.zero_()
+                else:
+                    part.copy_(tensors[i].detach().reshape(-1))  # casts to float32 and moves, in one copy
+            bucket.mul_(scale)
         else:
             bucket.zero_()
         if k == len(self.plan) - 1:
@@ -221,6 +201,17 @@ class DeviceBuckets:
     def count(self) -> Any:
         """The summed count: a one-element tensor on the device (not read here)."""
         return self.buckets[-1][-1]
+
+    def unpack(self, grads: Sequence[Any]) -> list[Any]:
+        """The summed tensors as views of their buckets, in each one's own dtype and device (None stays None)."""
+        out: list[Any] = [None] * len(grads)
+        for i, part in self.parts():
+            g = grads[i]
+            if g is not None:
+                view = part.view(self.shapes[i])
+                out[i] = view if view.dtype == g.dtype and view.device == g.device else view.to(
+                    device=g.device, dtype=g.dtype)
+        return out
 
 
 class TorchDeviceSum(DeviceBuckets):
@@ -253,11 +244,10 @@ class TorchDeviceSum(DeviceBuckets):
         io = self.tensors
         grads = [None if g is None else io.read(g) for g in grads]
         io.wait(grads)
-        out: list[Any] = [None] * len(grads)
         with self._torch.no_grad():
             self.all_reduce(grads, n / total, n)
             self.rows.add(self.count(), total)
-            unpack(self.plan, self.buckets, self.sizes, self.shapes, grads, out, self.slots)
+            out = self.unpack(grads)
             if self.kept is not None:
                 out = [o.clone() if keep and o is not None else o for o, keep in zip(out, self.kept)]
         io.done()
@@ -288,12 +278,8 @@ class TorchDeviceAverage(DeviceBuckets, Averager):
             self.all_reduce(values, float(samples), float(samples))
             total = float(self.count())  # the host waits for the sums
             del values  # read until now (on a GPU, by torch's stream)
-            if total > 0:
-                for members, bucket in zip(self.plan, self.buckets):
-                    at = 0
-                    for i in members:
-                        io.assign(self.variables[i], bucket[at:at + self.sizes[i]], self.shapes[i], total)
-                        at += self.sizes[i] if self.slots is None else self.slots[i]
+            for i, part in self.parts() if total > 0 else ():
+                io.assign(self.variables[i], part, self.shapes[i], total)
         return int(round(total))
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .device_sum import BUCKET_BYTES, DeviceBuckets, RowsCheck, bucket_plan, unpack
+from .device_sum import BUCKET_BYTES, DeviceBuckets, RowsCheck, bucket_plan
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,9 @@ class TorchOverlap(DeviceBuckets):
             log.info("a worker's gradients changed after the backward pass: this step is summed again")
             owner.seconds += time.perf_counter() - t0
             return self.summer.reduce(owner, grads)
-        out: list[Any] = [None] * len(grads)
         with torch.no_grad():
             self.rows.add(self.count(), total)  # read every step on a CPU, every 50 on a GPU
-            unpack(self.plan, self.buckets, self.sizes, self.shapes, grads, out)
+            out = self.unpack(grads)
         self.early_launches += early
         owner.seconds += time.perf_counter() - t0
         owner.steps += 1
