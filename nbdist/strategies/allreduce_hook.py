@@ -248,19 +248,24 @@ class GradientAllreduce(GradientSum):
         return self._slices.reduce(grads, lambda *arrays: self.gather_slices(arrays, prescaled))
 
     def pad_step(self, apply: Callable[[list[Any]], Any], total: float | None = None) -> None:
-        """Take part in one step with no samples of our own (a shorter shard's missing batch)."""
-        import tensorflow as tf
-
+        """Take part in one step with no samples of our own (a shorter shard's missing batch): after the sums the
+        other workers run inside their step (``before_pad``: worker/global_mask.py), zeros into this step's sum,
+        and the summed gradients applied, eagerly."""
         self.set_weight(0.0, total)
         if self.before_pad is not None:
             self.before_pad()
-        present = self._present or [True] * len(self.shapes)
+        apply(self._pad_sum(self._present or [True] * len(self.shapes)))
+        if self.scheduled:
+            self.advance()
+
+    def _pad_sum(self, present: Sequence[bool]) -> list[Any]:
+        """A pad step's summed gradients: TensorFlow's zeros (empty slices for a sparse gradient) reduced."""
+        import tensorflow as tf
+
         sparse = self._sparse or [False] * len(self.shapes)
         zeros = [None if not p else _no_slices(s) if sp else tf.zeros(s, tf.float32)
                  for s, p, sp in zip(self.shapes, present, sparse)]
-        apply(self.reduce(zeros, prescaled=bool(self.prescaled)))
-        if self.scheduled:
-            self.advance()
+        return self.reduce(zeros, prescaled=bool(self.prescaled))
 
 
 def wrap_optimizer(optimizer: Any, reducer: GradientAllreduce) -> Callable[..., Any]:

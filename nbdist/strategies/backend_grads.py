@@ -141,19 +141,12 @@ class HostGradientAllreduce(GradientAllreduce):
         return [None if g is None else torch.from_numpy(s).to(device=g.device, dtype=g.dtype)
                 for g, s in zip(grads, summed)]
 
-    def pad_step(self, apply: Callable[[list[Any]], Any], total: float | None = None) -> None:
-        """One step with no rows of ours: zeros into the sum, the summed gradients applied (eagerly)."""
-        import keras
-
-        self.set_weight(0.0, total)
-        if self.before_pad is not None:  # the sums the other workers run inside this step (worker/global_mask.py)
-            self.before_pad()
-        present = self._present or [True] * len(self.shapes)
-        if self._engine_impl is not None:  # NCCL: the zeros are made on the GPU
-            apply(self.reduce_torch(self._engine_impl.zeros(self.shapes, present)))
-            return
+    def _pad_sum(self, present: Sequence[bool]) -> list[Any]:
+        """A pad step's summed gradients: the device sum's zeros made on its device, else numpy's exchanged."""
+        if self._engine_impl is not None:
+            return self.reduce_torch(self._engine_impl.zeros(self.shapes, present))
         summed = self.reduce_arrays([np.zeros(s, np.float32) if p else None for s, p in zip(self.shapes, present)])
-        apply([None if g is None else keras.ops.convert_to_tensor(np.array(g)) for g in summed])
+        return [None if g is None else keras.ops.convert_to_tensor(np.array(g)) for g in summed]
 
 
 def wrap_torch_optimizer(optimizer: Any, reducer: HostGradientAllreduce) -> Callable[..., Any]:
