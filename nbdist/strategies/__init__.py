@@ -7,9 +7,8 @@ shared.py: sums through shared memory between workers of one machine (small and 
 shm_files.py: the files behind shared-memory segments.
 collective.py: the Gloo collective (torch.distributed) behind a small interface.
 host_collective.py: workers of one machine meeting and summing without torch.
-device_sum.py: torch's buckets on the tensors' device (NCCL, or Gloo on CPU tensors).
+device_sum.py: torch's buckets on the tensors' device (NCCL, or Gloo on CPU tensors), for torch and TensorFlow.
 torch_overlap.py: those buckets started during torch's backward pass.
-tf_device_sum.py: TensorFlow's tensors into those buckets by DLPack.
 jax_device_sum.py: JAX's psum inside the jitted step.
 averaging.py: the averaging strategy's rounds.
 sparse_grads.py: sparse gradients' slices under allreduce.

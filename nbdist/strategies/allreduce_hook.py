@@ -3,7 +3,7 @@
 Keras 3's TensorFlow trainer hands gradients to ``optimizer.apply`` inside the compiled train step; wrapping
 that apply (and ``scale_loss``, which multiplies the loss by n / total so the gradients arrive weighted)
 keeps ``model.fit`` whole. The result is sum_w (n_w / total) g_w, summed by the plan's engine
-(machine/engines.py): the host bucket (gradient_sum.py) or torch's buckets on the device (tf_device_sum.py).
+(machine/engines.py): the host bucket (gradient_sum.py) or torch's buckets on the device (device_sum.py).
 Invariant: every worker runs the same allreduces per epoch; a shorter shard pads with zero-row steps.
 """
 from __future__ import annotations
@@ -78,27 +78,20 @@ class GradientAllreduce(GradientSum):
         self.before_pad: Callable[[], None] | None = None
 
     def _open_engine(self) -> Any:
-        """TensorFlow's device sum (tf_device_sum.py) where the plan sums tensors where they are; else None
-        (the numpy exchange below)."""
+        """The device engine (device_sum.py) where the plan sums tensors where they are; else None (the numpy
+        exchange below)."""
         if not self.plan.device or self.plan.engine != "torch":
             return None
-        from .tf_device_sum import TFDeviceSum
+        from .device_sum import open_device_sum
 
-        return TFDeviceSum(self.shapes, self.plan.mode, self._kept, self.plan.bucket_bytes,
-                           getattr(self.collective, "timeout", None))
-
-    @property
-    def device_sum(self) -> bool:
-        """Whether the gradients are summed as tensors on their device (``tf_device_sum.py``), not on the host."""
-        from .tf_device_sum import TFDeviceSum
-
-        return isinstance(self._engine_impl, TFDeviceSum)
+        return open_device_sum(self.shapes, self.plan.mode, self.plan.bucket_bytes,
+                               getattr(self.collective, "timeout", None), keras.backend.backend(), self._kept)
 
     @property
     def summed_by(self) -> str | None:
-        """"device" once the device sum has summed a step; else how the numpy exchange sums."""
-        if self.device_sum:
-            return "device" if self._engine_impl.steps else None
+        """"device" once the device engine has summed a step; else how the numpy exchange sums."""
+        if self._engine_impl is not None:
+            return "device" if self.steps else None
         return super().summed_by
 
     def final_check(self) -> None:
@@ -207,9 +200,7 @@ class GradientAllreduce(GradientSum):
         dense = [tf.zeros(s, tf.float32) if g is None or sp else tf.cast(tf.convert_to_tensor(g), tf.float32)
                  for g, s, sp in zip(grads, self.shapes, sparse)]
         if on_host:
-            uncopied = self._chunked is not None
-            exchange = (self.exchange if not prescaled else self.exchange_sum if uncopied
-                        else self.exchange_copy)
+            exchange = self.exchange_copy if prescaled else self.exchange
             if self._table is None:
                 out = tf.numpy_function(exchange, dense, Tout=[tf.float32] * len(dense), stateful=True,
                                         name="nbdist_gradient_allreduce")
@@ -228,9 +219,28 @@ class GradientAllreduce(GradientSum):
                 it = iter(slices)
                 out = [next(it) if sp else o for o, sp in zip(out, sparse)]
         else:
-            out = self._engine_impl.reduce(self, dense)
+            out = self._device_reduce(dense)
         return [None if g is None else o if isinstance(o, tf.IndexedSlices) else tf.cast(o, g.dtype)
                 for g, o in zip(grads, out)]
+
+    def _device_reduce(self, dense: list[Any]) -> list[Any]:
+        """The device engine's sum as one ``tf.py_function`` in the train step (traced, or eagerly in a pad step):
+        its kernel calls Python with the gradients where they are and takes back what it returns as it is. Pinned
+        to the worker's device (on the CPU, TensorFlow would copy every gradient to the host). A missing gradient
+        stays the zeros it came as (the caller hands back None for it)."""
+        import tensorflow as tf
+
+        present = self._present or [True] * len(dense)
+
+        def run(*tensors: Any) -> list[Any]:
+            given = iter(tensors)
+            out = self._engine_impl.reduce(self, [next(given) if p else None for p in present])
+            return [o for o, p in zip(out, present) if p]
+
+        with tf.device("/GPU:0" if self.plan.mode == "nccl" else "/CPU:0"):
+            summed = iter(tf.py_function(run, [d for d, p in zip(dense, present) if p],
+                                         Tout=[tf.float32] * sum(present), name="nbdist_device_sum"))
+        return [tf.ensure_shape(next(summed), s) if p else d for d, s, p in zip(dense, self.shapes, present)]
 
     def _gather_slices(self, grads: Sequence[Any], prescaled: bool) -> list[Any]:
         """Each sparse gradient (tf.IndexedSlices) as the slices one local step on the global batch holds:
@@ -238,19 +248,24 @@ class GradientAllreduce(GradientSum):
         return self._slices.reduce(grads, lambda *arrays: self.gather_slices(arrays, prescaled))
 
     def pad_step(self, apply: Callable[[list[Any]], Any], total: float | None = None) -> None:
-        """Take part in one step with no samples of our own (a shorter shard's missing batch)."""
-        import tensorflow as tf
-
+        """Take part in one step with no samples of our own (a shorter shard's missing batch): after the sums the
+        other workers run inside their step (``before_pad``: worker/global_mask.py), zeros into this step's sum,
+        and the summed gradients applied, eagerly."""
         self.set_weight(0.0, total)
         if self.before_pad is not None:
             self.before_pad()
-        present = self._present or [True] * len(self.shapes)
+        apply(self._pad_sum(self._present or [True] * len(self.shapes)))
+        if self.scheduled:
+            self.advance()
+
+    def _pad_sum(self, present: Sequence[bool]) -> list[Any]:
+        """A pad step's summed gradients: TensorFlow's zeros (empty slices for a sparse gradient) reduced."""
+        import tensorflow as tf
+
         sparse = self._sparse or [False] * len(self.shapes)
         zeros = [None if not p else _no_slices(s) if sp else tf.zeros(s, tf.float32)
                  for s, p, sp in zip(self.shapes, present, sparse)]
-        apply(self.reduce(zeros, prescaled=bool(self.prescaled)))
-        if self.scheduled:
-            self.advance()
+        return self.reduce(zeros, prescaled=bool(self.prescaled))
 
 
 def wrap_optimizer(optimizer: Any, reducer: GradientAllreduce) -> Callable[..., Any]:

@@ -38,32 +38,17 @@ class Verdict:
 
 
 class SharedModel:
-    """The shared weights, their version, and each worker's last applied sequence number. Not thread-safe:
-    the driver applies pushes one at a time from its event loop.
+    """The shared weights, their version, and each worker's last applied sequence number, under the module's
+    rule. Not thread-safe: the driver applies pushes one at a time from its event loop.
 
-    The choice is asynchronous local SGD with a plain outer step and staleness-aware scaling: each worker
-    trains K local steps from the shared weights it last pulled (version v), sends delta = its weights -
-    those weights with its sample count, v and a per-worker sequence number, and continues from the new
-    shared weights it gets back, without waiting for any other worker. The driver applies
-
-        shared += delta / N / (1 + max(0, staleness - (N - 1)))
-
-    where staleness = versions applied since v. Scaled by 1/N, a round of N deltas from one base is exactly
-    a synchronous averaging round (``--strategy averaging``), so with equal workers the rule is the
-    averaging the project already measures; a slow worker's deltas simply come less often: it slows its
-    own contribution, not the others. Staleness up to N - 1 is what every worker of a synchronous round
-    absorbs too and is not penalised; beyond it, Zhang et al.'s rate / staleness damps the delta. Deltas
-    staler than ``max_staleness`` (default 4 N) are refused: the worker pulls and goes on, its block lost.
-    A sequence number not above the worker's last is refused (a replay); the wire's HMAC and per-frame
-    sequence already refuse forged and replayed frames, this refuses a replayed update inside them.
-
-    The local learning rate follows ``--lr-scaling`` as under allreduce (auto: times N for adaptive
-    optimizers): with each delta counted 1/N, the shared model then moves as much per sample as allreduce's.
-
-    Optimizer state stays local to each worker (Adam's moments describe its own trajectory; averaging
-    them asynchronously has no meaning), so the shared model's optimizer state is not in the notebook's
-    model after the run. An async run is not reproducible bit for bit: the order in which deltas arrive
-    depends on timing, even with ``--seed``.
+    Staleness is the versions applied since the delta's base. Scaled by 1/N, a round of N deltas from one base is
+    a synchronous averaging round, so a slow worker slows only its own contribution. Staleness up to N - 1 is what
+    every worker of a synchronous round absorbs too and is not penalised; beyond it, Zhang et al.'s rate /
+    staleness damps the delta; beyond ``max_staleness`` it is refused (the worker pulls and goes on, its block
+    lost). A sequence number not above the worker's last is refused: the wire's HMAC and per-frame sequence
+    refuse forged and replayed frames, this a replayed update inside them. The local learning rate follows
+    ``--lr-scaling`` as under allreduce, so with each delta counted 1/N the shared model moves as much per sample
+    as allreduce's. Optimizer state stays local (Adam's moments describe one worker's trajectory).
     """
 
     def __init__(self, weights: Sequence[np.ndarray], world_size: int, max_staleness: int | None = None) -> None:

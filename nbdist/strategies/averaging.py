@@ -18,7 +18,7 @@ import numpy as np
 
 from ..model.spec import host_array, view_of
 from .collective import Collective
-from .shared import aligned_offsets
+from .shared import SharedChunkedSum, SharedMemorySum, aligned_offsets, open_chunked_sum, open_shared_sum
 
 
 def synced_state(model: Any) -> None:
@@ -173,41 +173,56 @@ def compiled_transfer(variables: Sequence[Any], shapes: Sequence[tuple[int, ...]
     return read, write
 
 
-class WeightedAverager:
+class Averager:
+    """What every averaging engine is: ``average(samples) -> total`` (``samples``: what this worker trained on since
+    the last round; the variables set to every worker's sample-weighted average; the total: all workers' samples),
+    ``seconds`` and ``rounds`` so far, ``summed_by`` (how, for reports) and ``close``. Engines define ``_round``."""
+
+    seconds = 0.0
+    rounds = 0
+    summed_by = "device"
+
+    def average(self, samples: int) -> Any:
+        t0 = time.perf_counter()
+        total = self._round(samples)
+        self.seconds += time.perf_counter() - t0
+        self.rounds += 1
+        return total
+
+    def _round(self, samples: int) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class WeightedAverager(Averager):
     """One averaging round: the sample-weighted average of every worker's variables, in ONE sum.
 
     Each worker contributes ``samples * weights`` and, in the buffer's last slot, ``samples``;
     after the sum the weights are divided by the summed count. One exchange per round instead of
-    a count allreduce followed by a weights allreduce. ``summer`` sums the buffer in place across
-    workers (a ``SharedMemorySum`` when they share this machine, see ``open_averaging_sum``);
-    by default the collective's allreduce.
+    a count allreduce followed by a weights allreduce. ``plan`` (machine/engines.py): the buffer summed through
+    shared memory where it names that engine (``open_averaging_sum``); else by the collective's allreduce.
     """
 
-    def __init__(self, collective: Collective, variables: Sequence[Any],
-                 summer: Callable[[np.ndarray], None] | None = None, clock: Any = None,
-                 compiled: bool = False) -> None:
+    def __init__(self, collective: Collective, variables: Sequence[Any], clock: Any = None,
+                 compiled: bool = False, plan: Any = None) -> None:
         self.collective = collective
         self.flat = FlatBuffer(variables, extra=1, compiled=compiled)
-        self.summer = summer
-        self._plans: dict[Any, Any] = {}
+        self.summer = None if plan is None else open_averaging_sum(collective, len(self.flat.buffer), plan)
+        self._plans: dict[str, Any] = {}
         self._one = np.ones(1, dtype=np.float32)  # the weight's slot in an in-place round
         self.clock = clock  # a PhaseClock told when a shared-memory round waits (it sees no collective call)
-        self.seconds = 0.0
-        self.rounds = 0
 
     def average(self, samples: int) -> int:
-        """Average with every worker; ``samples`` is what this worker trained on since the last round."""
-        if self.collective.world_size == 1:
-            return samples
-        t0 = time.perf_counter()
+        """Average with every worker (one worker: nothing to do, no round counted)."""
+        return samples if self.collective.world_size == 1 else super().average(samples)
+
+    def _round(self, samples: int) -> int:
         in_place = self._in_place_plan()
         if in_place is not None:
-            total = self._average_in_place(samples, in_place)
-        else:
-            total = self._average_through_buffer(samples)
-        self.seconds += time.perf_counter() - t0
-        self.rounds += 1
-        return total
+            return self._average_in_place(samples, in_place)
+        return self._average_through_buffer(samples)
 
     def _average_in_place(self, samples: int, plan: Any) -> int:
         """A large model on one machine: each variable's memory into the shared segment and the average back
@@ -260,48 +275,42 @@ class WeightedAverager:
                 self.clock.leave()
 
     def _parts_plan(self) -> Any:
-        """A chunked shared-memory summer's layout of the variables' parts, then the count; None for other summers."""
-        plan, flat = getattr(self.summer, "plan", None), self.flat
-        if plan is None or not flat.compiled:
+        """A chunked shared-memory sum's layout of the variables' parts, then the count; None for other sums."""
+        flat = self.flat
+        if not isinstance(self.summer, SharedChunkedSum) or not flat.compiled:
             return None
-        key = ("parts", id(self.summer))
-        if key not in self._plans:
-            self._plans[key] = plan([*flat.offsets[:-1], flat.size], [*flat.sizes, 1], flat.size + 1)
-        return self._plans[key]
+        if "parts" not in self._plans:
+            self._plans["parts"] = self.summer.plan([*flat.offsets[:-1], flat.size], [*flat.sizes, 1], flat.size + 1)
+        return self._plans["parts"]
 
     def _in_place_plan(self) -> Any:
         """The layout of an in-place round (the weight, then each variable, aligned), or None when a round
         goes through the buffer: not a chunked shared-memory sum, or a variable not float32 in host memory."""
-        key = ("in place", id(self.summer))
-        if key not in self._plans:
+        if "in place" not in self._plans:
             plan = None
-            if (getattr(self.summer, "average_in_place", None) is not None and self.flat.compiled
+            if (isinstance(self.summer, SharedChunkedSum) and self.flat.compiled
                     and variable_views(self.flat.variables) is not None):
                 offsets = aligned_offsets([1, *self.flat.sizes])
                 plan = self.summer.plan([int(o) for o in offsets[:-1]], [1, *self.flat.sizes], int(offsets[-1]))
-            self._plans[key] = plan
-        return self._plans[key]
+            self._plans["in place"] = plan
+        return self._plans["in place"]
 
     @property
     def summed_by(self) -> str:
         """How a round is summed: "shared" (one row of memory), "shared-chunked" or "allreduce"."""
         if self.summer is None:
             return "allreduce"
-        return {"SharedMemorySum": "shared", "SharedChunkedSum": "shared-chunked"}.get(
-            type(self.summer).__name__, "custom")
+        return "shared-chunked" if isinstance(self.summer, SharedChunkedSum) else "shared"
 
     def close(self) -> None:
-        close = getattr(self.summer, "close", None)
-        if close is not None:
-            close()
+        if self.summer is not None:
+            self.summer.close()
 
 
-def open_averaging_sum(collective: Any, length: int, plan: Any) -> Callable[[np.ndarray], None] | None:
+def open_averaging_sum(collective: Any, length: int, plan: Any) -> SharedMemorySum | SharedChunkedSum | None:
     """How a round's buffer of ``length`` float32 is summed as the plan says (machine/engines.py): through one
     row of shared memory ("small") or chunk by chunk ("chunked"); None: the collective's allreduce (also where
     the segment could not be mapped). Collective: every worker calls it at the same point."""
-    from .shared import open_chunked_sum, open_shared_sum
-
     inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
     if inner.world_size < 2 or plan.engine != "shared":
         return None

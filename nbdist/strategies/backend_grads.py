@@ -48,24 +48,15 @@ def refuse_self_distribution(model: Any) -> None:
 
 
 class HostGradientAllreduce(GradientAllreduce):
-    """``GradientAllreduce`` for gradients that arrive as numpy arrays (JAX's host call, torch's ``.grad``), or,
-    on torch with engine ``nccl``, as tensors on the GPU, summed there (``device_sum.TorchDeviceSum``).
+    """``GradientAllreduce`` for Keras' torch and JAX backends (see the module's docstring).
 
-    - torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
-      ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums the gradients in between. When every
-      worker has a GPU of its own they are summed there instead, over NCCL (``device_sum.py``), in buckets that
-      start during the backward pass (``torch_overlap.py``).
-    - JAX: the train step is one jitted, stateless function that ends in ``optimizer.stateless_apply``.
-      The wrapped ``stateless_apply`` sums the gradients through an ordered ``io_callback``: a host call
-      inside the compiled step, so the step stays jitted; it reuses nbdist's exchange, its timeouts and
-      health checks, for one copy of the gradients each way. ``--engine jax`` sums them with JAX's own
-      collectives inside the step instead (jax_device_sum.py).
-
-    JAX dispatches steps asynchronously, so the host call of step j may run after Python has moved on to
-    step j + 1: each step's (rows, total rows) is queued by ``set_weight`` and taken by its own exchange,
-    in order. Callbacks that read or write variables in the middle of a JAX fit (averaging, metric sums,
-    pad steps) call ``synced_state`` first: Keras' JAX trainer keeps the state outside the variables
-    between steps, and re-reads them after such a sync.
+    torch: Keras' ``train_step`` calls ``loss.backward()``, reads each variable's ``.grad`` and calls
+    ``optimizer.apply(grads, variables)``; the wrapped ``apply`` sums them in between (``reduce_torch``), on the
+    device where the plan says (device_sum.py), in buckets that may start during the backward pass
+    (torch_overlap.py). JAX: an ordered ``io_callback`` inside the jitted step (``reduce_arrays``), reusing
+    nbdist's exchange, its timeouts and health checks. Callbacks that read or write variables in the middle of a
+    JAX fit (averaging, metric sums, pad steps) call ``synced_state`` first: Keras' JAX trainer keeps the state
+    outside the variables between steps.
     """
 
     def __init__(self, collective: Any, variables: Sequence[Any], *args: Any, **kwargs: Any) -> None:
@@ -75,19 +66,6 @@ class HostGradientAllreduce(GradientAllreduce):
         self._queued: collections.deque[tuple[float, float | None]] = collections.deque()
         self._overlap: Any = None  # torch_overlap.TorchOverlap: the device sum's buckets started during backward
         self.overlapped = False  # whether any step's buckets started during its backward pass
-
-    def _open_engine(self) -> Any:
-        """torch's device sum (device_sum.py) where the plan sums tensors where they are: NCCL on the GPUs, or
-        Gloo on CPU tensors (device_sum="always"); else None (the numpy exchange, which on a CPU shares the
-        tensors' memory)."""
-        if not self.plan.device or self.plan.engine != "torch":
-            return None
-        if keras.backend.backend() != "torch":
-            raise ValueError(f"the torch device sum is not wired on Keras' {keras.backend.backend()} backend")
-        from .device_sum import TorchDeviceSum, device_group, engine_device
-
-        group = device_group(self.plan.mode, getattr(self.collective, "timeout", None))
-        return TorchDeviceSum(self.shapes, engine_device(self.plan.mode), group, self.plan.bucket_bytes)
 
     @property
     def summed_by(self) -> str | None:
@@ -100,10 +78,9 @@ class HostGradientAllreduce(GradientAllreduce):
     def overlap_backward(self, model: Any) -> str | None:
         """The device sum's buckets started during the backward pass, by hooks on the variables' torch tensors
         (torch_overlap.py), where that is sound; otherwise the reason, and the buckets start at ``apply``."""
-        from .device_sum import TorchDeviceSum
         from .torch_overlap import TorchOverlap, backward_plan, overlap_refusal
 
-        if not isinstance(self._engine_impl, TorchDeviceSum):
+        if self._engine_impl is None:
             return "no device sum"
         if not self.plan.overlap:
             return "overlap=False"
@@ -164,19 +141,12 @@ class HostGradientAllreduce(GradientAllreduce):
         return [None if g is None else torch.from_numpy(s).to(device=g.device, dtype=g.dtype)
                 for g, s in zip(grads, summed)]
 
-    def pad_step(self, apply: Callable[[list[Any]], Any], total: float | None = None) -> None:
-        """One step with no rows of ours: zeros into the sum, the summed gradients applied (eagerly)."""
-        import keras
-
-        self.set_weight(0.0, total)
-        if self.before_pad is not None:  # the sums the other workers run inside this step (worker/global_mask.py)
-            self.before_pad()
-        present = self._present or [True] * len(self.shapes)
-        if self._engine_impl is not None:  # NCCL: the zeros are made on the GPU
-            apply(self.reduce_torch(self._engine_impl.zeros(self.shapes, present)))
-            return
+    def _pad_sum(self, present: Sequence[bool]) -> list[Any]:
+        """A pad step's summed gradients: the device sum's zeros made on its device, else numpy's exchanged."""
+        if self._engine_impl is not None:
+            return self.reduce_torch(self._engine_impl.zeros(self.shapes, present))
         summed = self.reduce_arrays([np.zeros(s, np.float32) if p else None for s, p in zip(self.shapes, present)])
-        apply([None if g is None else keras.ops.convert_to_tensor(np.array(g)) for g in summed])
+        return [None if g is None else keras.ops.convert_to_tensor(np.array(g)) for g in summed]
 
 
 def wrap_torch_optimizer(optimizer: Any, reducer: HostGradientAllreduce) -> Callable[..., Any]:

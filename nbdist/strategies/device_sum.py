@@ -1,15 +1,19 @@
-"""Gradients summed where they are: torch tensors into a few flat buckets on their own device, each bucket
+"""The device engine: tensors summed where they are, in a few flat torch buckets on their own device, each bucket
 all-reduced by torch.distributed (NCCL for CUDA tensors, Gloo for CPU ones), never through numpy.
 
-The same code runs on the GPU and, in the tests, on CPU tensors over Gloo, so what the CPU proves (weighting,
-bucketing, None gradients, dtypes, the rows check, pad steps) is what the GPU runs. Invariant: the summed rows
-equal the step's total (checked every step on a CPU, every ``CHECK_EVERY`` on a GPU).
+One engine for every framework: only how a tensor comes in and goes back is the framework's (``TorchTensors``
+as they are, ``TFTensors`` by DLPack). The same code runs on the GPU and, in the tests, on CPU tensors over Gloo
+(device_sum="always"), so what the CPU proves (weighting, bucketing, None gradients, dtypes, the rows check, pad
+steps) is what the GPU runs. Invariant: the summed rows equal the step's total (checked every step on a CPU,
+every ``CHECK_EVERY`` on a GPU); an averaging round divides by the summed samples.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from .averaging import Averager
 
 BUCKET_BYTES = 25 * 2**20
 CHECK_EVERY = 50
@@ -30,7 +34,7 @@ def bucket_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
 
 def aligned_slots(sizes: Sequence[int], align: int) -> list[int]:
     """Each gradient's room in a bucket when every gradient must start on a multiple of ``align`` elements
-    (TensorFlow adopts only 64-byte aligned memory: ``tf_device_sum.py``)."""
+    (TensorFlow adopts only 64-byte aligned memory: ``TFTensors``)."""
     return [-(-size // align) * align for size in sizes]
 
 
@@ -72,183 +76,211 @@ class RowsCheck:
             raise RuntimeError(f"workers disagree on this step's samples: {said}")
 
 
-def fill(bucket: Any, members: Sequence[int], sizes: Sequence[int], grads: Sequence[Any],
-         slots: Sequence[int] | None = None) -> int:
-    """Bucket ``bucket`` filled with its members' gradients, flat and in order (zeros for a None gradient);
-    returns the elements filled (the rows slot, in the last bucket, comes after them). Under no_grad.
-    ``slots``: each gradient's room in the bucket where it is padded past its size (``aligned_slots``)."""
-    at = 0
-    for i in members:
-        size, g = sizes[i], grads[i]
-        part = bucket[at:at + size]
-        if g is None:
-            part.zero_()
-        else:
-            part.copy_(g.detach().reshape(-1))  # casts to float32 and moves, in one copy
-        at += size if slots is None else slots[i]
-    return at
+class TorchTensors:
+    """How Keras' torch tensors go into the buckets and come back: as they are."""
+
+    align = 1  # elements: a bucket's members packed
+
+    def read(self, tensor: Any) -> Any:
+        """``tensor`` (a gradient, or a variable's value) as a torch tensor, not copied."""
+        return tensor
+
+    def wait(self, tensors: Sequence[Any]) -> None:
+        """Before the buckets are filled from ``tensors``: the framework has written them."""
+
+    def done(self) -> None:
+        """After the sums, before the framework reads them."""
+
+    def back(self, summed: Any) -> Any:
+        """A summed gradient (a view of its bucket) as the framework's tensor."""
+        return summed
+
+    def assign(self, variable: Any, summed: Any, shape: tuple[int, ...], total: float) -> None:
+        """``variable`` set to ``summed`` (its flat slice of a bucket) divided by ``total``."""
+        variable.value.copy_(summed.view(shape) / total)
 
 
-def unpack(plan: Sequence[Sequence[int]], buckets: Sequence[Any], sizes: Sequence[int],
-           shapes: Sequence[tuple[int, ...]], grads: Sequence[Any], out: list[Any],
-           slots: Sequence[int] | None = None) -> None:
-    """The summed gradients as views of their buckets, in each gradient's own dtype and device (a None
-    gradient stays None); ``slots`` as in ``fill``."""
-    for members, bucket in zip(plan, buckets):
-        at = 0
-        for i in members:
-            g, size = grads[i], sizes[i]
-            if g is not None:
-                view = bucket[at:at + size].view(shapes[i])
-                out[i] = view if view.dtype == g.dtype and view.device == g.device else view.to(
-                    device=g.device, dtype=g.dtype)
-            at += size if slots is None else slots[i]
+class TFTensors(TorchTensors):
+    """TensorFlow's tensors by DLPack, both ways without a copy. TensorFlow adopts only 64-byte aligned memory (an
+    unaligned DLPack tensor aborts the process), so each starts on 16 floats of its bucket. A DLPack capsule carries
+    no stream (NOT RUN ON A GPU): the host waits for the whole device (TensorFlow's stream too) before the buckets
+    are filled, and for torch's stream before TensorFlow reads the sums. A variable assigned a bucket's slice would
+    live in the bucket (TensorFlow's assign adopts it): the division is TensorFlow's, and its result is assigned."""
+
+    align = 16
+
+    def __init__(self, cuda: bool) -> None:
+        import tensorflow as tf
+        import torch
+        from torch.utils import dlpack
+
+        self.cuda, self._tf, self._torch, self._dlpack = cuda, tf, torch, dlpack
+
+    def read(self, tensor: Any) -> Any:
+        tf = self._tf
+        return self._dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(tf.convert_to_tensor(tensor)))
+
+    def wait(self, tensors: Sequence[Any]) -> None:
+        # Also where the buckets are on the CPU (Gloo) and a variable on a GPU: torch's copy would not wait for it.
+        if self.cuda or any(t is not None and t.is_cuda for t in tensors):
+            self._torch.cuda.synchronize()
+
+    def done(self) -> None:
+        if self.cuda:
+            self._torch.cuda.current_stream().synchronize()
+
+    def back(self, summed: Any) -> Any:
+        return self._tf.experimental.dlpack.from_dlpack(self._dlpack.to_dlpack(summed))
+
+    def assign(self, variable: Any, summed: Any, shape: tuple[int, ...], total: float) -> None:
+        tf = self._tf
+        variable.assign(tf.cast(tf.reshape(self.back(summed), shape) / total, variable.dtype))
 
 
-class TorchDeviceSum:
-    """sum_w (n_w / total) g_w over the workers, on the gradients' device (``owner``: HostGradientAllreduce).
-
-    Buckets of ``BUCKET_BYTES`` (PyTorch DDP's default size): each bucket's all-reduce starts, asynchronously,
-    as soon as it is filled, while the next is being filled. This is the sum at ``apply``, after the backward pass;
-    by default the buckets start during it instead (torch_overlap.py), and this path stays for the cases that
-    cannot be overlapped soundly and for a step summed again. They are preallocated once and reused every step
-    (the optimizer has consumed last step's sums before the next backward pass writes new gradients: stream
-    order on the GPU, program order on the CPU). The last bucket carries this worker's rows in its last slot:
-    the summed rows must equal the step's total, as the host exchange checks. On a GPU that check reads the
-    device, which waits for the step: it runs every ``CHECK_EVERY`` steps (a mismatch is kept on the device
-    meanwhile) rather than stall every step.
-    """
+class DeviceBuckets:
+    """Tensors of fixed shapes in a few flat float32 buckets on one device (of at most ``bucket_bytes``, PyTorch
+    DDP's default size), preallocated once and all-reduced by torch.distributed over ``group`` (None: the default
+    one). The last bucket's last slot carries a count (a step's rows, a round's samples). ``tensors``: how the
+    framework's tensors come in and go back (``TorchTensors``, ``TFTensors``)."""
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], device: Any, group: Any = None,
-                 bucket_bytes: int = BUCKET_BYTES, check_every: int | None = None, align: int = 1) -> None:
-        """``align``: every gradient starts on a multiple of this many elements of its bucket (1: packed)."""
+                 bucket_bytes: int = BUCKET_BYTES, tensors: TorchTensors | None = None,
+                 planner: Callable[[Sequence[int], int], list[list[int]]] = bucket_plan) -> None:
+        """``planner``: which members go in which bucket (``bucket_plan``: in order; torch_overlap.py: backward's)."""
         import torch
         import torch.distributed as dist
 
         self._torch, self._dist = torch, dist
+        self.tensors = tensors or TorchTensors()
         self.device = torch.device(device)
-        self.group = group  # None: the default process group
-        self.shapes = [tuple(s) for s in shapes]
+        self.group = group
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.sizes = [int(torch.Size(s).numel()) for s in self.shapes]
+        align = self.tensors.align
         self.slots = None if align == 1 else aligned_slots(self.sizes, align)
         room = self.sizes if self.slots is None else self.slots
-        self.plan = bucket_plan(room, max(1, bucket_bytes // 4))
+        self.plan = planner(room, max(1, bucket_bytes // 4)) or [[]]
         lengths = [sum(room[i] for i in b) for b in self.plan]
-        lengths[-1] += 1  # this worker's rows
+        lengths[-1] += 1  # the count
         self.buckets = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in lengths]
+        if any(b.data_ptr() % (4 * align) for b in self.buckets):
+            raise RuntimeError(f"torch allocated a bucket that is not {4 * align}-byte aligned")
+
+    def parts(self, k: int | None = None) -> Iterator[tuple[int, Any]]:
+        """(member, its flat slice of its bucket) for bucket ``k``'s members, or every bucket's."""
+        for members, bucket in zip(self.plan, self.buckets) if k is None else [(self.plan[k], self.buckets[k])]:
+            at = 0
+            for i in members:
+                yield i, bucket[at:at + self.sizes[i]]
+                at += self.sizes[i] if self.slots is None else self.slots[i]
+
+    def launch(self, k: int, tensors: Sequence[Any], scale: float, count: float) -> Any:
+        """Bucket ``k`` filled with its members of ``tensors`` (zeros for a None), flat, times ``scale`` (zeros where
+        ``scale`` is 0: a pad, none of this worker's values), ``count`` in the last bucket's last slot, and its
+        all-reduce started. Under no_grad."""
+        bucket = self.buckets[k]
+        if scale:
+            for i, part in self.parts(k):
+                if tensors[i] is None:
+                    part.zero_()
+                else:
+                    part.copy_(tensors[i].detach().reshape(-1))  # casts to float32 and moves, in one copy
+            bucket.mul_(scale)
+        else:
+            bucket.zero_()
+        if k == len(self.plan) - 1:
+            bucket[-1] = count
+        return self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def all_reduce(self, tensors: Sequence[Any], scale: float, count: float) -> None:
+        """Every bucket launched (``launch``) as soon as it is filled, while the next is being filled; returns once
+        summed (on a GPU: the compute stream waits for the sums, the host does not)."""
+        for work in [self.launch(k, tensors, scale, count) for k in range(len(self.plan))]:
+            work.wait()
+
+    def count(self) -> Any:
+        """The summed count: a one-element tensor on the device (not read here)."""
+        return self.buckets[-1][-1]
+
+    def unpack(self, grads: Sequence[Any]) -> list[Any]:
+        """The summed tensors as views of their buckets, in each one's own dtype and device (None stays None)."""
+        out: list[Any] = [None] * len(grads)
+        for i, part in self.parts():
+            g = grads[i]
+            if g is not None:
+                view = part.view(self.shapes[i])
+                out[i] = view if view.dtype == g.dtype and view.device == g.device else view.to(
+                    device=g.device, dtype=g.dtype)
+        return out
+
+
+class TorchDeviceSum(DeviceBuckets):
+    """sum_w (n_w / total) g_w over the workers, on the gradients' device (``owner``: the hook, which sets
+    ``weight`` and ``total`` and counts ``seconds`` and ``steps``): the sum at ``apply``, after the backward pass
+    (torch_overlap.py starts the buckets during it where that is sound). The buckets are reused every step: the
+    optimizer has consumed last step's sums before the next backward pass writes new gradients (stream order on the
+    GPU, program order on the CPU). The summed rows must equal the step's total: on a GPU that check reads the
+    device, so it runs every ``CHECK_EVERY`` steps (a mismatch is kept on the device meanwhile).
+    ``kept``: the gradients the framework may keep past the step (TensorFlow's ``overwrite_with_gradient``),
+    handed back as copies, since their bucket is refilled next step."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], device: Any, group: Any = None,
+                 bucket_bytes: int = BUCKET_BYTES, check_every: int | None = None,
+                 tensors: TorchTensors | None = None, kept: Sequence[bool] | None = None) -> None:
+        super().__init__(shapes, device, group, bucket_bytes, tensors)
         self.check_every = check_every or check_every_for(self.device.type)
         self.rows = RowsCheck(self.device, self.check_every)
+        self.kept = list(kept) if kept is not None and any(kept) else None
 
     def zeros(self, shapes: Sequence[tuple[int, ...]], present: Sequence[bool]) -> list[Any]:
         """A pad step's gradients: zeros on the device (None where no gradient comes)."""
         return [self._torch.zeros(s, dtype=self._torch.float32, device=self.device) if p else None
                 for s, p in zip(shapes, present)]
 
-    def reduce(self, owner: Any, grads: list[Any]) -> list[Any]:
-        torch = self._torch
+    def reduce(self, owner: Any, grads: Sequence[Any]) -> list[Any]:
+        """The summed gradients, as the framework's tensors (None stays None)."""
         t0 = time.perf_counter()
         n, total = owner.weight, owner._check_total()
-        scale = n / total
-        out: list[Any] = [None] * len(grads)
-        pending = []
-        with torch.no_grad():
-            for k, (members, bucket) in enumerate(zip(self.plan, self.buckets)):
-                at = fill(bucket, members, self.sizes, grads, self.slots)
-                if k == len(self.plan) - 1:
-                    bucket[-1] = n
-                bucket[:at].mul_(scale)
-                pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.group,
-                                                     async_op=True))
-            for work in pending:
-                work.wait()  # on a GPU: the compute stream waits for the sum, the host does not
-            self.rows.add(self.buckets[-1][-1], total)
-            unpack(self.plan, self.buckets, self.sizes, self.shapes, grads, out, self.slots)
+        io = self.tensors
+        grads = [None if g is None else io.read(g) for g in grads]
+        io.wait(grads)
+        with self._torch.no_grad():
+            self.all_reduce(grads, n / total, n)
+            self.rows.add(self.count(), total)
+            out = self.unpack(grads)
+            if self.kept is not None:
+                out = [o.clone() if keep and o is not None else o for o, keep in zip(out, self.kept)]
+        io.done()
         owner.seconds += time.perf_counter() - t0
         owner.steps += 1
-        return out
+        return [None if o is None else io.back(o) for o in out]
 
     def check(self, total: float | None = None) -> None:
         """Raise if any step since the last check summed rows other than its total (reads the device)."""
         self.rows.check(total)
 
 
-class TorchDeviceAverage:
-    """One parameter-averaging round on the variables' own device: sum_w n_w v_w / sum_w n_w, the variables
-    copied into the buckets, all-reduced, and the average copied back in place (``WeightedAverager``'s
-    round without the host: the averaging strategy's engine on torch when every worker has a GPU of its
-    own). Keras' torch variables hold a torch tensor (``v.value``), written under ``no_grad``. ``_read``,
-    ``_ready`` and ``_write`` are where another framework's variables come in (``tf_device_sum.py``)."""
+class TorchDeviceAverage(DeviceBuckets, Averager):
+    """One averaging round on the variables' own device: sum_w n_w v_w / sum_w n_w, the variables copied into the
+    buckets, all-reduced, and the average written back (``tensors.assign``). One read of the device per round (the
+    summed samples, to divide by); the values read from the variables are dropped only after it."""
 
     def __init__(self, variables: Sequence[Any], device: Any, group: Any = None,
-                 bucket_bytes: int = BUCKET_BYTES, align: int = 1) -> None:
-        """``align``: every variable starts on a multiple of this many elements of its bucket (1: packed)."""
-        import torch
-        import torch.distributed as dist
-
-        self._torch, self._dist = torch, dist
+                 bucket_bytes: int = BUCKET_BYTES, tensors: TorchTensors | None = None) -> None:
         self.variables = list(variables)
-        self.device = torch.device(device)
-        self.group = group
-        self.shapes = [tuple(int(d) for d in v.shape) for v in self.variables]
-        self.sizes = [int(torch.Size(s).numel()) for s in self.shapes]
-        self.slots = None if align == 1 else aligned_slots(self.sizes, align)
-        room = self.sizes if self.slots is None else self.slots
-        self.plan = bucket_plan(room, max(1, bucket_bytes // 4)) or [[]]
-        lengths = [sum(room[i] for i in b) for b in self.plan]
-        lengths[-1] += 1  # this worker's samples
-        self.buckets = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in lengths]
-        self.seconds = 0.0
-        self.rounds = 0
+        super().__init__([tuple(v.shape) for v in self.variables], device, group, bucket_bytes, tensors)
 
-    @property
-    def summed_by(self) -> str:
-        return "device"
-
-    def _read(self, i: int) -> Any:
-        """Variable ``i``'s value as a torch tensor (not copied)."""
-        return self.variables[i].value.detach()
-
-    def _ready(self) -> None:
-        """Called after every variable was read, before the buckets are filled."""
-
-    def _write(self, i: int, summed: Any, total: float) -> None:
-        """Variable ``i`` set to ``summed`` (its flat slice of a bucket) divided by ``total``."""
-        v = self.variables[i]
-        v.value.copy_(summed.view(self.shapes[i]) / total)
-
-    def average(self, samples: int) -> int:
-        torch = self._torch
-        t0 = time.perf_counter()
-        pending = []
-        with torch.no_grad():
-            values = [self._read(i) for i in range(len(self.variables))]
-            self._ready()
-            for k, (members, bucket) in enumerate(zip(self.plan, self.buckets)):
-                if samples:
-                    at = fill(bucket, members, self.sizes, values, self.slots)
-                    bucket[:at].mul_(float(samples))
-                else:  # a pad round: none of this worker's values, as in the host's round
-                    bucket.zero_()
-                if k == len(self.plan) - 1:
-                    bucket[-1] = float(samples)
-                pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.group,
-                                                     async_op=True))
-            for work in pending:
-                work.wait()
-            total = float(self.buckets[-1][-1])  # one read of the device per round: the host waits for the sums
+    def _round(self, samples: int) -> int:
+        io = self.tensors
+        with self._torch.no_grad():
+            values = [io.read(v.value) for v in self.variables]
+            io.wait(values)
+            self.all_reduce(values, float(samples), float(samples))
+            total = float(self.count())  # the host waits for the sums
             del values  # read until now (on a GPU, by torch's stream)
-            if total > 0:
-                for members, bucket in zip(self.plan, self.buckets):
-                    at = 0
-                    for i in members:
-                        self._write(i, bucket[at:at + self.sizes[i]], total)
-                        at += self.sizes[i] if self.slots is None else self.slots[i]
-        self.seconds += time.perf_counter() - t0
-        self.rounds += 1
+            for i, part in self.parts() if total > 0 else ():
+                io.assign(self.variables[i], part, self.shapes[i], total)
         return int(round(total))
-
-    def close(self) -> None:
-        pass
 
 
 def engine_device(engine: str) -> Any:
@@ -271,3 +303,24 @@ def device_group(backend: str, timeout: float | None = None) -> Any:
     import torch.distributed as dist
 
     return dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout) if timeout else None)
+
+
+def open_device_sum(shapes: Sequence[tuple[int, ...]], engine: str, bucket_bytes: int, timeout: float | None,
+                    backend: str, kept: Sequence[bool] | None = None) -> TorchDeviceSum:
+    """The plan's device sum for Keras' ``backend``: ``engine`` "nccl" (the worker's one GPU) or "gloo" (CPU
+    tensors), on a group of its own (``device_group``); ``kept`` as ``TorchDeviceSum`` has it (TensorFlow only:
+    torch's assign copies)."""
+    return TorchDeviceSum(shapes, engine_device(engine), device_group(engine, timeout), bucket_bytes,
+                          tensors=framework_tensors(backend, engine), kept=kept if backend == "tensorflow" else None)
+
+
+def open_device_average(variables: Sequence[Any], engine: str, bucket_bytes: int, timeout: float | None,
+                        backend: str) -> TorchDeviceAverage:
+    """The plan's averaging rounds on the device, as ``open_device_sum``."""
+    return TorchDeviceAverage(variables, engine_device(engine), device_group(engine, timeout), bucket_bytes,
+                              tensors=framework_tensors(backend, engine))
+
+
+def framework_tensors(backend: str, engine: str) -> TorchTensors:
+    """How Keras' ``backend`` hands its tensors to the buckets (torch's own, or TensorFlow's by DLPack)."""
+    return TFTensors(engine == "nccl") if backend == "tensorflow" else TorchTensors()

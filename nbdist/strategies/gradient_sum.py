@@ -68,8 +68,8 @@ class GradientSum:
     """The exchange of one step's gradients: a flat, aligned bucket summed across workers on Gloo.
 
     ``weight`` (this worker's samples in the step) and ``total`` (all workers') are set before each
-    exchange by the hook (``allreduce_hook.GradientAllreduce``), which calls ``exchange``,
-    ``exchange_copy`` or ``exchange_sum`` from the train step through ``tf.numpy_function``.
+    exchange by the hook (``allreduce_hook.GradientAllreduce``), which calls ``exchange`` or ``exchange_copy``
+    from the train step through ``tf.numpy_function``.
     """
 
     def __init__(self, collective: Collective, variables: Sequence[Any], plan: Plan | None = None,
@@ -133,7 +133,8 @@ class GradientSum:
         return self._copy_and_sum(grads, scale=True)
 
     def exchange_copy(self, *grads: np.ndarray) -> list[np.ndarray]:
-        """Sum gradients already scaled through the loss, as a small bucket: copied, then summed in one round."""
+        """Sum gradients already scaled through the loss (n / total): copied into the bucket, or read where they are
+        by the chunked shared-memory sum (no pass over them besides the sum itself)."""
         return self._copy_and_sum(grads, scale=False)
 
     def _copy_and_sum(self, grads: Sequence[np.ndarray], scale: bool) -> list[np.ndarray]:
@@ -186,25 +187,6 @@ class GradientSum:
 
     def close(self) -> None:
         """The run's end (the segment stays mapped until the process ends)."""
-
-    def exchange_sum(self, *grads: np.ndarray) -> list[np.ndarray]:
-        """Sum gradients already scaled by n / total (through the loss) across workers.
-
-        The chunked shared-memory sum reads them where TensorFlow left them and writes only the bucket:
-        no pass over the gradients besides the sum itself.
-        """
-        t0 = time.perf_counter()
-        total = self._check_total()
-        bucket = self._free_bucket()
-        self.buffer = bucket.data
-        arrays = [np.reshape(g, -1) for g in grads] + [np.array([self.weight], dtype=np.float32)]
-        self._sum.begin()
-        try:
-            assert self._chunked is not None and self._chunked_plan is not None
-            self._chunked.sum_into(arrays, bucket.data, self._chunked_plan)
-        finally:
-            self._sum.finish()
-        return self._hand_back(bucket, total, t0)
 
     def _check_total(self) -> float:
         if self.total is None or self.total <= 0:

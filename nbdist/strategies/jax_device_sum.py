@@ -10,15 +10,17 @@ from __future__ import annotations
 import gc
 import logging
 import socket
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from .averaging import Averager
+
 log = logging.getLogger("nbdist.worker")
 
 PORT_KEY = "nbdist/jax/coordinator"
+AXIS = "workers"  # the mesh's one axis: the worker processes
 
 
 def free_port(host: str) -> int:
@@ -185,33 +187,18 @@ def local_part(tree: Any) -> Any:
 
 
 class JaxDeviceSum:
-    """Keras' JAX train step over the global mesh, the gradients summed inside it (installed on one model).
-
-    Every worker process joins one ``jax.distributed`` job, over a global mesh of one device per process,
-    and Keras' train step runs inside ``shard_map`` over that mesh: each process computes its own batch's
-    gradients and the wrapped ``stateless_apply`` sums them with ``jax.lax.psum`` before the update, weighted
-    by rows as the host path weights them (sum_w (n_w / N) g_w). XLA runs the sum: NCCL on GPUs, Gloo on CPUs,
-    so the CPU test runs the GPU's code path. Nothing leaves the device during a step.
-
-    JAX allows ``jax.distributed.initialize`` only before its backend starts, and a worker has already made
-    the notebook's model by the time the workers' store exists: the state is read into numpy, the backend
-    cleared, the job joined and the state put back (``join_jax_job``).
-
-    The state and the batch go into the step "replicated" (``P()``) with ``check_vma`` off: each process's
-    shard is its own batch, its own metrics and statistics; only the summed gradients, and so the weights and
-    the optimizer's state, are the same everywhere. Every process must run the same program: the engine is
-    chosen only where every step's batch has the same rows on every worker (machine/engines.py).
-    An averaging round is one jitted ``shard_map`` of its own over the same mesh, between Keras' steps, on the
-    variables the running fit's state was synced into. JAX's CPU collectives have had wrong sums and hangs
-    (DESIGN.md 9): the sums are tested against numpy, and the job's heartbeat ends a run whose peer died (nbdist's
-    own timeout as the collective's bound).
+    """Keras' JAX train step over the global mesh of one device per worker process, the gradients summed inside it
+    (installed on one model): each process computes its own batch's gradients and the wrapped ``stateless_apply``
+    sums them (``weighted_psum``) before the update, so nothing leaves the device during a step and the CPU test
+    runs the GPU's code path. The state and the batch go in "replicated" (``P()``) with ``check_vma`` off: each
+    process's shard is its own batch, metrics and statistics; only the summed gradients, and so the weights and
+    the optimizer's state, are the same everywhere. JAX's CPU collectives have had wrong sums and hangs
+    (DESIGN.md 9): the sums are tested against numpy.
     """
-
-    AXIS = "workers"
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.replicated, self.device = workers_mesh(self.AXIS)
+        self.replicated, self.device = workers_mesh(AXIS)
         self.mesh = self.replicated.mesh
         self.rows = 0  # the traced batch's rows, read by the wrapped stateless_apply while it traces
         self._last_state: Any = None  # the state the last step returned (on the mesh)
@@ -227,7 +214,7 @@ class JaxDeviceSum:
         original = optimizer.stateless_apply
 
         def stateless_apply(optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
-            return original(optimizer_variables, weighted_psum(list(grads), self.rows, self.AXIS, self.fused),
+            return original(optimizer_variables, weighted_psum(list(grads), self.rows, AXIS, self.fused),
                             trainable_variables)
 
         optimizer.stateless_apply = stateless_apply
@@ -244,9 +231,9 @@ class JaxDeviceSum:
             self.steps += 1
             # Keras hands the last step's state back as it got it: already on the mesh, nothing to look at
             # (a per-leaf check cost ~0.1 ms a step for a 3-layer MLP's 28 arrays).
-            mesh_state = state if state is self._last_state else self._global(state)
-            logs, self._last_state = step(mesh_state, self._global(data))
-            return self._local(logs), self._last_state  # on the mesh until Keras syncs its variables
+            mesh_state = state if state is self._last_state else on_mesh(state, self.device, self.replicated)
+            logs, self._last_state = step(mesh_state, on_mesh(data, self.device, self.replicated))
+            return local_part(logs), self._last_state  # on the mesh until Keras syncs its variables
 
         def make_train_function(force: bool = False) -> None:
             if model.train_function is None or force:
@@ -257,22 +244,15 @@ class JaxDeviceSum:
         def jax_state_sync() -> None:
             """The variables get this process's arrays (evaluation and callbacks run locally)."""
             if getattr(model, "_jax_state", None) and not model._jax_state_synced:
-                model._jax_state = self._local(model._jax_state)
+                model._jax_state = local_part(model._jax_state)
             original_sync()
 
         model.make_train_function = make_train_function
         model.jax_state_sync = jax_state_sync
         model.train_function = None
 
-    @staticmethod
-    def _local(tree: Any) -> Any:
-        return local_part(tree)
 
-    def _global(self, tree: Any) -> Any:
-        return on_mesh(tree, self.device, self.replicated)
-
-
-class JaxDeviceAverage:
+class JaxDeviceAverage(Averager):
     """The averaging strategy's round over the workers' JAX job: sum_w n_w v_w / sum_w n_w of the variables
     where they are (XLA's all-reduce inside one jitted ``shard_map``: NCCL on GPUs, Gloo on CPUs), assigned back.
     The variables hold the running fit's state when a round starts (``AveragingCallback`` syncs it) and Keras'
@@ -281,15 +261,13 @@ class JaxDeviceAverage:
     the round's dispatch only; its device time falls in the next step's. The round's inputs are donated: the
     averaged variables' old arrays are dropped as the averages are made (no second copy of the state)."""
 
-    AXIS = "workers"
-
     def __init__(self, model: Any, variables: Sequence[Any]) -> None:
         """``variables``: the ones averaged, of ``model``."""
         import jax
         from jax.sharding import PartitionSpec
 
         self.variables = list(variables)
-        self.replicated, self.device = workers_mesh(self.AXIS)
+        self.replicated, self.device = workers_mesh(AXIS)
         # Keras' train step is compiled for its state's placement, and the rounds' results are committed to the
         # device: so is every variable of the fit from the start, else the first step after a round compiles
         # the step again (the metrics' reset at each epoch's start still makes one more placement, once).
@@ -299,29 +277,16 @@ class JaxDeviceAverage:
         fused = fused_sum()
 
         def body(values: list[Any], samples: Any) -> tuple[list[Any], Any]:
-            return weighted_mean(values, samples, self.AXIS, fused)
+            return weighted_mean(values, samples, AXIS, fused)
 
         spec = PartitionSpec()
-        self._round = jax.jit(jax.shard_map(body, mesh=self.replicated.mesh, in_specs=(spec, spec),
-                                            out_specs=(spec, spec), check_vma=False), donate_argnums=0)
-        self.seconds = 0.0
-        self.rounds = 0
+        self._mean = jax.jit(jax.shard_map(body, mesh=self.replicated.mesh, in_specs=(spec, spec),
+                                           out_specs=(spec, spec), check_vma=False), donate_argnums=0)
 
-    @property
-    def summed_by(self) -> str:
-        return "device"
-
-    def average(self, samples: int) -> Any:
-        """One round; ``samples``: what this worker trained on since the last. Returns the summed count as a
-        device scalar (the other averagers' int; reading it waits for the round)."""
-        t0 = time.perf_counter()
+    def _round(self, samples: int) -> Any:
+        """The summed count comes back as a device scalar (the other averagers' int; reading it waits for the round)."""
         values = on_mesh([v.value for v in self.variables], self.device, self.replicated)
-        averaged, total = self._round(values, on_mesh(np.float32(samples), self.device, self.replicated))
+        averaged, total = self._mean(values, on_mesh(np.float32(samples), self.device, self.replicated))
         for v, value in zip(self.variables, local_part(averaged)):
             v.assign(value)
-        self.seconds += time.perf_counter() - t0
-        self.rounds += 1
         return local_part(total)
-
-    def close(self) -> None:
-        pass

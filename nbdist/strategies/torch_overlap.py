@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .device_sum import BUCKET_BYTES, RowsCheck, bucket_plan, fill, unpack
+from .device_sum import BUCKET_BYTES, DeviceBuckets, RowsCheck, bucket_plan
 
 log = logging.getLogger(__name__)
 
@@ -83,52 +83,31 @@ def overlap_refusal(model: Any, tensors: Sequence[Any], buckets: int) -> str | N
     return None
 
 
-class TorchOverlap:
+class TorchOverlap(DeviceBuckets):
     """The device sum of ``summer`` (TorchDeviceSum: its device and group, and its path for steps summed again),
     started by hooks on ``tensors`` (the trainable variables' torch tensors, in ``owner.shapes``' order).
     ``flag_group``: the Gloo group the flag is agreed on (default: a new one on the same ranks; every worker
     makes its ``TorchOverlap`` at the same point, as ``new_group`` needs).
 
-    The last bucket always waits for ``apply``: it carries this worker's rows. Each worker also knows, on the host
-    (the hooks run there), whether its early buckets may not hold the gradients ``apply`` was given (a gradient that
-    arrived twice: backward called again, by the step or a callback; a gradient tensor at ``apply`` that is not the
-    one the hook copied; one that came early and is None at ``apply``): that flag is agreed on the host, one integer
-    all-reduced (MAX) per step over a Gloo group of its own (made beside the sum's group, on the same ranks),
-    started before the last bucket. Not over the sum's group, even on a CPU: a worker may launch a bucket early
-    that another launches at ``apply``, and the flag issued between them would pair with a bucket. At ``apply``
-    the buckets not yet launched (a variable without a gradient this step, a pad step's zeros, hooks that fired
-    before the step's rows were set) are filled from the gradients ``apply`` got, the last one too; if any worker
-    set the flag, all of them sum the step again through ``TorchDeviceSum``, so an odd step costs a second sum and
-    never a wrong one. No step reads the device for the flag: the summed rows are checked as ``TorchDeviceSum``
-    checks them (every step on a CPU, every ``CHECK_EVERY`` steps on a GPU, a mismatch kept on the device
-    meanwhile), so the host runs ahead of the GPU as it does without the overlap.
-
-    Not overlapped (``overlap_refusal`` says why; ``TorchDeviceSum`` alone, as before): one bucket (nothing to
-    overlap), overlap=False, a model with its own ``train_step`` (it may change gradients in place between
-    backward and ``apply``, which no check would see), ``jit_compile=True`` (not tried), torch older than 2.1, a
-    trainable variable whose tensor is not a leaf that requires grad. Unchanged by it: mixed precision's loss scale
-    (the hook copies ``.grad``, the scaled gradient ``apply`` gets; the wrapped ``apply`` unscales after the sum, as
-    before), ``gradient_accumulation_steps`` (Keras' step zeroes ``.grad`` every step and accumulates inside
-    ``apply``, after the sum, so each step's sum is the same either way), pad steps (no backward: every bucket at
-    ``apply``, from the zeros). The hooks are removed when the run ends (``close``).
+    The flag (this worker's early buckets may not hold the gradients ``apply`` got: a gradient that arrived twice,
+    a gradient tensor at ``apply`` other than the one the hook copied, or one that came early and is None at
+    ``apply``) is agreed on the host, never over the sum's group: a worker may launch a bucket early that another
+    launches at ``apply``, and the flag would pair with a bucket. At ``apply`` the buckets not yet launched (a
+    variable without a gradient, a pad step's zeros, hooks that fired before the step's rows were set) are filled
+    from the gradients ``apply`` got. No step reads the device for the flag: the rows are checked as
+    ``TorchDeviceSum`` checks them, so the host runs ahead of the GPU as it does without the overlap. Unchanged
+    by it: mixed precision's loss scale (the hook copies ``.grad``, the scaled gradient ``apply`` gets),
+    ``gradient_accumulation_steps`` (accumulated inside ``apply``, after the sum). The hooks go at ``close``.
     """
 
     def __init__(self, summer: Any, tensors: Sequence[Any], owner: Any, bucket_bytes: int = BUCKET_BYTES,
                  flag_group: Any = None) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self._torch, self._dist = torch, dist
+        super().__init__(summer.shapes, summer.device, summer.group, bucket_bytes, planner=backward_plan)
+        torch = self._torch
         self.summer, self.owner = summer, owner
-        self.sizes, self.shapes = summer.sizes, summer.shapes
-        self.plan = backward_plan(self.sizes, max(1, bucket_bytes // 4))
         self.ready = BucketReadiness(self.plan)
-        lengths = [sum(self.sizes[i] for i in b) for b in self.plan]
-        self.rows_at = lengths[-1]
-        lengths[-1] += 1  # this worker's rows
-        self.buckets = [torch.zeros(n, dtype=torch.float32, device=summer.device) for n in lengths]
         self.rows = RowsCheck(summer.device, summer.check_every)
-        self.flag_group = dist.new_group(backend="gloo") if flag_group is None else flag_group
+        self.flag_group = self._dist.new_group(backend="gloo") if flag_group is None else flag_group
         self._flag = torch.zeros(1, dtype=torch.int32)  # on the host: 1 where this worker's early buckets may be wrong
         self._seen: list[Any] = [None] * len(self.sizes)  # the gradient tensor each hook copied from
         self._pending: list[Any] = []
@@ -151,15 +130,8 @@ class TorchOverlap:
 
     def _launch(self, k: int, grads: Sequence[Any], n: float, total: float) -> None:
         """Bucket ``k`` filled with ``grads`` weighted by n / total (as TorchDeviceSum), its all-reduce started."""
-        torch = self._torch
-        bucket = self.buckets[k]
-        with torch.no_grad():
-            at = fill(bucket, self.plan[k], self.sizes, grads)
-            if k == len(self.plan) - 1:
-                bucket[at] = n
-            bucket[:at].mul_(n / total)
-            self._pending.append(self._dist.all_reduce(bucket, op=self._dist.ReduceOp.SUM, group=self.summer.group,
-                                                       async_op=True))
+        with self._torch.no_grad():
+            self._pending.append(self.launch(k, grads, n / total, n))
         if self.events is not None:
             self.events.append(("launch", k))
 
@@ -189,10 +161,8 @@ class TorchOverlap:
             owner.seconds += time.perf_counter() - t0
             return self.summer.reduce(owner, grads)
         with torch.no_grad():
-            self.rows.add(self.buckets[-1][self.rows_at], total)  # read every step on a CPU, every 50 on a GPU
-        out: list[Any] = [None] * len(grads)
-        with torch.no_grad():
-            unpack(self.plan, self.buckets, self.sizes, self.shapes, grads, out)
+            self.rows.add(self.count(), total)  # read every step on a CPU, every 50 on a GPU
+            out = self.unpack(grads)
         self.early_launches += early
         owner.seconds += time.perf_counter() - t0
         owner.steps += 1
@@ -204,4 +174,4 @@ class TorchOverlap:
         for handle in handles:
             handle.remove()
         self._pending, self._seen, self.buckets = [], [], []
-        self.summer = self.owner = self.flag_group = None
+        self.summer = self.owner = self.flag_group = self.group = None

@@ -69,7 +69,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     reducer = (HostGradientAllreduce if host else GradientAllreduce)(collective, model.trainable_variables, plan)
     if totals is not None and reducer.sums_on_host and not host and not model.run_eagerly:
         # Each step finds its share in the graph, so a call may run several (blocks.py). The device sum
-        # (tf_device_sum.py) is told each step's share from Python, as on a GPU.
+        # (device_sum.py) is told each step's share from Python, as on a GPU.
         reducer.schedule(batch_sizes(samples, batch_size), totals)
     wrap = {"jax": wrap_jax_optimizer, "torch": wrap_torch_optimizer}.get(backend, wrap_optimizer)
     if engine == "jax":  # the sum inside Keras' jitted step, over JAX's collectives (jax_device_sum.py)

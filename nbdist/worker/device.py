@@ -115,9 +115,9 @@ def engine_plan(collective: Any, train: Any, strategy: str, bucket_bytes: int,
 
 def device_averager(collective: Any, model: Any, variables: list[Any], plan: Any) -> Any:
     """The averaging strategy's rounds on the tensors where they are, as ``plan`` says (``engine_plan``):
-    ``JaxDeviceAverage`` inside the workers' JAX job (joined keeping the model's state), ``TFDeviceAverage`` or
-    ``TorchDeviceAverage`` in torch's device buckets (NCCL on GPUs, Gloo on CPU tensors with
-    device_sum="always"); None: the host's ``WeightedAverager``."""
+    ``JaxDeviceAverage`` inside the workers' JAX job (joined keeping the model's state), ``TorchDeviceAverage`` in
+    torch's device buckets (NCCL on GPUs, Gloo on CPU tensors with device_sum="always"; TensorFlow's variables by
+    DLPack); None: the host's ``WeightedAverager``."""
     import keras
 
     if plan.engine == "jax":
@@ -130,10 +130,6 @@ def device_averager(collective: Any, model: Any, variables: list[Any], plan: Any
         return jax_device_sum.JaxDeviceAverage(model, variables)
     if plan.engine != "torch" or not plan.device:
         return None
-    from ..strategies.device_sum import TorchDeviceAverage, device_group, engine_device
-    from ..strategies.tf_device_sum import TFDeviceAverage
+    from ..strategies.device_sum import open_device_average
 
-    if keras.backend.backend() == "tensorflow":
-        return TFDeviceAverage(variables, plan.mode, plan.bucket_bytes, collective.timeout)
-    return TorchDeviceAverage(variables, engine_device(plan.mode), device_group(plan.mode, collective.timeout),
-                              plan.bucket_bytes)
+    return open_device_average(variables, plan.mode, plan.bucket_bytes, collective.timeout, keras.backend.backend())

@@ -60,7 +60,7 @@ def run_training(link: Any, job: JobMessage) -> None:
     import keras
 
     from ..model.spec import build_optimizer, model_from_spec
-    from ..strategies.averaging import WeightedAverager, open_averaging_sum
+    from ..strategies.averaging import WeightedAverager
     from .blocks import MAX_BLOCK, StepBlocks, block_size
     from .callbacks import AveragingCallback, EventCallback, WeightShipper
     from .datasets import job_inputs, rank_batch_size
@@ -130,14 +130,13 @@ def run_training(link: Any, job: JobMessage) -> None:
             variables += averaged_optimizer_variables(model)
         from .device import device_averager, engine_plan
 
-        # One selector (machine/engines.py): the rounds on the devices (device_sum.py, tf_device_sum.py,
+        # One selector (machine/engines.py): the rounds on the devices (device_sum.py,
         # jax_device_sum.py), else through the host, in shared memory when every worker runs on this machine.
         flat_bytes = 4 * (sum(math.prod(int(d) for d in v.shape) for v in variables) + 1)
         plan = engine_plan(collective, train, "averaging", flat_bytes)
         averager = device_averager(collective, model, variables, plan)
         if averager is None:
-            averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf)
-            averager.summer = open_averaging_sum(collective, len(averager.flat.buffer), plan)
+            averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf, plan=plan)
         batch_size = rank_batch_size(job)
         # A PyDataset: this worker's share of its batches (pydatasets.py); arrays: one repeated
         # pipeline for the whole fit, so Keras keeps one iterator (see datasets.py).

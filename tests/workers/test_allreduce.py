@@ -227,7 +227,7 @@ def test_tensorflow_device_sum_equals_the_numpy_exchange_and_the_local_fit_with_
 
 def test_tensorflow_device_average_equals_the_local_fit_every_step_and_the_host_average_with_pad_rounds(
         digits):
-    """Issue 36, TensorFlow's averaging rounds on the device (``TFDeviceAverage``: the variables by DLPack into
+    """Issue 36, TensorFlow's averaging rounds on the device (``TFTensors``: the variables by DLPack into
     torch's buckets, the GPU's code, over Gloo here: device_sum="always"; buckets of 1 KiB, 4 for this MLP).
     Shares of 257 and 256 rows: with SGD averaged every step, worker 1 joins each epoch's last round with no
     samples and the run is the local fit on the global batch (weights to 1e-5, same history); averaged every 2
