@@ -80,7 +80,7 @@ def _worker_variables(threads: int, environ: Mapping[str, str], backend: str | N
     imports Keras, whatever its own environment or keras.json says), unbuffered output, TensorFlow's
     C++ logs quiet unless the notebook set a level, and its thread budget. On TensorFlow, GPU memory
     grows as needed unless the notebook says otherwise: by default TensorFlow maps nearly all of its GPU
-    at once, and the device sum's torch buckets and NCCL's buffers live beside it (strategies/tf_device_sum.py)."""
+    at once, and the device sum's torch buckets and NCCL's buffers live beside it (strategies/device_sum.py)."""
     name = backend or notebook_backend(environ)
     growth = {"TF_FORCE_GPU_ALLOW_GROWTH": environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "true")} if (
         name == "tensorflow") else {}
