@@ -158,7 +158,7 @@ def test_coordinator_unreachable_from_the_hosts(cluster, spark, data, monkeypatc
     assert not _left_on_hosts(cluster)
 
 
-def test_no_executors(cluster, data, monkeypatch):
+def test_no_executors(cluster, data):
     """Executors wider than any worker: none starts; one sentence before counting rows, not a hang."""
     spark = _session(cluster, **{"spark.executor.cores": "2"})  # each host offers one core
     df = digits_frame(spark, data[0], data[2])
@@ -171,7 +171,7 @@ def test_no_executors(cluster, data, monkeypatch):
     assert message.startswith("no Spark executor registered") and "spark.executor.cores" in message, message
 
 
-def test_driver_address_unreachable(cluster, data, monkeypatch):
+def test_driver_address_unreachable(cluster, data):
     """spark.driver.host on an address the hosts have no route to: executors never register."""
     spark = _session(cluster, driver=UNREACHABLE_IP)
     df = digits_frame(spark, data[0], data[2])

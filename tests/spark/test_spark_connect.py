@@ -173,7 +173,7 @@ def test_a_jax_or_torch_notebook_trains_over_connect_as_locally(spark, backend, 
     assert_remote_run(run_driver(backend, "spark", CONNECT_URL[0]), backend)
 
 
-def test_unreachable_notebook_is_one_sentence_within_30_s(spark, data, monkeypatch, no_leftover_workers):
+def test_unreachable_notebook_is_one_sentence_within_30_s(spark, data, no_leftover_workers):
     Xtr, _, ytr, _ = data
     started = time.monotonic()
     with pytest.raises(TrainingFailed) as info:  # TEST-NET-1 reaches nothing

@@ -132,7 +132,7 @@ def test_a_worker_that_exits_right_after_done_is_not_taken_for_dead(digits, monk
     assert job.status == "done"
 
 
-def test_a_connection_that_hangs_up_after_its_hello_fails_the_run_in_one_sentence(digits, monkeypatch):
+def test_a_connection_that_hangs_up_after_its_hello_fails_the_run_in_one_sentence(digits):
     """A peer says hello as rank 1 (it knows the secret) and hangs up before the driver sends it the job.
 
     The event loop died of that ("ConnectionError: worker 1 is not connected", a traceback out of the
