@@ -22,18 +22,17 @@ from .warm import POOL, ForkedWorker, worker_end
 log = logging.getLogger(__name__)
 
 
-def start_warm_workers(workers: int | None = None) -> bool:
+def start_warm_workers(workers: int | None = None) -> None:
     """Start the fork server the workers of local jobs will come from (backends/warm.py), when
     ``workers`` of them share the machine: a default job's by default, a search's parallel trials'
     (parallel x workers per trial) when it starts. A live one for them is kept, not started again.
 
     With GPUs the server imports only what initialises no device (``placement.warm_server_env``). (Not
     with Spark active: the extension loader does not call this then; nor when warm workers are off:
-    TrainConfig.warm_workers.) True once one is started or kept.
+    TrainConfig.warm_workers.)
     """
     threads = placement.threads_per_worker(workers or default_local_workers())
     POOL.server({**worker_env(threads), **placement.warm_server_env(count_host_gpus())})
-    return True
 
 
 class LocalWorker:
