@@ -173,8 +173,10 @@ def test_pinning_reaches_the_threads_a_warm_worker_already_runs():
 
 def test_no_server_when_warm_workers_are_off(digits, fresh_pool):
     x, y = digits
-    job = nbdist.train(_mlp(), x, y, epochs=1, batch_size=32, workers=2, ui="none", warm_workers=False)
+    job = nbdist.train(_mlp(), x, y, epochs=1, batch_size=32, workers=2, ui="none", warm_workers=False,
+                       phase_times=True)  # the same run: each worker times its epoch's phases (worker/phases.py)
     assert job.status == "done" and POOL.servers() == []
+    assert all(len(job.reports[r].get("phase_times") or []) == 1 for r in range(2)), job.reports
 
 
 def test_the_extension_starts_a_server_and_unloading_stops_it(fresh_pool):
