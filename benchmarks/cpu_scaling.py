@@ -192,9 +192,8 @@ def plain_fit(x: np.ndarray, y: np.ndarray, epochs: int, threads: int = len(CORE
 def nbdist_fit(x: np.ndarray, y: np.ndarray, epochs: int, workers: int) -> dict[str, Any]:
     import nbdist
 
-    os.environ["NBDIST_PHASE_TIMES"] = "1"
     job = nbdist.train(mlp(), x, y, epochs=epochs, batch_size=BATCH, workers=workers, strategy="allreduce",
-                       backend="local", shuffle=False, lr_scaling="none")
+                       backend="local", shuffle=False, lr_scaling="none", phase_times=True)
     epoch = statistics.median(job.state.epoch_seconds[1:])
     steps = -(-len(x) // (BATCH * workers))
     out: dict[str, Any] = {"samples_per_s": len(x) / epoch, "summed_by": job.reports[0].get("summed_by")}

@@ -116,8 +116,7 @@ def run_nbdist_session(data: Path, epochs: int = EPOCHS, workers: int = 2, seed:
     warm workers."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--session", str(data), "--epochs", str(epochs),
            "--workers", str(workers), "--seed", str(seed), "--pause", str(pause)] + (["--connect"] if connect else [])
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env.pop("NBDIST_WARM_WORKERS", None)  # the default: executors keep warm workers, as for a user
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}  # its runs keep warm workers (the default), as a user's
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"nbdist run failed: {out.stderr.strip()[-800:]}")

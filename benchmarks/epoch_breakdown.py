@@ -4,7 +4,7 @@ Plain ``model.fit`` with batch 64 against nbdist on N local workers with batch 3
 global batch for N = 2), both strategies. Every run times its epochs the same way: from one
 epoch's end to the next one's (so what Keras does between epochs counts too), and reports the
 median over the epochs after the first two (tracing, warm-up). Each worker times the phases of
-each epoch (worker/phases.py EpochPhases, on with NBDIST_PHASE_TIMES=1); plain fit is timed with
+each epoch (worker/phases.py EpochPhases, on with TrainConfig's phase_times=True); plain fit is timed with
 the same callbacks in this process; the driver times how long it spends on each kind of message.
 
     PYTHONPATH=. python benchmarks/epoch_breakdown.py [--epochs 12] [--repeats 3] [--workers 2]
@@ -90,10 +90,9 @@ def nbdist_fit(epochs: int, workers: int, strategy: str, batch: int = 32) -> dic
     from nbdist.api import prepare
     from nbdist.config import TrainConfig
 
-    os.environ["NBDIST_PHASE_TIMES"] = "1"  # the workers inherit it
     x, xv, y, yv = digits()
     cfg = TrainConfig(epochs=epochs, batch_size=batch, workers=workers, strategy=strategy, backend="local",
-                      ui="none", seed=0)
+                      ui="none", seed=0, phase_times=True)  # each worker times its epochs' phases
     merged_at: list[float] = []
 
     def listener(kind: str, state: Any, payload: Any) -> None:

@@ -35,7 +35,6 @@ DEFAULT_CACHE = Path(os.environ.get("NBDIST_BENCH_CACHE", Path.home() / ".cache"
 
 def start_spark(workers: int = 2) -> Any:
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ.setdefault("NBDIST_WARM_WORKERS", "0")  # every run starts its own workers: their RSS from 0
     from pyspark.sql import SparkSession
 
     spark = (SparkSession.builder.master(f"local[{workers}]").appName("nbdist-stream")
@@ -79,7 +78,8 @@ def train_sampling(model: Any, x: Any, y: Any = None, **options: Any) -> tuple[A
     import nbdist
     from nbdist.driver.run import TERMINAL
 
-    job = nbdist.train(model, x, y, background=True, **options)
+    # Every run starts its own workers (warm_workers=False): their RSS from 0.
+    job = nbdist.train(model, x, y, background=True, warm_workers=False, **options)
     peaks: dict[int, float] = {}
     while job.status not in TERMINAL:
         for p in _job_workers(job):
@@ -151,7 +151,8 @@ def measure_speed(spark: Any, gb: float, cache: Path = DEFAULT_CACHE, batch_size
     path, rows = parquet_data(spark, gb, cache)
     df = spark.read.parquet(path)
     options = dict(epochs=2, batch_size=batch_size, workers=2, strategy="allreduce", ui="none")
-    streamed = nbdist.train(mlp(), df, features="features", label="label", backend="spark", **options)
+    streamed = nbdist.train(mlp(), df, features="features", label="label", backend="spark", warm_workers=False,
+                            **options)
     # The same rows in memory on the notebook's side, read from the Parquet files with pyarrow: a Spark
     # collect (toPandas) of 0.5 GB of array rows exhausts the 2 GB Spark driver and hangs there.
     import pyarrow.parquet as pq
@@ -161,7 +162,7 @@ def measure_speed(spark: Any, gb: float, cache: Path = DEFAULT_CACHE, batch_size
     X = features.flatten().to_numpy().astype("float32").reshape(len(table), FEATURES)
     y = table.column("label").to_numpy().astype("int64")
     del table, features
-    in_memory = nbdist.train(mlp(), X, y, backend="local", **options)
+    in_memory = nbdist.train(mlp(), X, y, backend="local", warm_workers=False, **options)
     rate = lambda job: sum(w.samples for w in job.state.workers) / job.state.epoch_seconds[-1]
     return {"gb": gb, "rows": rows, "streamed_per_s": rate(streamed), "in_memory_per_s": rate(in_memory),
             "ratio": rate(streamed) / rate(in_memory)}
@@ -194,7 +195,6 @@ def measure_local(gb: float, workers: int = 4, cache: Path = DEFAULT_CACHE) -> d
     the model's own memory), over the array's size."""
     import numpy as np
 
-    os.environ.setdefault("NBDIST_WARM_WORKERS", "0")
     me = psutil.Process()
     out: dict[str, Any] = {"gb": gb, "workers": workers}
     for name, size in (("small", gb / 64), ("big", gb)):
@@ -217,7 +217,7 @@ def train_summing(model: Any, x: Any, y: Any = None, **options: Any) -> tuple[An
     import nbdist
     from nbdist.driver.run import TERMINAL
 
-    job = nbdist.train(model, x, y, background=True, **options)
+    job = nbdist.train(model, x, y, background=True, warm_workers=False, **options)  # RSS from 0, as above
     peaks: dict[int, float] = {}
     total = 0.0
     while job.status not in TERMINAL:

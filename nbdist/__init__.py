@@ -95,12 +95,13 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(TuneMagics)
     if continue_in_empty_cell not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(continue_in_empty_cell)
-    # Start the default local workers now, so the first %%dist_train finds TensorFlow imported.
+    # Start the default local workers now, so the first %%dist_train finds TensorFlow imported; not when the
+    # session turned warm workers off (%config DistMagics.warm_workers = False, or a profile's config).
     from .backends.local import start_warm_workers
     from .spark.backend import active_spark_session
 
-    if active_spark_session() is None:  # with Spark active, runs go to its executors
-        start_warm_workers()
+    if ipython.magics_manager.registry["DistMagics"].warm_workers and active_spark_session() is None:
+        start_warm_workers()  # with Spark active, runs go to its executors
 
 
 def unload_ipython_extension(ipython) -> None:

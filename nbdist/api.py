@@ -35,7 +35,9 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
     """Train ``model`` data-parallel on ``x``/``y`` and put the trained weights back into it.
 
     Options are the fields of ``TrainConfig`` (epochs, batch_size, workers, strategy,
-    backend, averaging_frequency, seed, shuffle, ui, background, ...). Blocks until
+    backend, averaging_frequency, seed, shuffle, ui, background, ...; where the workers come from:
+    warm_workers, executor_wait, advertise_host, container_engine, which the magics take from the session's
+    ``%config DistMagics.<name>``). Blocks until
     training ends unless ``background=True``; returns the ``TrainingJob`` either way.
     The API is silent by default (``ui="none"``). ``x`` may be a Spark DataFrame (name its
     columns with ``features`` and ``label``, and ``weight_col`` for a column of per-row
@@ -78,6 +80,13 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
     return job
 
 
+def stop_warm_workers() -> None:
+    """Stop the notebook's fork servers (backends/warm.py): its session turned warm workers off."""
+    from .backends.warm import POOL
+
+    POOL.close()
+
+
 def fit_arguments(x: Any, y: Any, config: TrainConfig, **given: Any) -> FitCall:
     """``model.fit``'s arguments for ``x``/``y`` and ``given`` (``--data X,y``, ``nbdist.train``): their sugar."""
     return FitCall(x=x, y=y, epochs=config.epochs, shuffle=config.shuffle,
@@ -110,7 +119,7 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
     # here too: the workers' weights come back into it.
     ensure_built(model, None, None)
     if not model.built and not model.weights:  # no input shape: built on a zero row as wide as the columns
-        ensure_built(model, None, None, width=feature_width(train_set))
+        ensure_built(model, None, None, width=feature_width(train_set, config.executor_wait))
     check_built(model)
     return _job(model, config, train_set, val_set, namespace, listeners)
 

@@ -94,6 +94,22 @@ class TrainConfig:
     # their own cores, those of share number local_slot (0 .. local_share - 1). 1: the run has it all.
     local_share: int = 1
     local_slot: int = 0
+    # Where the workers come from; a notebook sets these once for its session (%config DistMagics.<name>,
+    # magics/train.py), a program passes them as options. warm_workers: local workers fork from a fork server
+    # that has imported Keras already (backends/warm.py) and Spark executors keep warm workers
+    # (spark/warm.py); False: every worker starts afresh.
+    warm_workers: bool = True
+    # Spark: seconds to wait for registered executors with a task slot per worker (a YARN or Kubernetes
+    # cluster that starts them on demand may need longer).
+    executor_wait: float = 20.0
+    # Spark: the notebook's address as the executors reach it (a NAT, a VPN); the listeners then bind every
+    # interface. None: the driver's address on its route to the executors (spark/backend.py session_hosts).
+    advertise_host: str | None = None
+    # --backend containers: the container engine's binary, a name on the PATH or a path (None: podman,
+    # else docker).
+    container_engine: str | None = None
+    # Each worker times every epoch's phases and reports them (worker/phases.py; benchmarks).
+    phase_times: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -148,6 +164,7 @@ class TrainConfig:
                               "add --strategy allreduce or drop --engine.")
         _validate_containers(self)
         _validate_tracking(self)
+        _validate_session(self)
 
     def engine_choice(self) -> Choice:
         """The engine-related fields, as the selector takes them (machine/engines.py)."""
@@ -189,6 +206,24 @@ def _validate_containers(cfg: TrainConfig) -> None:
     gpus = cfg.container_gpus
     if gpus is not None and (not isinstance(gpus, str) or not re.match(r"^(all|\d+(,\d+)*)$", gpus)):
         raise NbdistError(f"--gpus must be 'all' or GPU indices like 0,1, got {gpus!r}.")
+
+
+def _validate_session(cfg: TrainConfig) -> None:
+    for name in ("warm_workers", "phase_times"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise NbdistError(f"{name} must be True or False, got {getattr(cfg, name)!r}.")
+    wait = cfg.executor_wait
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf"):
+        raise NbdistError(f"executor_wait must be a number of seconds of at least 0, got {wait!r}; "
+                          "for example executor_wait=60.")
+    host = cfg.advertise_host
+    if host is not None and (not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host)):
+        raise NbdistError(f"advertise_host must be an address of this machine that the Spark executors can reach, "
+                          f"got {host!r}; for example advertise_host='10.0.0.5'.")
+    engine = cfg.container_engine
+    if engine is not None and (not isinstance(engine, str) or not engine.strip()):
+        raise NbdistError(f"container_engine must name the podman or docker binary, got {engine!r}; "
+                          "for example container_engine='podman'.")
 
 
 def _validate_tracking(cfg: TrainConfig) -> None:

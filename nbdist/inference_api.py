@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # Options of TrainConfig that make sense for inference; the rest are training's.
 INFERENCE_OPTIONS = {"workers", "backend", "batch_size", "startup_timeout", "heartbeat_interval",
-                     "heartbeat_timeout"}
+                     "heartbeat_timeout", "warm_workers", "executor_wait", "advertise_host", "container_engine"}
 
 
 def inference_config(options: dict[str, Any]) -> TrainConfig:
@@ -127,7 +127,8 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None, st
     sample weights also ``confusion_matrix`` (rows: true class), ``per_class``
     (precision, recall, f1, support) and ``averages`` (accuracy, macro and weighted
     F1, and for a binary classifier the positive class's precision/recall/F1 and
-    the exact ROC AUC). Options: workers, backend, batch_size (default 256).
+    the exact ROC AUC). Options: workers, backend, batch_size (default 256), and TrainConfig's warm_workers,
+    executor_wait, advertise_host and container_engine.
     ``x`` may be a Spark DataFrame (name its columns with ``features`` and ``label``, and ``weight_col``
     for a column of per-row ``sample_weight``) or an RDD of (features, label) pairs: each Spark task
     then evaluates its partition in place. ``x`` may
@@ -195,14 +196,14 @@ def evaluate_spark(model: Any, x: Any, y: Any, features: str | Sequence[str] | N
     check_inference_model(model, "the model", need_compiled=True)
     check_single_output_on_spark(model, "evaluated")
     data = spark_dataset(x, y, features, label, weight_col=weight_col)
-    check_width(model, data)
+    check_width(model, data, config.executor_wait)
     loss = compiled_loss(model)
     output_shape = tuple(model.outputs[0].shape) if getattr(model, "outputs", None) else ()
     classifier = classifier_spec(loss, output_shape)
     if data.dataframe is not None and not vector_label(data.dataframe, label):  # one value per row
         check_label_column(model, label)
         if classifier is not None and classifier.kind == "multiclass" and classifier.sparse_labels:
-            check_label_classes(data, classifier.classes)
+            check_label_classes(data, classifier.classes, config.executor_wait)
     job = EvaluationJob(model, config, data, namespace, classifier=None if weight_col else classifier)
     return job.run()
 
@@ -234,7 +235,7 @@ def predict_spark(model: Any, df: Any, features: str | Sequence[str] | None, nam
         raise NbdistError(f"the DataFrame already has a column {prediction_col!r}; drop it or choose another "
                           "prediction column name.")
     data = spark_dataset(df, None, features, None, label_required=False)
-    in_shape = check_width(model, data)
+    in_shape = check_width(model, data, config.executor_wait)
     out_shape = tuple(model.outputs[0].shape[1:])
     if any(d is None for d in out_shape):
         raise NbdistError("the model's output size depends on its input; nbdist predicts fixed-size outputs only.")

@@ -13,6 +13,8 @@ from nbclient import NotebookClient
 
 # Run first in the kernel: TensorFlow loads there without its load-time notices (nbdist/worker/__main__.py).
 QUIET_TENSORFLOW = "__import__('nbdist.worker.__main__', fromlist=['_']).quiet_tensorflow_import()"
+# The kernel's session setting: a run without --ui prints text (``%config DistMagics.ui = "text"``).
+HEADLESS_UI = "--DistMagics.ui=text"
 
 
 def main() -> int:
@@ -22,15 +24,15 @@ def main() -> int:
     p.add_argument("--save", type=Path, default=None, help="write the executed notebook here")
     args = p.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow start-up noise out of the output
-    os.environ.setdefault("NBDIST_UI", "text")  # no browser here: --ui auto prints one line per epoch
     nb = nbformat.read(args.notebook, as_version=4)
     # A kernel on this machine talks over Unix sockets: no unencrypted TCP ports (nor ipykernel's warning).
     # Their path is absolute: the kernel runs in the notebook's folder, this script maybe elsewhere.
     sockets = tempfile.TemporaryDirectory(prefix="nbdist-demo-")
     kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets.name, "kernel"))
     # The kernel imports TensorFlow before it answers (exec_lines): give it the time a loaded machine needs.
+    # No browser here: the session's ui (DistMagics.ui, nbdist/magics/train.py) prints one line per epoch.
     client = NotebookClient(nb, km=kernel, timeout=args.timeout, kernel_name="python3", startup_timeout=300,
-                            extra_arguments=[f"--IPKernelApp.exec_lines={QUIET_TENSORFLOW}"],
+                            extra_arguments=[f"--IPKernelApp.exec_lines={QUIET_TENSORFLOW}", HEADLESS_UI],
                             resources={"metadata": {"path": str(args.notebook.parent)}})
 
     def show(cell, cell_index, execute_reply=None, **_):

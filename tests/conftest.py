@@ -8,8 +8,7 @@ from collections.abc import Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Local workers are forked from a warm fork server (backends/warm.py), as in a notebook: it saves each
-# worker TensorFlow's import. The tests that need cold workers set NBDIST_WARM_WORKERS=0 themselves.
-os.environ.pop("NBDIST_WARM_WORKERS", None)
+# worker TensorFlow's import. The tests that need cold workers pass warm_workers=False themselves.
 
 import numpy as np
 import psutil

@@ -36,7 +36,6 @@ from .command import container_env, job_command, package_root
 log = logging.getLogger(__name__)
 
 # Which engines to try, in order; a colon-separated list of names or paths overrides it.
-ENGINE_ENV = "NBDIST_CONTAINER_ENGINE"
 DEFAULT_ENGINES = ("podman", "docker")
 LABEL = "nbdist.run"
 # What the default image holds; bump when the layout below changes so the image is rebuilt.
@@ -62,8 +61,7 @@ class Engine:
 def find_engine(candidates: list[str] | None = None) -> Engine:
     """The first container engine that answers ``info``; one sentence naming what was tried if none."""
     if candidates is None:
-        override = os.environ.get(ENGINE_ENV, "")
-        candidates = [c for c in override.split(":") if c] or list(DEFAULT_ENGINES)
+        candidates = list(DEFAULT_ENGINES)
     tried: list[str] = []
     for cand in candidates:
         path = shutil.which(cand)
@@ -252,7 +250,7 @@ class ContainerBackend:
 
     def __init__(self, config: TrainConfig, engine: Engine | None = None) -> None:
         self.config = config
-        self.engine = engine or find_engine()
+        self.engine = engine or find_engine([config.container_engine] if config.container_engine else None)
         self.run_id = secrets.token_hex(4)
         self.workers: list[ContainerWorker] = []
         self.run_dir: Path | None = None

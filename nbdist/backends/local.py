@@ -17,23 +17,22 @@ from ..machine.placement import count_host_gpus, local_gpu_env, shared_core_slic
 from ..machine.processes import ChildEnd, oom_kill_count, pin_to_cores, read_log_tail, reap, signal_group
 from ..wire.secret import hand_over
 from .command import job_command, worker_env
-from .warm import POOL, ForkedWorker, warm_enabled, worker_end
+from .warm import POOL, ForkedWorker, worker_end
 
 log = logging.getLogger(__name__)
 
 
-def start_warm_workers(workers: int | None = None) -> bool:
+def start_warm_workers(workers: int | None = None) -> None:
     """Start the fork server the workers of local jobs will come from (backends/warm.py), when
     ``workers`` of them share the machine: a default job's by default, a search's parallel trials'
     (parallel x workers per trial) when it starts. A live one for them is kept, not started again.
 
     With GPUs the server imports only what initialises no device (``placement.warm_server_env``). (Not
-    with Spark active: the extension loader does not call this then.) False when none starts.
+    with Spark active: the extension loader does not call this then; nor when warm workers are off:
+    TrainConfig.warm_workers.)
     """
-    if not warm_enabled():
-        return False
     threads = placement.threads_per_worker(workers or default_local_workers())
-    return POOL.server({**worker_env(threads), **placement.warm_server_env(count_host_gpus())}) is not None
+    POOL.server({**worker_env(threads), **placement.warm_server_env(count_host_gpus())})
 
 
 class LocalWorker:
@@ -70,10 +69,11 @@ class LocalBackend:
     store_on_link = False
     unreachable_hint = ""  # the coordinator listens on this machine's loopback
 
-    def __init__(self, share: int = 1, slot: int = 0) -> None:
+    def __init__(self, share: int = 1, slot: int = 0, warm: bool = True) -> None:
         # This run is one of ``share`` using the machine at once, the one numbered ``slot``
-        # (TrainConfig.local_share / local_slot): its workers are pinned to that share's cores.
-        self.share, self.slot = share, slot
+        # (TrainConfig.local_share / local_slot): its workers are pinned to that share's cores. ``warm``
+        # (TrainConfig.warm_workers): its workers fork from a fork server (backends/warm.py), else start afresh.
+        self.share, self.slot, self.warm = share, slot, warm
         self.workers: list[LocalWorker] = []
         self.run_dir: Path | None = None
         self.workers_notice: str | None = None  # how many workers by default, and why (GPUs)
@@ -92,7 +92,7 @@ class LocalBackend:
         cores = usable_cores()
         slices = shared_core_slices(cores, world_size, threads_per_worker, self.share, self.slot) if cores else None
         # With GPUs the server has imported nothing that picks a device: each worker's job sets its GPU first.
-        server = POOL.server({**env, **placement.warm_server_env(count_host_gpus())})
+        server = POOL.server({**env, **placement.warm_server_env(count_host_gpus())}) if self.warm else None
         forked = 0
         for rank in range(world_size):
             gpu_env = local_gpu_env(rank, world=world_size)  # one GPU per worker by local rank, if any

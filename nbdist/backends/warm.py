@@ -7,7 +7,7 @@ background. A job takes a server started with the part of its workers' environme
 (``command.startup_env``: OpenMP reads the thread budget when it loads); the rest goes to each worker with
 its job. At most ``KEPT`` servers are kept, the least recently used stopped first. With GPUs a server
 imports only what initialises no device (``placement.warm_server_env``), so each worker's GPU is set by its
-job first. ``NBDIST_WARM_WORKERS=0`` turns them off: every worker then starts cold.
+job first. A run's ``warm_workers=False`` (TrainConfig) turns them off: its workers then start cold.
 """
 from __future__ import annotations
 
@@ -30,21 +30,8 @@ from .command import fork_server_command, startup_env
 
 log = logging.getLogger(__name__)
 
-ENV_COUNT = "NBDIST_WARM_WORKERS"
 KEPT = 2  # fork servers kept at once (each holds its imported libraries: 0.6-1 GB resident)
 FORK_TIMEOUT = 300.0  # seconds for a server to import and fork (a cold start's budget)
-
-
-def warm_enabled(environ: dict[str, str] | None = None) -> bool:
-    """False when ``$NBDIST_WARM_WORKERS`` is 0 (or not a number of workers)."""
-    raw = (os.environ if environ is None else environ).get(ENV_COUNT, "").strip()
-    if not raw:
-        return True
-    try:
-        return int(raw) > 0
-    except ValueError:
-        log.warning("%s=%r is not a number of workers; warm workers stay on", ENV_COUNT, raw)
-        return True
 
 
 class ForkedWorker:
@@ -197,14 +184,10 @@ class WarmPool:
         self._lock = threading.Lock()
         self._dir: Path | None = None
 
-    def server(self, env: dict[str, str]) -> ForkServer | None:
+    def server(self, env: dict[str, str]) -> ForkServer:
         """The live fork server for workers started with ``env`` (its startup part), started now if there
-        is none.
-
-        None when warm workers are off (``NBDIST_WARM_WORKERS=0``).
+        is none. (The caller asks only when its run has warm workers on: TrainConfig.warm_workers.)
         """
-        if not warm_enabled():
-            return None
         with self._lock:
             stale = [s for s in self._servers if not s.alive()]
             for s in stale:

@@ -30,14 +30,14 @@ def resolve_backend(config: TrainConfig) -> Backend:
 
         session = active_spark_session()
         if session is not None:
-            return SparkBackend(session)
+            return SparkBackend(session, config)
         if name == "spark":
             raise NbdistError(NO_SPARK)
         name = "local"
     if name == "local":
         from ..backends.local import LocalBackend
 
-        return LocalBackend(config.local_share, config.local_slot)
+        return LocalBackend(config.local_share, config.local_slot, config.warm_workers)
     from ..backends.containers import ContainerBackend  # the one name left: TrainConfig allows no other
 
     return ContainerBackend(config)

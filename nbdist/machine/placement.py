@@ -144,6 +144,8 @@ def shared_core_slices(cores: list[int] | set[int] | tuple[int, ...], world: int
     return None if slices is None else slices[slot * world:(slot + 1) * world]
 
 
+# Internal: the notebook tells a fork server it starts what to import ("device-free": nothing that picks a
+# GPU); not a user setting (those are TrainConfig's).
 WARM_IMPORTS = "NBDIST_WARM_IMPORTS"
 
 
@@ -168,7 +170,8 @@ def describe_device(platform: str, index: str | int | None = None, name: str | N
     return f"{where} ({name})" if name else where
 
 
-GPUS_ASKED = "NBDIST_GPUS_ASKED"  # set in a worker's environment where the run asked for GPUs (--gpus)
+# Internal: set in a worker's environment where the run asked for GPUs (--gpus); not a user setting.
+GPUS_ASKED = "NBDIST_GPUS_ASKED"
 
 
 def gpu_missing_notice(engine: str | None, device: str, gpus_asked: bool = False) -> str | None:

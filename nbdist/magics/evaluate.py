@@ -11,6 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..api import evaluate, is_spark_data, labels_in_batches, predict
 from ..errors import NbdistError, TrainingFailed
 from .args import apply, data_arguments, lookup_pair, weight_col_argument, worker_arguments
+from .train import session_options
 
 _batch = argument("--batch-size", type=int, default=256, help="rows per batch on each worker (default: 256)")
 _features = argument("--features", default=None, metavar="COLS",
@@ -44,6 +45,10 @@ def _run(fn: Any) -> Any:
 
 @magics_class
 class EvaluateMagics(Magics):
+    def _session(self) -> dict[str, Any]:
+        """The session's settings (%config DistMagics.*) but its ui: inference shows its result, not progress."""
+        return {k: v for k, v in session_options(self.shell).items() if k != "ui"}
+
     def _inputs(self, magic: Any, line: str) -> tuple[Any, dict[str, Any], str, Any, tuple[Any, Any]]:
         """What both magics read from their line: the arguments, the notebook namespace, the --out
         name, the model and the --data pair, each checked in that order."""
@@ -100,7 +105,7 @@ class EvaluateMagics(Magics):
                                   "outputs), e.g. --sample-weight w.")
         result = evaluate(model, x, y, sample_weight=weights, namespace=ns, workers=args.workers,
                           backend=args.backend, batch_size=args.batch_size, features=args.features,
-                          label=args.label, weight_col=args.weight_col)
+                          label=args.label, weight_col=args.weight_col, **self._session())
         ns[out] = result
         display(EvaluationReport(result))
 
@@ -134,7 +139,8 @@ class EvaluateMagics(Magics):
         if y is not None:
             raise NbdistError("--data for %dist_predict names only the features, e.g. --data X.")
         result = predict(model, x, namespace=ns, workers=args.workers, backend=args.backend,
-                         batch_size=args.batch_size, features=args.features, prediction_col=args.prediction_col)
+                         batch_size=args.batch_size, features=args.features, prediction_col=args.prediction_col,
+                         **self._session())
         ns[out] = result
         if is_spark_data(result):
             print(f"{out}: a Spark DataFrame with column {args.prediction_col!r}, computed on the executors "

@@ -1,4 +1,9 @@
-"""``%%dist_train``: run the cell to build a model, train it on workers, write back the result."""
+"""``%%dist_train``: run the cell to build a model, train it on workers, write back the result.
+
+``DistMagics`` also holds the session's settings, IPython configuration set once per notebook
+(``%config DistMagics.ui = "text"``, ``c.DistMagics.ui = "text"`` in an IPython profile's config file, or a
+kernel's ``--DistMagics.ui=text``): ``session_options`` hands them to every run of the magics as TrainConfig fields.
+"""
 from __future__ import annotations
 
 import sys
@@ -7,8 +12,9 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Bool, Float, TraitError, Unicode, observe, validate
 
-from ..api import FitCall, check_training_line, fit_job, intercept_fit, is_keras_model, prepare
+from ..api import FitCall, check_training_line, fit_job, intercept_fit, is_keras_model, prepare, stop_warm_workers
 from ..config import TrainConfig, implied_strategy
 from ..errors import NbdistError, TrainingFailed
 from .args import (
@@ -36,8 +42,49 @@ def continue_in_empty_cell(lines: list[str]) -> list[str]:
     return lines
 
 
+# The session's settings (DistMagics' traits), by TrainConfig field.
+SESSION_SETTINGS = ("ui", "warm_workers", "executor_wait", "advertise_host", "container_engine")
+
+
+def session_options(shell: Any) -> dict[str, Any]:
+    """The session's settings (``%config DistMagics.*``) as TrainConfig fields; the defaults where the
+    extension is not loaded."""
+    magics = shell.magics_manager.registry.get("DistMagics") if shell is not None else None
+    if magics is None:
+        return {}
+    return {name: getattr(magics, name) for name in SESSION_SETTINGS}
+
+
 @magics_class
 class DistMagics(Magics):
+    ui = Unicode("auto", help="the progress display of a run whose line gives no --ui: auto (widgets in "
+                 "Jupyter, HTML in Zeppelin, else text), widgets, html, text or none; a headless kernel "
+                 "sets text").tag(config=True)
+    warm_workers = Bool(True, help="local workers fork from a fork server that has imported Keras, started "
+                        "when the extension loads, and Spark executors keep warm workers; False: every "
+                        "worker starts afresh").tag(config=True)
+    executor_wait = Float(20.0, help="Spark: seconds to wait for executors with a task slot per worker "
+                          "(a cluster that starts them on demand may need longer)").tag(config=True)
+    advertise_host = Unicode(None, allow_none=True, help="Spark: this notebook's address as the executors "
+                             "reach it (a NAT, a VPN); default: the driver's address on its route to "
+                             "them").tag(config=True)
+    container_engine = Unicode(None, allow_none=True, help="--backend containers: the podman or docker "
+                               "binary (default: podman, else docker, on the PATH)").tag(config=True)
+
+    @validate(*SESSION_SETTINGS)
+    def _checked(self, proposal: Any) -> Any:
+        """A bad value is refused with TrainConfig's sentence, when it is set rather than at the next run."""
+        try:
+            TrainConfig(**{proposal.trait.name: proposal.value})
+        except NbdistError as exc:
+            raise TraitError(str(exc)) from None
+        return proposal.value
+
+    @observe("warm_workers")
+    def _warm_off(self, change: Any) -> None:
+        if not change.new:  # the fork server the extension started is of no more use
+            stop_warm_workers()
+
     @magic_arguments()
     @apply(data_arguments)
     @argument("--features", default=None, metavar="COLS",
@@ -75,7 +122,8 @@ class DistMagics(Magics):
     @argument("--seed", type=int, default=None,
               help="random seed; worker r uses seed + r (default: drawn from the notebook's Python and numpy "
                    "generators at the fit, so a cell seeded with keras.utils.set_random_seed reproduces)")
-    @argument("--ui", default="auto", help="auto | widgets | html | text | none (default: auto)")
+    @argument("--ui", default=None,
+              help="auto | widgets | html | text | none (default: %%config DistMagics.ui, auto)")
     @argument("--checkpoint-dir", default=None, metavar="DIR",
               help="save weights, optimizer state and history here after every epoch")
     @argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
@@ -183,11 +231,12 @@ class DistMagics(Magics):
         out_given = args.out is not None
         args.out = args.out or "history"
         options = {
+            **session_options(self.shell),
             "epochs": 1 if args.epochs is None else args.epochs,
             "batch_size": 32 if args.batch_size is None else args.batch_size, "workers": args.workers,
             "strategy": args.strategy, "backend": args.backend,
             "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling or "auto",
-            "max_staleness": args.max_staleness, "seed": args.seed, "ui": args.ui,
+            "max_staleness": args.max_staleness, "seed": args.seed, "ui": args.ui or self.ui,
             "checkpoint_dir": args.checkpoint_dir, "resume": args.resume, "background": args.background,
             "max_restarts": args.max_restarts, "engine": args.engine, "image": args.image,
             "container_cpus": args.cpus, "container_memory": args.memory, "container_gpus": args.gpus,

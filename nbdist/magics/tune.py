@@ -10,7 +10,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..config import implied_strategy
 from ..errors import NbdistError
 from .args import apply, data_arguments, lookup_pair, tracking_arguments, tracking_options
-from .train import _new_models
+from .train import _new_models, session_options
 
 
 @magics_class
@@ -50,7 +50,8 @@ class TuneMagics(Magics):
               help="steps between averaging rounds; given without --strategy, the trials average (default: 5)")
     @argument("--lr-scaling", default=None, metavar="auto|none|linear")
     @argument("--seed", type=int, default=None, help="seeds the sampler and every trial's workers")
-    @argument("--ui", default="auto", help="auto | html | text | none: the table of trials (default: auto)")
+    @argument("--ui", default=None,
+              help="auto | html | text | none: the table of trials (default: %%config DistMagics.ui, auto)")
     @apply(tracking_arguments)
     @cell_magic
     def dist_tune(self, line: str, cell: str) -> Any:
@@ -98,11 +99,12 @@ class TuneMagics(Magics):
             x, y = lookup_pair(args.data, ns, "--data")
         if args.validation_data:
             validation = lookup_pair(args.validation_data, ns, "--validation-data")
-        options = {"epochs": 1 if args.epochs is None else args.epochs,
+        session = session_options(self.shell)
+        options = {**session, "epochs": 1 if args.epochs is None else args.epochs,
                    "batch_size": 32 if args.batch_size is None else args.batch_size,
                    "backend": args.backend, "strategy": args.strategy,
                    "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling or "auto",
-                   "seed": args.seed, "ui": args.ui, **tracking_options(args)}
+                   "seed": args.seed, "ui": args.ui or session.get("ui", "auto"), **tracking_options(args)}
         options = implied_strategy({k: v for k, v in options.items() if k != "averaging_frequency" or v is not None})
         pruner = self._object(args.pruner, ns, "--pruner") if args.pruner in ns else args.pruner
         sampler = self._object(args.sampler, ns, "--sampler") if args.sampler else None

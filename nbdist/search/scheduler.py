@@ -128,7 +128,7 @@ class Search:
         none of them waits for TensorFlow's import (backends/warm.py)."""
         from ..driver.resolve import runs_locally
 
-        if runs_locally(self.config):
+        if runs_locally(self.config) and self.config.warm_workers:
             from ..backends.local import start_warm_workers
 
             start_warm_workers(self.state.parallel * (self.config.workers or 1))

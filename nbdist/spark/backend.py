@@ -19,11 +19,11 @@ import socket
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.warm import warm_enabled
+from ..config import TrainConfig
 from ..errors import NbdistError
 from ..machine.keras_backend import notebook_backend
 from ..machine.processes import ChildEnd
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 NO_SPARK = ("--backend spark needs an active SparkContext and there is none; start one first, e.g. "
             "spark = SparkSession.builder.master('local[2]').getOrCreate().")
-ADVERTISE_ENV = "NBDIST_ADVERTISE_HOST"  # the notebook's address as the executors should use it
 
 
 def active_spark_context() -> Any | None:
@@ -116,18 +115,17 @@ def route_to(host: str, resolve: Callable[[str], str] = socket.gethostbyname) ->
         probe.close()
 
 
-def session_hosts(session: Any, environ: Mapping[str, str] = os.environ,
+def session_hosts(session: Any, advertise: str | None = None,
                   executors: cluster.Executors | None = None) -> tuple[str, str]:
     """(bind, advertise) for the coordinator and status listener of a run on ``session``.
 
-    ``$NBDIST_ADVERTISE_HOST`` names the notebook's address as executors see it (a NAT, a VPN):
-    the listeners then bind every interface. Otherwise a classic session uses the driver's address on
+    ``advertise`` (TrainConfig.advertise_host) names the notebook's address as executors see it (a NAT, a
+    VPN): the listeners then bind every interface. Otherwise a classic session uses the driver's address on
     its route to the ``executors`` (cluster.coordinator_host) and a Connect client the address of its
     route to the Connect server.
     """
-    named = environ.get(ADVERTISE_ENV, "").strip()
-    if named:
-        return "0.0.0.0", named
+    if advertise:
+        return "0.0.0.0", advertise
     if is_connect_session(session):
         host = route_to(session.client.host)
     else:
@@ -228,12 +226,17 @@ class SparkBackend:
     name = "spark"
     store_on_link = True  # rank 0 binds the rendezvous store on its own executor, not the driver's host
 
-    def __init__(self, session: Any) -> None:
+    def __init__(self, session: Any, config: TrainConfig | None = None) -> None:
         self.session = session
+        config = config or TrainConfig()
+        # The run's choices for Spark (TrainConfig): how long to wait for executors, the address they reach
+        # the notebook at, and whether they keep warm workers.
+        self.executor_wait, self.warm = config.executor_wait, config.warm_workers
         self.connect = is_connect_session(session)
         # Classic sessions, before any Spark job: executors registered, and the address they reach us at.
-        self.executors = None if self.connect else cluster.wait_for_executors(session.sparkContext, 1)
-        self.bind_host, self.advertise_host = session_hosts(session, executors=self.executors)
+        self.executors = None if self.connect else cluster.wait_for_executors(session.sparkContext, 1,
+                                                                              self.executor_wait)
+        self.bind_host, self.advertise_host = session_hosts(session, config.advertise_host, self.executors)
         self.unreachable_hint = cluster.UNREACHABLE_HINT
         self.gloo_ifname: str | None = "lo" if self.advertise_host == "127.0.0.1" else None
         self.group = f"nbdist-{uuid.uuid4().hex[:12]}"  # the job group (classic) or operation tag (Connect)
@@ -265,7 +268,7 @@ class SparkBackend:
             raise NbdistError("RDDs do not exist over Spark Connect; pass a DataFrame instead, e.g. "
                               "spark.createDataFrame(pandas_df), naming its columns with --features and --label.")
         if self.executors is not None:  # one sentence within seconds, rather than Spark's wait for slots
-            cluster.wait_for_executors(self.session.sparkContext, world_size)
+            cluster.wait_for_executors(self.session.sparkContext, world_size, self.executor_wait)
         slots = self.default_workers()
         if world_size > slots and not self.connect:  # Connect: the server's conf is only a guess
             raise NbdistError(f"{world_size} workers need {world_size} Spark task slots at once (barrier mode) "
@@ -281,7 +284,7 @@ class SparkBackend:
         threading.Thread(target=self._accept, name="nbdist-spark-status", daemon=True).start()
         spec = TaskSpec(address=tuple(address), status_address=status_address, secret_hex=secret.hex(),
                         threads=threads_per_worker, layout=None if data is None else data.layout,
-                        warm=warm_enabled(),  # NBDIST_WARM_WORKERS=0 turns executors' warm workers off
+                        warm=self.warm,  # TrainConfig.warm_workers=False turns executors' warm workers off
                         keras_backend=notebook_backend(),
                         validation=data is not None and data.validation is not None)
         stage = self._stage(world_size, source, spec)

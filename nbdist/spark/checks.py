@@ -8,7 +8,7 @@ import numpy as np
 
 from ..checks import input_shape
 from ..errors import NbdistError
-from .cluster import wait_for_dataframe_executors
+from .cluster import EXECUTOR_WAIT, wait_for_dataframe_executors
 from .data import SparkData
 
 SPARK_BACKENDS = ("auto", "spark")
@@ -24,8 +24,9 @@ def _cell_width(value: Any, name: str) -> int:
                           "array-of-numbers or ML Vector columns.") from None
 
 
-def feature_width(data: SparkData) -> int | None:
-    """Values per row across the feature columns: from the schema, or from one row for arrays/vectors."""
+def feature_width(data: SparkData, wait: float = EXECUTOR_WAIT) -> int | None:
+    """Values per row across the feature columns: from the schema, or from one row for arrays/vectors (for
+    which it waits up to ``wait`` s for an executor: TrainConfig.executor_wait)."""
     df = data.dataframe
     if df is None:
         return None
@@ -36,7 +37,7 @@ def feature_width(data: SparkData) -> int | None:
     sized = [c for c in cols if not isinstance(fields[c], T.NumericType)]
     width = len(cols) - len(sized)
     if sized:
-        wait_for_dataframe_executors(df)  # without executors the row below would wait forever
+        wait_for_dataframe_executors(df, wait)  # without executors the row below would wait forever
         rows = df.select(*sized).head(1)  # one row, to learn the array/vector lengths
         if not rows:
             raise NbdistError("the DataFrame has no rows; pass data with at least one row per worker.")
@@ -47,10 +48,10 @@ def feature_width(data: SparkData) -> int | None:
     return width
 
 
-def check_width(model: Any, data: SparkData) -> tuple[int, ...] | None:
+def check_width(model: Any, data: SparkData, wait: float = EXECUTOR_WAIT) -> tuple[int, ...] | None:
     """One sentence when the columns cannot feed the model; returns the model's input shape."""
     shape = input_shape(model)
-    width = feature_width(data)
+    width = feature_width(data, wait)
     if shape is not None and width is not None and width != int(np.prod(shape)):
         cols = ", ".join(data.layout.features)
         raise NbdistError(f"the feature columns ({cols}) hold {width} values per row but the model expects "
@@ -58,13 +59,13 @@ def check_width(model: Any, data: SparkData) -> tuple[int, ...] | None:
     return shape
 
 
-def check_label_classes(data: SparkData, classes: int) -> None:
+def check_label_classes(data: SparkData, classes: int, wait: float = EXECUTOR_WAIT) -> None:
     """Sparse class labels must be whole numbers in 0..classes-1: checked in the JVM, one row comes back."""
     from pyspark.sql import functions as F
 
     label = data.layout.label
     col = F.col(label)
-    wait_for_dataframe_executors(data.dataframe)
+    wait_for_dataframe_executors(data.dataframe, wait)
     low, high, fractional, nulls = data.dataframe.agg(
         F.min(col), F.max(col), F.sum((col != F.floor(col)).cast("long")),
         F.sum(col.isNull().cast("long"))).first()

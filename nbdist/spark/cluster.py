@@ -12,7 +12,6 @@ Two things Spark does not check for us before a job:
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -24,17 +23,9 @@ from ..errors import NbdistError
 
 log = logging.getLogger(__name__)
 
-# How long to wait for executors before saying why there are none; NBDIST_EXECUTOR_WAIT overrides it
-# (a YARN or Kubernetes cluster that starts containers on demand may need longer).
+# How long to wait for executors before saying why there are none, by default (TrainConfig.executor_wait).
 EXECUTOR_WAIT = 20.0
 LOOPBACK = "127.0.0.1"
-
-
-def executor_wait() -> float:
-    try:
-        return max(0.0, float(os.environ.get("NBDIST_EXECUTOR_WAIT", EXECUTOR_WAIT)))
-    except ValueError:
-        return EXECUTOR_WAIT
 
 
 @dataclass(frozen=True)
@@ -70,7 +61,7 @@ def registered(sc: Any) -> Executors:
     return Executors(count, slots, tuple(sorted(set(hosts))))
 
 
-def wait_for_executors(sc: Any, slots: int, timeout: float | None = None,
+def wait_for_executors(sc: Any, slots: int, timeout: float = EXECUTOR_WAIT,
                        poll: float = 0.5) -> Executors | None:
     """Executors with at least ``slots`` task slots, waiting up to ``timeout`` s; None for a local master.
 
@@ -83,7 +74,6 @@ def wait_for_executors(sc: Any, slots: int, timeout: float | None = None,
         raise NbdistError("nbdist's workers run as one Spark barrier stage, which Spark refuses under dynamic "
                           "allocation; create the session with spark.dynamicAllocation.enabled=false and a "
                           "fixed number of executors (spark.executor.instances).")
-    timeout = executor_wait() if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while True:
         found = registered(sc)
@@ -100,11 +90,11 @@ def wait_for_executors(sc: Any, slots: int, timeout: float | None = None,
                       "or cores.")
 
 
-def wait_for_dataframe_executors(df: Any) -> None:
+def wait_for_dataframe_executors(df: Any, timeout: float = EXECUTOR_WAIT) -> None:
     """Before a small job on ``df`` (one row, an aggregate): an executor to run it (classic sessions)."""
     session = df.sparkSession
     if not type(session).__module__.startswith("pyspark.sql.connect"):  # Connect: the server's business
-        wait_for_executors(session.sparkContext, 1)
+        wait_for_executors(session.sparkContext, 1, timeout)
 
 
 def no_executors_message(master: str, driver_host: str | None, waited: float,

@@ -316,8 +316,9 @@ RESULT_SCHEMA = "rank long, code long, rows long, log string, error string"
 def unreachable(address: tuple[str, int], exc: BaseException) -> str:
     """The one sentence a task returns when the notebook's coordinator is out of its reach."""
     return (f"the Spark executors cannot reach the notebook at {address[0]}:{address[1]} ({exc}); run the "
-            "notebook on the cluster's network, or set NBDIST_ADVERTISE_HOST to an address of this machine "
-            "that the executors can reach (and open its ports to them).")
+            "notebook on the cluster's network, or set advertise_host (%config DistMagics.advertise_host, or the "
+            "advertise_host option) to an address of this machine that the executors can reach (and open its "
+            "ports to them).")
 
 
 def local_dir() -> str | None:

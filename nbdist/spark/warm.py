@@ -7,7 +7,8 @@ same executor with the same worker environment (``env_key``) takes it (``claim``
 (atomic: two tasks never take the same worker), then sending the job line and the run's secret. The task
 waits on that connection as on its own child; the worker dies if it drops, exits when the executor is gone
 or after ``IDLE_LIMIT`` seconds unused, and unpickles nothing it reads. Not used with GPUs (a worker's
-device is chosen before TensorFlow starts) or when ``NBDIST_WARM_WORKERS=0``. No third-party import here.
+device is chosen before TensorFlow starts) or when the run's ``warm_workers`` is off (TrainConfig). No
+third-party import here.
 """
 from __future__ import annotations
 

@@ -100,14 +100,12 @@ def _has_comms(kernel: Any) -> bool:
 
 
 def make_renderer(ui: str, stream: TextIO | None = None) -> Listener | None:
-    """The renderer for ``--ui``; ``auto`` means ``$NBDIST_UI`` when set, else ``detect_frontend()``."""
+    """The renderer for ``--ui`` (TrainConfig.ui); ``auto`` means ``detect_frontend()``. A headless kernel
+    (``make demo``, a CI job) sets its session's default instead: ``%config DistMagics.ui = "text"``."""
     if ui == "none":
         return None
     if ui == "auto":
-        # A headless run (``make demo``, a CI job) has a kernel but nobody to see widgets.
-        ui = os.environ.get("NBDIST_UI", "").strip().lower() or detect_frontend()
-        if ui == "none":
-            return None
+        ui = detect_frontend()
     if ui == "text":
         from .text import TextRenderer
 
@@ -124,7 +122,7 @@ def make_renderer(ui: str, stream: TextIO | None = None) -> Listener | None:
         return WidgetDashboard()
     from ..errors import NbdistError
 
-    raise NbdistError(f"unknown ui {ui!r} (from --ui or NBDIST_UI); use one of: auto, widgets, html, text, none.")
+    raise NbdistError(f"unknown ui {ui!r}; use one of: auto, widgets, html, text, none.")
 
 
 def _no_widgets(exc: ImportError) -> Exception:
@@ -137,7 +135,7 @@ def _no_widgets(exc: ImportError) -> Exception:
 def make_search_view(ui: str, stream: TextIO | None = None) -> Any:
     """The live view of a search (ui/search.py, ui/search_widgets.py) for ``--ui``; auto as ``make_renderer``."""
     if ui == "auto":
-        ui = os.environ.get("NBDIST_UI", "").strip().lower() or detect_frontend()
+        ui = detect_frontend()
     if ui == "none":
         return None
     from .search import HtmlSearchView, TextSearchView

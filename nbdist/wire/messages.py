@@ -103,6 +103,7 @@ class TrainSettings:
     raise_on_nan: bool = False
     # The notebook's TensorBoard's part inside the passes, run by worker 0 (None: nothing to write there).
     batch_summaries: BatchSummaries | None = None
+    phase_times: bool = False  # each worker times every epoch's phases (TrainConfig, worker/phases.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_summaries, dict):  # as it crosses the wire

@@ -133,7 +133,7 @@ class Done(Typed):
     optional_imports: list[str] | None = None
     last_epoch: int | None = None  # with the notebook's callbacks' decisions
     learning_rates: list[float] | None = None  # with decisions: the rate each epoch trained with
-    phase_times: list[dict[str, float]] | None = None  # NBDIST_PHASE_TIMES=1 (worker/phases.py)
+    phase_times: list[dict[str, float]] | None = None  # the run's phase_times (worker/phases.py)
     weights_sent: int | None = None  # rank 0
     async_pushed: int | None = None  # --strategy async
     async_refused: int | None = None

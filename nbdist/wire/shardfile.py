@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-DATA_ENV = "NBDIST_DATA_DIR"  # tells the worker where its task wrote the shard
+DATA_ENV = "NBDIST_DATA_DIR"  # internal: a Spark task tells its worker where it wrote the shard
 SHARD_FILE = "shard.arrow"
 VALIDATION_DIR = "validation"  # beside the training shard: the task's share of a validation DataFrame
 ROWS_FILE = "shard.rows"  # int64 row count of every block, written last: the reader sizes epochs from it

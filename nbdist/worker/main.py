@@ -406,8 +406,10 @@ def _work(address: str, rank: int, secret: bytes) -> int:
 
         job = unpack_job(link.expect(JobMessage, timeout=300))
         if job.kind == "train":
+            from .phases import time_phases
             from .training import run_training
 
+            time_phases(job.train.phase_times)
             run_training(link, job)
         else:  # evaluate / predict
             from .inference import run_inference

@@ -174,13 +174,19 @@ def phase_callbacks(send: Callable[[State], None], collective: Any) -> list[Any]
 
 
 # -- per-phase breakdown of each epoch (benchmarks/epoch_breakdown.py) ------
-ENV_PHASE_TIMES = "NBDIST_PHASE_TIMES"  # "1": the worker times each epoch's phases and reports them
+# The job's TrainSettings.phase_times (TrainConfig.phase_times), set once per job by worker/main.py before it
+# trains: the worker then times each epoch's phases and reports them.
+_phase_times = False
+
+
+def time_phases(on: bool) -> None:
+    """Set from the job's settings before training: whether ``phase_times_enabled()``."""
+    global _phase_times
+    _phase_times = bool(on)
 
 
 def phase_times_enabled() -> bool:
-    import os
-
-    return os.environ.get(ENV_PHASE_TIMES) == "1"
+    return _phase_times
 
 
 class EpochPhases:
@@ -192,7 +198,7 @@ class EpochPhases:
     hooks to validation: Keras reading the metrics), ``validation``, ``ship_weights`` (rank 0
     sending the weights to the driver), ``epoch_end`` (the other epoch-end callbacks: the epoch
     message), ``between_epochs`` (Keras from one epoch's end to the next one's start). Clock
-    reads only, and off unless NBDIST_PHASE_TIMES=1.
+    reads only, and off unless the run's ``phase_times`` is on.
     """
 
     PHASES = ("steps", "sync", "batch_hooks", "epoch_metrics", "validation", "ship_weights", "epoch_end",

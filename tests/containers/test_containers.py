@@ -20,7 +20,6 @@ import pytest
 import nbdist
 from nbdist.api import prepare
 from nbdist.backends.containers import (
-    ENGINE_ENV,
     LABEL,
     ContainerBackend,
     Engine,
@@ -75,18 +74,18 @@ def test_bad_container_options_get_one_sentence(options, fragment):
         TrainConfig(**options)
 
 
-def test_no_engine_names_what_was_tried(monkeypatch, digits_xy):
+def test_no_engine_names_what_was_tried(digits_xy):
     with pytest.raises(NbdistError) as err:
         find_engine(["/nonexistent/podman", "/nonexistent/docker"])
     msg = str(err.value)
     assert "neither is usable" in msg and "/nonexistent/podman (not found)" in msg
     assert "/nonexistent/docker (not found)" in msg and "--backend local" in msg
-    # Through the API, by the environment variable: the model is untouched.
-    monkeypatch.setenv(ENGINE_ENV, "/nonexistent/podman")
+    # Through the API, by the container_engine option: the model is untouched.
     model = mlp()
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(NbdistError, match="tried /nonexistent/podman"):
-        nbdist.train(model, *digits_xy, epochs=1, workers=2, backend="containers")
+        nbdist.train(model, *digits_xy, epochs=1, workers=2, backend="containers",
+                     container_engine="/nonexistent/podman")
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 
 

@@ -81,6 +81,7 @@ def quickstart() -> None:
     with tempfile.TemporaryDirectory(prefix="nbdist-tier-") as sockets:
         kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
         client = NotebookClient(nb, km=kernel, timeout=600, startup_timeout=300,
+                                extra_arguments=["--DistMagics.ui=text"],  # no browser: one line per epoch
                                 resources={"metadata": {"path": sockets}})
         started = time.monotonic()
         client.execute()
@@ -93,5 +94,4 @@ def quickstart() -> None:
 
 if __name__ == "__main__":
     os.environ["KERAS_BACKEND"] = "jax"
-    os.environ.setdefault("NBDIST_UI", "text")  # no browser: one line per epoch
     {"no-torch": no_torch, "quickstart": quickstart}[sys.argv[1]]()

@@ -14,20 +14,13 @@ NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def execute(name: str, timeout: int = 600) -> nbformat.NotebookNode:
-    """Run a notebook as `make demo` does: headless, so ``--ui auto`` prints text (NBDIST_UI)."""
+    """Run a notebook as `make demo` does: headless, its kernel started with ``--DistMagics.ui=text`` so
+    that runs without ``--ui`` print text."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     env_root = str(NOTEBOOKS.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (env_root, os.environ.get("PYTHONPATH", "")) if p)
-    previous = os.environ.get("NBDIST_UI")
-    os.environ["NBDIST_UI"] = "text"  # the kernel inherits it; restored so in-process tests see auto
-    try:
-        NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                       resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
-    finally:
-        if previous is None:
-            os.environ.pop("NBDIST_UI", None)
-        else:
-            os.environ["NBDIST_UI"] = previous
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", extra_arguments=["--DistMagics.ui=text"],
+                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
     return nb
 
 

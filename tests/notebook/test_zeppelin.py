@@ -118,7 +118,7 @@ def run_as_zeppelin(paragraphs: list[str], tmp: Path) -> list[dict]:
     with zipfile.ZipFile(py4j, "w"):
         pass  # a stand-in: nothing here imports py4j
     (workdir / "paragraphs.json").write_text(json.dumps([zeppelin_script(p) for p in paragraphs]))
-    env = {k: v for k, v in os.environ.items() if k != "NBDIST_UI"}
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(py4j), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["PY4J_GATEWAY_SECRET"] = secrets.token_hex(32)
     env["JUPYTER_PATH"] = str(tmp / "jupyter")  # where the "python" kernel above is installed

@@ -34,11 +34,27 @@ def pytest_collection_modifyitems(items) -> None:
         items[i] = item
 
 
+@pytest.fixture
+def warm_executors() -> bool:
+    """Asked for by the tests whose executors keep warm workers, as a user's do (TrainConfig.warm_workers)."""
+    return True
+
+
 @pytest.fixture(autouse=True)
-def no_warm_executor_workers(monkeypatch):
-    """Executors' warm workers only where a test asks for them (test_spark_warm.py): the others count
-    the processes a job leaves."""
-    monkeypatch.setenv("NBDIST_WARM_WORKERS", "0")
+def no_warm_executor_workers(request, monkeypatch):
+    """Executors' warm workers only where a test asks for them (``warm_executors``): the others count the
+    processes a job leaves, so their runs' Spark backends get ``warm_workers=False``, as if each had passed it."""
+    if "warm_executors" in request.fixturenames:
+        return
+    from nbdist.config import TrainConfig
+    from nbdist.spark.backend import SparkBackend
+
+    init = SparkBackend.__init__
+
+    def cold(self, session, config=None):
+        init(self, session, (config or TrainConfig()).replace(warm_workers=False))
+
+    monkeypatch.setattr(SparkBackend, "__init__", cold)
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,7 @@ WORKER = "nbdist.worker"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    saved = os.environ.get("NBDIST_WARM_WORKERS")
-    os.environ["NBDIST_WARM_WORKERS"] = "0"  # no warm workers left on the hosts: "nothing left" means nothing
+    # No warm workers left on the hosts (tests/spark/conftest.py): "nothing left" means nothing.
     c = NetnsCluster(tmp_path_factory.mktemp("netns")).start()
     try:
         yield c
@@ -43,10 +42,6 @@ def cluster(tmp_path_factory):
         if active is not None:
             active.stop()
         c.close()
-        if saved is None:
-            os.environ.pop("NBDIST_WARM_WORKERS", None)
-        else:
-            os.environ["NBDIST_WARM_WORKERS"] = saved
 
 
 def _session(cluster: NetnsCluster, driver: str = BRIDGE_IP, **conf: str):
@@ -159,33 +154,31 @@ def test_coordinator_unreachable_from_the_hosts(cluster, spark, data, monkeypatc
     message = str(err.value).splitlines()[0]
     assert took < 30, took
     assert message.startswith("worker ") and "cannot reach the notebook at 127.0.0.1:" in message, message
-    assert "NBDIST_ADVERTISE_HOST" in message, message
+    assert "advertise_host" in message, message
     assert not _left_on_hosts(cluster)
 
 
-def test_no_executors(cluster, data, monkeypatch):
+def test_no_executors(cluster, data):
     """Executors wider than any worker: none starts; one sentence before counting rows, not a hang."""
-    monkeypatch.setenv("NBDIST_EXECUTOR_WAIT", "6")  # none can come: the default 20 s wait proves nothing more
     spark = _session(cluster, **{"spark.executor.cores": "2"})  # each host offers one core
     df = digits_frame(spark, data[0], data[2])
     start = time.monotonic()
     with pytest.raises(NbdistError) as err:
         nbdist.train(small_model(), df, features=["pixels"], label="digit", epochs=1, batch_size=32, workers=2,
-                     backend="spark", ui="none")
+                     backend="spark", ui="none", executor_wait=6)  # none can come: 20 s proves nothing more
     assert time.monotonic() - start < 30
     message = str(err.value)
     assert message.startswith("no Spark executor registered") and "spark.executor.cores" in message, message
 
 
-def test_driver_address_unreachable(cluster, data, monkeypatch):
+def test_driver_address_unreachable(cluster, data):
     """spark.driver.host on an address the hosts have no route to: executors never register."""
-    monkeypatch.setenv("NBDIST_EXECUTOR_WAIT", "6")
     spark = _session(cluster, driver=UNREACHABLE_IP)
     df = digits_frame(spark, data[0], data[2])
     start = time.monotonic()
     with pytest.raises(NbdistError) as err:
         nbdist.train(small_model(), df, features=["pixels"], label="digit", epochs=1, batch_size=32, workers=2,
-                     backend="spark", ui="none")
+                     backend="spark", ui="none", executor_wait=6)  # none can come: 20 s proves nothing more
     assert time.monotonic() - start < 30
     message = str(err.value)
     assert f"spark.driver.host='{UNREACHABLE_IP}'" in message and f"to {BRIDGE_IP}" in message, message

@@ -173,15 +173,14 @@ def test_a_jax_or_torch_notebook_trains_over_connect_as_locally(spark, backend, 
     assert_remote_run(run_driver(backend, "spark", CONNECT_URL[0]), backend)
 
 
-def test_unreachable_notebook_is_one_sentence_within_30_s(spark, data, monkeypatch, no_leftover_workers):
+def test_unreachable_notebook_is_one_sentence_within_30_s(spark, data, no_leftover_workers):
     Xtr, _, ytr, _ = data
-    monkeypatch.setenv("NBDIST_ADVERTISE_HOST", "192.0.2.1")  # TEST-NET-1: reaches nothing
     started = time.monotonic()
-    with pytest.raises(TrainingFailed) as info:
-        nbdist.train(small_model(), Xtr[:200], ytr[:200], epochs=1, workers=2, ui="none")
+    with pytest.raises(TrainingFailed) as info:  # TEST-NET-1 reaches nothing
+        nbdist.train(small_model(), Xtr[:200], ytr[:200], epochs=1, workers=2, ui="none", advertise_host="192.0.2.1")
     elapsed = time.monotonic() - started
     message = str(info.value)
-    assert "cannot reach the notebook at 192.0.2.1" in message and "NBDIST_ADVERTISE_HOST" in message, message
+    assert "cannot reach the notebook at 192.0.2.1" in message and "advertise_host" in message, message
     assert elapsed < 30, elapsed
 
 
@@ -302,12 +301,11 @@ def test_interrupt_cancels_the_connect_job(spark, data):
     assert spark.range(10).count() == 10
 
 
-def test_both_strategies_match_local_fit_and_warm_workers_serve_the_second_run(spark, data, monkeypatch):
+def test_both_strategies_match_local_fit_and_warm_workers_serve_the_second_run(spark, data, warm_executors):
     Xtr, Xte, ytr, yte = data
     local = small_model()
     local.fit(Xtr, ytr, epochs=EPOCHS, batch_size=64, verbose=0)
     want = accuracy(local, Xte, yte)
-    monkeypatch.delenv("NBDIST_WARM_WORKERS", raising=False)  # conftest turns them off elsewhere
     df = _frame(spark, Xtr, ytr)
     others = set(warm_socket_workers())  # other runs' on this machine (colleagues, other tests)
     runs = {}

@@ -125,8 +125,7 @@ def test_dataframe_training_on_standalone_cluster(spark):
     assert not wait_until_no_workers(job)
 
 
-def test_a_standalone_executor_keeps_warm_workers_for_the_next_run(spark, monkeypatch):
-    monkeypatch.delenv("NBDIST_WARM_WORKERS", raising=False)  # conftest turns them off for other tests
+def test_a_standalone_executor_keeps_warm_workers_for_the_next_run(spark, warm_executors):
     Xtr, Xte, ytr, yte = digits()
     df = digits_frame(spark, Xtr, ytr)
     nbdist.train(small_model(), df, features="pixels", label="digit", epochs=1, workers=2, ui="none")

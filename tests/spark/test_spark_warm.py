@@ -118,13 +118,12 @@ def test_a_waiting_worker_ends_with_the_process_it_watches(tmp_path):
         executor.kill()
 
 
-def test_spark_second_run_takes_the_warm_workers_and_they_end_with_spark(monkeypatch):
+def test_spark_second_run_takes_the_warm_workers_and_they_end_with_spark(warm_executors):
     from ..spark_helpers import accuracy, digits, need_spark, small_model, spark_session
 
     need_spark()
     import nbdist
 
-    monkeypatch.delenv("NBDIST_WARM_WORKERS", raising=False)  # conftest turns them off for other tests
     Xtr, Xte, ytr, yte = digits()
     assert not warm_socket_workers()
     spark = spark_session("local[2]")

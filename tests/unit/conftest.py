@@ -45,7 +45,8 @@ def _refusing(name: str, started: list[str]) -> Callable[..., Any]:
 def no_processes_no_jvm(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Fails the test if it (or a thread it started) starts a process or a Spark JVM gateway."""
     started: list[str] = []
-    monkeypatch.setenv("NBDIST_WARM_WORKERS", "0")  # loading the extension would start a fork server
+    # Loading the extension would start a fork server, as a notebook's does: here it starts none.
+    monkeypatch.setattr("nbdist.backends.local.start_warm_workers", lambda workers=None: None)
     monkeypatch.setattr(_posixsubprocess, "fork_exec", _refusing("fork_exec", started))
     # subprocess keeps its own reference to fork_exec, taken when it was imported.
     monkeypatch.setattr(subprocess, "_fork_exec", _refusing("fork_exec", started), raising=False)

@@ -206,20 +206,29 @@ def test_one_epoch_still_draws_a_whole_bar_and_a_readable_axis(dashboard):
     assert chart.y_scale.min is None and list(map(int, dash.timeline.bars.x)) == [1, 2]
 
 
-def test_nbdist_ui_environment_variable_chooses_what_auto_means(monkeypatch) -> None:
-    """`make demo` runs headless in a real kernel: NBDIST_UI=text makes --ui auto print lines."""
-    from nbdist.errors import NbdistError
+def test_the_sessions_ui_setting_is_what_a_run_without_ui_shows() -> None:
+    """`make demo` runs headless in a real kernel: ``%config DistMagics.ui = "text"`` (scripts/run_notebook.py
+    passes ``--DistMagics.ui=text``) makes the magics' runs without --ui print lines."""
+    from traitlets import TraitError
+
+    from nbdist.magics.train import session_options
     from nbdist.ui import make_renderer
     from nbdist.ui.text import TextRenderer
 
-    monkeypatch.setenv("NBDIST_UI", "text")
-    assert isinstance(make_renderer("auto"), TextRenderer)
-    assert not isinstance(make_renderer("html"), TextRenderer)  # an explicit --ui wins
-    monkeypatch.setenv("NBDIST_UI", "none")
-    assert make_renderer("auto") is None
-    monkeypatch.setenv("NBDIST_UI", "fancy")
-    with pytest.raises(NbdistError, match="NBDIST_UI"):
-        make_renderer("auto")
+    from ..conftest import ipython_shell
+
+    shell = ipython_shell()
+    magics = shell.magics_manager.registry["DistMagics"]
+    assert session_options(shell)["ui"] == "auto"
+    shell.run_line_magic("config", "DistMagics.ui = 'text'")
+    try:
+        assert session_options(shell)["ui"] == "text"
+        assert isinstance(make_renderer(session_options(shell)["ui"]), TextRenderer)
+        with pytest.raises(TraitError, match=r"^unknown ui 'fancy'; use one of: auto, widgets, html, text, none\.$"):
+            magics.ui = "fancy"  # refused when set, in TrainConfig's sentence
+        assert magics.ui == "text"
+    finally:
+        magics.ui = "auto"
 
 
 # -- the pure view and the summary -----------------------------------------------------------------

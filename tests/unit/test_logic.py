@@ -64,6 +64,12 @@ def test_run_state_builds_history_once_every_worker_reported():
     ({"shared_memory": "yes"}, "shared_memory must be True or False"),
     ({"local_share": 0}, "local_share must be a whole number of at least 1"),
     ({"local_share": 2, "local_slot": 2}, r"local_slot must be a whole number from 0 to local_share - 1 \(1\)"),
+    ({"warm_workers": "0"}, "warm_workers must be True or False, got '0'"),
+    ({"phase_times": 1}, "phase_times must be True or False"),
+    ({"executor_wait": -1}, r"executor_wait must be a number of seconds of at least 0, got -1; for example"),
+    ({"executor_wait": "60"}, "executor_wait must be a number of seconds"),
+    ({"advertise_host": "10.0.0.5 "}, "advertise_host must be an address of this machine that the Spark executors"),
+    ({"container_engine": ""}, "container_engine must name the podman or docker binary"),
 ])
 def test_bad_options_get_one_sentence(options, fragment):
     with pytest.raises(NbdistError, match=fragment) as info:

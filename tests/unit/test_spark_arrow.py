@@ -5,7 +5,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from nbdist.spark.backend import ADVERTISE_ENV, connect_slots, session_hosts
+from nbdist.spark.backend import connect_slots, session_hosts
 from nbdist.spark.task import VALIDATION_COLUMN, Layout, unreachable, write_batches, write_split_batches
 from nbdist.wire.shardfile import VALIDATION_DIR, ShardReader, load_task_data
 
@@ -69,9 +69,9 @@ def test_connect_slots_from_the_servers_configuration():
 
 
 def test_a_named_address_is_advertised_and_every_interface_bound():
-    assert session_hosts(object(), {ADVERTISE_ENV: "10.1.2.3"}) == ("0.0.0.0", "10.1.2.3")
+    assert session_hosts(object(), "10.1.2.3") == ("0.0.0.0", "10.1.2.3")
     sentence = unreachable(("10.1.2.3", 4242), TimeoutError("timed out"))
-    assert "10.1.2.3:4242" in sentence and ADVERTISE_ENV in sentence and "\n" not in sentence
+    assert "10.1.2.3:4242" in sentence and "advertise_host" in sentence and "\n" not in sentence
 
 
 def test_vector_labels_cross_the_shard_as_rows_of_values(tmp_path):

@@ -132,7 +132,7 @@ def test_a_worker_that_exits_right_after_done_is_not_taken_for_dead(digits, monk
     assert job.status == "done"
 
 
-def test_a_connection_that_hangs_up_after_its_hello_fails_the_run_in_one_sentence(digits, monkeypatch):
+def test_a_connection_that_hangs_up_after_its_hello_fails_the_run_in_one_sentence(digits):
     """A peer says hello as rank 1 (it knows the secret) and hangs up before the driver sends it the job.
 
     The event loop died of that ("ConnectionError: worker 1 is not connected", a traceback out of the
@@ -146,9 +146,10 @@ def test_a_connection_that_hangs_up_after_its_hello_fails_the_run_in_one_sentenc
 
     from .test_fuzz_wire import _frame, _handshake, _hello
 
-    monkeypatch.setenv("NBDIST_WARM_WORKERS", "0")  # cold workers: the fake rank 1 says hello before the real one
     x, y = digits
-    job = prepare(mlp(), TrainConfig(epochs=2, workers=2, batch_size=32, ui="none"), x[:400], y[:400], None)
+    # Cold workers: the fake rank 1 says hello before the real one.
+    config = TrainConfig(epochs=2, workers=2, batch_size=32, ui="none", warm_workers=False)
+    job = prepare(mlp(), config, x[:400], y[:400], None)
     job.start()
     # The real rank 1 is held (it is still importing TensorFlow): a rank's later connection replaces one that
     # hung up (a reconnect), and on a fast machine the real worker connected within the 2 s grace, took the

@@ -10,12 +10,12 @@ from ..conftest import mlp
 from ..memory_cgroup import join, memory_cgroup
 
 
-def test_a_worker_killed_by_the_oom_killer_is_named(digits, no_leftover_workers, monkeypatch):
-    monkeypatch.setenv("NBDIST_WARM_WORKERS", "0")  # a cold worker: its TensorFlow import is charged to the cap
+def test_a_worker_killed_by_the_oom_killer_is_named(digits, no_leftover_workers):
     X, y = digits
     model = mlp()
     with memory_cgroup(150 * 2**20) as cgroup:  # less than importing TensorFlow takes
-        job = nbdist.train(model, X, y, epochs=1, workers=2, background=True, ui="none")
+        # Cold workers (warm_workers=False): a worker's TensorFlow import is charged to the cap.
+        job = nbdist.train(model, X, y, epochs=1, workers=2, background=True, ui="none", warm_workers=False)
         join(cgroup, job._handles[1].proc.pid)  # within milliseconds of its start, long before TensorFlow
         with pytest.raises(TrainingFailed) as info:
             job.wait(timeout=300)

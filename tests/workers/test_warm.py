@@ -22,7 +22,6 @@ import pytest
 import nbdist
 from nbdist.backends import warm
 from nbdist.backends.command import startup_env, worker_env
-from nbdist.backends.local import start_warm_workers
 from nbdist.backends.warm import POOL
 from nbdist.machine.placement import threads_per_worker
 from nbdist.machine.processes import pin_to_cores
@@ -172,11 +171,12 @@ def test_pinning_reaches_the_threads_a_warm_worker_already_runs():
         child.wait()
 
 
-def test_no_server_when_warm_workers_are_off(digits, fresh_pool, monkeypatch):
-    monkeypatch.setenv(warm.ENV_COUNT, "0")
+def test_no_server_when_warm_workers_are_off(digits, fresh_pool):
     x, y = digits
-    job = nbdist.train(_mlp(), x, y, epochs=1, batch_size=32, workers=2, ui="none")
-    assert job.status == "done" and POOL.servers() == [] and not start_warm_workers()
+    job = nbdist.train(_mlp(), x, y, epochs=1, batch_size=32, workers=2, ui="none", warm_workers=False,
+                       phase_times=True)  # the same run: each worker times its epoch's phases (worker/phases.py)
+    assert job.status == "done" and POOL.servers() == []
+    assert all(len(job.reports[r].get("phase_times") or []) == 1 for r in range(2)), job.reports
 
 
 def test_the_extension_starts_a_server_and_unloading_stops_it(fresh_pool):
@@ -189,6 +189,18 @@ def test_the_extension_starts_a_server_and_unloading_stops_it(fresh_pool):
     nbdist.unload_ipython_extension(shell)
     assert POOL.servers() == [] and not server.alive()
     nbdist.load_ipython_extension(shell)
+    (server,) = POOL.servers()
+    shell.run_line_magic("config", "DistMagics.warm_workers = False")  # the session turns them off: it stops
+    assert POOL.servers() == [] and not server.alive()
+    nbdist.unload_ipython_extension(shell)
+    shell.config.DistMagics.warm_workers = False  # as an ipython_config.py sets it: loading starts none
+    try:
+        nbdist.load_ipython_extension(shell)
+        assert POOL.servers() == []
+    finally:
+        shell.config.DistMagics.pop("warm_workers", None)
+        nbdist.unload_ipython_extension(shell)
+        nbdist.load_ipython_extension(shell)
     assert "dist_train" in shell.magics_manager.magics["cell"]
 
 
