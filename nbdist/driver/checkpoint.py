@@ -1,7 +1,7 @@
 """Checkpoints on disk: one npz file per directory, replaced atomically after every epoch.
 
-A checkpoint holds the synchronised weights, the optimizer's state (its float slots and step count), the
-history so far and a fingerprint of the model and of the run's configuration. It is written to a temporary
+A checkpoint holds the synchronised weights, the torch modules' buffers, the optimizer's state (slots, step
+count), the history so far and a fingerprint of the model and of the run's configuration. It is written to a temporary
 file in the same directory, fsynced and renamed over the previous one (``os.replace``, atomic on POSIX), so
 a crash at any moment leaves the previous checkpoint or the new one, never half of one. No pickle: arrays in
 npz (read with ``allow_pickle=False``), everything else as JSON in the same file. Pure file logic: no Keras,
@@ -39,6 +39,7 @@ class Checkpoint:
     optimizer_weights: list[np.ndarray]
     iterations: int | None
     history: dict[str, list[float]]
+    buffers: list[np.ndarray] = field(default_factory=list)  # torch modules' buffers (model/tensors.py)
     weight_names: list[str] = field(default_factory=list)
     optimizer: str = ""  # the optimizer's class name
     model_fingerprint: str = ""
@@ -87,12 +88,13 @@ def save(directory: str | os.PathLike, ckpt: Checkpoint) -> str:
         "weight_names": list(ckpt.weight_names), "optimizer": ckpt.optimizer,
         "model_fingerprint": ckpt.model_fingerprint, "config": ckpt.config,
         "config_fingerprint": ckpt.config_fingerprint,
-        "n_weights": len(ckpt.weights), "n_optimizer": len(ckpt.optimizer_weights),
+        "n_weights": len(ckpt.weights), "n_optimizer": len(ckpt.optimizer_weights), "n_buffers": len(ckpt.buffers),
         "written_at": time.time(),
     }
     arrays: dict[str, Any] = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
     arrays.update({f"w{i:05d}": w for i, w in enumerate(ckpt.weights)})
     arrays.update({f"o{i:05d}": w for i, w in enumerate(ckpt.optimizer_weights)})
+    arrays.update({f"b{i:05d}": b for i, b in enumerate(ckpt.buffers)})
     _remove_stale_temps(d)
     fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX, dir=d)
     try:
@@ -130,11 +132,12 @@ def load(directory: str | os.PathLike) -> Checkpoint:
                 raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT}")
             weights = [z[f"w{i:05d}"] for i in range(int(meta["n_weights"]))]
             opt = [z[f"o{i:05d}"] for i in range(int(meta["n_optimizer"]))]
+            buffers = [z[f"b{i:05d}"] for i in range(int(meta.get("n_buffers", 0)))]
     except Exception as exc:
         raise NbdistError(f"the checkpoint {path} cannot be read ({exc}); it was not written by this "
                           "version of nbdist - remove it or use another --checkpoint-dir.") from None
     return Checkpoint(epoch=int(meta["epoch"]), weights=weights, optimizer_weights=opt,
-                      iterations=meta.get("iterations"), history=meta.get("history", {}),
+                      iterations=meta.get("iterations"), history=meta.get("history", {}), buffers=buffers,
                       weight_names=meta.get("weight_names", []), optimizer=meta.get("optimizer", ""),
                       model_fingerprint=meta.get("model_fingerprint", ""), config=meta.get("config", {}),
                       config_fingerprint=meta.get("config_fingerprint", ""),

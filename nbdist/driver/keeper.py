@@ -103,11 +103,13 @@ class CheckpointKeeper:
 
     # -- after every epoch ----------------------------------------------
     def save(self, epochs_done: int, weights: list[np.ndarray], optimizer_weights: list[np.ndarray],
-             iterations: int | None, history: dict[str, list[float]], world_size: int) -> None:
+             iterations: int | None, history: dict[str, list[float]], world_size: int,
+             buffers: list[np.ndarray] | None = None) -> None:
         settings = _config_dict(self.config)
         ckpt = checkpoint.Checkpoint(
             epoch=epochs_done, weights=list(weights), optimizer_weights=list(optimizer_weights or []),
             iterations=iterations, history={k: list(v[:epochs_done]) for k, v in history.items()},
+            buffers=list(buffers or []),
             weight_names=self.info.names, optimizer=self.info.optimizer,
             model_fingerprint=self.info.fingerprint, config={**settings, "world_size": world_size},
             config_fingerprint=checkpoint.fingerprint(settings))
@@ -141,7 +143,7 @@ class CheckpointKeeper:
 
 def _with_state(spec: ModelSpec, ckpt: checkpoint.Checkpoint) -> ModelSpec:
     return dataclasses.replace(spec, weights=ckpt.weights, optimizer_weights=ckpt.optimizer_weights,
-                               iterations=ckpt.iterations)
+                               iterations=ckpt.iterations, buffers=ckpt.buffers or None)
 
 
 def _config_dict(config: TrainConfig) -> dict[str, Any]:

@@ -446,7 +446,7 @@ class TrainingJob(Run):
             return
         try:
             self._keeper.save(epoch + 1, self._last_weights[1], self._opt_weights, self._iterations,
-                              self.state.history, self.world_size)
+                              self.state.history, self.world_size, self._buffers)
         except OSError as exc:
             self._fail(None, f"could not write the checkpoint to {self._keeper.directory} ({exc}); free some "
                              "space or choose another --checkpoint-dir.", "")
@@ -485,7 +485,8 @@ class TrainingJob(Run):
             return
         opt = list(self._spec.optimizer_weights or [])
         self._last_weights = (self._initial_epoch - 1, list(self._spec.weights), len(opt))
-        self._opt_weights, self._iterations, self._buffers = opt, self._keeper.iterations, []
+        self._opt_weights, self._iterations = opt, self._keeper.iterations
+        self._buffers = list(self._spec.buffers or [])
 
     def _apply_last_weights(self) -> None:
         if self._last_weights is None:

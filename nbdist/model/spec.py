@@ -36,6 +36,8 @@ class ModelSpec:
     # Keras's global settings (dtype policy, floatx) the model was made under.
     layout: list[list[int]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
+    # Its torch modules' buffers (module_buffers' order) where they differ from the graph's: a checkpoint's.
+    buffers: list[np.ndarray] | None = None
 
 
 def is_keras_model(obj: Any) -> bool:
@@ -343,6 +345,8 @@ def model_from_spec(spec: ModelSpec, *, weights: bool = True) -> Any:
         set_optimizer_weights(model, spec.optimizer_weights)
     if spec.iterations:  # Adam's bias correction and learning-rate schedules continue, not restart
         step_counter(model.optimizer).assign(int(spec.iterations))
+    if spec.buffers:
+        set_values([BufferVariable(t) for t in module_buffers(model)], spec.buffers, "module buffers")
     return model
 
 

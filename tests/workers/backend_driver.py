@@ -576,6 +576,18 @@ def other_apis() -> dict[str, object]:
             "moved": min(float((r - 0.0 if i == 0 else r - 1.0).abs().max()) for i, (r, _) in enumerate(stats)),
             "gap_to_local": max(float((r - lo).abs().max() / lo.abs().max()) for r, lo in stats),
             "batches_tracked": int(remote.hidden.module[1].num_batches_tracked)}
+        # The same run cut after its first epoch and resumed from the checkpoint in a fresh cell's model: the
+        # statistics carry on from the checkpoint's (not the fresh module's 0 / 1), so both runs end alike.
+        with tempfile.TemporaryDirectory() as ckpt:
+            options = {"workers": 2, "batch_size": GLOBAL_BATCH // 2, "strategy": "allreduce", "lr_scaling": "none",
+                       "ui": "none", "validation_data": (xv, yv), "checkpoint_dir": ckpt, "shuffle": False}
+            nbdist.train(torch_wrapped(batchnorm=True), x, y, epochs=EPOCHS - 1, **options)
+            resumed = torch_wrapped(batchnorm=True)
+            nbdist.train(resumed, x, y, epochs=EPOCHS, resume=True, **options)
+        pairs = [(resumed.hidden.module[1].running_mean, stats[0][0]), (resumed.hidden.module[1].running_var,
+                                                                        stats[1][0])]
+        out["torch_batchnorm"]["resumed_gap"] = max(float((r - u).abs().max()) for r, u in pairs)
+        out["torch_batchnorm"]["resumed_batches_tracked"] = int(resumed.hidden.module[1].num_batches_tracked)
         local, remote = mnist_convnet(), mnist_convnet()
         expected = local.fit(x.reshape(-1, 8, 8, 1), y, batch_size=128, validation_split=0.1, verbose=0,
                              **plain).history

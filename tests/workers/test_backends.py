@@ -184,6 +184,8 @@ def test_what_users_bring_from_other_apis_trains_as_locally(backend):
         assert abs(bn["notebook_accuracy"] - bn["val_accuracy"]) < 1e-6, bn
         assert bn["gap_to_local"] < 0.2, bn
         assert bn["batches_tracked"] == 17, bn  # the build call, then 16 steps: validation runs in eval mode
+        # A checkpoint keeps them: resumed after epoch 1, the run ends with the uninterrupted run's statistics.
+        assert bn["resumed_gap"] < 1e-5 and bn["resumed_batches_tracked"] == 17, bn
     if backend == "jax":
         assert result["keras_distribution"]["notices"] == [
             "the cell's keras.distribution.DataParallel is replaced by nbdist's workers, which each hold the whole "
