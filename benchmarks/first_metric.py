@@ -50,11 +50,15 @@ def measure(repeats: int = 3, workers: int = 2, epochs: int = 3, warm: bool = Tr
     from IPython.core.interactiveshell import InteractiveShell
     from sklearn.datasets import load_digits
 
-    from nbdist.backends.warm import ENV_COUNT, POOL
+    from nbdist.backends.local import start_warm_workers
+    from nbdist.backends.warm import POOL
 
-    os.environ[ENV_COUNT] = str(workers if warm else 0)
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "nbdist")
+    if warm:
+        start_warm_workers(workers)  # sized for the run's workers, whatever this machine's default
+    else:
+        shell.run_line_magic("config", "DistMagics.warm_workers = False")  # stops the one the load started
     x, y = load_digits(return_X_y=True)
     shell.user_ns.update({"X": (x / 16).astype("float32"), "y": y, "keras": keras})
     line = f"--data X,y --epochs {epochs} --batch-size 32 --workers {workers} --backend local --ui text"

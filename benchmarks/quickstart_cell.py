@@ -42,11 +42,12 @@ def measure(repeats: int = 3, epochs: int = 20, strategy: str | None = None) -> 
     from first_metric import wait_warm
     from IPython.core.interactiveshell import InteractiveShell
 
-    from nbdist.backends.warm import ENV_COUNT, POOL
+    from nbdist.backends.local import start_warm_workers
+    from nbdist.backends.warm import POOL
 
-    os.environ[ENV_COUNT] = "2"
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "nbdist")
+    start_warm_workers(2)  # sized for the cell's 2 workers, whatever this machine's default
     x, xv, y, yv = digits()
     shell.user_ns.update({"X_train": x, "X_test": xv, "y_train": y, "y_test": yv, "keras": keras})
     shell.run_cell(PLAIN.format(epochs=1))  # the kernel has run Keras before: tracing machinery loaded

@@ -68,12 +68,13 @@ def measure(trials: int = 12, epochs: int = 5, parallel: int = 2, repeats: int =
     from first_metric import wait_warm
     from IPython.core.interactiveshell import InteractiveShell
 
-    from nbdist.backends.warm import ENV_COUNT, POOL
+    from nbdist.backends.local import start_warm_workers
+    from nbdist.backends.warm import POOL
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    os.environ[ENV_COUNT] = str(parallel)
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "nbdist")
+    start_warm_workers(parallel)  # the trials' workers, one each
     x, xv, y, yv = digits()
     params = trial_params(trials)
     shell.user_ns.update({"X_train": x, "X_test": xv, "y_train": y, "y_test": yv, "keras": keras,
