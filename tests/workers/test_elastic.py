@@ -1,0 +1,110 @@
+"""Elastic runs (issue 48, docs/elastic.md): workers="MIN:MAX" under allreduce on local workers.
+
+One run of 3 workers loses one to SIGKILL in its second epoch and finishes with the other two; it is
+compared with the fault-free runs of the same membership schedule (3 workers for the first epoch, then 2
+with the same global batch from the committed state). Below MIN the run fails as any run does.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from nbdist.api import prepare
+from nbdist.config import TrainConfig
+from nbdist.errors import NbdistError, TrainingFailed
+
+from ..conftest import mlp, wait_no_workers
+
+EPOCHS = 3
+BATCH = 32  # per worker at launch: a global batch of 96 on 3 workers, 48 + 48 once 2 are left
+
+
+def _model():
+    import keras
+
+    return mlp(seed=3, optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+
+
+def _killer(victim: int, after_epochs: int, killed: dict):
+    """Kill worker ``victim`` (launch rank) once ``after_epochs`` epochs are merged: the workers are then in
+    the next one (nothing waits for the driver between epochs)."""
+
+    def listener(kind, state, payload):
+        if kind == "epoch" and not killed and state.epochs_done >= after_epochs:
+            killed["pid"] = state.workers[victim].pid
+            killed["at"] = time.monotonic()
+            os.kill(killed["pid"], signal.SIGKILL)
+
+    return listener
+
+
+def test_a_killed_worker_costs_steps_not_the_run(digits, capsys):
+    x, y = digits
+    common = dict(batch_size=BATCH, shuffle=False, seed=7, ui="text")
+    killed: dict = {}
+    model = _model()
+    job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:3", **common), x, y, None,
+                  listeners=[_killer(2, 1, killed)])
+    job.start()
+    history = job.wait(timeout=300)
+    out = capsys.readouterr().out
+
+    assert job.status == "done" and killed
+    assert [len(v) for v in history.values()] == [EPOCHS] * len(history)  # one per epoch, none twice
+    (change,) = job.state.membership
+    assert change.left == [2] and "SIGKILL" in change.why and change.workers == [0, 1]
+    assert change.committed == 1  # the commit at the second epoch's start
+    steps_per_epoch = -(-len(x) // 3 // BATCH)
+    assert 0 <= change.steps_lost <= steps_per_epoch
+    assert job.state.world_size == 2
+    assert "elastic: goes on while 2 are left" in out.splitlines()[0]
+    assert sum("worker 2 left (was killed by SIGKILL)" in line for line in out.splitlines()) == 1
+    assert len(job.reports) == 2  # the survivors' closing reports
+    assert not wait_no_workers(5)
+
+    # The same membership schedule without a fault: 3 workers for an epoch, then 2 from that state with the
+    # launch's global batch (the allreduce step is the local step on the global batch throughout).
+    reference = _model()
+    first = prepare(reference, TrainConfig(epochs=1, workers=3, **{**common, "ui": "none"}), x, y, None)
+    first.start()
+    first.wait(timeout=300)
+    rest = prepare(reference, TrainConfig(epochs=EPOCHS - 1, workers=2, batch_size=3 * BATCH // 2, shuffle=False,
+                                          seed=7, ui="none"), x, y, None)
+    rest.start()
+    rest_history = rest.wait(timeout=300)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history["loss"][1:], rest_history["loss"], rtol=1e-5)
+
+
+def test_below_min_fails_as_any_run(digits):
+    x, y = digits
+    killed: dict = {}
+    model = _model()
+    before = [w.copy() for w in model.get_weights()]
+    job = prepare(model, TrainConfig(epochs=200, workers="2:2", batch_size=BATCH, ui="none"), x, y, None,
+                  listeners=[_killer(1, 1, killed)])
+    job.start()
+    with pytest.raises(TrainingFailed) as info:
+        job.wait(timeout=120)
+    took = time.monotonic() - killed["at"]
+    assert f"worker 1 (pid {killed['pid']})" in str(info.value) and "SIGKILL" in str(info.value)
+    assert "fewer than the 2 that --workers 2:2 needs" in str(info.value)
+    assert job.state.membership == []
+    assert took < 10, took  # as fast as any run's failure
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert not wait_no_workers(5)
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"workers": "3:2"}, "1 <= MIN <= MAX"),
+    ({"workers": "two"}, "MIN:MAX"),
+    ({"workers": "2:3", "strategy": "averaging"}, "allreduce"),
+])
+def test_workers_range_is_checked_at_the_door(options, words):
+    with pytest.raises(NbdistError, match=words):
+        TrainConfig(**options)
