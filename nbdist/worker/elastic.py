@@ -31,10 +31,16 @@ class Commit:
     def __init__(self) -> None:
         self.epochs: int | None = None
         self.values: list[np.ndarray] = []
+        self.steps = 0  # the optimizer's step count at the commit
 
     def take(self, model: Any, epochs: int) -> None:
         self.values = [np.array(v.numpy(), copy=True) for v in state_variables(model)]
         self.epochs = epochs
+        self.steps = optimizer_steps(model)
+
+    def steps_past(self, model: Any) -> int:
+        """Steps ``model`` has applied since the commit: what a rollback loses (a step that broke applied none)."""
+        return max(0, optimizer_steps(model) - self.steps)
 
     def put(self, model: Any) -> None:
         """Into ``model`` (made from the same spec: the same variables in the same order), all of it."""
@@ -43,6 +49,11 @@ class Commit:
             raise RuntimeError(f"the commit holds {len(self.values)} variables and the model {len(variables)}")
         for v, value in zip(variables, self.values):
             v.assign(value)
+
+
+def optimizer_steps(model: Any) -> int:
+    optimizer = getattr(model, "optimizer", None)
+    return 0 if optimizer is None else int(np.asarray(keras.ops.convert_to_numpy(optimizer.iterations)))
 
 
 def state_variables(model: Any) -> list[Any]:
@@ -60,21 +71,14 @@ def state_variables(model: Any) -> list[Any]:
 
 
 class CommitCallback(keras.callbacks.Callback):
-    """Commits at every epoch's start and counts the steps run since (read by ``Lost``)."""
-
-    batch_end_in_order = True  # the batch index only, in order on the training thread (callback_list.py)
+    """Commits at every epoch's start."""
 
     def __init__(self, commit: Commit) -> None:
         super().__init__()
         self.commit = commit
-        self.steps = 0  # steps of this generation run past the commit
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self.commit.take(self.model, epoch)
-        self.steps = 0
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.steps = batch + 1  # a call of several steps (blocks.py) reports its last
 
 
 def run_elastic(link: Any, job: JobMessage, model: Any, lr_factor: float,
@@ -86,11 +90,10 @@ def run_elastic(link: Any, job: JobMessage, model: Any, lr_factor: float,
     job's spec, ``fit(link, job, model, collective, lr_factor, extra_callbacks)`` trains it (allreduce_fit.py)."""
     commit = Commit()
     while True:
-        counter = CommitCallback(commit)
         collective = None
         try:
             collective = connect(link, job)
-            fit(link, job, model, collective, lr_factor, [counter])
+            fit(link, job, model, collective, lr_factor, [CommitCallback(commit)])
             return
         except Exception as exc:
             error = link.error_report(exc)
@@ -100,9 +103,10 @@ def run_elastic(link: Any, job: JobMessage, model: Any, lr_factor: float,
         generation = int(job.train.generation)
         if commit.epochs is None:  # broke before its first epoch began: the job as it came is the commit
             commit.take(model, int(job.train.initial_epoch))
+        lost = commit.steps_past(model)
         log.warning("worker %d: generation %d broke (%s); holding the commit after %d epochs, %d steps past it",
-                    job.rank, generation, error.message, commit.epochs, counter.steps)
-        link.send(Lost(generation, int(commit.epochs), int(counter.steps), error.exception, error.message,
+                    job.rank, generation, error.message, commit.epochs, lost)
+        link.send(Lost(generation, int(commit.epochs), lost, error.exception, error.message,
                        error.traceback, error.raised_type, error.raised_message))
         job = next_generation(link, job, generation)
         if int(job.train.initial_epoch) != commit.epochs:  # the driver's point is every survivor's commit

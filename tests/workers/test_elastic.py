@@ -17,21 +17,55 @@ from nbdist.api import prepare
 from nbdist.config import TrainConfig
 from nbdist.errors import NbdistError, TrainingFailed
 
-from ..conftest import mlp, wait_no_workers
+from ..conftest import wait_no_workers
 
 EPOCHS = 3
 BATCH = 32  # per worker at launch: a global batch of 96 on 3 workers, 48 + 48 once 2 are left
 
 
-def _model():
+def _model(layers=()):
     import keras
 
-    return mlp(seed=3, optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((64,)), *layers, keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+class DieOnce:
+    """An identity layer whose worker process kills itself (SIGKILL) at its ``at``-th training step: the first
+    worker to get there, once per ``marker`` file. The driver sees events too late to kill mid-epoch."""
+
+    @staticmethod
+    def layer(marker: str, at: int):
+        import keras
+        import tensorflow as tf
+
+        class Die(keras.layers.Layer):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.calls = 0
+
+            def tick(self):
+                self.calls += 1
+                if self.calls == at:
+                    try:
+                        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                    except FileExistsError:
+                        return
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            def call(self, x, training=None):
+                if training:
+                    tf.py_function(self.tick, [], [])
+                return x
+
+        return Die()
 
 
 def _killer(victim: int, after_epochs: int, killed: dict):
-    """Kill worker ``victim`` (launch rank) once ``after_epochs`` epochs are merged: the workers are then in
-    the next one (nothing waits for the driver between epochs)."""
+    """Kill worker ``victim`` (launch rank) once ``after_epochs`` epochs are merged (the workers are then past it)."""
 
     def listener(kind, state, payload):
         if kind == "epoch" and not killed and state.epochs_done >= after_epochs:
@@ -42,33 +76,33 @@ def _killer(victim: int, after_epochs: int, killed: dict):
     return listener
 
 
-def test_a_killed_worker_costs_steps_not_the_run(digits, capsys):
+def test_a_killed_worker_costs_steps_not_the_run(digits, capsys, tmp_path):
     x, y = digits
     common = dict(batch_size=BATCH, shuffle=False, seed=7, ui="text")
-    killed: dict = {}
-    model = _model()
-    job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:3", **common), x, y, None,
-                  listeners=[_killer(2, 1, killed)])
+    steps_per_epoch = -(-len(x) // 3 // BATCH)
+    marker = str(tmp_path / "died")
+    model = _model([DieOnce.layer(marker, steps_per_epoch + 6)])  # in the 6th step of the second epoch
+    job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:3", **common), x, y, None)
     job.start()
     history = job.wait(timeout=300)
     out = capsys.readouterr().out
 
-    assert job.status == "done" and killed
+    assert job.status == "done" and os.path.exists(marker)
     assert [len(v) for v in history.values()] == [EPOCHS] * len(history)  # one per epoch, none twice
     (change,) = job.state.membership
-    assert change.left == [2] and "SIGKILL" in change.why and change.workers == [0, 1]
+    (gone,) = change.left
+    assert "SIGKILL" in change.why and change.workers == [r for r in range(3) if r != gone]
     assert change.committed == 1  # the commit at the second epoch's start
-    steps_per_epoch = -(-len(x) // 3 // BATCH)
-    assert 0 <= change.steps_lost <= steps_per_epoch
+    assert change.steps_lost == 5  # killed mid-epoch: the 5 steps of that epoch the others had applied
     assert job.state.world_size == 2
     assert "elastic: goes on while 2 are left" in out.splitlines()[0]
-    assert sum("worker 2 left (was killed by SIGKILL)" in line for line in out.splitlines()) == 1
+    assert sum(f"worker {gone} left (was killed by SIGKILL)" in line for line in out.splitlines()) == 1
     assert len(job.reports) == 2  # the survivors' closing reports
     assert not wait_no_workers(5)
 
     # The same membership schedule without a fault: 3 workers for an epoch, then 2 from that state with the
     # launch's global batch (the allreduce step is the local step on the global batch throughout).
-    reference = _model()
+    reference = _model([DieOnce.layer(marker, 1)])  # the marker is there: nobody dies
     first = prepare(reference, TrainConfig(epochs=1, workers=3, **{**common, "ui": "none"}), x, y, None)
     first.start()
     first.wait(timeout=300)
