@@ -142,3 +142,15 @@ def test_below_min_fails_as_any_run(digits):
 def test_workers_range_is_checked_at_the_door(options, words):
     with pytest.raises(NbdistError, match=words):
         TrainConfig(**options)
+
+
+@pytest.mark.parametrize("workers, words", [
+    ("3:2", "workers MIN:MAX needs 1 <= MIN <= MAX, got 3:2"),
+    ("2:3 --strategy averaging", "(elastic) trains under allreduce"),  # 2:3 read as elastic
+])
+def test_the_magic_takes_workers_min_max(ip, workers, words):
+    result = ip.run_cell(f"%%dist_train --data X,y --workers {workers} --ui none\n"
+                         "import keras\nm = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])\n"
+                         "m.compile('sgd', 'mse')\n")
+    assert not result.success and words in str(result.error_in_exec)
+    assert "Traceback" not in str(result.error_in_exec)
