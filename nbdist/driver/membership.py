@@ -2,6 +2,7 @@
 
 A worker keeps its launch rank as its name for the whole run (its connection, its handle, its line in the
 run state: a "slot"); within a generation it has a collective rank, its place in ``members``. When a member's
+The first generation is the workers that started in time (``first``; until then no job is sent). When a member's
 process ends (``leave``) the generation is broken: every survivor abandons its collective and reports
 ``Lost`` (``report``) with the commit it holds; once all have (``ready``), ``regroup`` opens the next
 generation over the survivors, from their commit. Below ``minimum`` survivors the run is not elastic any more
@@ -24,6 +25,7 @@ class Membership:
         self.lost: dict[int, Lost] = {}  # slot -> its report, survivors of the broken generation
         self.broken_at: float | None = None  # when the current generation broke (None: it trains)
         self.gone: set[int] = set()  # every slot that left, in any generation
+        self.formed = False  # the first generation is formed once its workers have started (training.py)
 
     @property
     def broken(self) -> bool:
@@ -56,6 +58,14 @@ class Membership:
     def ready(self) -> bool:
         """Every survivor of the broken generation has reported."""
         return self.broken and all(s in self.lost for s in self.survivors)
+
+    def first(self, started: list[int], why: str, initial_epoch: int) -> MembershipChange:
+        """The first generation: only the workers that started (the rest did not, for ``why``)."""
+        left = sorted(set(self.members) - set(started))
+        self.gone.update(left)
+        self.members = list(started)
+        return MembershipChange(generation=0, left=left, why=why, workers=list(started), committed=initial_epoch,
+                                steps_lost=0, started=False)
 
     def regroup(self) -> MembershipChange:
         """The next generation: the survivors, from the oldest commit any of them holds."""

@@ -47,11 +47,14 @@ class MembershipChange:
     committed: int  # epochs done at the commit the survivors rolled back to
     steps_lost: int  # steps run past that commit by the generation that broke (the most any survivor ran)
     at: float = field(default_factory=time.monotonic)
+    started: bool = True  # False: the first generation, without workers that did not start in time
 
     @property
     def line(self) -> str:
         """The change in one line (the text UI's)."""
         who = ", ".join(f"worker {r}" for r in self.left)
+        if not self.started:
+            return f"{who} did not start ({self.why}); training with {len(self.workers)} workers"
         return (f"{who} left ({self.why}); going on with {len(self.workers)} workers from the commit after "
                 f"epoch {self.committed}, {self.steps_lost} step{'' if self.steps_lost == 1 else 's'} lost")
 

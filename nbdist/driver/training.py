@@ -92,6 +92,8 @@ class TrainingJob(Run):
         self._membership: Membership | None = None
         self._global_batch = 0
         self._below_min = ""  # why an elastic run's failure did not go on (said with it)
+        self._started: set[int] = set()  # an elastic run's workers that said hello before its first generation
+        self._not_started: dict[int, str] = {}  # and those that will not be in it, with why
 
     def __repr__(self) -> str:
         if self.state is None:
@@ -342,6 +344,16 @@ class TrainingJob(Run):
                 break
 
     def _send_job(self, rank: int) -> None:
+        m = self._membership
+        if m is not None and not m.formed:  # an elastic run's first generation is those that start in time
+            self._started.add(rank)
+            return
+        if rank in self._left:  # it started too late, or left: this run goes on without it
+            try:
+                self._coordinator.send(rank, Stop())
+            except (ConnectionError, OSError):
+                pass
+            return
         super()._send_job(rank)
         if self._rendezvous is not None:  # rank 0 published the store before this worker came
             try:
@@ -411,6 +423,8 @@ class TrainingJob(Run):
     def _after_pump(self) -> None:
         if self._restart_pending is not None:
             self._restart()
+        elif self._membership is not None and not self._membership.formed and self.status not in TERMINAL:
+            self._form_when_started()
         elif self._membership is not None and self._membership.broken and self.status not in TERMINAL:
             self._regroup_when_ready()
 
@@ -427,7 +441,10 @@ class TrainingJob(Run):
     def _intercept_failure(self, rank: int | None, message: str, worker_traceback: str) -> bool:
         if self._restart_pending is not None:  # the first cause is the one a restart reports
             return True
-        if rank is not None and self._membership is not None and self._process_gone(rank):
+        if rank is not None and self._membership is not None and not self._membership.formed:
+            if self._not_starting(rank, message):
+                return True
+        elif rank is not None and self._membership is not None and self._process_gone(rank):
             if self._member_left(rank):
                 return True
             m = self._membership  # too few left: as any run, the sentence saying why it did not go on
@@ -510,6 +527,7 @@ class TrainingJob(Run):
         self._rendezvous = None  # the new rank 0 publishes a new store
         if self._membership is not None:  # the relaunch is a new first generation, of the world it had
             self._membership, self._left = Membership(self._membership.minimum, self.world_size), set()
+            self._started, self._not_started, self._below_min = set(), {}, ""
         try:
             self._spec, self._initial_epoch = keeper.restart_point()
             self._rewind_last_weights()
@@ -557,6 +575,41 @@ class TrainingJob(Run):
         code = handle.exit_status()
         return bool(getattr(handle, "lost", False)) or (code is not None and code not in (0, 1))
 
+    def _not_starting(self, slot: int, message: str) -> bool:
+        """Before the first generation: worker ``slot`` ended or did not connect in time (the health check's
+        ``message``). True while enough others may still start."""
+        m = self._membership
+        self._not_started[slot] = message.removeprefix(self._name(slot)).strip()
+        self._left.add(slot)
+        self._started.discard(slot)
+        left = len(m.members) - len(self._not_started)
+        if left >= m.minimum:
+            return True
+        self._below_min = (f"{left} worker{'' if left == 1 else 's'} started, fewer than the {m.minimum} that "
+                           f"--workers {self.config.min_workers}:{self.config.workers} needs")
+        return False
+
+    def _form_when_started(self) -> None:
+        """The first generation, once every worker has started or will not: those that did, dealt the launch's
+        global batch; the others are said in one line."""
+        m = self._membership
+        if set(m.members) - self._started - set(self._not_started):
+            return  # some are still starting (the health check ends their wait at startup_timeout)
+        members = sorted(self._started)
+        if len(members) < len(m.members):
+            change = m.first(members, "; ".join(dict.fromkeys(self._not_started.values())), self._initial_epoch)
+            self.world_size = len(members)
+            self._deal_again(self.world_size)
+            self.state.regrouped(change)
+            log.info("%s", change.line)
+            self._notify("membership", change)
+        m.formed = True
+        for rank, slot in enumerate(m.members):
+            try:
+                self._coordinator.send(slot, self._job_message(rank))
+            except (ConnectionError, OSError) as exc:  # it went: the health check names it
+                log.warning("could not send the job to %s: %s", self._name(slot), exc)
+
     def _member_left(self, slot: int) -> bool:
         """Member ``slot`` is gone: the generation is broken; True while enough workers are left to go on."""
         m = self._membership
@@ -566,7 +619,7 @@ class TrainingJob(Run):
         if not m.leave(slot, describe_exit(handle.exit_status() or 0, handle)):
             return False
         self._left.add(slot)
-        log.warning("%s %s; the others roll back to their last commit", handle.describe(), m.leaving[slot])
+        log.info("%s %s; the others roll back to their last commit", handle.describe(), m.leaving[slot])
         # Epochs every survivor finished are complete without it (the summed metrics are everyone's).
         for epoch, merged in self.state.workers_left({slot}, len(m.survivors)):
             self._epoch_merged(epoch, merged)
@@ -615,7 +668,7 @@ class TrainingJob(Run):
         self._deal_again(world)
         self._initial_epoch = change.committed
         self.state.regrouped(change)
-        log.warning("nbdist: %s", change.line)
+        log.info("%s", change.line)  # the text UI's line (ui/text.py); job.state.membership holds it
         self._notify("membership", change)
         for rank, slot in enumerate(m.members):
             try:
