@@ -18,6 +18,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from ..strategies.averaging import synced_state
 from ..wire.messages import JobMessage
 from ..wire.reports import Lost
 
@@ -34,13 +35,20 @@ class Commit:
         self.steps = 0  # the optimizer's step count at the commit
 
     def take(self, model: Any, epochs: int) -> None:
+        synced_state(model)  # JAX: the running fit's state into the variables first
         self.values = [np.array(v.numpy(), copy=True) for v in state_variables(model)]
         self.epochs = epochs
         self.steps = optimizer_steps(model)
 
     def steps_past(self, model: Any) -> int:
-        """Steps ``model`` has applied since the commit: what a rollback loses (a step that broke applied none)."""
-        return max(0, optimizer_steps(model) - self.steps)
+        """Steps ``model`` has applied since the commit: what a rollback loses (a step that broke applied none).
+        0 where a broken fit left its state unreadable (JAX's donated buffers)."""
+        try:
+            synced_state(model)
+            return max(0, optimizer_steps(model) - self.steps)
+        except Exception as exc:
+            log.info("the steps past the commit cannot be read from the broken fit: %s", exc)
+            return 0
 
     def put(self, model: Any) -> None:
         """Into ``model`` (made from the same spec: the same variables in the same order), all of it."""
