@@ -71,7 +71,8 @@ class DriverLink:
     def error_report(self, exc: BaseException) -> WorkerError:
         """``exc`` as the driver reads a worker's failure (its line, traceback, and type where Keras raised it)."""
         typed = keras_raised(exc)
-        return WorkerError(type(exc).__name__, summarise(exc), traceback.format_exc(), *(typed or (None, None)))
+        tb = "".join(traceback.format_exception(exc))
+        return WorkerError(type(exc).__name__, summarise(exc), tb, *(typed or (None, None)))
 
     def expect(self, kind: type[T], timeout: float) -> T:
         """The next message of type ``kind`` (others are dropped); a malformed one raises MessageError."""
