@@ -29,7 +29,14 @@ def implied_strategy(options: dict[str, Any]) -> dict[str, Any]:
 class TrainConfig:
     epochs: int = 1
     batch_size: int = 32
-    workers: int | None = None  # None: the backend's default
+    # None: the backend's default. "MIN:MAX" (elastic, allreduce): the run starts with MAX workers and goes on
+    # while at least MIN are left, a lost one costing the steps since the last commit (docs/elastic.md); it is
+    # held here as workers=MAX and min_workers=MIN.
+    workers: int | str | None = None
+    min_workers: int | None = None
+    # Elastic runs: survivors roll back to the state every worker commits in memory at each epoch's end
+    # (None). A number of steps is phase 2's (docs/elastic.md).
+    commit_every: int | None = None
     # None: allreduce (local Keras' step), or averaging, said in one line, for a model whose own
     # train_step applies optimizers besides model.optimizer (model_io.chosen_strategy, at launch).
     strategy: str | None = None
@@ -112,7 +119,17 @@ class TrainConfig:
     phase_times: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.workers, str):  # "MIN:MAX", or a number as text: held as numbers (frozen: set once)
+            low, high = parse_workers(self.workers)
+            object.__setattr__(self, "workers", high)
+            if low is not None:
+                object.__setattr__(self, "min_workers", low)
         self.validate()
+
+    @property
+    def elastic(self) -> bool:
+        """The run goes on without a lost worker (``workers="MIN:MAX"``)."""
+        return self.min_workers is not None
 
     def validate(self) -> None:
         _positive_int("epochs", self.epochs, "--epochs 20")
@@ -120,6 +137,7 @@ class TrainConfig:
         _positive_int("averaging_frequency", self.averaging_frequency, "--averaging-frequency 5")
         if self.workers is not None:
             _positive_int("workers", self.workers, "--workers 2")
+        _validate_elastic(self)
         if self.max_staleness is not None:
             if self.strategy != "async":
                 raise NbdistError("--max-staleness applies to --strategy async; add --strategy async or drop it.")
@@ -235,6 +253,37 @@ def _validate_tracking(cfg: TrainConfig) -> None:
     if cfg.mlflow_active not in MLFLOW_ACTIVE:
         raise NbdistError(f"--mlflow-active {cfg.mlflow_active!r}: use nest (a child run of the notebook's active "
                           "MLflow run) or use (log into it).")
+
+
+WORKERS_RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+def parse_workers(text: str) -> tuple[int | None, int]:
+    """``"3"`` -> (None, 3); ``"2:3"`` -> (2, 3); anything else refused in one sentence."""
+    if text.strip().isdigit():
+        return None, int(text)
+    found = WORKERS_RANGE.match(text)
+    if found is None:
+        raise NbdistError(f"workers must be a number or MIN:MAX, got {text!r}; for example --workers 2:3 "
+                          "(start with 3, go on while 2 are left).")
+    return int(found.group(1)), int(found.group(2))
+
+
+def _validate_elastic(cfg: TrainConfig) -> None:
+    low, high = cfg.min_workers, cfg.workers
+    if low is None:
+        if cfg.commit_every is not None:
+            raise NbdistError("commit_every applies to an elastic run; give workers as MIN:MAX "
+                              "(for example --workers 2:3) or drop commit_every.")
+        return
+    if isinstance(low, bool) or not isinstance(low, int) or low < 1 or high is None or low > high:
+        raise NbdistError(f"workers MIN:MAX needs 1 <= MIN <= MAX, got {low}:{high}; for example --workers 2:3.")
+    if cfg.strategy not in (None, "allreduce"):
+        raise NbdistError(f"workers MIN:MAX (elastic) trains under allreduce; --strategy {cfg.strategy} keeps a "
+                          "fixed number of workers: drop --strategy or give --workers a single number.")
+    if cfg.commit_every is not None:
+        raise NbdistError("commit_every (a commit every K steps) is not built yet: an elastic run commits at "
+                          "each epoch's end; drop commit_every.")
 
 
 def _validate_checkpointing(cfg: TrainConfig) -> None:

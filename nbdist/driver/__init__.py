@@ -10,6 +10,7 @@ fit_call.py: a cell's ``model.fit(...)`` intercepted: its arguments, its data de
 callbacks.py: the notebook's Keras callbacks, run here with the workers' merged logs.
 checkpoint.py: checkpoints on disk, one npz file replaced atomically after every epoch.
 keeper.py: a run's checkpoints as the driver keeps them: where training starts, where a restart resumes.
+membership.py: who trains in an elastic run, by generation: who left, the survivors' commits, the next world.
 health.py: a run's watch over its workers: which one ended, hung, never connected or stayed silent.
 failures.py: the sentence for a worker's end, and which of several ended workers is the likely cause.
 interrupts.py: interrupts held while workers are being stopped, so a second Ctrl-C cannot cut a stop in half.

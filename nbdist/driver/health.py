@@ -23,6 +23,7 @@ class HealthChecks:
     _done: set[int]
     _closing: dict[int, float]
     _exited: dict[int, float]
+    _left: set[int]  # workers an elastic run went on without (driver/membership.py): no more watched
     _coordinator: Any
     _backend: Any
     _launched_at: float
@@ -42,7 +43,8 @@ class HealthChecks:
                 code = h.exit_status()
                 # Exit code 1: that worker raised and reported its own error; it is not the cause.
                 lost = getattr(h, "lost", False)  # a lost Spark task's worker: the job's failure set its code 1
-                if h.rank != rank and h.rank not in self._done and code is not None and (code not in (0, 1) or lost):
+                if h.rank != rank and h.rank not in self._done and h.rank not in self._left and code is not None \
+                        and (code not in (0, 1) or lost):
                     return h
             if time.monotonic() >= deadline:
                 return None
@@ -51,7 +53,7 @@ class HealthChecks:
     def _check_health(self) -> None:
         now = time.monotonic()
         for h in likely_causes_first(self._handles):
-            if h.rank in self._done:
+            if h.rank in self._done or h.rank in self._left:
                 continue
             code = h.exit_status()
             closing = self._closing.get(h.rank)
@@ -81,8 +83,8 @@ class HealthChecks:
                 self._fail(h.rank, f"{h.describe()} exited before finishing", last_traceback(h.log_tail(400)))
                 return
         connected = self._coordinator.connected() | self._done | set(self._closing)
-        if len(connected) < self.world_size and now - self._launched_at > self.config.startup_timeout:
-            missing = sorted(set(range(self.world_size)) - connected)
+        missing = sorted(set(range(max(len(self._handles), self.world_size))) - self._left - connected)
+        if missing and now - self._launched_at > self.config.startup_timeout:
             h = self._handles[missing[0]]
             self._fail(missing[0], f"{h.describe()} did not connect within {self.config.startup_timeout:.0f} s",
                        h.log_tail(30))

@@ -36,6 +36,30 @@ class WorkerProgress:
 
 
 @dataclass
+class MembershipChange:
+    """An elastic run's change of workers (driver/membership.py): who left and why, the generation it
+    began, its workers (their launch ranks), the epochs its survivors went on from and the steps lost."""
+
+    generation: int
+    left: list[int]
+    why: str
+    workers: list[int]
+    committed: int  # epochs done at the commit the survivors rolled back to
+    steps_lost: int  # steps run past that commit by the generation that broke (the most any survivor ran)
+    at: float = field(default_factory=time.monotonic)
+    started: bool = True  # False: the first generation, without workers that did not start in time
+
+    @property
+    def line(self) -> str:
+        """The change in one line (the text UI's)."""
+        who = ", ".join(f"worker {r}" for r in self.left)
+        if not self.started:
+            return f"{who} did not start ({self.why}); training with {len(self.workers)} workers"
+        return (f"{who} left ({self.why}); going on with {len(self.workers)} workers from the commit after "
+                f"epoch {self.committed}, {self.steps_lost} step{'' if self.steps_lost == 1 else 's'} lost")
+
+
+@dataclass
 class EpochAggregator:
     """Averages each epoch's metrics over workers, weighted by the samples behind them."""
 
@@ -50,6 +74,20 @@ class EpochAggregator:
             return None
         del self._pending[epoch]
         return list(reports.values())
+
+    def without(self, ranks: set[int], world_size: int) -> list[tuple[int, list[dict[str, Any]]]]:
+        """Workers ``ranks`` left: their reports are dropped and ``world_size`` are counted from here on;
+        returns the epochs that are complete with the reports already in (epoch, reports), oldest first. Under
+        allreduce every worker's logs are already the whole step's (fit_sync.py sums the metric state)."""
+        self.world_size = world_size
+        complete = []
+        for epoch in sorted(self._pending):
+            reports = {r: v for r, v in self._pending[epoch].items() if r not in ranks}
+            self._pending[epoch] = reports
+            if len(reports) >= world_size:
+                complete.append((epoch, list(reports.values())))
+                del self._pending[epoch]
+        return complete
 
 
 def merge_epoch_logs(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -92,6 +130,8 @@ class RunState:
     restarts: int = 0  # times the workers were relaunched from the last checkpoint
     data_note: str = ""  # what was done to the data before the workers started (Spark rebalancing), for the first line
     world_note: str = ""  # why the run has fewer workers than asked (driver/resolve.py resolve_world), if it has
+    min_workers: int | None = None  # an elastic run's MIN (TrainConfig.min_workers); None: not elastic
+    membership: list[MembershipChange] = field(default_factory=list)  # an elastic run's changes, in order
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -146,6 +186,9 @@ class RunState:
         reports = self._aggregator.add(rank, epoch.epoch, report)
         if reports is None:
             return None
+        return self._merged(reports)
+
+    def _merged(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
         merged = merge_epoch_logs(reports)
         if self.first_metric_at is None:
             self.first_metric_at = time.monotonic() - self.started
@@ -177,6 +220,25 @@ class RunState:
         del self.epoch_samples[keep:]
         self._aggregator = EpochAggregator(self.world_size)
         self.workers = [WorkerProgress(rank=w.rank, samples=w.samples, batches=w.batches) for w in self.workers]
+
+    def workers_left(self, ranks: set[int], world_size: int) -> list[tuple[int, dict[str, Any]]]:
+        """Workers ``ranks`` of an elastic run left: each epoch its ``world_size`` others have all reported is
+        merged now (epoch, merged logs), oldest first; their later epochs are counted without them."""
+        for r in ranks:
+            self.workers[r].state = "failed"
+        return [(epoch, self._merged(reports)) for epoch, reports in self._aggregator.without(ranks, world_size)]
+
+    def regrouped(self, change: MembershipChange) -> None:
+        """The survivors go on from their commit after ``change.committed`` epochs: later epochs are cut back,
+        as for a restart, and the world is theirs."""
+        self.membership.append(change)
+        self.world_size = len(change.workers)
+        for values in self.history.values():
+            del values[change.committed:]
+        keep = max(0, change.committed - self.initial_epoch)
+        del self.epoch_seconds[keep:]
+        del self.epoch_samples[keep:]
+        self._aggregator = EpochAggregator(self.world_size)
 
     def finish(self, status: str, error: str = "") -> None:
         self.status = status

@@ -20,7 +20,7 @@ import numpy as np
 from ..checks import non_finite, non_finite_message
 from ..config import TrainConfig
 from ..data.inputs import FitData, PyDatasetData
-from ..data.sharding import shard_bounds, share_count
+from ..data.sharding import batches_per_epoch, rank_batch_sizes, shard_bounds, share_count
 from ..data.structures import map_struct
 from ..errors import NbdistError, TrainingFailed
 from ..machine.placement import meeting
@@ -31,10 +31,11 @@ from ..strategies.averaging import rounds_per_epoch
 from ..strategies.host_collective import remove_meeting_place
 from ..wire.commands import Rendezvous, Stop
 from ..wire.messages import BatchSummaries, JobMessage, Placement, TrainSettings
-from ..wire.reports import AsyncPull, AsyncPush, Epoch, Store, Weights
+from ..wire.reports import AsyncPull, AsyncPush, Epoch, Lost, Store, Weights
 from .async_server import plan_arrays, start_async
-from .failures import last_traceback
+from .failures import describe_exit, last_traceback
 from .keeper import CheckpointKeeper
+from .membership import Membership
 from .resolve import resolve_backend
 from .run import Run, data_parts
 from .state import TERMINAL, RunState
@@ -86,6 +87,13 @@ class TrainingJob(Run):
         self._weights_every_epoch = True  # decided per launch (_wants_weights_every_epoch)
         self._async: Any = None  # --strategy async: the shared model (async_server.py)
         self._said_non_finite = False  # a metric became NaN or infinite: said once per run
+        # An elastic run (workers="MIN:MAX"): who trains, by generation (membership.py); the global batch of a
+        # plain run's launch, dealt again over the survivors.
+        self._membership: Membership | None = None
+        self._global_batch = 0
+        self._below_min = ""  # why an elastic run's failure did not go on (said with it)
+        self._started: set[int] = set()  # an elastic run's workers that said hello before its first generation
+        self._not_started: dict[int, str] = {}  # and those that will not be in it, with why
 
     def __repr__(self) -> str:
         if self.state is None:
@@ -191,10 +199,12 @@ class TrainingJob(Run):
 
     def _new_state(self, backend: Any) -> RunState:
         return RunState(self.world_size, self.config.epochs, backend=backend.name, strategy=self.config.strategy,
-                        initial_epoch=self._initial_epoch)
+                        initial_epoch=self._initial_epoch, min_workers=self.config.min_workers)
 
     def _prepare(self) -> None:
         cfg, world = self.config, self.world_size
+        if cfg.elastic:
+            self._membership = self._elastic_membership(world)
         if cfg.strategy == "async":
             self._async = start_async(self, cfg, world)
         if self.fit is not None and isinstance(self.validation_data, FitData):  # validation_steps: its first rows
@@ -211,6 +221,21 @@ class TrainingJob(Run):
             self._spec, self._initial_epoch = self._keeper.start_point(self._spec)
         # A new fit call reads its data from the start (a relaunch after a failure continues it).
         self._data_epoch = self._initial_epoch
+
+    def _elastic_membership(self, world: int) -> Membership:
+        """The first generation of an elastic run, checked at the door (docs/elastic.md)."""
+        cfg = self.config
+        backend = resolve_backend(cfg).name
+        if backend != "local":
+            raise NbdistError(f"workers MIN:MAX (elastic) runs on the local backend so far, not --backend {backend}; "
+                              "give --workers a single number there.")
+        if world < cfg.min_workers:
+            raise NbdistError(f"--workers {cfg.min_workers}:{cfg.workers} needs at least {cfg.min_workers} workers, "
+                              f"but this run's data allows only {world}; lower MIN to {world}.")
+        self._global_batch = sum(self._rank_batches)
+        if self.fit is not None and self.fit.global_batch is None:  # --batch-size per worker: at launch's world
+            self.fit.global_batch = self._global_batch  # the batch later generations deal (_deal_again)
+        return Membership(cfg.min_workers, world)
 
     def _pack_py_datasets(self) -> bytes:
         import cloudpickle
@@ -253,7 +278,9 @@ class TrainingJob(Run):
             cfg, seed=self.run_seed, rounds_per_epoch=self._rounds, initial_epoch=self._initial_epoch,
             validation_anywhere=self.validation_data is not None or self._validation_on_tasks(),
             validation_on_tasks=self._validation_on_tasks(),
-            batch_sizes=list(self._rank_batches) if fit is not None else None, learning_rate=self._first_lr,
+            batch_sizes=list(self._rank_batches) if fit is not None or cfg.elastic else None,
+            learning_rate=self._first_lr, elastic=cfg.elastic,
+            generation=self._membership.generation if self._membership is not None else 0,
             epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions),
             swap_ema=bool(fit is not None and fit.callbacks.swaps_ema),
             raise_on_nan=bool(fit is not None and fit.callbacks.raises_on_nan),
@@ -296,8 +323,9 @@ class TrainingJob(Run):
         """Weights not sent every epoch: ask rank 0 for its last epoch's before every worker goes."""
         if self._weights_every_epoch or self._coordinator is None or self._async is not None:
             return  # async: the driver holds the shared weights
+        first = self._slots()[0]  # rank 0 (an elastic run's may have another launch rank)
         try:
-            self._coordinator.send(0, Stop(weights=True))
+            self._coordinator.send(first, Stop(weights=True))
         except (ConnectionError, OSError):
             return  # rank 0 is not (or no more) connected: the model keeps what it has
         deadline = time.monotonic() + STOP_WEIGHTS_WAIT
@@ -307,15 +335,25 @@ class TrainingJob(Run):
             except queue.Empty:
                 log.warning("rank 0 sent no weights within %.0f s of the stop", STOP_WEIGHTS_WAIT)
                 break
-            if event.rank != 0:
+            if event.rank != first:
                 continue  # stopping: the other workers' news no longer matters
             if event.kind == "closed":
                 break  # rank 0 had no finished epoch to send
             if event.kind == "message" and isinstance(event.message, Weights):
-                self._on_message(0, event.message)
+                self._on_message(first, event.message)
                 break
 
     def _send_job(self, rank: int) -> None:
+        m = self._membership
+        if m is not None and not m.formed:  # an elastic run's first generation is those that start in time
+            self._started.add(rank)
+            return
+        if rank in self._left:  # it started too late, or left: this run goes on without it
+            try:
+                self._coordinator.send(rank, Stop())
+            except (ConnectionError, OSError):
+                pass
+            return
         super()._send_job(rank)
         if self._rendezvous is not None:  # rank 0 published the store before this worker came
             try:
@@ -327,19 +365,9 @@ class TrainingJob(Run):
         if isinstance(msg, Epoch):
             merged = self.state.worker_epoch(rank, msg)
             if merged is not None:
-                self._save_checkpoint(msg.epoch)
-                if self.status in TERMINAL:  # the checkpoint could not be written
-                    return True
-                self._notify("epoch", merged)
-                bad = non_finite(merged)
-                if bad is not None and not self._said_non_finite:  # Keras trains on: so do the workers
-                    self._said_non_finite = True
-                    log.warning("%s", non_finite_message(bad, merged[bad], msg.epoch))
-                if self.fit is not None:
-                    if bad == "loss" and self.fit.callbacks.terminates_on_nan:
-                        # TerminateOnNaN: stop after this epoch, its History kept (Keras stops mid-epoch)
-                        self.model.stop_training = True
-                    self._fit_epoch_end(msg.epoch, merged)
+                self._epoch_merged(msg.epoch, merged)
+        elif isinstance(msg, Lost):
+            self._on_lost(rank, msg)
         elif isinstance(msg, Weights):
             self._last_weights = (msg.epoch, msg.weights, len(msg.optimizer))
             self._opt_weights = msg.optimizer
@@ -356,6 +384,22 @@ class TrainingJob(Run):
         else:
             return False
         return True
+
+    def _epoch_merged(self, epoch: int, merged: dict[str, Any]) -> None:
+        """Every worker's logs of ``epoch`` are in: checkpoint, listeners, the notebook's callbacks."""
+        self._save_checkpoint(epoch)
+        if self.status in TERMINAL:  # the checkpoint could not be written
+            return
+        self._notify("epoch", merged)
+        bad = non_finite(merged)
+        if bad is not None and not self._said_non_finite:  # Keras trains on: so do the workers
+            self._said_non_finite = True
+            log.warning("%s", non_finite_message(bad, merged[bad], epoch))
+        if self.fit is not None:
+            if bad == "loss" and self.fit.callbacks.terminates_on_nan:
+                # TerminateOnNaN: stop after this epoch, its History kept (Keras stops mid-epoch)
+                self.model.stop_training = True
+            self._fit_epoch_end(epoch, merged)
 
     def _async_message(self, rank: int, msg: AsyncPull | AsyncPush) -> None:
         server = self._async
@@ -379,8 +423,14 @@ class TrainingJob(Run):
     def _after_pump(self) -> None:
         if self._restart_pending is not None:
             self._restart()
+        elif self._membership is not None and not self._membership.formed and self.status not in TERMINAL:
+            self._form_when_started()
+        elif self._membership is not None and self._membership.broken and self.status not in TERMINAL:
+            self._regroup_when_ready()
 
     def _after_failure(self, message: str) -> str:
+        if self._below_min and message:
+            message = f"{message.rstrip().rstrip('.')} ({self._below_min})"
         # A failed run keeps nothing of what the workers trained (a stop keeps the last epoch's), unless the
         # notebook's callbacks read the model: then it holds the epoch they last saw, as after a local fit's error.
         if self._applied_epoch is not None:
@@ -391,6 +441,15 @@ class TrainingJob(Run):
     def _intercept_failure(self, rank: int | None, message: str, worker_traceback: str) -> bool:
         if self._restart_pending is not None:  # the first cause is the one a restart reports
             return True
+        if rank is not None and self._membership is not None and not self._membership.formed:
+            if self._not_starting(rank, message):
+                return True
+        elif rank is not None and self._membership is not None and self._process_gone(rank):
+            if self._member_left(rank):
+                return True
+            m = self._membership  # too few left: as any run, the sentence saying why it did not go on
+            self._below_min = (f"{len(m.survivors)} worker{'' if len(m.survivors) == 1 else 's'} left, fewer than "
+                               f"the {m.minimum} that --workers {self.config.min_workers}:{self.config.workers} needs")
         if rank is not None and self._keeper is not None and self._keeper.can_restart():
             self._restart_pending = (rank, message, worker_traceback)  # pump() restarts, after this event
             return True
@@ -418,7 +477,7 @@ class TrainingJob(Run):
                        exc)
             return
         if self.fit.callbacks.needs_decisions:
-            for r in range(self.world_size):
+            for r in self._slots():
                 try:
                     self._coordinator.send(r, decision)
                 except (ConnectionError, OSError):
@@ -466,6 +525,9 @@ class TrainingJob(Run):
         self._done, self._closing = set(), {}
         self._remove_meeting_place()
         self._rendezvous = None  # the new rank 0 publishes a new store
+        if self._membership is not None:  # the relaunch is a new first generation, of the world it had
+            self._membership, self._left = Membership(self._membership.minimum, self.world_size), set()
+            self._started, self._not_started, self._below_min = set(), {}, ""
         try:
             self._spec, self._initial_epoch = keeper.restart_point()
             self._rewind_last_weights()
@@ -500,6 +562,136 @@ class TrainingJob(Run):
     def _optimizer_shared(self) -> bool:
         """Rank 0's optimizer state is every worker's: allreduce, or averaging that averages it."""
         return self.config.strategy == "allreduce" or bool(self.config.average_optimizer)
+
+    # -- elastic runs: membership by generation (membership.py, docs/elastic.md) --
+    def _slots(self) -> list[int]:
+        """The workers of the current generation by their launch ranks, in rank order."""
+        return list(self._membership.members) if self._membership is not None else list(range(self.world_size))
+
+    def _process_gone(self, slot: int) -> bool:
+        """Worker ``slot``'s process ended (killed, crashed, its Spark task lost), not one that raised (exit 1)."""
+        if slot >= len(self._handles):
+            return False
+        handle = self._handles[slot]
+        code = handle.exit_status()
+        return bool(getattr(handle, "lost", False)) or (code is not None and code not in (0, 1))
+
+    def _not_starting(self, slot: int, message: str) -> bool:
+        """Before the first generation: worker ``slot`` ended or did not connect in time (the health check's
+        ``message``). True while enough others may still start."""
+        m = self._membership
+        self._not_started[slot] = message.removeprefix(self._name(slot)).strip()
+        self._left.add(slot)
+        self._started.discard(slot)
+        left = len(m.members) - len(self._not_started)
+        if left >= m.minimum:
+            return True
+        self._below_min = (f"{left} worker{'' if left == 1 else 's'} started, fewer than the {m.minimum} that "
+                           f"--workers {self.config.min_workers}:{self.config.workers} needs")
+        return False
+
+    def _form_when_started(self) -> None:
+        """The first generation, once every worker has started or will not: those that did, dealt the launch's
+        global batch; the others are said in one line."""
+        m = self._membership
+        if set(m.members) - self._started - set(self._not_started):
+            return  # some are still starting (the health check ends their wait at startup_timeout)
+        members = sorted(self._started)
+        if len(members) < len(m.members):
+            change = m.first(members, "; ".join(dict.fromkeys(self._not_started.values())), self._initial_epoch)
+            self.world_size = len(members)
+            self._deal_again(self.world_size)
+            self.state.regrouped(change)
+            log.info("%s", change.line)
+            self._notify("membership", change)
+        m.formed = True
+        for rank, slot in enumerate(m.members):
+            try:
+                self._coordinator.send(slot, self._job_message(rank))
+            except (ConnectionError, OSError) as exc:  # it went: the health check names it
+                log.warning("could not send the job to %s: %s", self._name(slot), exc)
+
+    def _member_left(self, slot: int) -> bool:
+        """Member ``slot`` is gone: the generation is broken; True while enough workers are left to go on."""
+        m = self._membership
+        if slot not in m.members or slot in m.leaving:
+            return slot in m.gone  # already counted
+        handle = self._handles[slot]
+        if not m.leave(slot, describe_exit(handle.exit_status() or 0, handle)):
+            return False
+        self._left.add(slot)
+        log.info("%s %s; the others roll back to their last commit", handle.describe(), m.leaving[slot])
+        # Epochs every survivor finished are complete without it (the summed metrics are everyone's).
+        for epoch, merged in self.state.workers_left({slot}, len(m.survivors)):
+            self._epoch_merged(epoch, merged)
+        return True
+
+    def _on_lost(self, slot: int, msg: Lost) -> None:
+        """A worker's collective broke. A member gone: wait for the others (``_regroup_when_ready``); none gone:
+        the worker's own error, which ends the run as any worker's would."""
+        m = self._membership
+        if m is None:
+            return
+        if not m.broken:
+            dead = self._dead_peer(slot)
+            if dead is None:
+                self._handle_message(slot, msg.error())
+                return
+            tb = last_traceback(dead.log_tail(400))
+            self._fail(dead.rank, f"{dead.describe()} {describe_exit(dead.exit_status(), dead)} during training",
+                       tb)
+            if self.status in TERMINAL or self._restart_pending is not None:
+                return
+        m.report(slot, msg)
+
+    def _regroup_when_ready(self) -> None:
+        m = self._membership
+        survivors = m.survivors
+        if survivors and all(s in self._done for s in survivors):  # the generation had finished
+            self._complete()
+        elif m.ready():
+            self._regroup()
+        elif time.monotonic() - m.broken_at > self.config.sync_timeout:
+            waiting = ", ".join(self._name(s) for s in survivors if s not in m.lost)
+            self._fail(None, f"after {', '.join(self._name(s) for s in m.leaving)} left, {waiting} did not give up "
+                             f"the broken collective within {self.config.sync_timeout:.0f} s (sync_timeout)", "")
+
+    def _regroup(self) -> None:
+        """The next generation: the survivors, their epoch dealt again over them (the global batch kept),
+        each sent its job; they roll back to their commit and train on from there."""
+        m = self._membership
+        change = m.regroup()
+        world = len(change.workers)
+        self.world_size = world
+        self._remove_meeting_place()
+        self._rendezvous = None  # the new rank 0 makes a new meeting place
+        self._done, self._closing = set(), {s: t for s, t in self._closing.items() if s in self._left}
+        self._deal_again(world)
+        self._initial_epoch = change.committed
+        self.state.regrouped(change)
+        log.info("%s", change.line)  # the text UI's line (ui/text.py); job.state.membership holds it
+        self._notify("membership", change)
+        for rank, slot in enumerate(m.members):
+            try:
+                self._coordinator.send(slot, self._job_message(rank))
+            except (ConnectionError, OSError) as exc:  # it went too: the health check names it
+                log.warning("could not send generation %d's job to %s: %s", m.generation, self._name(slot), exc)
+
+    def _deal_again(self, world: int) -> None:
+        """Each survivor's rows and batch for ``world`` workers: a plain run's launch global batch split over
+        them (data/sharding.py), an intercepted fit's global batches dealt again (fit_call.py)."""
+        if self.fit is None:
+            self._rank_batches = rank_batch_sizes(self._global_batch, world)
+            shards = shard_bounds(len(self.data), world)
+        else:  # the global batch is the fit's (fixed at launch: _elastic_membership)
+            shards = self._plan_shards(self._backend, world)
+        self._shards = shards
+        batches = [batches_per_epoch(b - a, size) for (a, b), size in zip(shards, self._rank_batches)]
+        for slot, (a, b), n in zip(self._membership.members, shards, batches):
+            self.state.workers[slot].samples, self.state.workers[slot].batches = b - a, n
+        self._shards_known(batches)
+        if isinstance(self.validation_data, FitData):
+            self._val_shards = shard_bounds(len(self.validation_data), world)
 
 
 __all__ = ["TrainingJob", "NbdistError", "TrainingFailed", "last_traceback"]

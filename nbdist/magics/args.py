@@ -23,6 +23,21 @@ worker_arguments = [
     argument("--backend", default="auto", help="auto | local | spark | containers (default: auto)"),
 ]
 
+
+
+def workers_option(text: str) -> int | str:
+    """``--workers`` of %%dist_train: a number, or ``MIN:MAX`` (an elastic run; TrainConfig reads and checks it)."""
+    return int(text) if text.strip().isdigit() else text
+
+
+# %%dist_train's: --workers MIN:MAX too (an elastic run, docs/elastic.md).
+train_worker_arguments = [
+    argument("--workers", type=workers_option, default=None, metavar="N|MIN:MAX",
+             help="workers (local default: one per visible GPU, else 2); MIN:MAX: start with MAX and go on "
+                  "without a lost worker while MIN are left (allreduce, docs/elastic.md)"),
+    worker_arguments[1],
+]
+
 # MLflow tracking (nbdist/ui/tracking.py); %%dist_train and %%dist_tune share them.
 tracking_arguments = [
     argument("--mlflow", dest="mlflow", action="store_const", const=True, default=None,

@@ -23,8 +23,8 @@ from .args import (
     lookup_pair,
     tracking_arguments,
     tracking_options,
+    train_worker_arguments,
     weight_col_argument,
-    worker_arguments,
 )
 
 
@@ -98,7 +98,7 @@ class DistMagics(Magics):
     @argument("--batch-size", type=int, default=None,
               help="mini-batch size per worker (default: 32). A model.fit(batch_size=B) in the cell is instead "
                    "the global batch, split over the workers")
-    @apply(worker_arguments)
+    @apply(train_worker_arguments)
     @argument("--strategy", default=None,
               help="allreduce | averaging | async (default: allreduce, the step local Keras takes; averaging, said "
                    "in one line, for a model whose train_step applies optimizers of its own, e.g. a GAN's two; "

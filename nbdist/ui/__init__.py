@@ -1,7 +1,8 @@
 """Renderers of a run's progress. Each is a listener: ``renderer(kind, state, payload)``.
 
 kind is one of "start", "worker", "progress", "epoch" (payload: merged logs), "restart" (payload:
-the reason, one sentence) and "end"; a renderer ignores kinds it does not know.
+the reason, one sentence), "membership" (an elastic run's change of workers: a ``MembershipChange``)
+and "end"; a renderer ignores kinds it does not know.
 A renderer may also have ``attach(job)``: it is then given the job (Stop button, worker logs).
 This module picks and makes one (``detect_frontend``, ``make_renderer``, ``make_search_view``); the others:
 

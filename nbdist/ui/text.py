@@ -41,12 +41,16 @@ class TextRenderer:
     def __call__(self, kind: str, state: RunState, payload: Any) -> None:
         if kind == "start":
             note = f"; {state.data_note}" if state.data_note else ""
-            self._write(f"nbdist: {state.strategy} on {state.world_size} {state.backend} workers, "
+            elastic = (f" (elastic: goes on while {state.min_workers} are left)"
+                       if state.min_workers is not None else "")
+            self._write(f"nbdist: {state.strategy} on {state.world_size} {state.backend} workers{elastic}, "
                         f"{state.epochs} epochs{note}")
         elif kind == "epoch":
             self._write(epoch_line(state, payload))
         elif kind == "restart":
             self._write(f"nbdist: {payload}")
+        elif kind == "membership":  # an elastic run's change of workers (driver/state.py MembershipChange)
+            self._write(f"nbdist: {payload.line}")
         elif kind == "end" and state.status != "failed":
             self._write(end_line(state))
 

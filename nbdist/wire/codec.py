@@ -37,6 +37,7 @@ class MessageType(enum.StrEnum):
     DONE = "done"  # finished; the body is the worker's closing report
     ERROR = "error"  # failed: the exception's type, one line and the traceback
     WARNING = "warning"  # something worth saying once, not fatal
+    LOST = "lost"  # an elastic run: this worker's collective broke; it waits for the driver's new generation
     ASYNC_PULL = "async_pull"  # --strategy async: the shared weights and a block of batches, please
     ASYNC_PUSH = "async_push"  # --strategy async: a block's delta (seq, the version it started from, samples)
     EVALUATION = "evaluation"  # a shard's additive metric state

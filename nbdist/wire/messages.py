@@ -21,8 +21,9 @@ from ..model.spec import ModelSpec
 from .codec import MessageError, MessageType
 
 # Bump on any change to the fields or meaning of any message (this job's, wire/reports.py's, wire/commands.py's):
-# the job carries it and a worker of another version refuses the job. 5: every message typed; 6: engine fields.
-JOB_VERSION = 6
+# the job carries it and a worker of another version refuses the job. 5: every message typed; 6: engine fields;
+# 7: elastic runs (TrainSettings.elastic, generation; the Lost report).
+JOB_VERSION = 7
 
 JOB_KINDS = ("train", "evaluate", "predict")
 # The shard came in the job's arrays / the Spark task wrote it to a file / the worker reads its rows of
@@ -104,6 +105,11 @@ class TrainSettings:
     # The notebook's TensorBoard's part inside the passes, run by worker 0 (None: nothing to write there).
     batch_summaries: BatchSummaries | None = None
     phase_times: bool = False  # each worker times every epoch's phases (TrainConfig, worker/phases.py)
+    # An elastic run (TrainConfig.min_workers, worker/elastic.py): a broken collective is reported (Lost) and the
+    # worker waits for the job of the next generation (a new world, ranks and shard), which keeps its model as it
+    # holds it, rolled back to its last commit. ``generation`` counts the membership changes so far.
+    elastic: bool = False
+    generation: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_summaries, dict):  # as it crosses the wire

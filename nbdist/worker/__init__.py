@@ -5,6 +5,7 @@ main.py: connect, authenticate, receive the job, run it, report.
 runtime.py: what every job needs whatever its kind: its message decoded, its thread budget.
 training.py: the training job: the notebook's model with its state, rendezvous, fit.
 allreduce_fit.py: a training run under ``--strategy allreduce``.
+elastic.py: an elastic run: commits in memory, a broken collective reported, the next generation trained.
 async_fit.py: ``--strategy async``: blocks of local steps against the driver's shared model.
 async_batches.py: where an async worker's batches come from (batch indices dealt by the driver).
 inference.py: evaluation and prediction on the worker's shard.

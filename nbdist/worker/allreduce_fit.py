@@ -12,7 +12,8 @@ log = logging.getLogger("nbdist.worker")
 
 
 def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
-                  lr_factor: float = 1.0) -> None:
+                  lr_factor: float = 1.0, extra_callbacks: list[Any] | None = None) -> None:
+    """``extra_callbacks``: after the strategy's and the event stream's (an elastic run's commits, elastic.py)."""
     import keras
 
     from ..data.sharding import share_count
@@ -108,6 +109,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     event = EventCallback(link.send, samples, val_samples, batch_size, phase_timer(collective, reducer), ship,
                           sizes=feed.sizes if feed else None)
     callbacks = ([] if solo else [sync]) + [event] + phase_callbacks(link.send, collective)
+    callbacks += list(extra_callbacks or [])
     if reducer.scheduled:  # several steps per call into TensorFlow (blocks.py)
         train_steps = int(inputs["steps_per_epoch"])
         # TerminateOnNaN(raise_error=True), TensorBoard's batch summaries act at every step, as locally.

@@ -68,6 +68,12 @@ class DriverLink:
         """Send a typed message (wire/reports.py)."""
         self.channel.send(*message.encode())
 
+    def error_report(self, exc: BaseException) -> WorkerError:
+        """``exc`` as the driver reads a worker's failure (its line, traceback, and type where Keras raised it)."""
+        typed = keras_raised(exc)
+        tb = "".join(traceback.format_exception(exc))
+        return WorkerError(type(exc).__name__, summarise(exc), tb, *(typed or (None, None)))
+
     def expect(self, kind: type[T], timeout: float) -> T:
         """The next message of type ``kind`` (others are dropped); a malformed one raises MessageError."""
         deadline = time.monotonic() + timeout

@@ -54,22 +54,13 @@ def connect_collective(link: Any, job: JobMessage) -> Any:
                           listen_fd=listen_fd, ifname=place.gloo_ifname)
 
 
-def run_training(link: Any, job: JobMessage) -> None:
-    rank, train = job.rank, job.train
-    link.heartbeat_timeout = float(job.heartbeat_timeout)
+def build_model(job: JobMessage) -> tuple[Any, float]:
+    """The job's model made from its spec, ready for the strategy; the learning-rate factor applied."""
     import keras
 
     from ..model.spec import build_optimizer, model_from_spec
-    from ..strategies.averaging import WeightedAverager
-    from .blocks import MAX_BLOCK, StepBlocks, block_size
-    from .callbacks import AveragingCallback, EventCallback, WeightShipper
-    from .datasets import job_inputs, rank_batch_size
-    from .pydatasets import job_feed
 
-    if train.seed is not None:  # the run's seed (model/seeding.py): without importing TensorFlow on JAX or torch
-        from ..model.seeding import seed_worker
-
-        seed_worker(int(train.seed) + rank, keras.backend.backend())
+    train = job.train
     # The notebook's model as it is, with its whole state; the step count comes with it (Adam's bias
     # correction and LR schedules continue).
     model = model_from_spec(job.model)
@@ -89,13 +80,34 @@ def run_training(link: Any, job: JobMessage) -> None:
         from ..strategies.fused_updates import FUSED_MIN_PARAMETERS, install_fused_updates
 
         install_fused_updates(model, 0 if train.fused_updates else FUSED_MIN_PARAMETERS)
-    from .fit_sync import fit_and_report, set_initial_learning_rate
+    from .fit_sync import set_initial_learning_rate
 
     set_initial_learning_rate(model, job)
     # async too: each delta counts 1/N on the driver, so the scaled local rate gives the shared model allreduce's step.
     lr_factor = scale_learning_rate(model, train.lr_scaling, job.world_size)
+    return model, lr_factor
+
+
+def run_training(link: Any, job: JobMessage) -> None:
+    rank, train = job.rank, job.train
+    link.heartbeat_timeout = float(job.heartbeat_timeout)
+    import keras
+
+    from ..strategies.averaging import WeightedAverager
+    from .blocks import MAX_BLOCK, StepBlocks, block_size
+    from .callbacks import AveragingCallback, EventCallback, WeightShipper
+    from .datasets import job_inputs, rank_batch_size
+    from .pydatasets import job_feed
+
+    if train.seed is not None:  # the run's seed (model/seeding.py): without importing TensorFlow on JAX or torch
+        from ..model.seeding import seed_worker
+
+        seed_worker(int(train.seed) + rank, keras.backend.backend())
+    model, lr_factor = build_model(job)
+    on_tf = keras.backend.backend() == "tensorflow"
     from ..machine.placement import GPUS_ASKED, gpu_missing_notice
     from .device import training_device
+    from .fit_sync import fit_and_report
 
     device = training_device()  # in the run's state and dashboard from here on, and in the closing report
     link.send(Progress("starting", epoch=train.initial_epoch, device=device))
@@ -111,7 +123,14 @@ def run_training(link: Any, job: JobMessage) -> None:
     from .phases import EpochPhases, PhaseClock, PhaseCollective, phase_callbacks, phase_timer, phase_times_enabled
 
     # Watched, so the worker can report time in synchronisation vs compute (see phases.py).
-    collective = PhaseCollective(connect_collective(link, job), PhaseClock())
+    watched = lambda link, job: PhaseCollective(connect_collective(link, job), PhaseClock())
+    if train.strategy == "allreduce" and train.elastic:  # generation after generation (elastic.py)
+        from .allreduce_fit import fit_allreduce
+        from .elastic import run_elastic
+
+        run_elastic(link, job, model, lr_factor, watched, lambda job: build_model(job)[0], fit_allreduce)
+        return
+    collective = watched(link, job)
     if train.strategy == "allreduce":
         from .allreduce_fit import fit_allreduce
 
