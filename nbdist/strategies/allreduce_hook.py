@@ -18,7 +18,7 @@ import numpy as np
 from ..machine.engines import Plan
 from .averaging import FlatBuffer, WeightedAverager, batch_sizes, state_digest, synced_state
 from .collective import Collective
-from .gradient_sum import CHUNK_ELEMENTS, GradientSum
+from .gradient_sum import GradientSum
 
 
 def broadcast_state(collective: Collective, variables: Sequence[Any], compiled: bool = False) -> bool:
@@ -54,10 +54,10 @@ class GradientAllreduce(GradientSum):
     (loss scaling, the step's share, sparse and missing gradients, pad steps, other engines)."""
 
     def __init__(self, collective: Collective, variables: Sequence[Any], plan: Plan | None = None,
-                 chunk_elements: int = CHUNK_ELEMENTS, loss_scaling: bool = True) -> None:
+                 loss_scaling: bool = True) -> None:
         """``loss_scaling``: scale each worker's loss by its share (TensorFlow's train step); off, the
         gradients are scaled as they are copied (backend_grads.py)."""
-        super().__init__(collective, variables, plan, chunk_elements)
+        super().__init__(collective, variables, plan)
         # Variables Keras assigns their gradient itself: a device sum hands theirs back as a copy.
         self._kept = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
         self._engine_impl = self._open_engine()
