@@ -58,10 +58,7 @@ class FlatBuffer:
     variable, per round, several rounds an epoch. Otherwise variable by variable (anything with
     ``numpy()`` and ``assign()``).
 
-    On a large model each pass over the variables is the cost (300 MB a round for 25M parameters
-    and Adam's two slots): ``parts`` hands a summer that reads arrays where they are the scaled
-    variables as TensorFlow made them, without copying them into the buffer first; ``scatter``
-    writes variables of more than ``EAGER_WRITE_FLOATS`` in all one by one, dividing as it copies
+    ``scatter`` writes variables of more than ``EAGER_WRITE_FLOATS`` in all one by one, dividing as it copies
     (a buffer handed whole to a ``tf.function`` is converted, split and divided: three passes).
     """
 
@@ -76,11 +73,6 @@ class FlatBuffer:
         self.compiled = bool(compiled and self.variables)
         self._read, self._write = (compiled_transfer(self.variables, self.shapes)
                                    if self.compiled else (None, None))
-
-    def parts(self, scale: float) -> list[np.ndarray]:
-        """Each variable times ``scale``, flat (compiled only): the buffer's parts, not copied into it."""
-        assert self._read is not None
-        return [view_of(t) for t in self._read(_scalar(scale))]
 
     def gather(self, scale: float = 1.0) -> np.ndarray:
         if self._read is not None:
@@ -241,36 +233,20 @@ class WeightedAverager(Averager):
 
     def _average_through_buffer(self, samples: int) -> int:
         flat = self.flat
-        # A shared-memory sum reads the scaled variables where TensorFlow made them.
-        plan = self._parts_plan()
-        parts = flat.parts(float(samples)) if samples and plan is not None else None
-        if parts is None:
-            if samples:
-                flat.gather(float(samples))
-            else:
-                flat.values.fill(0.0)
+        if samples:
+            flat.gather(float(samples))
+        else:
+            flat.values.fill(0.0)
         flat.buffer[-1] = samples
         if self.summer is None:
             self.collective.allreduce_sum(flat.buffer)
         else:
             with waiting(self.collective):
-                if parts is not None:
-                    self.summer.sum_into([*parts, flat.buffer[-1:]], flat.buffer, plan)
-                else:
-                    self.summer(flat.buffer)
+                self.summer(flat.buffer)
         total = int(round(float(flat.buffer[-1])))
         if total > 0:
             flat.scatter(total)
         return total
-
-    def _parts_plan(self) -> Any:
-        """A shared-memory sum's layout of the variables' parts, then the count; None for other sums."""
-        flat = self.flat
-        if self.summer is None or not flat.compiled:
-            return None
-        if "parts" not in self._plans:
-            self._plans["parts"] = self.summer.plan([*flat.offsets[:-1], flat.size], [*flat.sizes, 1], flat.size + 1)
-        return self._plans["parts"]
 
     def _in_place_plan(self) -> Any:
         """The layout of an in-place round (the weight, then each variable, aligned), or None when a round

@@ -69,11 +69,8 @@ class HostGradientAllreduce(GradientAllreduce):
 
     @property
     def summed_by(self) -> str | None:
-        """"device" where the gradients are summed as tensors where they are (device_sum.py), "device-overlapped"
-        where buckets started during the backward pass (torch_overlap.py)."""
-        if self._engine_impl is None:
-            return super().summed_by
-        return "device-overlapped" if self.overlapped else "device"
+        """"device-overlapped" where torch's buckets started during a backward pass (torch_overlap.py)."""
+        return "device-overlapped" if self.overlapped else super().summed_by
 
     def overlap_backward(self, model: Any) -> str | None:
         """The device sum's buckets started during the backward pass, by hooks on the variables' torch tensors

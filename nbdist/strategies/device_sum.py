@@ -283,44 +283,35 @@ class TorchDeviceAverage(DeviceBuckets, Averager):
         return int(round(total))
 
 
-def engine_device(engine: str) -> Any:
-    """The buckets' device: the worker's one GPU for "nccl" (CUDA_VISIBLE_DEVICES per rank: its device 0, also
-    TensorFlow's GPU:0), else the CPU."""
-    import torch
-
-    if engine != "nccl":
-        return torch.device("cpu")
-    torch.cuda.set_device(0)
-    return torch.device("cuda", 0)
-
-
-def device_group(backend: str, timeout: float | None = None) -> Any:
-    """A process group for the device sum beside nbdist's own Gloo group, on the same store (every worker
-    calls this: each chose the same engine from the same flags). ``timeout``: nbdist's sync timeout in seconds,
-    the bound of each of its collectives (torch's own default would be 10 minutes for NCCL, 30 for Gloo)."""
+def device_parts(engine: str, timeout: float | None, backend: str) -> tuple[Any, Any, TorchTensors]:
+    """The plan's device sum's (device, process group, tensors): "nccl" the worker's one GPU (CUDA_VISIBLE_DEVICES
+    per rank: its device 0, also TensorFlow's GPU:0), else the CPU; a group of its own beside nbdist's Gloo group,
+    on the same store (every worker calls this at the same point), each collective bounded by nbdist's sync
+    ``timeout`` (torch's own: 10 minutes for NCCL, 30 for Gloo); Keras' ``backend``'s tensors (``TFTensors``)."""
     import datetime
 
+    import torch
     import torch.distributed as dist
 
-    return dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout) if timeout else None)
+    device = torch.device("cpu")
+    if engine == "nccl":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    group = dist.new_group(backend=engine, timeout=datetime.timedelta(seconds=timeout) if timeout else None)
+    return device, group, TFTensors(engine == "nccl") if backend == "tensorflow" else TorchTensors()
 
 
 def open_device_sum(shapes: Sequence[tuple[int, ...]], engine: str, bucket_bytes: int, timeout: float | None,
                     backend: str, kept: Sequence[bool] | None = None) -> TorchDeviceSum:
-    """The plan's device sum for Keras' ``backend``: ``engine`` "nccl" (the worker's one GPU) or "gloo" (CPU
-    tensors), on a group of its own (``device_group``); ``kept`` as ``TorchDeviceSum`` has it (TensorFlow only:
-    torch's assign copies)."""
-    return TorchDeviceSum(shapes, engine_device(engine), device_group(engine, timeout), bucket_bytes,
-                          tensors=framework_tensors(backend, engine), kept=kept if backend == "tensorflow" else None)
+    """The plan's device sum (``device_parts``); ``kept`` as ``TorchDeviceSum`` has it (TensorFlow only: torch's
+    assign copies)."""
+    device, group, tensors = device_parts(engine, timeout, backend)
+    return TorchDeviceSum(shapes, device, group, bucket_bytes, tensors=tensors,
+                          kept=kept if backend == "tensorflow" else None)
 
 
 def open_device_average(variables: Sequence[Any], engine: str, bucket_bytes: int, timeout: float | None,
                         backend: str) -> TorchDeviceAverage:
     """The plan's averaging rounds on the device, as ``open_device_sum``."""
-    return TorchDeviceAverage(variables, engine_device(engine), device_group(engine, timeout), bucket_bytes,
-                              tensors=framework_tensors(backend, engine))
-
-
-def framework_tensors(backend: str, engine: str) -> TorchTensors:
-    """How Keras' ``backend`` hands its tensors to the buckets (torch's own, or TensorFlow's by DLPack)."""
-    return TFTensors(engine == "nccl") if backend == "tensorflow" else TorchTensors()
+    device, group, tensors = device_parts(engine, timeout, backend)
+    return TorchDeviceAverage(variables, device, group, bucket_bytes, tensors)

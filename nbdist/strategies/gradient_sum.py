@@ -84,18 +84,10 @@ class GradientSum:
         self._slices = SliceExchange(collective)  # sparse gradients' exchange (sparse_grads.py)
 
     @property
-    def engine(self) -> str:
-        """The engine's name in reports (``Plan.engine_name``)."""
-        return self.plan.engine_name
-
-    @property
     def summed_by(self) -> str | None:
-        """How the steps are summed (``Plan.summed_by``); None until the step is traced, or for one worker."""
-        if self.prescaled is None and not self.plan.device:
-            return None
-        return self.plan.summed_by
+        """How the steps are summed (``Plan.summed_by``); None before the step is traced, or for one worker."""
+        return None if self.prescaled is None and not self.steps else self.plan.summed_by
 
-    # -- the Gloo path: numpy in, numpy out ------------------------------
     def exchange(self, *grads: np.ndarray) -> list[np.ndarray]:
         """Sum ``(weight / total) * grads`` across workers; return the averaged gradients.
 
