@@ -32,6 +32,13 @@ def bucket_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
     return buckets
 
 
+def backward_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
+    """Buckets of variable indices in the order the backward pass produces them: the variables reversed, then
+    consecutive ones grouped into buckets of at most ``limit_elements`` (a larger one alone)."""
+    order = list(range(len(sizes)))[::-1]
+    return [[order[j] for j in bucket] for bucket in bucket_plan([sizes[i] for i in order], limit_elements)]
+
+
 def aligned_slots(sizes: Sequence[int], align: int) -> list[int]:
     """Each gradient's room in a bucket when every gradient must start on a multiple of ``align`` elements
     (TensorFlow adopts only 64-byte aligned memory: ``TFTensors``)."""
@@ -226,8 +233,9 @@ class TorchDeviceSum(DeviceBuckets):
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], device: Any, group: Any = None,
                  bucket_bytes: int = BUCKET_BYTES, check_every: int | None = None,
-                 tensors: TorchTensors | None = None, kept: Sequence[bool] | None = None) -> None:
-        super().__init__(shapes, device, group, bucket_bytes, tensors)
+                 tensors: TorchTensors | None = None, kept: Sequence[bool] | None = None,
+                 planner: Callable[[Sequence[int], int], list[list[int]]] = bucket_plan) -> None:
+        super().__init__(shapes, device, group, bucket_bytes, tensors, planner)
         self.check_every = check_every or check_every_for(self.device.type)
         self.rows = RowsCheck(self.device, self.check_every)
         self.kept = list(kept) if kept is not None and any(kept) else None
@@ -304,10 +312,11 @@ def device_parts(engine: str, timeout: float | None, backend: str) -> tuple[Any,
 def open_device_sum(shapes: Sequence[tuple[int, ...]], engine: str, bucket_bytes: int, timeout: float | None,
                     backend: str, kept: Sequence[bool] | None = None) -> TorchDeviceSum:
     """The plan's device sum (``device_parts``); ``kept`` as ``TorchDeviceSum`` has it (TensorFlow only: torch's
-    assign copies)."""
+    assign copies); on torch, buckets in backward order (torch_overlap.py may start them during it)."""
     device, group, tensors = device_parts(engine, timeout, backend)
     return TorchDeviceSum(shapes, device, group, bucket_bytes, tensors=tensors,
-                          kept=kept if backend == "tensorflow" else None)
+                          kept=kept if backend == "tensorflow" else None,
+                          planner=backward_plan if backend == "torch" else bucket_plan)
 
 
 def open_device_average(variables: Sequence[Any], engine: str, bucket_bytes: int, timeout: float | None,

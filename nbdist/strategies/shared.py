@@ -127,8 +127,34 @@ def should_spin(affinities: Sequence[frozenset[int]]) -> bool:
     return True
 
 
-class _Segment:
-    """A mapped segment of int64 counters (one per worker, one per 64-byte line) and waits on them."""
+@dataclass
+class ChunkPlan:
+    """Where a bucket's chunks come from: for each chunk its bounds, the arrays' parts in it and this worker's slice."""
+
+    length: int
+    chunks: list[tuple[int, int, Pieces, int, int]]  # (a, b, pieces, slice lo, slice hi)
+
+
+def chunk_plan(offsets: Sequence[int], sizes: Sequence[int], length: int, chunk: int, rank: int,
+               world: int) -> ChunkPlan:
+    """Cut ``range(length)`` into chunks of ``chunk`` floats, each into ``world`` aligned slices."""
+    out = []
+    for a, b in segment_bounds(0, length, chunk):
+        lo, hi = block_bounds(b - a, world)[rank]
+        out.append((a, b, pieces(offsets, sizes, a, b), lo, hi))
+    return ChunkPlan(length, out)
+
+
+def chunked_segment_bytes(world: int, chunk: int) -> int:
+    """The counters, then two slots of ``world`` input rows and one output row of ``chunk`` float32."""
+    return LINE * world + 2 * (world + 1) * row_stride(chunk)
+
+
+class _SharedSum:
+    """A mapped segment: int64 counters (one per worker, one per 64-byte line), waits on them, then each mode's
+    rows. What both modes offer, chunk by chunk (``plan``): ``sum_into`` (arrays read where they are, optionally
+    scaled), ``average_in_place`` and ``summer(bucket)`` in place. Every worker makes the same calls with the
+    same layouts; each mode's ``_exchange`` moves the chunks."""
 
     def __init__(self, rank: int, world: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
                  timeout: float, spin: bool) -> None:
@@ -175,44 +201,13 @@ class _Segment:
             raise TimeoutError(f"worker {peer} sent no gradients for {waited:.0f} s "
                                f"(the collective timeout); it may be stuck")
 
-    def _drop_views(self) -> None:
-        self._seq = None  # type: ignore[assignment]
-
     def close(self) -> None:
-        self._drop_views()  # views must go before the map
+        self._seq = self._slots = None  # type: ignore[assignment]  # views must go before the map
         try:
             self._map.close()
         except BufferError:  # a view still alive (e.g. held by a traceback): the OS frees it at exit
             log.debug("shared bucket still referenced at close")
 
-
-@dataclass
-class ChunkPlan:
-    """Where a bucket's chunks come from: for each chunk its bounds, the arrays' parts in it and this worker's slice."""
-
-    length: int
-    chunks: list[tuple[int, int, Pieces, int, int]]  # (a, b, pieces, slice lo, slice hi)
-
-
-def chunk_plan(offsets: Sequence[int], sizes: Sequence[int], length: int, chunk: int, rank: int,
-               world: int) -> ChunkPlan:
-    """Cut ``range(length)`` into chunks of ``chunk`` floats, each into ``world`` aligned slices."""
-    out = []
-    for a, b in segment_bounds(0, length, chunk):
-        lo, hi = block_bounds(b - a, world)[rank]
-        out.append((a, b, pieces(offsets, sizes, a, b), lo, hi))
-    return ChunkPlan(length, out)
-
-
-def chunked_segment_bytes(world: int, chunk: int) -> int:
-    """The counters, then two slots of ``world`` input rows and one output row of ``chunk`` float32."""
-    return LINE * world + 2 * (world + 1) * row_stride(chunk)
-
-
-class _SharedSum(_Segment):
-    """What both modes offer, chunk by chunk through rows of ``chunk`` floats (``plan``): ``sum_into`` (arrays read
-    where they are, optionally scaled), ``average_in_place`` and ``summer(bucket)`` in place. Every worker makes
-    the same calls with the same layouts; each mode's ``_exchange`` moves the chunks."""
 
     def plan(self, offsets: Sequence[int], sizes: Sequence[int], length: int) -> ChunkPlan:
         """The chunks of a bucket of ``length`` holding arrays of ``sizes`` at ``offsets``."""
@@ -260,10 +255,6 @@ class _SharedSum(_Segment):
 
     def _exchange(self, plan: ChunkPlan, put: Any, take: Any) -> None:
         raise NotImplementedError
-
-    def _drop_views(self) -> None:
-        super()._drop_views()
-        self._slots = None  # type: ignore[assignment]
 
 
 def fill(row: np.ndarray, a: int, parts: Pieces, arrays: Sequence[np.ndarray], scales: Sequence[Any] | None) -> None:
