@@ -201,13 +201,11 @@ class GradientAllreduce(GradientSum):
                  for g, s, sp in zip(grads, self.shapes, sparse)]
         if on_host:
             exchange = self.exchange_copy if prescaled else self.exchange
-            if self._table is None:
-                out = tf.numpy_function(exchange, dense, Tout=[tf.float32] * len(dense), stateful=True,
-                                        name="nbdist_gradient_allreduce")
-            else:  # the step's share from the schedule (the counter moves on after the step: ``advance``)
-                out = tf.numpy_function(self._at_step(exchange), [self.step.read_value(), *dense],
-                                        Tout=[tf.float32] * len(dense), stateful=True,
-                                        name="nbdist_gradient_allreduce")
+            # With a schedule, the step's share from its counter (which moves on after the step: ``advance``).
+            fn, args = (exchange, dense) if self._table is None else (self._at_step(exchange),
+                                                                      [self.step.read_value(), *dense])
+            out = tf.numpy_function(fn, args, Tout=[tf.float32] * len(dense), stateful=True,
+                                    name="nbdist_gradient_allreduce")
             if not isinstance(out, (list, tuple)):  # eagerly, one output comes back bare, not in a list
                 out = [out]
             out = [tf.reshape(o, s) for o, s in zip(out, self.shapes)]
