@@ -229,7 +229,7 @@ class _SharedSum:
         def take(summed: np.ndarray, a: int, b: int, parts: Pieces) -> None:
             np.copyto(out[a:b], summed)
 
-        self._exchange(plan, lambda row, a, parts: fill(row, a, parts, arrays, scales), take)
+        self._exchange(plan, lambda row, a, parts: fill(row, a, parts, arrays, scales), take, out)
 
     def average_in_place(self, arrays: Sequence[np.ndarray], weight: float, plan: ChunkPlan) -> float:
         """Every array := the ``weight``-weighted average over workers of that array, in place; the summed weight.
@@ -253,7 +253,9 @@ class _SharedSum:
         self._exchange(plan, lambda row, a, parts: fill(row, a, parts, arrays, scales), take)
         return float(total[0])
 
-    def _exchange(self, plan: ChunkPlan, put: Any, take: Any) -> None:
+    def _exchange(self, plan: ChunkPlan, put: Any, take: Any, out: np.ndarray | None = None) -> None:
+        """Each chunk ``put`` into this worker's row, summed, and handed to ``take`` (or, where a mode can, summed
+        straight into ``out``, which ``take`` would copy it to)."""
         raise NotImplementedError
 
 
@@ -306,16 +308,17 @@ class SharedMemorySum(_SharedSum):
             raise ValueError(f"a bucket of {length} floats in rows of {self.length}")
         return ChunkPlan(length, [(0, length, pieces(offsets, sizes, 0, length), 0, length)])
 
-    def _exchange(self, plan: ChunkPlan, put: Any, take: Any) -> None:
+    def _exchange(self, plan: ChunkPlan, put: Any, take: Any, out: np.ndarray | None = None) -> None:
         for a, b, parts, _, _ in plan.chunks:
             k = self._calls + 1
             rows = self._slots[k % 2]
             put(rows[self.rank], a, parts)
             self._seq[self.rank] = k  # after the row: peers that see k see the row too (TSO)
             self._wait_all(k)
-            with np.errstate(all="ignore"):  # alignment gaps hold stale floats: their sums mean nothing
-                add_in_rank_order(rows[:, :b - a], self._sum[:b - a])
-            take(self._sum[:b - a], a, b, parts)
+            summed = self._sum[:b - a] if out is None else out[a:b]
+            add_in_rank_order(rows[:, :b - a], summed)  # an alignment gap: zeros, or one layout's finite floats
+            if out is None:
+                take(summed, a, b, parts)
             self._calls = k
 
 
@@ -353,7 +356,7 @@ class SharedChunkedSum(_SharedSum):
     def plan(self, offsets: Sequence[int], sizes: Sequence[int], length: int) -> ChunkPlan:
         return chunk_plan(offsets, sizes, length, self.chunk, self.rank, self.world)
 
-    def _exchange(self, plan: ChunkPlan, put: Any, take: Any) -> None:
+    def _exchange(self, plan: ChunkPlan, put: Any, take: Any, out: np.ndarray | None = None) -> None:
         """In phase i this worker puts chunk i into its row, adds its slice of chunk i - 1 and hands chunk i - 2,
         summed by everyone, to ``take``; peers move in lockstep."""
         rank, world, chunks = self.rank, self.world, plan.chunks
