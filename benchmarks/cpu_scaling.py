@@ -6,8 +6,7 @@ The issue's 16-core check (benchmarks/gpu_check/check.py step_cpu_scaling) train
 
 (a) the kernel: one step's gradient exchange of that model between 2 worker processes of this machine
     (``GradientSum.exchange``, the torch/JAX path: scaled, summed through shared memory chunk by chunk,
-    copied out), ms per call: the bucket filled first, then summed (as before), or the scale fused into
-    the sum's copy-in (now), pinned and unpinned.
+    copied out, the scale fused into the sum's copy-in), ms per call, pinned and unpinned.
 (b) training: plain fit on all cores, 1 worker (all cores), 2 workers (a core each), samples per second
     and each worker's ms per step in compute and in synchronisation (its phase timers); with ``--before
     DIR`` (an nbdist checkout, e.g. ``git archive BASE nbdist | tar -x -C DIR``) the 2 workers also run
@@ -55,9 +54,8 @@ class _Var:
         self.shape = shape
 
 
-KERNEL_MODES = [("bucket filled, then summed; 1 thread, pinned", False, 1, True),
-                ("scale fused into the sum; 1 thread, pinned", True, 1, True),
-                ("scale fused; 1 thread, unpinned", True, 1, False)]
+KERNEL_MODES = [("scale fused into the sum; 1 thread, pinned", 1, True),
+                ("scale fused; 1 thread, unpinned", 1, False)]
 
 
 def _kernel_rank(rank: int, port: int, repeats: int) -> None:
@@ -71,7 +69,7 @@ def _kernel_rank(rank: int, port: int, repeats: int) -> None:
     torch.set_num_threads(1)
     gloo = GlooCollective(rank, 2, "127.0.0.1", port, timeout=120)
     summer = GradientSum(gloo, [_Var(s) for s in shapes()], Plan("shared", "chunked", bucket_bytes=2 * 2**20))
-    chunked = summer._chunked
+    chunked = summer._shared
     assert chunked is not None, "the workers could not share memory"
     waited = [0.0]
     wait_all = chunked._wait_all
@@ -88,9 +86,8 @@ def _kernel_rank(rank: int, port: int, repeats: int) -> None:
     waits: dict[str, list[float]] = {m[0]: [] for m in KERNEL_MODES}
     digests: dict[str, float] = {}
     for i in range(repeats + 5):  # the first five rounds warm up
-        for label, fused, _threads, pinned in KERNEL_MODES:
+        for label, _threads, pinned in KERNEL_MODES:
             os.sched_setaffinity(0, {CORES[rank % len(CORES)]} if pinned else set(CORES))
-            summer.fused_scale = fused
             summer.weight, summer.total = 64.0, 128.0
             gloo.allreduce_sum(np.zeros(1, np.float32))  # both start together
             waited[0] = 0.0

@@ -18,7 +18,7 @@ import numpy as np
 from ..machine.engines import Plan
 from .averaging import FlatBuffer, WeightedAverager, batch_sizes, state_digest, synced_state
 from .collective import Collective
-from .gradient_sum import CHUNK_ELEMENTS, GradientSum
+from .gradient_sum import GradientSum
 
 
 def broadcast_state(collective: Collective, variables: Sequence[Any], compiled: bool = False) -> bool:
@@ -54,10 +54,10 @@ class GradientAllreduce(GradientSum):
     (loss scaling, the step's share, sparse and missing gradients, pad steps, other engines)."""
 
     def __init__(self, collective: Collective, variables: Sequence[Any], plan: Plan | None = None,
-                 chunk_elements: int = CHUNK_ELEMENTS, loss_scaling: bool = True) -> None:
+                 loss_scaling: bool = True) -> None:
         """``loss_scaling``: scale each worker's loss by its share (TensorFlow's train step); off, the
         gradients are scaled as they are copied (backend_grads.py)."""
-        super().__init__(collective, variables, plan, chunk_elements)
+        super().__init__(collective, variables, plan)
         # Variables Keras assigns their gradient itself: a device sum hands theirs back as a copy.
         self._kept = [bool(getattr(v, "overwrite_with_gradient", False)) for v in variables]
         self._engine_impl = self._open_engine()
@@ -201,13 +201,11 @@ class GradientAllreduce(GradientSum):
                  for g, s, sp in zip(grads, self.shapes, sparse)]
         if on_host:
             exchange = self.exchange_copy if prescaled else self.exchange
-            if self._table is None:
-                out = tf.numpy_function(exchange, dense, Tout=[tf.float32] * len(dense), stateful=True,
-                                        name="nbdist_gradient_allreduce")
-            else:  # the step's share from the schedule (the counter moves on after the step: ``advance``)
-                out = tf.numpy_function(self._at_step(exchange), [self.step.read_value(), *dense],
-                                        Tout=[tf.float32] * len(dense), stateful=True,
-                                        name="nbdist_gradient_allreduce")
+            # With a schedule, the step's share from its counter (which moves on after the step: ``advance``).
+            fn, args = (exchange, dense) if self._table is None else (self._at_step(exchange),
+                                                                      [self.step.read_value(), *dense])
+            out = tf.numpy_function(fn, args, Tout=[tf.float32] * len(dense), stateful=True,
+                                    name="nbdist_gradient_allreduce")
             if not isinstance(out, (list, tuple)):  # eagerly, one output comes back bare, not in a list
                 out = [out]
             out = [tf.reshape(o, s) for o, s in zip(out, self.shapes)]

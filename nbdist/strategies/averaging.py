@@ -9,16 +9,15 @@ starts validation -- with identical weights.
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..model.spec import host_array, view_of
 from .collective import Collective
-from .shared import SharedChunkedSum, SharedMemorySum, aligned_offsets, open_chunked_sum, open_shared_sum
+from .shared import aligned_offsets, open_plan_sum, waiting
 
 
 def synced_state(model: Any) -> None:
@@ -59,10 +58,7 @@ class FlatBuffer:
     variable, per round, several rounds an epoch. Otherwise variable by variable (anything with
     ``numpy()`` and ``assign()``).
 
-    On a large model each pass over the variables is the cost (300 MB a round for 25M parameters
-    and Adam's two slots): ``parts`` hands a summer that reads arrays where they are the scaled
-    variables as TensorFlow made them, without copying them into the buffer first; ``scatter``
-    writes variables of more than ``EAGER_WRITE_FLOATS`` in all one by one, dividing as it copies
+    ``scatter`` writes variables of more than ``EAGER_WRITE_FLOATS`` in all one by one, dividing as it copies
     (a buffer handed whole to a ``tf.function`` is converted, split and divided: three passes).
     """
 
@@ -77,11 +73,6 @@ class FlatBuffer:
         self.compiled = bool(compiled and self.variables)
         self._read, self._write = (compiled_transfer(self.variables, self.shapes)
                                    if self.compiled else (None, None))
-
-    def parts(self, scale: float) -> list[np.ndarray]:
-        """Each variable times ``scale``, flat (compiled only): the buffer's parts, not copied into it."""
-        assert self._read is not None
-        return [view_of(t) for t in self._read(_scalar(scale))]
 
     def gather(self, scale: float = 1.0) -> np.ndarray:
         if self._read is not None:
@@ -202,17 +193,18 @@ class WeightedAverager(Averager):
     Each worker contributes ``samples * weights`` and, in the buffer's last slot, ``samples``;
     after the sum the weights are divided by the summed count. One exchange per round instead of
     a count allreduce followed by a weights allreduce. ``plan`` (machine/engines.py): the buffer summed through
-    shared memory where it names that engine (``open_averaging_sum``); else by the collective's allreduce.
+    shared memory where it names that engine (shared.py ``open_plan_sum``); else by the collective's allreduce.
     """
 
-    def __init__(self, collective: Collective, variables: Sequence[Any], clock: Any = None,
-                 compiled: bool = False, plan: Any = None) -> None:
+    def __init__(self, collective: Collective, variables: Sequence[Any], compiled: bool = False,
+                 plan: Any = None) -> None:
         self.collective = collective
         self.flat = FlatBuffer(variables, extra=1, compiled=compiled)
-        self.summer = None if plan is None else open_averaging_sum(collective, len(self.flat.buffer), plan)
+        room = int(aligned_offsets([1, *self.flat.sizes])[-1])  # an in-place round's layout: the largest
+        self.summer = None if plan is None else open_plan_sum(collective, room, plan)
+        self.summed_by = "allreduce" if self.summer is None else plan.summed_by
         self._plans: dict[str, Any] = {}
         self._one = np.ones(1, dtype=np.float32)  # the weight's slot in an in-place round
-        self.clock = clock  # a PhaseClock told when a shared-memory round waits (it sees no collective call)
 
     def average(self, samples: int) -> int:
         """Average with every worker (one worker: nothing to do, no round counted)."""
@@ -225,12 +217,12 @@ class WeightedAverager(Averager):
         return self._average_through_buffer(samples)
 
     def _average_in_place(self, samples: int, plan: Any) -> int:
-        """A large model on one machine: each variable's memory into the shared segment and the average back
-        into it, chunk by chunk (``SharedChunkedSum.average_in_place``): two passes, where a round through
-        the buffer made eight (TensorFlow's scaled copy, the bucket, a divided copy, the assign's copy)."""
+        """Each variable's memory into the shared segment and the average back into it, chunk by chunk
+        (``average_in_place``): two passes, where a round through the buffer made eight (TensorFlow's scaled
+        copy, the bucket, a divided copy, the assign's copy)."""
         views = variable_views(self.flat.variables)
         assert views is not None, "the variables were float32 in host memory when the plan was made"
-        with self._waiting():
+        with waiting(self.collective):
             total = self.summer.average_in_place([self._one, *(a for a, _ in views)], float(samples), plan)
         if total > 0:
             for v, shape, (array, own) in zip(self.flat.variables, self.flat.shapes, views):
@@ -241,79 +233,32 @@ class WeightedAverager(Averager):
 
     def _average_through_buffer(self, samples: int) -> int:
         flat = self.flat
-        # A chunked shared-memory sum reads the scaled variables where TensorFlow made them.
-        plan = self._parts_plan()
-        parts = flat.parts(float(samples)) if samples and plan is not None else None
-        if parts is None:
-            if samples:
-                flat.gather(float(samples))
-            else:
-                flat.values.fill(0.0)
-        flat.buffer[-1] = samples
-        if self.summer is not None:
-            with self._waiting():
-                if parts is not None:
-                    self.summer.sum_into([*parts, flat.buffer[-1:]], flat.buffer, plan)
-                else:
-                    self.summer(flat.buffer)
+        if samples:
+            flat.gather(float(samples))
         else:
+            flat.values.fill(0.0)
+        flat.buffer[-1] = samples
+        if self.summer is None:
             self.collective.allreduce_sum(flat.buffer)
+        else:
+            with waiting(self.collective):
+                self.summer(flat.buffer)
         total = int(round(float(flat.buffer[-1])))
         if total > 0:
             flat.scatter(total)
         return total
 
-    @contextlib.contextmanager
-    def _waiting(self) -> Iterator[None]:
-        """Tell the clock the worker is in a shared-memory exchange (it sees no collective call)."""
-        if self.clock is not None:
-            self.clock.enter()
-        try:
-            yield
-        finally:
-            if self.clock is not None:
-                self.clock.leave()
-
-    def _parts_plan(self) -> Any:
-        """A chunked shared-memory sum's layout of the variables' parts, then the count; None for other sums."""
-        flat = self.flat
-        if not isinstance(self.summer, SharedChunkedSum) or not flat.compiled:
-            return None
-        if "parts" not in self._plans:
-            self._plans["parts"] = self.summer.plan([*flat.offsets[:-1], flat.size], [*flat.sizes, 1], flat.size + 1)
-        return self._plans["parts"]
-
     def _in_place_plan(self) -> Any:
         """The layout of an in-place round (the weight, then each variable, aligned), or None when a round
-        goes through the buffer: not a chunked shared-memory sum, or a variable not float32 in host memory."""
+        goes through the buffer: not a shared-memory sum, or a variable not float32 in host memory."""
         if "in place" not in self._plans:
             plan = None
-            if (isinstance(self.summer, SharedChunkedSum) and self.flat.compiled
-                    and variable_views(self.flat.variables) is not None):
+            if self.summer is not None and self.flat.compiled and variable_views(self.flat.variables) is not None:
                 offsets = aligned_offsets([1, *self.flat.sizes])
                 plan = self.summer.plan([int(o) for o in offsets[:-1]], [1, *self.flat.sizes], int(offsets[-1]))
             self._plans["in place"] = plan
         return self._plans["in place"]
 
-    @property
-    def summed_by(self) -> str:
-        """How a round is summed: "shared" (one row of memory), "shared-chunked" or "allreduce"."""
-        if self.summer is None:
-            return "allreduce"
-        return "shared-chunked" if isinstance(self.summer, SharedChunkedSum) else "shared"
-
     def close(self) -> None:
         if self.summer is not None:
             self.summer.close()
-
-
-def open_averaging_sum(collective: Any, length: int, plan: Any) -> SharedMemorySum | SharedChunkedSum | None:
-    """How a round's buffer of ``length`` float32 is summed as the plan says (machine/engines.py): through one
-    row of shared memory ("small") or chunk by chunk ("chunked"); None: the collective's allreduce (also where
-    the segment could not be mapped). Collective: every worker calls it at the same point."""
-    inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
-    if inner.world_size < 2 or plan.engine != "shared":
-        return None
-    if plan.mode == "small":
-        return open_shared_sum(inner, length)
-    return open_chunked_sum(inner, length, max(16, plan.bucket_bytes // 4))

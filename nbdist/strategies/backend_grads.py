@@ -69,33 +69,23 @@ class HostGradientAllreduce(GradientAllreduce):
 
     @property
     def summed_by(self) -> str | None:
-        """"device" where the gradients are summed as tensors where they are (device_sum.py), "device-overlapped"
-        where buckets started during the backward pass (torch_overlap.py)."""
-        if self._engine_impl is None:
-            return super().summed_by
-        return "device-overlapped" if self.overlapped else "device"
+        """"device-overlapped" where torch's buckets started during a backward pass (torch_overlap.py)."""
+        return "device-overlapped" if self.overlapped else super().summed_by
 
     def overlap_backward(self, model: Any) -> str | None:
         """The device sum's buckets started during the backward pass, by hooks on the variables' torch tensors
         (torch_overlap.py), where that is sound; otherwise the reason, and the buckets start at ``apply``."""
-        from .torch_overlap import TorchOverlap, backward_plan, overlap_refusal
+        from .torch_overlap import TorchOverlap, overlap_refusal
 
         if self._engine_impl is None:
             return "no device sum"
         if not self.plan.overlap:
             return "overlap=False"
         tensors = [v.value for v in self._variables]
-        limit = max(1, self.plan.bucket_bytes // 4)
-        reason = overlap_refusal(model, tensors, len(backward_plan(self.sizes, limit)))
+        reason = overlap_refusal(model, tensors, len(self._engine_impl.plan))
         if reason is None:
-            self._overlap = TorchOverlap(self._engine_impl, tensors, self, self.plan.bucket_bytes)
+            self._overlap = TorchOverlap(self._engine_impl, tensors, self)
         return reason
-
-    def final_check(self) -> None:
-        overlap = self._overlap
-        if overlap is not None and overlap.rows is not None:
-            overlap.rows.check()
-        super().final_check()
 
     def close(self) -> None:
         """The run's end: no hook stays on the model's tensors, no thread of the sum runs."""

@@ -32,6 +32,13 @@ def bucket_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
     return buckets
 
 
+def backward_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
+    """Buckets of variable indices in the order the backward pass produces them: the variables reversed, then
+    consecutive ones grouped into buckets of at most ``limit_elements`` (a larger one alone)."""
+    order = list(range(len(sizes)))[::-1]
+    return [[order[j] for j in bucket] for bucket in bucket_plan([sizes[i] for i in order], limit_elements)]
+
+
 def aligned_slots(sizes: Sequence[int], align: int) -> list[int]:
     """Each gradient's room in a bucket when every gradient must start on a multiple of ``align`` elements
     (TensorFlow adopts only 64-byte aligned memory: ``TFTensors``)."""
@@ -226,8 +233,9 @@ class TorchDeviceSum(DeviceBuckets):
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], device: Any, group: Any = None,
                  bucket_bytes: int = BUCKET_BYTES, check_every: int | None = None,
-                 tensors: TorchTensors | None = None, kept: Sequence[bool] | None = None) -> None:
-        super().__init__(shapes, device, group, bucket_bytes, tensors)
+                 tensors: TorchTensors | None = None, kept: Sequence[bool] | None = None,
+                 planner: Callable[[Sequence[int], int], list[list[int]]] = bucket_plan) -> None:
+        super().__init__(shapes, device, group, bucket_bytes, tensors, planner)
         self.check_every = check_every or check_every_for(self.device.type)
         self.rows = RowsCheck(self.device, self.check_every)
         self.kept = list(kept) if kept is not None and any(kept) else None
@@ -283,44 +291,36 @@ class TorchDeviceAverage(DeviceBuckets, Averager):
         return int(round(total))
 
 
-def engine_device(engine: str) -> Any:
-    """The buckets' device: the worker's one GPU for "nccl" (CUDA_VISIBLE_DEVICES per rank: its device 0, also
-    TensorFlow's GPU:0), else the CPU."""
-    import torch
-
-    if engine != "nccl":
-        return torch.device("cpu")
-    torch.cuda.set_device(0)
-    return torch.device("cuda", 0)
-
-
-def device_group(backend: str, timeout: float | None = None) -> Any:
-    """A process group for the device sum beside nbdist's own Gloo group, on the same store (every worker
-    calls this: each chose the same engine from the same flags). ``timeout``: nbdist's sync timeout in seconds,
-    the bound of each of its collectives (torch's own default would be 10 minutes for NCCL, 30 for Gloo)."""
+def device_parts(engine: str, timeout: float | None, backend: str) -> tuple[Any, Any, TorchTensors]:
+    """The plan's device sum's (device, process group, tensors): "nccl" the worker's one GPU (CUDA_VISIBLE_DEVICES
+    per rank: its device 0, also TensorFlow's GPU:0), else the CPU; a group of its own beside nbdist's Gloo group,
+    on the same store (every worker calls this at the same point), each collective bounded by nbdist's sync
+    ``timeout`` (torch's own: 10 minutes for NCCL, 30 for Gloo); Keras' ``backend``'s tensors (``TFTensors``)."""
     import datetime
 
+    import torch
     import torch.distributed as dist
 
-    return dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout) if timeout else None)
+    device = torch.device("cpu")
+    if engine == "nccl":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    group = dist.new_group(backend=engine, timeout=datetime.timedelta(seconds=timeout) if timeout else None)
+    return device, group, TFTensors(engine == "nccl") if backend == "tensorflow" else TorchTensors()
 
 
 def open_device_sum(shapes: Sequence[tuple[int, ...]], engine: str, bucket_bytes: int, timeout: float | None,
                     backend: str, kept: Sequence[bool] | None = None) -> TorchDeviceSum:
-    """The plan's device sum for Keras' ``backend``: ``engine`` "nccl" (the worker's one GPU) or "gloo" (CPU
-    tensors), on a group of its own (``device_group``); ``kept`` as ``TorchDeviceSum`` has it (TensorFlow only:
-    torch's assign copies)."""
-    return TorchDeviceSum(shapes, engine_device(engine), device_group(engine, timeout), bucket_bytes,
-                          tensors=framework_tensors(backend, engine), kept=kept if backend == "tensorflow" else None)
+    """The plan's device sum (``device_parts``); ``kept`` as ``TorchDeviceSum`` has it (TensorFlow only: torch's
+    assign copies); on torch, buckets in backward order (torch_overlap.py may start them during it)."""
+    device, group, tensors = device_parts(engine, timeout, backend)
+    return TorchDeviceSum(shapes, device, group, bucket_bytes, tensors=tensors,
+                          kept=kept if backend == "tensorflow" else None,
+                          planner=backward_plan if backend == "torch" else bucket_plan)
 
 
 def open_device_average(variables: Sequence[Any], engine: str, bucket_bytes: int, timeout: float | None,
                         backend: str) -> TorchDeviceAverage:
     """The plan's averaging rounds on the device, as ``open_device_sum``."""
-    return TorchDeviceAverage(variables, engine_device(engine), device_group(engine, timeout), bucket_bytes,
-                              tensors=framework_tensors(backend, engine))
-
-
-def framework_tensors(backend: str, engine: str) -> TorchTensors:
-    """How Keras' ``backend`` hands its tensors to the buckets (torch's own, or TensorFlow's by DLPack)."""
-    return TFTensors(engine == "nccl") if backend == "tensorflow" else TorchTensors()
+    device, group, tensors = device_parts(engine, timeout, backend)
+    return TorchDeviceAverage(variables, device, group, bucket_bytes, tensors)

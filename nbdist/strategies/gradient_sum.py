@@ -2,10 +2,10 @@
 
 numpy in, numpy out, no Keras (the optimizer hooks are allreduce_hook.py and backend_grads.py). The result is
 the sample-weighted average sum_w (n_w / total) g_w; the bucket's last slot carries each worker's rows, and the
-summed rows must equal the step's total. The plan's engine sums it (machine/engines.py): one row of shared
-memory (small), shared memory chunk by chunk reading the gradients where they are (chunked), or Gloo's
-allreduce in chunks started as each is filled (between machines). Every gradient starts on a 64-byte boundary,
-so TensorFlow adopts the summed views without a copy; a bucket still lent to TensorFlow is never refilled.
+summed rows must equal the step's total. The plan's engine sums it (machine/engines.py): shared memory reading
+the gradients where they are (shared.py, one row or chunk by chunk), or the collective's allreduce (Gloo,
+between machines). Every gradient starts on a 64-byte boundary, so TensorFlow adopts the summed views without a
+copy; a bucket still lent to TensorFlow is never refilled.
 """
 from __future__ import annotations
 
@@ -19,28 +19,11 @@ import numpy as np
 
 from ..machine.engines import Plan
 from .averaging import batch_sizes
-from .collective import Collective, GlooCollective
-from .shared import (
-    ALIGN,
-    ChunkPlan,
-    SharedChunkedSum,
-    SharedMemorySum,
-    aligned_offsets,
-    open_chunked_sum,
-    open_shared_sum,
-    pieces,
-)
+from .collective import Collective
+from .shared import aligned_offsets, fill, open_plan_sum, pieces, waiting
 from .sparse_grads import SliceExchange
 
 log = logging.getLogger(__name__)
-
-CHUNK_ELEMENTS = 6 * 2**20 // 4  # ~6 MiB per asynchronous Gloo allreduce of a host bucket
-
-
-def chunk_bounds(length: int, chunk: int = CHUNK_ELEMENTS, align: int = ALIGN) -> list[tuple[int, int]]:
-    """Split ``range(length)`` into consecutive pieces of about ``chunk`` elements, cut at ``align``."""
-    chunk = max(align, chunk // align * align)
-    return [(a, min(a + chunk, length)) for a in range(0, length, chunk)] or [(0, 0)]
 
 
 def shard_samples(collective: Collective, samples: int) -> list[int]:
@@ -65,16 +48,15 @@ def step_totals(samples_per_worker: Sequence[int], batch_size: int | Sequence[in
 
 
 class GradientSum:
-    """The exchange of one step's gradients: a flat, aligned bucket summed across workers on Gloo.
+    """The exchange of one step's gradients: a flat, aligned bucket summed across workers by the plan's engine.
 
     ``weight`` (this worker's samples in the step) and ``total`` (all workers') are set before each
     exchange by the hook (``allreduce_hook.GradientAllreduce``), which calls ``exchange`` or ``exchange_copy``
     from the train step through ``tf.numpy_function``.
     """
 
-    def __init__(self, collective: Collective, variables: Sequence[Any], plan: Plan | None = None,
-                 chunk_elements: int = CHUNK_ELEMENTS) -> None:
-        """``plan``: the engine (machine/engines.py); None: Gloo's allreduce of the host bucket."""
+    def __init__(self, collective: Collective, variables: Sequence[Any], plan: Plan | None = None) -> None:
+        """``plan``: the engine (machine/engines.py); None: the collective's allreduce of the host bucket."""
         self.collective = collective
         self.plan = plan if plan is not None else Plan("torch", "gloo")
         self.shapes = [tuple(v.shape) for v in variables]
@@ -82,30 +64,19 @@ class GradientSum:
         self.offsets = aligned_offsets(self.sizes)
         # Gradients then, in the last slot, this worker's sample count: the summed count checks
         # that every worker agreed on the step's total.
-        self._buckets = [_Bucket(int(self.offsets[-1]) + 1)]
+        count_at = int(self.offsets[-1])
+        self._buckets = [_Bucket(count_at + 1)]
         self.buffer = self._buckets[0].data  # the bucket of the latest step
-        self.chunks = chunk_bounds(len(self.buffer), chunk_elements)
-        self._pieces = [pieces(self.offsets, self.sizes, a, b) for a, b in self.chunks]
-        self._sum = _ChunkSum(collective)
-        self._shared: SharedMemorySum | None = None  # a small bucket through one row of shared memory
-        self._chunked: SharedChunkedSum | None = None  # a large one, chunk by chunk
-        self._chunked_plan: ChunkPlan | None = None
+        self._layout = pieces([*self.offsets[:-1], count_at], [*self.sizes, 1], 0, count_at + 1)
         self.prescaled: bool | None = None  # which exchange the train step uses, fixed when first traced
-        self.fused_scale = True  # the chunked sum scales as it copies in (False: the bucket filled first; benchmarks)
         inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
         # Several workers summing host buckets (not the tensors where they are).
         self.sums_on_host = inner.world_size > 1 and self.plan.engine in ("shared", "torch") and not self.plan.device
-        if self.sums_on_host and self.plan.engine == "shared":
-            if self.plan.mode == "small":
-                self._shared = open_shared_sum(inner, len(self.buffer))
-            else:
-                self._chunked = open_chunked_sum(inner, len(self.buffer), max(ALIGN, self.plan.bucket_bytes // 4))
-            if self._chunked is not None:
-                count_at = int(self.offsets[-1])
-                self._chunked_plan = self._chunked.plan([int(o) for o in self.offsets[:-1]] + [count_at],
-                                                        self.sizes + [1], count_at + 1)
-            if self._shared is None and self._chunked is None:  # the segment could not be mapped: Gloo
-                self.plan = Plan("torch", "gloo", notice=self.plan.notice)
+        self._shared = open_plan_sum(collective, count_at + 1, self.plan) if self.sums_on_host else None
+        if self._shared is not None:
+            self._shared_plan = self._shared.plan([*self.offsets[:-1], count_at], [*self.sizes, 1], count_at + 1)
+        elif self.plan.engine == "shared":  # the segment could not be mapped: Gloo
+            self.plan = Plan("torch", "gloo", notice=self.plan.notice)
         self.weight = 0.0  # samples in this worker's current batch; set before each step
         self.total: float | None = None  # samples of all workers in the current step
         self.seconds = 0.0  # wall time spent synchronising (read by the progress callback)
@@ -113,18 +84,10 @@ class GradientSum:
         self._slices = SliceExchange(collective)  # sparse gradients' exchange (sparse_grads.py)
 
     @property
-    def engine(self) -> str:
-        """The engine's name in reports (``Plan.engine_name``)."""
-        return self.plan.engine_name
-
-    @property
     def summed_by(self) -> str | None:
-        """How the steps are summed (``Plan.summed_by``); None until the step is traced, or for one worker."""
-        if self.prescaled is None and not self.plan.device:
-            return None
-        return self.plan.summed_by
+        """How the steps are summed (``Plan.summed_by``); None before the step is traced, or for one worker."""
+        return None if self.prescaled is None and not self.steps else self.plan.summed_by
 
-    # -- the Gloo path: numpy in, numpy out ------------------------------
     def exchange(self, *grads: np.ndarray) -> list[np.ndarray]:
         """Sum ``(weight / total) * grads`` across workers; return the averaged gradients.
 
@@ -138,51 +101,21 @@ class GradientSum:
         return self._copy_and_sum(grads, scale=False)
 
     def _copy_and_sum(self, grads: Sequence[np.ndarray], scale: bool) -> list[np.ndarray]:
+        """The gradients, each times n / total (``scale``; else as they are; zeros in a pad step), and the rows,
+        read where they are by the shared-memory sum, else copied into the bucket and summed there."""
         t0 = time.perf_counter()
         n, total = self.weight, self._check_total()
-        factor = np.float32(n / total) if scale else None
-        if self._chunked is not None and self.fused_scale:
-            return self._scaled_sum(grads, factor, total, t0)
-        bucket = self._free_bucket()
-        buf = self.buffer = bucket.data
-        last = len(self.chunks) - 1
-        whole = self._shared or self._chunked  # sums the filled bucket in one call
-        self._sum.begin()
-        try:
-            for k, ((a, b), parts) in enumerate(zip(self.chunks, self._pieces)):
-                if n == 0:
-                    buf[a:b].fill(0.0)
-                else:
-                    for i, src_a, src_b, dst in parts:
-                        src, out = np.reshape(grads[i], -1)[src_a:src_b], buf[dst:dst + src_b - src_a]
-                        if factor is None:
-                            out[:] = src
-                        else:
-                            np.multiply(src, factor, out=out, casting="same_kind")
-                if k == last:
-                    buf[-1] = n
-                if whole is None:
-                    self._sum.start(buf[a:b])  # summed while the next chunk is copied
-            if whole is not None:
-                whole(buf)
-        finally:
-            self._sum.finish()
-        return self._hand_back(bucket, total, t0)
-
-    def _scaled_sum(self, grads: Sequence[np.ndarray], factor: np.float32 | None, total: float,
-                    t0: float) -> list[np.ndarray]:
-        """The chunked shared-memory sum reading the gradients where they are and scaling them as it copies
-        them in: one pass fewer than filling the bucket first, the same bits (a pad step's 0 writes zeros)."""
+        factor = np.float32(n / total) if scale or n == 0 else None
+        arrays = [np.reshape(g, -1) for g in grads] + [np.array([n], dtype=np.float32)]
+        scales = [factor] * len(grads) + [None]
         bucket = self._free_bucket()
         self.buffer = bucket.data
-        arrays = [np.reshape(g, -1) for g in grads] + [np.array([self.weight], dtype=np.float32)]
-        factor = np.float32(0.0) if self.weight == 0 else factor  # no rows of ours: zeros, as _copy_and_sum
-        assert self._chunked is not None and self._chunked_plan is not None
-        self._sum.begin()
-        try:
-            self._chunked.sum_into(arrays, bucket.data, self._chunked_plan, [factor] * len(grads) + [None])
-        finally:
-            self._sum.finish()
+        if self._shared is not None:
+            with waiting(self.collective):
+                self._shared.sum_into(arrays, bucket.data, self._shared_plan, scales)
+        else:
+            fill(bucket.data, 0, self._layout, arrays, scales)
+            self.collective.allreduce_sum(bucket.data)
         return self._hand_back(bucket, total, t0)
 
     def close(self) -> None:
@@ -230,7 +163,6 @@ class GradientSum:
         return out
 
 
-# -- the Gloo bucket's helpers ------------------------------------------------
 def _aligned_zeros(length: int, align_bytes: int = 64) -> np.ndarray:
     """A float32 zero array whose data starts on an ``align_bytes`` boundary."""
     raw = np.zeros(length + align_bytes // 4, dtype=np.float32)
@@ -247,45 +179,3 @@ class _Bucket:
 
     def in_use(self) -> bool:
         return any(ref() is not None for ref in self.lent)
-
-
-class _ChunkSum:
-    """Sums bucket chunks across workers, asynchronously on Gloo so the caller can keep copying.
-
-    Other collectives (one worker, or an engine without async ops) sum each chunk at once.
-    A ``PhaseCollective`` wrapper is told the worker is synchronising for the whole exchange,
-    as it would be by ``allreduce_sum``.
-    """
-
-    def __init__(self, collective: Collective) -> None:
-        self.collective = collective
-        inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
-        self._clock = getattr(collective, "clock", None)
-        self._dist: Any = None
-        if isinstance(inner, GlooCollective) and inner.world_size > 1:
-            import torch
-            import torch.distributed as dist
-
-            self._torch, self._dist = torch, dist
-        self._pending: list[Any] = []
-
-    def begin(self) -> None:
-        if self._dist is not None and self._clock is not None:
-            self._clock.enter()
-
-    def start(self, chunk: np.ndarray) -> None:
-        if self._dist is None:
-            self.collective.allreduce_sum(chunk)
-            return
-        # The process group's timeout (the job's) bounds every wait below.
-        self._pending.append(self._dist.all_reduce(self._torch.from_numpy(chunk), op=self._dist.ReduceOp.SUM,
-                                                   async_op=True))
-
-    def finish(self) -> None:
-        pending, self._pending = self._pending, []
-        try:
-            for work in pending:
-                work.wait()
-        finally:
-            if self._dist is not None and self._clock is not None:
-                self._clock.leave()

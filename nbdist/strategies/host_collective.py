@@ -74,8 +74,7 @@ class HostCollective:
         self.path = path
         self._store = DirectoryStore(path, timeout)
         self._keys = 0
-        self._chunked: Any = None
-        self._small: dict[tuple[str, int], Any] = {}
+        self._sums: dict[Any, Any] = {}
 
     @property
     def store(self) -> DirectoryStore:
@@ -94,15 +93,12 @@ class HostCollective:
             self.allreduce_sum(flat)
             buf[...] = flat
             return
-        if buf.dtype == np.float32:
-            if self._chunked is None:
-                self._chunked = self._opened(open_chunked_sum(self, CHUNK_ELEMENTS))
-            self._chunked(buf.reshape(-1))
-            return
-        key = (buf.dtype.str, buf.size)  # counts and exact sums: small, one segment per shape
-        if key not in self._small:
-            self._small[key] = self._opened(open_shared_sum(self, buf.size, buf.dtype))
-        self._small[key](buf.reshape(-1))
+        # float32 (gradients, weights) chunk by chunk; counts and exact sums in one small segment per dtype and size
+        key = "chunked" if buf.dtype == np.float32 else (buf.dtype.str, buf.size)
+        if key not in self._sums:
+            self._sums[key] = self._opened(open_chunked_sum(self, CHUNK_ELEMENTS) if key == "chunked"
+                                           else open_shared_sum(self, buf.size, buf.dtype))
+        self._sums[key](buf.reshape(-1))
 
     def broadcast(self, buf: np.ndarray, root: int = 0) -> None:
         if self.rank != root:
@@ -116,9 +112,8 @@ class HostCollective:
         return summer
 
     def close(self) -> None:
-        for summer in [self._chunked, *self._small.values()]:
-            if summer is not None:
-                summer.close()
-        self._chunked, self._small = None, {}
+        for summer in self._sums.values():
+            summer.close()
+        self._sums = {}
         if self.rank == 0:
             remove_meeting_place(self.path)

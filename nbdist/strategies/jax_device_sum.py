@@ -163,6 +163,17 @@ def workers_mesh(axis: str) -> tuple[Any, Any]:
     return NamedSharding(Mesh(np.array(jax.devices()), (axis,)), PartitionSpec()), jax.local_devices()[0]
 
 
+def mesh_step(body: Any, mesh: Any) -> Any:
+    """``body(state, inputs)`` jitted over the mesh, both replicated (``P()``) in and out, ``check_vma`` off (each
+    process's shard is its own), the state donated."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    spec = PartitionSpec()
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False),
+                   donate_argnums=0)
+
+
 def on_mesh(tree: Any, device: Any, replicated: Any) -> Any:
     """This process's arrays as the global mesh's (its shard is its own; no copy where already on device)."""
     import jax
@@ -207,8 +218,6 @@ class JaxDeviceSum:
 
     def install(self) -> None:
         """Wrap the optimizer's ``stateless_apply`` and make Keras' train function this mesh's step."""
-        import jax
-        from jax.sharding import PartitionSpec
 
         model, optimizer = self.model, self.model.optimizer
         original = optimizer.stateless_apply
@@ -223,9 +232,7 @@ class JaxDeviceSum:
             self.rows = batch_rows(data)
             return model.train_step(state, data)
 
-        spec = PartitionSpec()
-        step = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(spec, spec), out_specs=(spec, spec),
-                                     check_vma=False), donate_argnums=0)
+        step = mesh_step(body, self.mesh)
 
         def train_step(state: Any, data: Any) -> Any:
             self.steps += 1
@@ -264,7 +271,6 @@ class JaxDeviceAverage(Averager):
     def __init__(self, model: Any, variables: Sequence[Any]) -> None:
         """``variables``: the ones averaged, of ``model``."""
         import jax
-        from jax.sharding import PartitionSpec
 
         self.variables = list(variables)
         self.replicated, self.device = workers_mesh(AXIS)
@@ -279,9 +285,7 @@ class JaxDeviceAverage(Averager):
         def body(values: list[Any], samples: Any) -> tuple[list[Any], Any]:
             return weighted_mean(values, samples, AXIS, fused)
 
-        spec = PartitionSpec()
-        self._mean = jax.jit(jax.shard_map(body, mesh=self.replicated.mesh, in_specs=(spec, spec),
-                                           out_specs=(spec, spec), check_vma=False), donate_argnums=0)
+        self._mean = mesh_step(body, self.replicated.mesh)
 
     def _round(self, samples: int) -> Any:
         """The summed count comes back as a device scalar (the other averagers' int; reading it waits for the round)."""

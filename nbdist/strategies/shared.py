@@ -9,6 +9,7 @@ floats, never pickles. A dead peer is named while a worker waits for it (``PeerG
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -16,7 +17,7 @@ import os
 import platform
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,8 +127,34 @@ def should_spin(affinities: Sequence[frozenset[int]]) -> bool:
     return True
 
 
-class _Segment:
-    """A mapped segment of int64 counters (one per worker, one per 64-byte line) and waits on them."""
+@dataclass
+class ChunkPlan:
+    """Where a bucket's chunks come from: for each chunk its bounds, the arrays' parts in it and this worker's slice."""
+
+    length: int
+    chunks: list[tuple[int, int, Pieces, int, int]]  # (a, b, pieces, slice lo, slice hi)
+
+
+def chunk_plan(offsets: Sequence[int], sizes: Sequence[int], length: int, chunk: int, rank: int,
+               world: int) -> ChunkPlan:
+    """Cut ``range(length)`` into chunks of ``chunk`` floats, each into ``world`` aligned slices."""
+    out = []
+    for a, b in segment_bounds(0, length, chunk):
+        lo, hi = block_bounds(b - a, world)[rank]
+        out.append((a, b, pieces(offsets, sizes, a, b), lo, hi))
+    return ChunkPlan(length, out)
+
+
+def chunked_segment_bytes(world: int, chunk: int) -> int:
+    """The counters, then two slots of ``world`` input rows and one output row of ``chunk`` float32."""
+    return LINE * world + 2 * (world + 1) * row_stride(chunk)
+
+
+class _SharedSum:
+    """A mapped segment: int64 counters (one per worker, one per 64-byte line), waits on them, then each mode's
+    rows. What both modes offer, chunk by chunk (``plan``): ``sum_into`` (arrays read where they are, optionally
+    scaled), ``average_in_place`` and ``summer(bucket)`` in place. Every worker makes the same calls with the
+    same layouts; each mode's ``_exchange`` moves the chunks."""
 
     def __init__(self, rank: int, world: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
                  timeout: float, spin: bool) -> None:
@@ -137,6 +164,7 @@ class _Segment:
         self._map = buf
         self._peers = list(peers)
         self._seq = np.ndarray((world,), dtype=np.int64, buffer=buf, offset=0, strides=(LINE,))
+        self._plans: dict[int, ChunkPlan] = {}  # summer(bucket)'s layouts, by length
 
     def _wait_all(self, k: int) -> None:
         """Return once every peer's counter has reached ``k``."""
@@ -173,32 +201,95 @@ class _Segment:
             raise TimeoutError(f"worker {peer} sent no gradients for {waited:.0f} s "
                                f"(the collective timeout); it may be stuck")
 
-    def _drop_views(self) -> None:
-        self._seq = None  # type: ignore[assignment]
-
     def close(self) -> None:
-        self._drop_views()  # views must go before the map
+        self._seq = self._slots = None  # type: ignore[assignment]  # views must go before the map
         try:
             self._map.close()
         except BufferError:  # a view still alive (e.g. held by a traceback): the OS frees it at exit
             log.debug("shared bucket still referenced at close")
 
 
-class SharedMemorySum(_Segment):
-    """``bucket[:] = sum over workers of bucket`` for workers that map the same segment.
+    def plan(self, offsets: Sequence[int], sizes: Sequence[int], length: int) -> ChunkPlan:
+        """The chunks of a bucket of ``length`` holding arrays of ``sizes`` at ``offsets``."""
+        raise NotImplementedError
 
-    Every worker must call it with a bucket of ``length`` floats of ``dtype`` (float32, or float64
-    for sums that must stay exact, such as metric counts) the same number of times. Build it with
-    ``open_shared_sum``, which falls back to None when the workers cannot share.
+    def __call__(self, bucket: np.ndarray) -> None:
+        n = len(bucket)
+        if n not in self._plans:
+            self._plans[n] = self.plan([0], [n], n)
+        self.sum_into([bucket], bucket, self._plans[n])
 
-    ``SharedMemorySum``, for a small bucket (at most ``direct_sum_bytes``): each worker writes its
-    bucket into its own row and publishes the call's number in its own counter; the others watch the
-    counter and add all rows in rank order, so every worker computes the same sum bit for bit. One
-    wait per call. Layout: one int64 counter per worker, each on its own 64-byte line, then two slots
-    of ``world`` rows. Call k writes slot k % 2. A worker starts call k + 1 only after every peer has
-    published call k, hence after every peer has finished reading call k - 1, the slot k + 1
-    overwrites: two slots and one counter per worker are all the synchronisation needed.
-    """
+    def sum_into(self, arrays: Sequence[np.ndarray], out: np.ndarray, plan: ChunkPlan,
+                 scales: Sequence[Any] | None = None) -> None:
+        """``out[layout] = sum over workers of arrays``: flat arrays, laid out as ``plan`` says.
+
+        ``scales``: each array's float32 factor, or None (``fill``). ``out`` may be the one array itself (in
+        place): each chunk of it is read before it is written.
+        """
+        def take(summed: np.ndarray, a: int, b: int, parts: Pieces) -> None:
+            np.copyto(out[a:b], summed)
+
+        self._exchange(plan, lambda row, a, parts: fill(row, a, parts, arrays, scales), take, out)
+
+    def average_in_place(self, arrays: Sequence[np.ndarray], weight: float, plan: ChunkPlan) -> float:
+        """Every array := the ``weight``-weighted average over workers of that array, in place; the summed weight.
+
+        ``arrays[0]`` must be ``[1.0]`` at position 0 of the plan: its sum, the total weight, is in the
+        first chunk summed, so every chunk is divided as it comes back, straight into the arrays
+        (one pass in, one out, no bucket). A total of 0 (nobody trained) writes nothing.
+        """
+        total = [np.float32(0.0)]
+
+        def take(summed: np.ndarray, a: int, b: int, parts: Pieces) -> None:
+            if a == 0:
+                total[0] = np.float32(round(float(summed[0])))
+            if total[0] > 0:
+                for k, lo, hi, pos in parts:
+                    if k:
+                        np.divide(summed[pos - a:pos - a + hi - lo], total[0], out=arrays[k][lo:hi])
+
+        assert plan.chunks and plan.chunks[0][2][:1] == [(0, 0, 1, 0)], "the weight comes first"
+        scales = [np.float32(weight)] * len(arrays)
+        self._exchange(plan, lambda row, a, parts: fill(row, a, parts, arrays, scales), take)
+        return float(total[0])
+
+    def _exchange(self, plan: ChunkPlan, put: Any, take: Any, out: np.ndarray | None = None) -> None:
+        """Each chunk ``put`` into this worker's row, summed, and handed to ``take`` (or, where a mode can, summed
+        straight into ``out``, which ``take`` would copy it to)."""
+        raise NotImplementedError
+
+
+def fill(row: np.ndarray, a: int, parts: Pieces, arrays: Sequence[np.ndarray], scales: Sequence[Any] | None) -> None:
+    """Copy the arrays' ``parts`` of a chunk starting at ``a`` into ``row``, each times its scale (None: as it is;
+    0: zeros, as 0 x inf would be NaN), in one pass: the same bits as scaling first."""
+    for k, lo, hi, pos in parts:
+        dst, factor = row[pos - a:pos - a + hi - lo], None if scales is None else scales[k]
+        if factor is None:
+            np.copyto(dst, arrays[k][lo:hi])
+        elif factor == 0:
+            dst.fill(0.0)
+        else:
+            np.multiply(arrays[k][lo:hi], factor, out=dst, casting="same_kind")
+
+
+@contextlib.contextmanager
+def waiting(collective: Any) -> Iterator[None]:
+    """Tell the collective's ``PhaseClock`` (if any) the worker is in a shared-memory sum (it sees no call)."""
+    clock = getattr(collective, "clock", None)
+    if clock is not None:
+        clock.enter()
+    try:
+        yield
+    finally:
+        if clock is not None:
+            clock.leave()
+
+
+class SharedMemorySum(_SharedSum):
+    """The small mode: rows of the whole bucket (``length`` floats of ``dtype``: float64 for sums that must stay
+    exact), one wait per call. Each worker writes its row and publishes the call's number in its counter; every
+    worker adds all rows in rank order (the same bits everywhere). Call k writes slot k % 2; a worker starts call
+    k + 1 only after every peer published k, hence finished reading k - 1, the slot k + 1 overwrites."""
 
     def __init__(self, rank: int, world: int, length: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
                  timeout: float, spin: bool, dtype: Any = np.float32) -> None:
@@ -209,64 +300,32 @@ class SharedMemorySum(_Segment):
         self._slots = [np.ndarray((world, length), dtype=dtype, buffer=buf,
                                   offset=LINE * world + s * world * stride, strides=(stride, item))
                        for s in (0, 1)]
+        self._sum = np.zeros(length, dtype=dtype)
         self._calls = int(self._seq[rank])
 
-    def __call__(self, bucket: np.ndarray) -> None:
-        k = self._calls + 1
-        rows = self._slots[k % 2]
-        rows[self.rank] = bucket
-        self._seq[self.rank] = k  # after the row: peers that see k see the row too (TSO)
-        self._wait_all(k)
-        add_in_rank_order(rows, bucket)
-        self._calls = k
+    def plan(self, offsets: Sequence[int], sizes: Sequence[int], length: int) -> ChunkPlan:
+        if length > self.length:
+            raise ValueError(f"a bucket of {length} floats in rows of {self.length}")
+        return ChunkPlan(length, [(0, length, pieces(offsets, sizes, 0, length), 0, length)])
 
-    def _drop_views(self) -> None:
-        super()._drop_views()
-        self._slots = None  # type: ignore[assignment]
-
-
-Pieces = list[tuple[int, int, int, int]]  # (array, from, to, bucket position), ring.pieces
-
-
-@dataclass
-class ChunkPlan:
-    """Where a bucket's chunks come from: for each chunk its bounds, the arrays' parts in it and this worker's slice."""
-
-    length: int
-    chunks: list[tuple[int, int, Pieces, int, int]]  # (a, b, pieces, slice lo, slice hi)
+    def _exchange(self, plan: ChunkPlan, put: Any, take: Any, out: np.ndarray | None = None) -> None:
+        for a, b, parts, _, _ in plan.chunks:
+            k = self._calls + 1
+            rows = self._slots[k % 2]
+            put(rows[self.rank], a, parts)
+            self._seq[self.rank] = k  # after the row: peers that see k see the row too (TSO)
+            self._wait_all(k)
+            summed = self._sum[:b - a] if out is None else out[a:b]
+            add_in_rank_order(rows[:, :b - a], summed)  # an alignment gap: zeros, or one layout's finite floats
+            if out is None:
+                take(summed, a, b, parts)
+            self._calls = k
 
 
-def chunk_plan(offsets: Sequence[int], sizes: Sequence[int], length: int, chunk: int, rank: int,
-               world: int) -> ChunkPlan:
-    """Cut ``range(length)`` into chunks of ``chunk`` floats, each into ``world`` aligned slices."""
-    out = []
-    for a, b in segment_bounds(0, length, chunk):
-        lo, hi = block_bounds(b - a, world)[rank]
-        out.append((a, b, pieces(offsets, sizes, a, b), lo, hi))
-    return ChunkPlan(length, out)
-
-
-def chunked_segment_bytes(world: int, chunk: int) -> int:
-    """The counters, then two slots of ``world`` input rows and one output row of ``chunk`` float32."""
-    return LINE * world + 2 * (world + 1) * row_stride(chunk)
-
-
-class SharedChunkedSum(_Segment):
-    """``out = sum over workers of arrays`` through a fixed-size segment, chunk by chunk (module docstring).
-
-    ``sum_into(arrays, out, plan)`` reads the arrays where they are (e.g. TensorFlow's gradients)
-    and writes only ``out``; ``summer(bucket)`` sums a bucket in place. Every worker must make the
-    same calls with the same layouts. Build it with ``open_chunked_sum``.
-
-    ``SharedChunkedSum``, for a large bucket (a 100 MiB model's gradients, or its weights when
-    averaging): the segment has a fixed size, two slots of ``world`` input rows and one output row of
-    ``chunk`` floats, and the bucket passes through it chunk by chunk. Each chunk is summed by
-    reduce-scatter then all-gather: every worker adds only its 1/world slice of the chunk (the rows
-    in rank order, as above) into the output row, then everyone copies the whole summed chunk out.
-    Each value is computed once, by one worker, and copied by all: the same bits everywhere, and the
-    same bits as ``SharedMemorySum`` (the same additions in the same order). A worker touches each
-    byte a small, fixed number of times, in chunks that stay in the caches, instead of pushing the
-    bucket through loopback TCP twice.
+class SharedChunkedSum(_SharedSum):
+    """The chunked mode, for a large bucket: a fixed segment of two slots of ``world`` input rows and one output
+    row of ``chunk`` floats, each chunk summed by reduce-scatter then all-gather: every worker adds its 1/world
+    slice (the rows in rank order, as the small mode: the same bits) into the output row, then all copy it out.
     The protocol runs in phases numbered on from the counter's last value. In phase P a worker
       1. waits until every peer has published P - 1,
       2. copies the output row of slot P % 2 (chunk P - 2, summed) into its result,
@@ -282,10 +341,6 @@ class SharedChunkedSum(_Segment):
     P. Step 4 reads inputs written in phase P - 1 (published), overwritten only in phase P + 1; it
     overwrites chunk P - 3's sum, which peers copied out in phase P - 1 (published); its readers wait
     for P + 1. Hence no slot is read and written by two workers at once, for any world size.
-
-    Ordering: data is written before the counter, and a reader loads the counter before the rows.
-    x86-64 keeps stores in order and loads in order (TSO), so that is enough there; other
-    architectures would need memory barriers Python cannot issue, so they keep the message path.
     """
 
     def __init__(self, rank: int, world: int, chunk: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
@@ -297,71 +352,13 @@ class SharedChunkedSum(_Segment):
                                   offset=LINE * world + s * rows * stride, strides=(stride, 4))
                        for s in (0, 1)]
         self._phase = int(self._seq[rank])
-        self._plans: dict[int, ChunkPlan] = {}
 
     def plan(self, offsets: Sequence[int], sizes: Sequence[int], length: int) -> ChunkPlan:
         return chunk_plan(offsets, sizes, length, self.chunk, self.rank, self.world)
 
-    def __call__(self, bucket: np.ndarray) -> None:
-        n = len(bucket)
-        if n not in self._plans:
-            self._plans[n] = self.plan([0], [n], n)
-        self.sum_into([bucket], bucket, self._plans[n])
-
-    def sum_into(self, arrays: Sequence[np.ndarray], out: np.ndarray, plan: ChunkPlan,
-                 scales: Sequence[Any] | None = None) -> None:
-        """``out[layout] = sum over workers of arrays``: flat float32 arrays, laid out as ``plan`` says.
-
-        ``scales``: each array's float32 factor, or None; an array is multiplied by it as it is copied in
-        (the same bits as scaling it first), and a factor of 0 writes zeros (0 x inf would be NaN).
-        ``out`` may be the one array itself (in place): each chunk of it is read before it is written.
-        """
-        def put(row: np.ndarray, a: int, parts: Pieces) -> None:
-            for k, lo, hi, pos in parts:
-                dst, factor = row[pos - a:pos - a + hi - lo], None if scales is None else scales[k]
-                if factor is None:
-                    np.copyto(dst, arrays[k][lo:hi])
-                elif factor == 0:
-                    dst.fill(0.0)
-                else:
-                    np.multiply(arrays[k][lo:hi], factor, out=dst, casting="same_kind")
-
-        def take(summed: np.ndarray, a: int, b: int, parts: Pieces) -> None:
-            np.copyto(out[a:b], summed)
-
-        self._exchange(plan, put, take)
-
-    def average_in_place(self, arrays: Sequence[np.ndarray], weight: float, plan: ChunkPlan) -> float:
-        """Every array := the ``weight``-weighted average over workers of that array, in place; the summed weight.
-
-        ``arrays[0]`` must be ``[1.0]`` at position 0 of the plan: its sum, the total weight, is in the
-        first chunk summed, so every chunk is divided as it comes back, straight into the arrays
-        (one pass in, one out, no bucket). A total of 0 (nobody trained) writes nothing.
-        """
-        w, total = np.float32(weight), [np.float32(0.0)]
-
-        def put(row: np.ndarray, a: int, parts: Pieces) -> None:
-            for k, lo, hi, pos in parts:
-                if w:
-                    np.multiply(arrays[k][lo:hi], w, out=row[pos - a:pos - a + hi - lo])
-                else:  # not a product: 0 x inf would be NaN where this worker adds nothing
-                    row[pos - a:pos - a + hi - lo] = 0.0
-
-        def take(summed: np.ndarray, a: int, b: int, parts: Pieces) -> None:
-            if a == 0:
-                total[0] = np.float32(round(float(summed[0])))
-            if total[0] > 0:
-                for k, lo, hi, pos in parts:
-                    if k:
-                        np.divide(summed[pos - a:pos - a + hi - lo], total[0], out=arrays[k][lo:hi])
-
-        assert plan.chunks and plan.chunks[0][2][:1] == [(0, 0, 1, 0)], "the weight comes first"
-        self._exchange(plan, put, take)
-        return float(total[0])
-
-    def _exchange(self, plan: ChunkPlan, put: Any, take: Any) -> None:
-        """The phases of a chunked sum: in phase i this worker puts chunk i into its row, adds its slice of
-        chunk i - 1 and hands chunk i - 2, summed by everyone, to ``take``; peers move in lockstep."""
+    def _exchange(self, plan: ChunkPlan, put: Any, take: Any, out: np.ndarray | None = None) -> None:
+        """In phase i this worker puts chunk i into its row, adds its slice of chunk i - 1 and hands chunk i - 2,
+        summed by everyone, to ``take``; peers move in lockstep."""
         rank, world, chunks = self.rank, self.world, plan.chunks
         g = self._phase
         with np.errstate(all="ignore"):  # alignment gaps hold stale floats: their sums mean nothing
@@ -381,10 +378,6 @@ class SharedChunkedSum(_Segment):
                         add_in_rank_order(last[:world, lo:hi], last[world, lo:hi])
                 self._seq[rank] = phase  # after the rows: peers that see it see them too (TSO)
         self._phase = g + len(chunks) + 2
-
-    def _drop_views(self) -> None:
-        super()._drop_views()
-        self._slots = None  # type: ignore[assignment]
 
 
 def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId | None], bool] | None:
@@ -441,21 +434,25 @@ def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId
 def open_shared_sum(collective: Any, length: int, dtype: Any = np.float32) -> SharedMemorySum | None:
     """A ``SharedMemorySum`` of ``length`` floats of ``dtype`` on every worker, or None (see ``_open_segment``)."""
     opened = _open_segment(collective, segment_bytes(collective.world_size, length, np.dtype(dtype).itemsize))
-    if opened is None:
-        return None
-    buf, peers, spin = opened
-    return SharedMemorySum(collective.rank, collective.world_size, length, buf, peers, collective.timeout, spin,
-                           dtype)
+    return None if opened is None else SharedMemorySum(collective.rank, collective.world_size, length, *opened[:2],
+                                                       collective.timeout, opened[2], dtype)
 
 
 def open_chunked_sum(collective: Any, length: int, chunk: int = CHUNK_ELEMENTS) -> SharedChunkedSum | None:
-    """A ``SharedChunkedSum`` for buckets of up to ``length`` float32, or None (see ``_open_segment``).
-
-    The segment holds ``2 * (world + 1)`` rows of ``chunk`` floats, whatever the bucket's size.
-    """
+    """A ``SharedChunkedSum`` for buckets of up to ``length`` float32 in rows of ``chunk``, or None."""
     chunk = min(max(ALIGN, chunk // ALIGN * ALIGN), -(-length // ALIGN) * ALIGN)
     opened = _open_segment(collective, chunked_segment_bytes(collective.world_size, chunk))
-    if opened is None:
+    return None if opened is None else SharedChunkedSum(collective.rank, collective.world_size, chunk, *opened[:2],
+                                                        collective.timeout, opened[2])
+
+
+def open_plan_sum(collective: Any, length: int, plan: Any) -> SharedMemorySum | SharedChunkedSum | None:
+    """The plan's shared-memory sum (machine/engines.py) of buckets of ``length`` float32: one row ("small") or
+    chunk by chunk ("chunked"); None where the plan names another engine or the segment could not be mapped.
+    Collective: every worker calls it at the same point."""
+    inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
+    if inner.world_size < 2 or plan.engine != "shared":
         return None
-    buf, peers, spin = opened
-    return SharedChunkedSum(collective.rank, collective.world_size, chunk, buf, peers, collective.timeout, spin)
+    if plan.mode == "small":
+        return open_shared_sum(inner, length)
+    return open_chunked_sum(inner, length, max(ALIGN, plan.bucket_bytes // 4))

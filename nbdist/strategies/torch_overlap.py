@@ -13,16 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .device_sum import BUCKET_BYTES, DeviceBuckets, RowsCheck, bucket_plan
+from .device_sum import backward_plan
 
+__all__ = ["BucketReadiness", "TorchOverlap", "backward_plan", "overlap_refusal"]
 log = logging.getLogger(__name__)
-
-
-def backward_plan(sizes: Sequence[int], limit_elements: int) -> list[list[int]]:
-    """Buckets of variable indices in the order the backward pass produces them: the variables reversed, then
-    consecutive ones grouped into buckets of at most ``limit_elements`` (a larger one alone)."""
-    order = list(range(len(sizes)))[::-1]
-    return [[order[j] for j in bucket] for bucket in bucket_plan([sizes[i] for i in order], limit_elements)]
 
 
 class BucketReadiness:
@@ -83,8 +77,8 @@ def overlap_refusal(model: Any, tensors: Sequence[Any], buckets: int) -> str | N
     return None
 
 
-class TorchOverlap(DeviceBuckets):
-    """The device sum of ``summer`` (TorchDeviceSum: its device and group, and its path for steps summed again),
+class TorchOverlap:
+    """The device sum ``summer`` (TorchDeviceSum, its buckets planned in backward order: ``backward_plan``)
     started by hooks on ``tensors`` (the trainable variables' torch tensors, in ``owner.shapes``' order).
     ``flag_group``: the Gloo group the flag is agreed on (default: a new one on the same ranks; every worker
     makes its ``TorchOverlap`` at the same point, as ``new_group`` needs).
@@ -94,22 +88,24 @@ class TorchOverlap(DeviceBuckets):
     ``apply``) is agreed on the host, never over the sum's group: a worker may launch a bucket early that another
     launches at ``apply``, and the flag would pair with a bucket. At ``apply`` the buckets not yet launched (a
     variable without a gradient, a pad step's zeros, hooks that fired before the step's rows were set) are filled
-    from the gradients ``apply`` got. No step reads the device for the flag: the rows are checked as
-    ``TorchDeviceSum`` checks them, so the host runs ahead of the GPU as it does without the overlap. Unchanged
-    by it: mixed precision's loss scale (the hook copies ``.grad``, the scaled gradient ``apply`` gets),
-    ``gradient_accumulation_steps`` (accumulated inside ``apply``, after the sum). The hooks go at ``close``.
+    from the gradients ``apply`` got; a flagged step is summed again by ``summer`` from them. No step reads the
+    device for the flag: the rows are checked as ``TorchDeviceSum`` checks them, so the host runs ahead of the GPU
+    as it does without the overlap. Unchanged by it: mixed precision's loss scale (the hook copies ``.grad``, the
+    scaled gradient ``apply`` gets), ``gradient_accumulation_steps`` (accumulated inside ``apply``, after the
+    sum). The hooks go at ``close``.
     """
 
-    def __init__(self, summer: Any, tensors: Sequence[Any], owner: Any, bucket_bytes: int = BUCKET_BYTES,
-                 flag_group: Any = None) -> None:
-        super().__init__(summer.shapes, summer.device, summer.group, bucket_bytes, planner=backward_plan)
-        torch = self._torch
+    def __init__(self, summer: Any, tensors: Sequence[Any], owner: Any, flag_group: Any = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist = torch, dist
         self.summer, self.owner = summer, owner
+        self.plan, self.rows = summer.plan, summer.rows
         self.ready = BucketReadiness(self.plan)
-        self.rows = RowsCheck(summer.device, summer.check_every)
-        self.flag_group = self._dist.new_group(backend="gloo") if flag_group is None else flag_group
+        self.flag_group = dist.new_group(backend="gloo") if flag_group is None else flag_group
         self._flag = torch.zeros(1, dtype=torch.int32)  # on the host: 1 where this worker's early buckets may be wrong
-        self._seen: list[Any] = [None] * len(self.sizes)  # the gradient tensor each hook copied from
+        self._seen: list[Any] = [None] * len(summer.sizes)  # the gradient tensor each hook copied from
         self._pending: list[Any] = []
         self.events: list[tuple[str, int]] | None = None  # a list: ("grad", i) and ("launch", k) recorded (tests)
         self.early_launches = 0  # buckets started during a backward pass, over the run
@@ -131,7 +127,7 @@ class TorchOverlap(DeviceBuckets):
     def _launch(self, k: int, grads: Sequence[Any], n: float, total: float) -> None:
         """Bucket ``k`` filled with ``grads`` weighted by n / total (as TorchDeviceSum), its all-reduce started."""
         with self._torch.no_grad():
-            self._pending.append(self.launch(k, grads, n / total, n))
+            self._pending.append(self.summer.launch(k, grads, n / total, n))
         if self.events is not None:
             self.events.append(("launch", k))
 
@@ -154,24 +150,24 @@ class TorchOverlap(DeviceBuckets):
                 work.wait()  # on a GPU: the compute stream waits for the sums, the host does not
         finally:
             self.ready.start_step()
-            self._seen = [None] * len(self.sizes)
+            self._seen = [None] * len(self._seen)
         if int(self._flag[0]):
             self.resummed += 1
             log.info("a worker's gradients changed after the backward pass: this step is summed again")
             owner.seconds += time.perf_counter() - t0
             return self.summer.reduce(owner, grads)
         with torch.no_grad():
-            self.rows.add(self.count(), total)  # read every step on a CPU, every 50 on a GPU
-            out = self.unpack(grads)
+            self.rows.add(self.summer.count(), total)  # read every step on a CPU, every 50 on a GPU
+            out = self.summer.unpack(grads)
         self.early_launches += early
         owner.seconds += time.perf_counter() - t0
         owner.steps += 1
         return out
 
     def close(self) -> None:
-        """Remove the hooks (the model's tensors keep none, nor a reference to the group); drop the buckets."""
+        """Remove the hooks (the model's tensors keep none, nor a reference to the group)."""
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
-        self._pending, self._seen, self.buckets = [], [], []
-        self.summer = self.owner = self.flag_group = self.group = None
+        self._pending, self._seen = [], []
+        self.summer = self.owner = self.flag_group = None

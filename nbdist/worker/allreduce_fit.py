@@ -125,7 +125,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     finally:
         reducer.close()  # no hook stays on the model's tensors, no thread of the sum runs
     link.send(Done(sync_seconds=reducer.seconds, rounds=reducer.steps, engine=engine, padded_steps=sync.padded_steps,
-                   summed_by=plan.summed_by if engine == "jax" else reducer.summed_by, device=training_device(),
+                   summed_by=reducer.summed_by, device=training_device(),
                    **report))
     log.info("worker %d finished (%d allreduce steps, %d padded, %.2f s synchronising)",
              rank, reducer.steps, sync.padded_steps, reducer.seconds)

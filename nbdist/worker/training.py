@@ -155,7 +155,7 @@ def run_training(link: Any, job: JobMessage) -> None:
         plan = engine_plan(collective, train, "averaging", flat_bytes)
         averager = device_averager(collective, model, variables, plan)
         if averager is None:
-            averager = WeightedAverager(collective, variables, clock=collective.clock, compiled=on_tf, plan=plan)
+            averager = WeightedAverager(collective, variables, compiled=on_tf, plan=plan)
         batch_size = rank_batch_size(job)
         # A PyDataset: this worker's share of its batches (pydatasets.py); arrays: one repeated
         # pipeline for the whole fit, so Keras keeps one iterator (see datasets.py).

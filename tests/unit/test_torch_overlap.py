@@ -69,9 +69,10 @@ def summer(net: torch.nn.Module, overlap: bool, check_every: int | None = None) 
     """The reducer as a torch worker with its device sum holds it (this process's Keras is not on torch)."""
     params = list(net.parameters())
     owner = HostGradientAllreduce(SoloCollective(), [np.zeros(tuple(p.shape), np.float32) for p in params])
-    owner._engine_impl = TorchDeviceSum(owner.shapes, "cpu", bucket_bytes=BUCKET_BYTES, check_every=check_every)
+    owner._engine_impl = TorchDeviceSum(owner.shapes, "cpu", bucket_bytes=BUCKET_BYTES, check_every=check_every,
+                                        planner=backward_plan)
     if overlap:
-        owner._overlap = TorchOverlap(owner._engine_impl, params, owner, BUCKET_BYTES)
+        owner._overlap = TorchOverlap(owner._engine_impl, params, owner)
     return owner
 
 

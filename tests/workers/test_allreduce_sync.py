@@ -12,8 +12,8 @@ import pytest
 from nbdist.strategies.allreduce_hook import GradientAllreduce
 from nbdist.strategies.averaging import batch_sizes
 from nbdist.strategies.collective import SoloCollective
-from nbdist.strategies.gradient_sum import chunk_bounds, step_totals
-from nbdist.strategies.shared import ALIGN, aligned_offsets, pieces
+from nbdist.strategies.gradient_sum import step_totals
+from nbdist.strategies.shared import ALIGN, aligned_offsets, pieces, segment_bounds
 
 from ..ranks import run_ranks
 
@@ -51,7 +51,7 @@ def test_aligned_offsets_and_chunk_plan_cover_every_gradient_element_once():
     assert all(offsets[i] + sizes[i] <= offsets[i + 1] for i in range(len(sizes)))
     length = int(offsets[-1]) + 1
     for chunk in (16, 32, 48, 1000):
-        bounds = chunk_bounds(length, chunk)
+        bounds = segment_bounds(0, length, chunk)
         assert bounds[0][0] == 0 and bounds[-1][1] == length
         assert all(b0[1] == b1[0] for b0, b1 in zip(bounds, bounds[1:]))  # consecutive, no gaps
         assert all(a % ALIGN == 0 for a, _ in bounds)
@@ -65,8 +65,7 @@ def test_aligned_offsets_and_chunk_plan_cover_every_gradient_element_once():
 
 
 def test_solo_exchange_returns_aligned_views_and_checks_the_total():
-    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s) for s in SHAPES], chunk_elements=16)
-    assert len(reducer.chunks) > len(SHAPES)  # gradients are split across chunks
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s) for s in SHAPES])
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
     reducer.set_weight(5, 5)
@@ -100,7 +99,7 @@ def _rank_main(rank: int, world: int, port: int, engine: str, mode: str) -> None
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
     clock = PhaseClock()
     plan = Plan(engine, mode, bucket_bytes=256)  # chunked: rows of 64 floats
-    reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], plan, chunk_elements=32)
+    reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], plan)
     clock.strategy_timer = reducer
     errors = []
     for step, counts in enumerate(STEPS):
@@ -110,9 +109,10 @@ def _rank_main(rank: int, world: int, port: int, engine: str, mode: str) -> None
         out = reducer.exchange(*mine)
         want = [(counts[0] * a + counts[1] * b) / total for a, b in zip(_grads(0, step), _grads(1, step))]
         errors.append(max(float(np.abs(o - w).max()) for o, w in zip(out, want)))
-    print(json.dumps({"errors": errors, "chunks": len(reducer.chunks), "busy_after": clock.busy_for(),
+    chunks = len(reducer._shared_plan.chunks) if reducer._shared else 0
+    print(json.dumps({"errors": errors, "chunks": chunks, "busy_after": clock.busy_for(),
                       "steps": reducer.steps, "seconds": reducer.seconds,
-                      "small_sum": type(reducer._shared or reducer._chunked).__name__,
+                      "small_sum": type(reducer._shared).__name__,
                       **_broadcast_start(gloo, rank)}), flush=True)
     gloo.close()
 
@@ -140,7 +140,8 @@ def test_two_process_exchange_equals_the_weighted_average(engine, mode, small_su
     reports = run_ranks("tests.workers.test_allreduce_sync:_rank_main", 2, engine, mode, timeout=90)
     for report in reports:
         assert report["small_sum"] == small_sum
-        assert report["chunks"] > 4 and report["steps"] == len(STEPS) and report["seconds"] > 0
+        assert report["chunks"] == {"gloo": 0, "chunked": 4, "small": 1}[mode]
+        assert report["steps"] == len(STEPS) and report["seconds"] > 0
         assert max(report["errors"]) < 1e-6, report
         assert report["busy_after"] == 0.0  # the phase clock saw the exchange end
     # A run's start: compared by checksum and broadcast only when a worker holds other values, then rank 0's
