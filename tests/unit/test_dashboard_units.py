@@ -169,6 +169,12 @@ def test_a_membership_change_is_shown_and_the_lost_worker_is_gone(dashboard):
     st.finish("done")
     assert line in summary_html(st) and "<b>gone</b>" in summary_html(st)
 
+    late = RunState(world_size=3, epochs=5, strategy="allreduce", min_workers=2)  # one never started
+    late.regrouped(MembershipChange(generation=0, left=[2], why="did not connect within 60 s", workers=[0, 1],
+                                    committed=0, steps_lost=0, started=False))
+    row = worker_rows(late)[2]
+    assert (row.state, row.detail) == ("gone", "did not start (did not connect within 60 s)")
+
 
 def test_renderers_accept_unknown_kinds_silently(dashboard):
     dash, shown = dashboard
