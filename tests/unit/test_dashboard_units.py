@@ -1,5 +1,5 @@
 """The dashboard without a kernel: the pure view, and the renderers in-process (throttling, restarts,
-unknown event kinds, phase view, the summary).
+unknown event kinds, phase view, the summary, an elastic run's changes of workers).
 
 ipywidgets and bqplot models work without a frontend, so the real dashboard is built and fed
 real ``RunState`` events here; ``show`` records what would be displayed in the cell.
