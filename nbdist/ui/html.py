@@ -15,7 +15,15 @@ from IPython.display import HTML, display
 from ..driver.state import RunState
 from .summary import summary_html
 from .text import epoch_line
-from .view import Throttle, metrics_table_html, overview, status_sentence, workers_table_html
+from .view import (
+    Throttle,
+    membership_html,
+    membership_line,
+    metrics_table_html,
+    overview,
+    status_sentence,
+    workers_table_html,
+)
 
 
 def progress_html(state: RunState) -> str:
@@ -24,7 +32,7 @@ def progress_html(state: RunState) -> str:
     bar = (f"<div style='width:360px;border:1px solid #999;height:12px'>"
            f"<div style='width:{pct:.1f}%;background:#1f77b4;height:12px'></div></div>")
     return (f"<div class='nbdist-progress'><b>nbdist</b> · {html.escape(status_sentence(state))}"
-            f"{bar}<div>{html.escape(ov.line)}</div>{workers_table_html(state)}"
+            f"{bar}<div>{html.escape(ov.line)}</div>{membership_html(state)}{workers_table_html(state)}"
             f"{metrics_table_html(state)}</div>")
 
 
@@ -50,7 +58,10 @@ class HtmlRenderer:
             self._show(HTML(summary_html(state)))
         elif kind == "restart" and self.mode == "append":
             self._show(HTML(f"<div class='nbdist-restart'><b>nbdist</b> · {html.escape(str(payload))}</div>"))
-        elif kind == "restart" and self._handle is not None:  # not throttled: rare, and it matters
+        elif kind == "membership" and self.mode == "append":  # an elastic run's change (MembershipChange)
+            self._show(HTML(f"<div class='nbdist-membership'><b>nbdist</b> · "
+                            f"{html.escape(membership_line(payload))}</div>"))
+        elif kind in ("restart", "membership") and self._handle is not None:  # not throttled: rare, it matters
             self._handle.update(HTML(progress_html(state)))
         elif self.mode == "append":
             if kind == "epoch":

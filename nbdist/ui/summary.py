@@ -7,7 +7,14 @@ import io
 import logging
 
 from ..driver.state import RunState
-from .view import epoch_axis, metric_groups, metrics_table_html, status_sentence, workers_table_html
+from .view import (
+    epoch_axis,
+    membership_html,
+    metric_groups,
+    metrics_table_html,
+    status_sentence,
+    workers_table_html,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,4 +59,4 @@ def summary_html(state: RunState, title: str = "nbdist run summary") -> str:
                      f"<pre>{html.escape(failed[0].error)}</pre></details>")
     return (f'<div class="nbdist-summary"><h4>{html.escape(title)}</h4>'
             f"<p>{html.escape(status_sentence(state))}</p>{error}{image}"
-            f"{metrics_table_html(state)}{workers_table_html(state)}</div>")
+            f"{metrics_table_html(state)}{membership_html(state)}{workers_table_html(state)}</div>")

@@ -2,7 +2,9 @@
 
 Workers never import MLflow: everything here runs in the notebook, as a run listener
 (``tracker(kind, state, payload)``, like the dashboard) fed with the merged per-epoch metrics.
-MLflow is optional: without it nothing is logged, and asking for it (``--mlflow``) is one
+An elastic run (``--workers MIN:MAX``) logs ``workers`` as ``MIN:MAX`` and each change of its
+workers as a tag ``nbdist.membership.<i>``; its metrics stay one step per epoch. MLflow is
+optional: without it nothing is logged, and asking for it (``--mlflow``) is one
 sentence saying what to install. Every MLflow call goes through ``MlflowClient`` with an
 explicit run id, never the fluent API, so a run pumped on a background thread logs into the
 right run and the notebook's active run is never changed. A tracking server that is down, or
@@ -179,6 +181,8 @@ class RunTracker:
                 self._begin(state)
             elif kind == "epoch" and self.run_id is not None:
                 self._epoch(state, payload)
+            elif kind == "membership" and self.run_id is not None:
+                self._membership(state, payload)
             elif kind == "end" and self.run_id is not None:
                 self._end(state)
         except Exception as exc:  # never the training's problem
@@ -213,8 +217,8 @@ class RunTracker:
             self.run_id = run.info.run_id
         from mlflow.entities import Param
 
-        params = {**self.params, "workers": str(state.world_size), "backend": state.backend,
-                  "strategy": state.strategy}
+        workers = str(state.world_size) if state.min_workers is None else f"{state.min_workers}:{state.world_size}"
+        params = {**self.params, "workers": workers, "backend": state.backend, "strategy": state.strategy}
         self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
 
     def _epoch(self, state: Any, merged: dict[str, float]) -> None:
@@ -224,6 +228,11 @@ class RunTracker:
         metrics = [Metric(key, float(value), now, step) for key, value in merged.items()]
         metrics.append(Metric("epoch_seconds", float(state.epoch_seconds[-1]), now, step))
         self._client.log_batch(self.run_id, metrics=metrics)
+
+    def _membership(self, state: Any, change: Any) -> None:
+        """An elastic run's change of workers: the tag ``nbdist.membership.<i>`` is ``job.state.membership[i]``'s
+        line (i counts the run's changes from 0, across restarts)."""
+        self._client.set_tag(self.run_id, f"nbdist.membership.{len(state.membership) - 1}", _text(change.line))
 
     def _end(self, state: Any) -> None:
         client, run_id = self._client, self.run_id

@@ -9,7 +9,7 @@ import html
 import time
 from dataclasses import dataclass, field
 
-from ..driver.state import RunState, WorkerProgress
+from ..driver.state import MembershipChange, RunState, WorkerProgress
 
 # At most this many redraws per second (the issue's limit is 5).
 MAX_REDRAWS_PER_SECOND = 5.0
@@ -17,13 +17,24 @@ MAX_REDRAWS_PER_SECOND = 5.0
 STATE_COLOURS = {
     "starting": "#888888", "training": "#1f77b4", "synchronising": "#ff7f0e",
     "done": "#2ca02c", "failed": "#d62728", "stopped": "#9467bd", "restarting": "#e377c2",
-    "running": "#1f77b4",
+    "running": "#1f77b4", "gone": "#7f7f7f",
 }
 
 
 def restarts(state: RunState) -> int:
     """How often the workers were relaunched (``RunState.restarts`` exists once restarts are built)."""
     return int(getattr(state, "restarts", 0) or 0)
+
+
+def gone(state: RunState) -> dict[int, MembershipChange]:
+    """An elastic run's workers that left (or never started), by launch rank: the change that took each."""
+    return {r: c for c in state.membership for r in c.left}
+
+
+def membership_line(change: MembershipChange) -> str:
+    """One change of an elastic run's workers, for the dashboard's list: the text UI's line and who trains now."""
+    who = ", ".join(str(r) for r in change.workers)
+    return f"{change.line} (now worker{'' if len(change.workers) == 1 else 's'} {who})"
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -47,19 +58,21 @@ class Overview:
     throughput: float
     status: str
     restarts: int = 0
+    gone: int = 0  # an elastic run's workers that left or never started
 
     @property
     def line(self) -> str:
         again = f" · restarted {self.restarts}×" if self.restarts else ""
+        left = f" · {self.gone} worker{'' if self.gone == 1 else 's'} gone" if self.gone else ""
         return (f"Epoch {self.epochs_done}/{self.epochs_total} · elapsed {self.elapsed} · "
-                f"ETA {self.eta} · {self.throughput:,.0f} samples/s{again}")
+                f"ETA {self.eta} · {self.throughput:,.0f} samples/s{again}{left}")
 
 
 def overview(state: RunState) -> Overview:
     done = state.initial_epoch + state.epochs_done
     eta = 0.0 if state.status == "done" else state.eta
     return Overview(done, state.epochs, format_seconds(state.elapsed), format_seconds(eta),
-                    state.throughput, state.status, restarts(state))
+                    state.throughput, state.status, restarts(state), len(gone(state)))
 
 
 @dataclass(frozen=True)
@@ -86,13 +99,19 @@ def worker_fraction(w: WorkerProgress, state: RunState) -> float:
 
 
 def worker_rows(state: RunState) -> list[WorkerRow]:
-    rows = []
+    """One row per launched worker; one an elastic run went on without is "gone", with when and why."""
+    rows, left = [], gone(state)
     for w in state.workers:
         where = f"{w.host} pid {w.pid}" if w.pid else "not connected yet"
         where += f" · {w.device}" if w.device else ""
         detail = f"epoch {min(w.epoch + 1, state.epochs)}/{state.epochs} · batch {w.batch}/{w.batches} · {where}"
-        rows.append(WorkerRow(w.rank, w.state, worker_fraction(w, state), w.compute_seconds,
-                              w.sync_seconds, detail))
+        change = left.get(w.rank)
+        if change is not None and not change.started:
+            detail = f"did not start ({change.why})"
+        elif change is not None:
+            detail = f"left in epoch {change.committed + 1} ({change.why}) · {where}"
+        rows.append(WorkerRow(w.rank, "gone" if change is not None else w.state, worker_fraction(w, state),
+                              w.compute_seconds, w.sync_seconds, detail))
     return rows
 
 
@@ -111,6 +130,7 @@ class EpochPhases:
 
     Workers report cumulative seconds; ``mark`` takes them at each epoch end and keeps the
     differences. After a restart the workers count from zero again: ``restart`` rewinds.
+    So do an elastic run's survivors in their next generation (a new job).
     """
 
     compute: list[float] = field(default_factory=list)
@@ -197,6 +217,16 @@ def metrics_table_html(state: RunState) -> str:
         rows.append(f"<tr><td>{epoch}</td>{cells}<td>{format_seconds(secs)}</td></tr>")
     return (f'<table class="nbdist-metrics"><thead><tr><th>epoch</th>{head}<th>time</th></tr></thead>'
             f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def membership_html(state: RunState) -> str:
+    """An elastic run's changes of workers as a list ("" when there were none)."""
+    if not state.membership:
+        return ""
+    items = "".join(f"<li>{html.escape(membership_line(c))}</li>" for c in state.membership)
+    return ("<div class='nbdist-membership' style='border-left:4px solid #7f7f7f;padding:2px 8px;"
+            f"background:#f5f5f5'><b>workers changed {len(state.membership)}×</b>"
+            f"<ul style='margin:2px 0'>{items}</ul></div>")
 
 
 def workers_table_html(state: RunState) -> str:

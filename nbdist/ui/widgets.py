@@ -26,6 +26,7 @@ from .view import (
     Throttle,
     epoch_axis,
     epoch_ticks,
+    membership_html,
     metric_groups,
     overview,
     status_sentence,
@@ -175,6 +176,7 @@ class WidgetDashboard:
         self.error_panel = W.HTML(layout=W.Layout(display="none"))
         self.notice = W.HTML(layout=W.Layout(display="none"))  # restarts, with their reasons
         self._restart_reasons: list[str] = []
+        self.changes = W.HTML(layout=W.Layout(display="none"))  # an elastic run's changes of workers
         self.logs: list[W.HTML] = []
         self.log_panel = W.Accordion()
         self.root = W.VBox([
@@ -185,6 +187,7 @@ class WidgetDashboard:
             W.HBox([self.worker_box, W.VBox([self.phase_legend, self.phase_box])],
                    layout=W.Layout(flex_flow="row wrap")),
             self.notice,
+            self.changes,
             self.error_panel,
             self.log_panel,
         ])
@@ -219,6 +222,12 @@ class WidgetDashboard:
                 self.epoch_phases.restart(state.epochs_done)
                 self._restart_reasons.append(str(payload or "restarting the workers"))
                 self._show_restarts()
+                self._throttle.ready(force=True)
+                self._draw()
+            elif kind == "membership":  # an elastic run's change of workers: shown at once, as a restart
+                self.epoch_phases.restart(state.epochs_done)
+                self.changes.value = membership_html(state)
+                self.changes.layout.display = None
                 self._throttle.ready(force=True)
                 self._draw()
             elif kind == "end":
@@ -298,7 +307,8 @@ class WidgetDashboard:
         rows = worker_rows(state)
         for row, bar, label in zip(rows, self.worker_bars, self.worker_states):
             bar.value = row.fraction
-            bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(row.state, "info")
+            bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning", "gone": ""}.get(
+                row.state, "info")
             label.value = (f"<span class='nbdist-worker-state' style='color:{STATE_COLOURS.get(row.state)}'>"
                            f"<b>{html.escape(row.state)}</b></span> · {html.escape(row.detail)}{phase_note(row)}")
         if self.phase is not None:

@@ -1,5 +1,5 @@
 """The dashboard without a kernel: the pure view, and the renderers in-process (throttling, restarts,
-unknown event kinds, phase view, the summary).
+unknown event kinds, phase view, the summary, an elastic run's changes of workers).
 
 ipywidgets and bqplot models work without a frontend, so the real dashboard is built and fed
 real ``RunState`` events here; ``show`` records what would be displayed in the cell.
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from nbdist.driver.state import RunState
+from nbdist.driver.state import MembershipChange, RunState
 from nbdist.ui import detect_frontend, in_zeppelin
 from nbdist.ui.html import HtmlRenderer, progress_html
 from nbdist.ui.summary import summary_html
@@ -121,6 +121,59 @@ def test_restarts_are_shown_with_their_reason(dashboard):
     assert "restarted 1×" in overview(st).line
     assert status_sentence(st).startswith("Restarting the workers (restart 1)")
     assert "restarted 1×" in progress_html(st)
+
+
+def elastic_state() -> RunState:
+    """3 workers of an elastic run (``--workers 2:3``) after their first epoch."""
+    st = RunState(world_size=3, epochs=5, strategy="allreduce", min_workers=2)
+    for r in range(3):
+        st.worker_connected(r, "127.0.0.1", 100 + r)
+        st.workers[r].batches = 10
+    for r in range(3):
+        st.worker_epoch(r, Epoch(epoch=0, batch=10, batches=10, samples=100, val_samples=0, seconds=0.5,
+                                 compute_seconds=1.0, sync_seconds=0.2, logs={"loss": 1.0}))
+    return st
+
+
+def lose_worker_2(st: RunState) -> MembershipChange:
+    """Worker 2 is killed in the second epoch; workers 0 and 1 go on (what driver/training.py does to the
+    state: ``workers_left``, then ``regrouped``)."""
+    st.workers_left({2}, 2)
+    change = MembershipChange(generation=1, left=[2], why="was killed by SIGKILL", workers=[0, 1], committed=1,
+                              steps_lost=5)
+    st.regrouped(change)
+    return change
+
+
+def test_a_membership_change_is_shown_and_the_lost_worker_is_gone(dashboard):
+    dash, shown = dashboard
+    st = elastic_state()
+    html_updates = Shown()
+    renderers = [dash, HtmlRenderer("update", show=html_updates), HtmlRenderer("append", show=shown)]
+    for r in renderers:
+        r("start", st, None)
+    change = lose_worker_2(st)
+    for r in renderers:
+        r("membership", st, change)
+    line = "worker 2 left (was killed by SIGKILL); going on with 2 workers from the commit after epoch 1, 5 steps lost"
+    rows = worker_rows(st)
+    assert [r.state for r in rows] == ["training", "training", "gone"] and "left in epoch 2" in rows[2].detail
+    assert "1 worker gone" in overview(st).line
+    page = progress_html(st)
+    assert f"{line} (now workers 0, 1)" in page and "<b>gone</b>" in page and "<b>failed</b>" not in page
+    assert "workers changed 1×" in html_updates.updates[-1].data  # redrawn at once, not throttled
+    assert line in shown.items[-1].data and "nbdist-membership" in shown.items[-1].data  # append: a block
+    assert dash.changes.layout.display is None and line in dash.changes.value
+    assert "<b>gone</b>" in dash.worker_states[2].value and dash.worker_bars[2].bar_style == ""
+    assert "<b>training</b>" in dash.worker_states[0].value
+    st.finish("done")
+    assert line in summary_html(st) and "<b>gone</b>" in summary_html(st)
+
+    late = RunState(world_size=3, epochs=5, strategy="allreduce", min_workers=2)  # one never started
+    late.regrouped(MembershipChange(generation=0, left=[2], why="did not connect within 60 s", workers=[0, 1],
+                                    committed=0, steps_lost=0, started=False))
+    row = worker_rows(late)[2]
+    assert (row.state, row.detail) == ("gone", "did not start (did not connect within 60 s)")
 
 
 def test_renderers_accept_unknown_kinds_silently(dashboard):

@@ -82,9 +82,18 @@ def test_a_killed_worker_costs_steps_not_the_run(digits, capsys, tmp_path):
     steps_per_epoch = -(-len(x) // 3 // BATCH)
     marker = str(tmp_path / "died")
     model = _model([DieOnce.layer(marker, steps_per_epoch + 6)])  # in the 6th step of the second epoch
-    job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:3", **common), x, y, None)
-    job.start()
-    history = job.wait(timeout=300)
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):  # tracked: the change is a tag of the run
+        job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:3", mlflow=True, **common), x, y, None)
+        (tracker,) = [t for t in job.listeners if type(t).__name__ == "RunTracker"]
+        tracker.log_model = False  # saving the model for MLflow (tests/workers/test_tracking.py) costs a minute
+        job.start()
+        history = job.wait(timeout=300)
+        client = mlflow.MlflowClient()
+        (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        losses = client.get_metric_history(run.info.run_id, "loss")
     out = capsys.readouterr().out
 
     assert job.status == "done" and os.path.exists(marker)
@@ -100,6 +109,8 @@ def test_a_killed_worker_costs_steps_not_the_run(digits, capsys, tmp_path):
     assert "elastic: goes on while 2 are left" in out.splitlines()[0]
     assert sum(f"worker {gone} left (was killed by SIGKILL)" in line for line in out.splitlines()) == 1
     assert len(job.reports) == 2  # the survivors' closing reports
+    assert run.data.params["workers"] == "2:3" and run.data.tags["nbdist.membership.0"] == change.line
+    assert sorted(m.step for m in losses) == list(range(EPOCHS))  # one step per epoch, none twice
     assert not wait_no_workers(5)
 
     # The same membership schedule without a fault: 3 workers for an epoch, then 2 from that state with the

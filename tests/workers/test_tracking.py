@@ -100,6 +100,41 @@ def test_api_run_nests_under_the_active_run_or_logs_into_it(digits, store):
     assert runs["parent"].data.params["epochs"] == "1"
 
 
+def test_an_elastic_run_logs_its_range_and_each_change_of_workers_as_a_tag(store):
+    """The tracker fed an elastic run's events in-process (no workers; the real run's tag is checked in
+    tests/workers/test_elastic.py): workers MIN:MAX, one tag per change, one metric step per epoch."""
+    from nbdist.driver.state import MembershipChange, RunState
+    from nbdist.ui.tracking import RunTracker
+    from nbdist.wire.reports import Epoch
+
+    st = RunState(world_size=3, epochs=2, strategy="allreduce", min_workers=2)
+    tracker = RunTracker({}, run_name="elastic", log_model=False)
+    tracker("start", st, None)
+
+    def epoch(e, ranks):
+        for r in ranks:
+            merged = st.worker_epoch(r, Epoch(epoch=e, batch=4, batches=4, samples=100, val_samples=0, seconds=0.1,
+                                              compute_seconds=0.1, sync_seconds=0.0, logs={"loss": 1.0 / (e + 1)}))
+        tracker("epoch", st, merged)
+
+    epoch(0, range(3))
+    st.workers_left({1}, 2)
+    change = MembershipChange(generation=1, left=[1], why="was killed by SIGKILL", workers=[0, 2], committed=1,
+                              steps_lost=3)
+    st.regrouped(change)
+    tracker("membership", st, change)
+    epoch(1, (0, 2))
+    st.finish("done")
+    tracker("end", st, None)
+
+    assert not tracker.off
+    (run,) = all_runs()
+    assert run.data.params["workers"] == "2:3"
+    assert run.data.tags["nbdist.membership.0"] == change.line
+    assert "worker 1 left (was killed by SIGKILL)" in change.line
+    assert metric_series(run.info.run_id, "loss") == [(0, 1.0), (1, 0.5)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
