@@ -113,12 +113,16 @@ def digits_split(digits):
 
 def worker_processes() -> list[psutil.Process]:
     """nbdist workers started by this test process or its children; not the fork servers they come
-    from, which stay for the next job (the session's end stops them: ``no_fork_server_left``)."""
+    from, which stay for the next job (the session's end stops them: ``no_fork_server_left``), nor
+    the idle warm workers Spark executors keep for the next run (they end with Spark:
+    ``spark_helpers.stop_shared_session``)."""
+    from .spark_helpers import is_idle_spare
+
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            cmdline = " ".join(child.cmdline())
-            if "nbdist.worker" in cmdline and "--fork-server" not in cmdline:
+            cmd = child.cmdline()
+            if "nbdist.worker" in " ".join(cmd) and "--fork-server" not in cmd and not is_idle_spare(cmd):
                 out.append(child)
         except psutil.NoSuchProcess:
             continue

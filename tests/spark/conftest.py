@@ -3,7 +3,8 @@
 The modules that take this conftest's ``spark`` run first, one after the other, on one local[2] session
 (``spark_helpers.shared_local_session``); the modules with a Spark of their own (a standalone cluster,
 Connect, hosts in network namespaces, warm executors) come after them, and their session's start stops
-the shared one. A module still fails if it leaves any other session active (tests/conftest.py).
+the shared one. A module still fails if it leaves any other session active (tests/conftest.py). The
+shared session's executor keeps warm workers between runs, as a user's does (TrainConfig.warm_workers).
 """
 from __future__ import annotations
 
@@ -15,16 +16,18 @@ import pytest
 from ..spark_helpers import digits, shared_local_session, stop_shared_session
 
 
+def on_shared(item) -> bool:
+    """Whether the test runs on the shared local[2] session (this conftest's ``spark`` fixture)."""
+    defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("spark")
+    return bool(defs) and defs[-1].func.__module__ == __name__
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Within tests/spark/, the modules on the shared session first (order otherwise kept)."""
     here = __file__.rsplit("/", 1)[0] + "/"
     spark_items = [i for i, item in enumerate(items) if str(item.path).startswith(here)]
     if not spark_items:
         return
-
-    def on_shared(item) -> bool:
-        defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("spark")
-        return bool(defs) and defs[-1].func.__module__ == __name__
 
     modules: dict[str, bool] = {}
     for i in spark_items:
@@ -36,15 +39,19 @@ def pytest_collection_modifyitems(items) -> None:
 
 @pytest.fixture
 def warm_executors() -> bool:
-    """Asked for by the tests whose executors keep warm workers, as a user's do (TrainConfig.warm_workers)."""
+    """Asked for by the tests on a Spark of their own whose executors keep warm workers, as a user's do
+    (TrainConfig.warm_workers); the tests on the shared session always run so."""
     return True
 
 
 @pytest.fixture(autouse=True)
 def no_warm_executor_workers(request, monkeypatch):
-    """Executors' warm workers only where a test asks for them (``warm_executors``): the others count the
-    processes a job leaves, so their runs' Spark backends get ``warm_workers=False``, as if each had passed it."""
-    if "warm_executors" in request.fixturenames:
+    """On a Spark of its own, executors' warm workers only where a test asks for them (``warm_executors``):
+    the others count every worker process their session's executors hold, so their runs' Spark backends get
+    ``warm_workers=False``, as if each had passed it. The tests on the shared local[2] session run as users
+    do: each task leaves a warm worker that the next run's task takes (checks of the processes a job leaves
+    look at the job's own workers, spark_helpers.nbdist_worker_pids), and the spares end with the session."""
+    if "warm_executors" in request.fixturenames or on_shared(request.node):
         return
     from nbdist.config import TrainConfig
     from nbdist.spark.backend import SparkBackend
