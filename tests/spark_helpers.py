@@ -45,7 +45,7 @@ def stop_shared_session() -> None:
     while _SHARED:
         spares = own_warm_spares()
         _SHARED.pop().stop()
-        left = [pid for pid in spares if not _gone(pid, 15)]
+        left = [pid for pid in spares if not _gone(pid, 120)]  # one still importing notices once imported
         assert not left, f"warm workers outlived the shared Spark session: {left}"
 
 

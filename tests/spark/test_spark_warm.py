@@ -66,10 +66,16 @@ def test_the_directory_is_private_or_refused(tmp_path):
 
 
 def test_a_claim_hands_over_the_job_and_returns_the_workers_own_exit_code(tmp_path):
+    """Claimed as soon as its socket is there, before TensorFlow loads (a back-to-back run's task queues for
+    it and waits for the imports), the worker takes the job and the task gets the worker's own exit code."""
     directory = spark_warm.pool_dir(_me(), root=str(tmp_path))
     proc = spark_warm.start(directory, ENV, _me())
     try:
-        wait_warm_ready(directory, 1)
+        deadline = time.monotonic() + 60
+        while not list(directory.glob("*.sock")):
+            assert time.monotonic() < deadline and proc.poll() is None, "the warm worker never bound its socket"
+            time.sleep(0.01)
+        assert "tensorflow" not in Path(f"/proc/{proc.pid}/maps").read_text()  # bound first thing
         assert spark_warm.claim(directory, {**ENV, "OMP_NUM_THREADS": "7"}, b"{}\n", b"k") is None  # other env
         closed = socket.socket()
         closed.bind(("127.0.0.1", 0))
