@@ -138,21 +138,22 @@ def wait_warm_ready(directory: Path, count: int, timeout: float = 120.0) -> list
     raise AssertionError(f"{count} warm workers not ready in {timeout:.0f} s: {list(directory.iterdir())}")
 
 
-def own_warm_spares() -> list[int]:
+def own_warm_spares() -> dict[int, Path]:
     """Idle warm workers kept by executors of this test process's Spark (their ``--watch`` process is one of
-    its descendants), waiting on their socket for a next run."""
+    its descendants), waiting on their socket for a next run: pid -> socket path. Other runs on the machine
+    (a colleague's, another test process's) keep their own."""
     import psutil
 
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
-    out = []
-    for pid in warm_socket_workers():
+    out = {}
+    for pid, sock in warm_socket_workers().items():
         try:
             cmd = psutil.Process(pid).cmdline()
         except psutil.Error:
             continue
         watched = int(cmd[cmd.index("--watch") + 1].split(":")[0]) if "--watch" in cmd else -1
         if watched in mine and is_idle_spare(cmd):
-            out.append(pid)
+            out[pid] = sock
     return out
 
 

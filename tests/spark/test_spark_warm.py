@@ -22,7 +22,7 @@ from nbdist.spark import warm as spark_warm
 from nbdist.wire import protocol
 from nbdist.wire.handover import job_line
 
-from ..spark_helpers import wait_warm_ready, warm_socket_workers
+from ..spark_helpers import own_warm_spares, wait_warm_ready
 
 pytestmark = pytest.mark.timeout(240)
 ENV = worker_env(1)
@@ -131,14 +131,14 @@ def test_spark_second_run_takes_the_warm_workers_and_they_end_with_spark(warm_ex
     import nbdist
 
     Xtr, Xte, ytr, yte = digits()
-    assert not warm_socket_workers()
+    assert not own_warm_spares()
     spark = spark_session("local[2]")
     waiting: dict[int, Path] = {}
     try:
         rdd = spark.sparkContext.parallelize(list(zip(Xtr.tolist(), ytr.tolist())), 2)
         first = nbdist.train(small_model(), rdd, epochs=2, workers=2, backend="spark", ui="none")
         assert [w.warm for w in first._backend.workers] == [False, False]
-        left = warm_socket_workers()  # one per task, for the next job
+        left = own_warm_spares()  # one per task, for the next job
         assert len(left) == 2 and len({s.parent for s in left.values()}) == 1, left
         wait_warm_ready(next(iter(left.values())).parent, 2)
         model = small_model()
@@ -147,7 +147,7 @@ def test_spark_second_run_takes_the_warm_workers_and_they_end_with_spark(warm_ex
         assert {w.pid for w in second._backend.workers} == set(left)
         assert accuracy(model, Xte, yte) > 0.8
         assert all(_gone(pid, 15) for pid in left)  # each ran its one job and exited
-        waiting = warm_socket_workers()  # the next run's
+        waiting = own_warm_spares()  # the next run's
         assert len(waiting) == 2 and not set(waiting) & set(left)
     finally:
         spark.stop()
