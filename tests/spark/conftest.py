@@ -3,8 +3,7 @@
 The modules that take this conftest's ``spark`` run first, one after the other, on one local[2] session
 (``spark_helpers.shared_local_session``); the modules with a Spark of their own (a standalone cluster,
 Connect, hosts in network namespaces, warm executors) come after them, and their session's start stops
-the shared one. A module still fails if it leaves any other session active (tests/conftest.py). The
-shared session's executor keeps warm workers between runs, as a user's does (TrainConfig.warm_workers).
+the shared one. A module still fails if it leaves any other session active (tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -39,19 +38,19 @@ def pytest_collection_modifyitems(items) -> None:
 
 @pytest.fixture
 def warm_executors() -> bool:
-    """Asked for by the tests on a Spark of their own whose executors keep warm workers, as a user's do
-    (TrainConfig.warm_workers); the tests on the shared session always run so."""
+    """Asked for by the tests whose executors keep warm workers, as a user's do (TrainConfig.warm_workers)."""
     return True
 
 
 @pytest.fixture(autouse=True)
 def no_warm_executor_workers(request, monkeypatch):
-    """On a Spark of its own, executors' warm workers only where a test asks for them (``warm_executors``):
-    the others count every worker process their session's executors hold, so their runs' Spark backends get
-    ``warm_workers=False``, as if each had passed it. The tests on the shared local[2] session run as users
-    do: each task leaves a warm worker that the next run's task takes (checks of the processes a job leaves
-    look at the job's own workers, spark_helpers.nbdist_worker_pids), and the spares end with the session."""
-    if "warm_executors" in request.fixturenames or on_shared(request.node):
+    """Executors' warm workers only where a test asks for them (``warm_executors``): the others' Spark backends
+    get ``warm_workers=False``, as if each had passed it. Kept cold on purpose: run back to back, as tests run,
+    warm spares import TensorFlow while the next test runs (and spares of another worker environment are never
+    taken), which measured no faster on 2 cores. The checks of the processes a job leaves hold either way:
+    they look at the job's own workers (spark_helpers.nbdist_worker_pids), an idle spare is not a leak, and
+    the shared session's spares must end with it (``stop_shared_session``)."""
+    if "warm_executors" in request.fixturenames:
         return
     from nbdist.config import TrainConfig
     from nbdist.spark.backend import SparkBackend
