@@ -28,10 +28,12 @@ def pytest_collection_modifyitems(config, items) -> None:
     strategies of one exchange); run by ``make test-full``, left out of ``make test`` to keep CI's budget."""
     if config.getoption("--full"):
         return
-    skip = pytest.mark.skip(reason="a further case of a path CI covers: make test-full runs it")
     for item in items:
-        if "full" in item.keywords:
-            item.add_marker(skip)
+        mark = item.get_closest_marker("full")
+        if mark is not None:  # its argument, where given, names the CI test that covers the path
+            covered = f" ({mark.args[0]})" if mark.args else ""
+            item.add_marker(pytest.mark.skip(reason=f"a further case of a path CI covers{covered}: make test-full "
+                                                    "runs it"))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -113,12 +115,16 @@ def digits_split(digits):
 
 def worker_processes() -> list[psutil.Process]:
     """nbdist workers started by this test process or its children; not the fork servers they come
-    from, which stay for the next job (the session's end stops them: ``no_fork_server_left``)."""
+    from, which stay for the next job (the session's end stops them: ``no_fork_server_left``), nor
+    the idle warm workers Spark executors keep for the next run (they end with Spark:
+    ``spark_helpers.stop_shared_session``)."""
+    from .spark_helpers import is_idle_spare
+
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            cmdline = " ".join(child.cmdline())
-            if "nbdist.worker" in cmdline and "--fork-server" not in cmdline:
+            cmd = child.cmdline()
+            if "nbdist.worker" in " ".join(cmd) and "--fork-server" not in cmd and not is_idle_spare(cmd):
                 out.append(child)
         except psutil.NoSuchProcess:
             continue

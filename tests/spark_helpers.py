@@ -41,8 +41,12 @@ def is_shared_session(session: Any) -> bool:
 
 
 def stop_shared_session() -> None:
+    """Stop the shared session; the warm workers its executor kept for a next run end with it."""
     while _SHARED:
+        spares = own_warm_spares()
         _SHARED.pop().stop()
+        left = [pid for pid in spares if not _gone(pid, 120)]  # one still importing notices once imported
+        assert not left, f"warm workers outlived the shared Spark session: {left}"
 
 
 def spark_session(master: str, **conf: str) -> Any:
@@ -94,14 +98,21 @@ def accuracy(model: Any, X: np.ndarray, y: np.ndarray) -> float:
 
 
 def nbdist_worker_pids(job: Any) -> list[int]:
-    """Live worker processes of this job (other nbdist runs may share the machine)."""
+    """Live worker processes of this job: the pids its tasks reported (a warm worker an executor kept took
+    the job: its command line names no coordinator) and any process started for its coordinator.
+
+    The idle warm worker a task leaves for the next run is not the job's (``own_warm_spares``).
+    """
     import psutil
 
     host, port = job._coordinator.address
+    reported = {w.pid for w in job._handles if getattr(w, "pid", None)}
     pids = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = p.info.get("cmdline") or []
-        if "nbdist.worker" in cmd and f"{host}:{port}" in cmd and p.info.get("status") != psutil.STATUS_ZOMBIE:
+        if p.info.get("status") == psutil.STATUS_ZOMBIE or "nbdist.worker" not in cmd:
+            continue
+        if p.info["pid"] in reported or f"{host}:{port}" in cmd:
             pids.append(p.info["pid"])
     return pids
 
@@ -125,6 +136,48 @@ def wait_warm_ready(directory: Path, count: int, timeout: float = 120.0) -> list
             return socks
         time.sleep(0.2)
     raise AssertionError(f"{count} warm workers not ready in {timeout:.0f} s: {list(directory.iterdir())}")
+
+
+def own_warm_spares() -> dict[int, Path]:
+    """Idle warm workers kept by executors of this test process's Spark (their ``--watch`` process is one of
+    its descendants), waiting on their socket for a next run: pid -> socket path. Other runs on the machine
+    (a colleague's, another test process's) keep their own."""
+    import psutil
+
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    out = {}
+    for pid, sock in warm_socket_workers().items():
+        try:
+            cmd = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            continue
+        watched = int(cmd[cmd.index("--watch") + 1].split(":")[0]) if "--watch" in cmd else -1
+        if watched in mine and is_idle_spare(cmd):
+            out[pid] = sock
+    return out
+
+
+def is_idle_spare(cmdline: list[str]) -> bool:
+    """A warm worker no task has taken: its socket (once it listens) or its log (while it imports) is still
+    where it was started; a task that takes it renames the one and moves the other (spark/warm.py)."""
+    if "--warm-socket" not in cmdline:
+        return False
+    sock = Path(cmdline[cmdline.index("--warm-socket") + 1])
+    return sock.exists() or sock.with_suffix(".log").exists()
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def warm_socket_workers() -> dict[int, Path]:

@@ -1,11 +1,12 @@
 """Warm workers on Spark executors: the next job's workers import TensorFlow while the notebook idles.
 
 A task's worker is a new process, and its imports are most of a short training call. So when a task's job
-is over, it starts one worker with ``--warm-socket`` (``start``); that worker imports everything, then
-listens on a Unix socket in a directory only this user can enter (``pool_dir``), and the next task on the
+is over, it starts one worker with ``--warm-socket`` (``start``); that worker listens on a Unix socket in a
+directory only this user can enter (``pool_dir``) before it imports everything, and the next task on the
 same executor with the same worker environment (``env_key``) takes it (``claim``): by renaming the socket
 (atomic: two tasks never take the same worker), then sending the job line and the run's secret. The task
-waits on that connection as on its own child; the worker dies if it drops, exits when the executor is gone
+waits on that connection as on its own child (a task that comes while the worker still imports waits for its
+answer, up to ``CLAIM_TIMEOUT``); the worker dies if it drops, exits when the executor is gone
 or after ``IDLE_LIMIT`` seconds unused, and unpickles nothing it reads. Not used with GPUs (a worker's
 device is chosen before TensorFlow starts) or when the run's ``warm_workers`` is off (TrainConfig). No
 third-party import here.

@@ -74,6 +74,11 @@ def quiet_tensorflow_import() -> None:
 if __name__ == "__main__":
     from ..machine.keras_backend import configured_backend, optional_packages_hidden
 
+    if "--warm-socket" in sys.argv[1:-1]:  # a warm worker on a Spark executor: claimable while it imports
+        from .warm_socket import bind_early
+
+        bind_early(sys.argv[sys.argv.index("--warm-socket") + 1])
+
     # KERAS_BACKEND is the notebook's (backends/command.py): a JAX or torch worker never loads TensorFlow.
     # A fork server on a machine with GPUs imports nothing that picks a device (placement.warm_server_env).
     if configured_backend() == "tensorflow" and os.environ.get("NBDIST_WARM_IMPORTS") != "device-free":

@@ -1,10 +1,16 @@
 """What every job needs on a worker, whatever its kind: its message decoded, its thread budget."""
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+
 from ..machine.keras_backend import configured_backend, optional_packages_hidden
 from ..machine.placement import interop_threads
 from ..model.tensors import keras_data
 from ..wire.messages import DATA_FIELDS, JobMessage
+
+log = logging.getLogger(__name__)
 
 
 def import_keras() -> None:
@@ -16,6 +22,39 @@ def import_keras() -> None:
 
         if backend == "tensorflow":
             import tensorflow  # noqa: F401
+    if backend == "jax":
+        use_jax_compilation_cache()
+
+
+JAX_CACHE_BYTES = 512 * 2**20  # JAX evicts the least recently used entries beyond this
+
+
+def jax_cache_dir() -> Path:
+    """Where JAX workers keep their compiled programs: nbdist/jax under the user's cache directory."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nbdist" / "jax"
+
+
+def use_jax_compilation_cache() -> None:
+    """JAX workers load their compiled steps from JAX's persistent compilation cache in ``jax_cache_dir``:
+    a cell run again (or another cell with the same model, shapes and devices) loads the train, evaluation
+    and prediction steps its workers compiled before instead of compiling them again. JAX keys each entry
+    by the program, the devices, its flags and versions, so a change compiles anew. A cache directory the
+    user gave JAX (JAX_COMPILATION_CACHE_DIR) is kept; one that cannot be created leaves JAX as it was."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    directory = jax_cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.info("no JAX compilation cache: %s", exc)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_compilation_cache_max_size", JAX_CACHE_BYTES)
+    # Every program, not only those over JAX's default second: a worker's evaluation and prediction steps
+    # compile in well under one on a fast machine, and reading an entry back costs less than compiling it.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def pin_threads(threads: int) -> None:

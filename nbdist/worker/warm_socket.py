@@ -22,8 +22,19 @@ def peer_uid(conn: socket.socket) -> int:
     return struct.unpack("3i", creds)[2]
 
 
+_bound: dict[str, socket.socket] = {}  # bound by ``python -m nbdist.worker`` before TensorFlow loads
+
+
+def bind_early(path: str) -> None:
+    """Bind the socket first thing (__main__, before TensorFlow's import): a task of the next job that
+    comes while this worker still imports queues for it, rather than starting a cold worker beside it."""
+    _bound[path] = listen(path)
+
+
 def listen(path: str) -> socket.socket:
     """The warm worker's socket, bound before it imports so a task can already queue for it."""
+    if path in _bound:
+        return _bound.pop(path)
     old = os.umask(0o077)  # the socket file is 0600 (the directory is 0700 already)
     try:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -15,16 +15,18 @@ import pytest
 from ..spark_helpers import digits, shared_local_session, stop_shared_session
 
 
+def on_shared(item) -> bool:
+    """Whether the test runs on the shared local[2] session (this conftest's ``spark`` fixture)."""
+    defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("spark")
+    return bool(defs) and defs[-1].func.__module__ == __name__
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Within tests/spark/, the modules on the shared session first (order otherwise kept)."""
     here = __file__.rsplit("/", 1)[0] + "/"
     spark_items = [i for i, item in enumerate(items) if str(item.path).startswith(here)]
     if not spark_items:
         return
-
-    def on_shared(item) -> bool:
-        defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("spark")
-        return bool(defs) and defs[-1].func.__module__ == __name__
 
     modules: dict[str, bool] = {}
     for i in spark_items:
@@ -42,8 +44,12 @@ def warm_executors() -> bool:
 
 @pytest.fixture(autouse=True)
 def no_warm_executor_workers(request, monkeypatch):
-    """Executors' warm workers only where a test asks for them (``warm_executors``): the others count the
-    processes a job leaves, so their runs' Spark backends get ``warm_workers=False``, as if each had passed it."""
+    """Executors' warm workers only where a test asks for them (``warm_executors``): the others' Spark backends
+    get ``warm_workers=False``, as if each had passed it. Kept cold on purpose: run back to back, as tests run,
+    warm spares import TensorFlow while the next test runs (and spares of another worker environment are never
+    taken), which measured no faster on 2 cores. The checks of the processes a job leaves hold either way:
+    they look at the job's own workers (spark_helpers.nbdist_worker_pids), an idle spare is not a leak, and
+    the shared session's spares must end with it (``stop_shared_session``)."""
     if "warm_executors" in request.fixturenames:
         return
     from nbdist.config import TrainConfig

@@ -129,6 +129,10 @@ def test_session_is_connect_and_auto_finds_it(spark):
     assert backend.name == "spark" and backend.connect and backend.default_workers() == 2
 
 
+@pytest.mark.full("evaluate's metrics and AUC on a DataFrame: test_spark_inference.py's test_binary_metrics_on_"
+                  "dataframe_equal_keras_and_sklearn; a weight column: test_spark_stream.py's test_a_weight_column_"
+                  "is_sample_weight_for_training_and_evaluation; evaluation by Connect's workers: test_validation_"
+                  "dataframe_streams_over_connect_with_exact_metrics")
 def test_evaluate_equals_keras_incl_auc(spark, data, test_frame, no_leftover_workers):
     Xtr, Xte, ytr, yte = data
     keras.utils.set_random_seed(4)

@@ -78,8 +78,12 @@ def frame(spark, rows, case, tmp_path):
 
 
 # The one-file case runs in test_one_file_streams_its_rows_in_order_and_says_so_first.
-CASES = ["skewed [125, 15]", "one partition", "empty partitions [0, 50, 50, 33, 0]",
-         "more partitions than workers"]
+CASES = ["skewed [125, 15]",
+         pytest.param("one partition", marks=pytest.mark.full(
+             "one partition's rows split between both workers: the one-file test below")),
+         "empty partitions [0, 50, 50, 33, 0]",
+         pytest.param("more partitions than workers", marks=pytest.mark.full(
+             "several partitions joined into each share: the [0, 50, 50, 33, 0] case"))]
 
 
 @pytest.mark.parametrize("case", CASES)

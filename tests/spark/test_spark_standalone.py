@@ -125,6 +125,8 @@ def test_dataframe_training_on_standalone_cluster(spark):
     assert not wait_until_no_workers(job)
 
 
+@pytest.mark.full("the claim of an executor's warm workers: test_spark_warm.py's local[2] run; a standalone "
+                  "cluster's executors training: test_multihost.py's test_trains_across_two_hosts[allreduce]")
 def test_a_standalone_executor_keeps_warm_workers_for_the_next_run(spark, warm_executors):
     Xtr, Xte, ytr, yte = digits()
     df = digits_frame(spark, Xtr, ytr)

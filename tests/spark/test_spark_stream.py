@@ -135,8 +135,9 @@ def test_a_relaunched_run_writes_and_streams_every_partition_afresh(spark, frame
 
     model = small_model()
     # Three epochs: the restart trains the rest from the last merged epoch (none here: from the start).
+    # Cold workers: the task's process is found as its worker's parent (a warm worker's is not the task).
     config = TrainConfig(epochs=3, batch_size=32, workers=2, strategy="allreduce", backend="spark", max_restarts=1,
-                         ui="none", stream_buffer_bytes=WINDOW_BYTES)
+                         ui="none", stream_buffer_bytes=WINDOW_BYTES, warm_workers=False)
     job = prepare(model, config, df, None, val, features="pixels", label="digit", listeners=[kill])
     job.start()
     job.wait(timeout=600)
@@ -194,8 +195,9 @@ def test_a_worker_capped_below_whole_file_loading_trains_by_streaming(spark, no_
                                                                .cast("int").alias("y"))
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2, activation="softmax")])
         model.compile("sgd", "sparse_categorical_crossentropy")
+        # A cold worker: moved into the group before it imports TensorFlow, not a warm one imported outside it.
         job = nbdist.train(model, df, features="x", label="y", epochs=1, batch_size=4096, workers=1,
-                           backend="spark", background=True)
+                           backend="spark", background=True, warm_workers=False)
         stop = threading.Event()
         mover = threading.Thread(target=move_workers, args=(job, cgroup, stop), daemon=True)
         mover.start()

@@ -22,7 +22,7 @@ from nbdist.spark import warm as spark_warm
 from nbdist.wire import protocol
 from nbdist.wire.handover import job_line
 
-from ..spark_helpers import wait_warm_ready, warm_socket_workers
+from ..spark_helpers import own_warm_spares, wait_warm_ready
 
 pytestmark = pytest.mark.timeout(240)
 ENV = worker_env(1)
@@ -66,10 +66,16 @@ def test_the_directory_is_private_or_refused(tmp_path):
 
 
 def test_a_claim_hands_over_the_job_and_returns_the_workers_own_exit_code(tmp_path):
+    """Claimed as soon as its socket is there, before TensorFlow loads (a back-to-back run's task queues for
+    it and waits for the imports), the worker takes the job and the task gets the worker's own exit code."""
     directory = spark_warm.pool_dir(_me(), root=str(tmp_path))
     proc = spark_warm.start(directory, ENV, _me())
     try:
-        wait_warm_ready(directory, 1)
+        deadline = time.monotonic() + 60
+        while not list(directory.glob("*.sock")):
+            assert time.monotonic() < deadline and proc.poll() is None, "the warm worker never bound its socket"
+            time.sleep(0.01)
+        assert "tensorflow" not in Path(f"/proc/{proc.pid}/maps").read_text()  # bound first thing
         assert spark_warm.claim(directory, {**ENV, "OMP_NUM_THREADS": "7"}, b"{}\n", b"k") is None  # other env
         closed = socket.socket()
         closed.bind(("127.0.0.1", 0))
@@ -125,14 +131,14 @@ def test_spark_second_run_takes_the_warm_workers_and_they_end_with_spark(warm_ex
     import nbdist
 
     Xtr, Xte, ytr, yte = digits()
-    assert not warm_socket_workers()
+    assert not own_warm_spares()
     spark = spark_session("local[2]")
     waiting: dict[int, Path] = {}
     try:
         rdd = spark.sparkContext.parallelize(list(zip(Xtr.tolist(), ytr.tolist())), 2)
         first = nbdist.train(small_model(), rdd, epochs=2, workers=2, backend="spark", ui="none")
         assert [w.warm for w in first._backend.workers] == [False, False]
-        left = warm_socket_workers()  # one per task, for the next job
+        left = own_warm_spares()  # one per task, for the next job
         assert len(left) == 2 and len({s.parent for s in left.values()}) == 1, left
         wait_warm_ready(next(iter(left.values())).parent, 2)
         model = small_model()
@@ -141,7 +147,7 @@ def test_spark_second_run_takes_the_warm_workers_and_they_end_with_spark(warm_ex
         assert {w.pid for w in second._backend.workers} == set(left)
         assert accuracy(model, Xte, yte) > 0.8
         assert all(_gone(pid, 15) for pid in left)  # each ran its one job and exited
-        waiting = warm_socket_workers()  # the next run's
+        waiting = own_warm_spares()  # the next run's
         assert len(waiting) == 2 and not set(waiting) & set(left)
     finally:
         spark.stop()

@@ -25,6 +25,7 @@ from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import nbdist  # noqa: E402
+from nbdist.worker.runtime import jax_cache_dir  # noqa: E402
 
 ROWS, GLOBAL_BATCH, EPOCHS = 512, 64, 2
 
@@ -523,7 +524,7 @@ def seeded_cells() -> dict[str, object]:
                          "model.layers[-1].set_weights(fixed_top)\n"}
     out: dict[str, object] = {"backend": keras.backend.backend()}
     for name, cell in cells.items():
-        runs = []
+        runs, cached = [], []
         for _ in range(2):
             shell.run_cell_magic("dist_train", "--workers 2 --ui none",
                                  cell + "model.compile('adam', 'sparse_categorical_crossentropy', "
@@ -531,9 +532,10 @@ def seeded_cells() -> dict[str, object]:
             job = shell.user_ns["history_job"]
             runs.append((shell.user_ns["model"], shell.user_ns["history"].history,
                          [job.reports[r].get("tensorflow_loaded") for r in sorted(job.reports)]))
+            cached.append(sorted(p.name for p in jax_cache_dir().glob("*")) if jax_cache_dir().is_dir() else [])
         (a, history_a, tf_a), (b, history_b, tf_b) = runs
         out[name] = {"weight_gap": weight_gap(a, b), "same_history": history_a == history_b,
-                     "workers_tensorflow": tf_a + tf_b}
+                     "workers_tensorflow": tf_a + tf_b, "cached": cached}
     return out
 
 

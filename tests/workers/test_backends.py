@@ -24,9 +24,12 @@ DRIVER = Path(__file__).with_name("backend_driver.py")
 ROWS = 512  # backend_driver.py's digits rows
 
 
-def run_driver(backend: str, phase: str = "core", *more: str) -> dict:
+def run_driver(backend: str, phase: str = "core", *more: str, cache_home: Path | None = None) -> dict:
+    """The driver's result; ``cache_home``: the user's cache directory of the notebook and its workers."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root(), os.environ.get("PYTHONPATH"))
                                                        if p)}
+    if cache_home is not None:
+        env["XDG_CACHE_HOME"] = str(cache_home)
     env.pop("KERAS_BACKEND", None)  # the driver sets its own, as a notebook would before importing Keras
     done = subprocess.run([sys.executable, str(DRIVER), backend, phase, *more], env=env, capture_output=True, text=True,
                           timeout=540)
@@ -212,13 +215,20 @@ def test_a_dataloader_over_a_lazy_dataset_is_split_by_index_as_one_local_fit():
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_a_seeded_cell_reproduces_on_jax_and_torch_workers_without_tensorflow(backend):
+def test_a_seeded_cell_reproduces_on_jax_and_torch_workers_without_tensorflow(backend, tmp_path):
     """Issue 39: keras.utils.set_random_seed(42) in the cell, no --seed: two runs have identical weights and
     History; unseeded (the cell's own draws fixed) two runs differ; the workers seeded themselves without
-    importing TensorFlow (Keras' set_random_seed imports it whenever it is installed)."""
-    result = run_driver(backend, "seeded")
+    importing TensorFlow (Keras' set_random_seed imports it whenever it is installed). JAX: the first run's
+    workers stored their compiled programs under the user's cache, and the cell run again compiled nothing
+    new (it loaded them: worker/runtime.py's use_jax_compilation_cache)."""
+    result = run_driver(backend, "seeded", cache_home=tmp_path)
     assert result["backend"] == backend
     seeded, unseeded = result["seeded"], result["unseeded"]
     assert seeded["same_history"] and seeded["weight_gap"] == 0.0, seeded
     assert not unseeded["same_history"] and unseeded["weight_gap"] > 1e-4, unseeded
     assert seeded["workers_tensorflow"] == unseeded["workers_tensorflow"] == [False] * 4
+    first, again = seeded["cached"]
+    if backend == "jax":
+        assert first and again == first, seeded["cached"]
+    else:
+        assert first == again == [], seeded["cached"]
