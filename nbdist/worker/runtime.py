@@ -44,17 +44,21 @@ def use_jax_compilation_cache() -> None:
 
     if jax.config.jax_compilation_cache_dir:
         return
-    directory = jax_cache_dir()
-    try:
+    try:  # no home (some executors), a read-only one, or a JAX without one of these options: JAX as it was
+        directory = jax_cache_dir()
         directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
+        settings = {"jax_compilation_cache_max_size": JAX_CACHE_BYTES,
+                    # Every program, not only those over JAX's default second: a worker's evaluation and
+                    # prediction steps compile in well under one, and reading an entry back costs less.
+                    "jax_persistent_cache_min_compile_time_secs": 0.0}
+        for name in settings:
+            getattr(jax.config, name)  # all known before any is set
+    except (OSError, RuntimeError, AttributeError) as exc:
         log.info("no JAX compilation cache: %s", exc)
         return
     jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_compilation_cache_max_size", JAX_CACHE_BYTES)
-    # Every program, not only those over JAX's default second: a worker's evaluation and prediction steps
-    # compile in well under one on a fast machine, and reading an entry back costs less than compiling it.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    for name, value in settings.items():
+        jax.config.update(name, value)
 
 
 def pin_threads(threads: int) -> None:
