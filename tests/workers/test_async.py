@@ -129,8 +129,14 @@ def test_an_interrupt_stops_every_async_worker_and_keeps_the_last_epochs_shared_
 
     model, job = _async_job(ip, digits, interrupt_after_two_epochs)
     job.start()
-    with pytest.raises(KeyboardInterrupt):
+    try:
         job.wait(timeout=120)
+    except KeyboardInterrupt:
+        pass
+    else:  # say what happened instead (seen once under load in CI: the run ended, no interrupt raised)
+        pytest.fail(f"no interrupt reached the wait: status {job.status}, error {job.error!r}, epochs "
+                    f"{job.state.epochs_done}, seen {sorted(seen)}, worker states "
+                    f"{[(w.rank, w.state, w.error) for w in job.state.workers]}")
     assert not wait_no_workers(5)
     assert time.monotonic() - seen["at"] < 5
     assert job.status == "stopped"
