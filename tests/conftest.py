@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -16,6 +17,14 @@ import pytest
 
 # CI's budget for the whole run of pytest (`make test` on 2 cores; CI itself stops at 90 minutes).
 CI_BUDGET_SECONDS = 35 * 60
+
+
+def pytest_configure(config) -> None:
+    """The tests interrupt themselves with SIGINT, as a kernel's interrupt button does, and a kernel always turns
+    it into KeyboardInterrupt. A suite started in the background of a shell without job control (`cmd &` in a
+    script) inherits SIGINT ignored, and Python then leaves it ignored: give it Python's own handler back."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser) -> None:
