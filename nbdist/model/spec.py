@@ -20,7 +20,7 @@ import numpy as np
 from ..data.structures import all_zero, leaves, map_struct
 from ..errors import NbdistError
 from . import graph as model_graph
-from .tensors import BufferVariable, keras_data, module_buffers
+from .tensors import buffer_variables, keras_data
 
 _ITERATION_NAMES = ("iteration", "iterations", "step_counter")
 
@@ -346,7 +346,7 @@ def model_from_spec(spec: ModelSpec, *, weights: bool = True) -> Any:
     if spec.iterations:  # Adam's bias correction and learning-rate schedules continue, not restart
         step_counter(model.optimizer).assign(int(spec.iterations))
     if spec.buffers:
-        set_values([BufferVariable(t) for t in module_buffers(model)], spec.buffers, "module buffers")
+        set_values(buffer_variables(model), spec.buffers, "module buffers")
     return model
 
 
@@ -374,7 +374,7 @@ def apply_state(model: Any, weights: list[np.ndarray], optimizer_values: list[np
     variables = list(model.weights)
     _check_shapes(variables, weights, "weights")
     if buffers:
-        held = [BufferVariable(t) for t in module_buffers(model)]
+        held = buffer_variables(model)
         _check_shapes(held, buffers, "module buffers")
         variables, weights = variables + held, list(weights) + list(buffers)
     opt_vars: list[Any] = []

@@ -139,6 +139,11 @@ class BufferVariable:
             self.tensor.copy_(torch.as_tensor(np.asarray(value)).reshape(self.shape))
 
 
+def buffer_variables(model: Any) -> list[BufferVariable]:
+    """The model's module buffers (``module_buffers``) as variables to read and assign."""
+    return [BufferVariable(t) for t in module_buffers(model)]
+
+
 def float_buffers(model: Any) -> list[BufferVariable]:
-    """The model's floating-point module buffers (``module_buffers``) as variables to average."""
-    return [BufferVariable(t) for t in module_buffers(model) if t.is_floating_point()]
+    """The model's floating-point module buffers as variables to average."""
+    return [v for v in buffer_variables(model) if v.tensor.is_floating_point()]
