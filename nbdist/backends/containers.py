@@ -5,7 +5,8 @@ local worker does) and its IPC and PID namespaces (the workers of one machine se
 other's processes, so they sum gradients and average weights through shared memory as local workers do; not
 PID 1, so no ``--init``, which ``--pid host`` refuses anyway). Each ``<engine> run`` stays attached in a
 child process logging to a file: its exit code is the container's, its log the worker's traceback.
-Containers are named and labelled after the run, so ``stop()`` finds and removes all of them. Without
+Containers are named and labelled after the run, so ``stop()`` finds and removes all of them, with any that
+``add_worker`` started after launch (an elastic run's replacement). Without
 ``--image`` a default image is built once from an empty root file system, with the notebook's interpreter,
 virtual environment, nbdist and the host's /usr mounted read-only at the same paths: nothing is pulled.
 """
@@ -255,12 +256,15 @@ class ContainerBackend:
         self.workers: list[ContainerWorker] = []
         self.run_dir: Path | None = None
         self.start_seconds: float | None = None  # seconds launch() took (image check or build, clients spawned)
+        # What launch() decided, for a worker added later (add_worker): image, interpreter, mounts, threads, cores.
+        self._image, self._python, self._mounts, self._threads = "", "", [], 1
+        self._slices: list[set[int]] | None = None
 
     def default_workers(self) -> int:
         return default_local_workers()
 
-    def container_names(self, world_size: int) -> list[str]:
-        return [f"nbdist-{self.run_id}-w{r}" for r in range(world_size)]
+    def container_name(self, rank: int) -> str:
+        return f"nbdist-{self.run_id}-w{rank}"
 
     def launch(self, world_size: int, address: tuple[str, int], secret: bytes,
                threads_per_worker: int, data: Any = None) -> list[ContainerWorker]:
@@ -273,21 +277,33 @@ class ContainerBackend:
             image, python, mounts = ensure_base_image(self.engine), sys.executable, environment_mounts()
         self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-containers-"))
         cores = usable_cores() if self.engine.cpuset else None
-        slices = core_slices(cores, world_size, threads_per_worker) if cores else None
-        for rank, name in enumerate(self.container_names(world_size)):
-            cmd = run_command(self.engine, name=name, run_id=self.run_id, rank=rank, image=image,
-                              python=python, address=address, threads=threads_per_worker,
-                              mounts=mounts, config=self.config, cores=slices[rank] if slices else None)
-            log_path = self.run_dir / f"worker-{rank}.log"
-            with open(log_path, "wb") as out:
-                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)  # a terminal's Ctrl-C reaches the driver only
-            hand_over(proc, secret)
-            self.workers.append(ContainerWorker(rank, name, proc, log_path))
+        self._slices = core_slices(cores, world_size, threads_per_worker) if cores else None
+        self._image, self._python, self._mounts, self._threads = image, python, mounts, threads_per_worker
+        for rank in range(world_size):
+            self._start(rank, rank, address, secret)
         log.info("starting %d %s containers (run %s, image %s), logs in %s", world_size, self.engine.name,
                  self.run_id, image, self.run_dir)
         self.start_seconds = time.monotonic() - t0
         return list(self.workers)
+
+    def add_worker(self, rank: int, like: int, address: tuple[str, int], secret: bytes) -> ContainerWorker:
+        """One more worker container, ``rank``, after ``launch``, in launch rank ``like``'s place (its cores) with
+        the launch's image and thread budget (an elastic run's replacement, driver/training.py)."""
+        self._start(rank, like, address, secret)
+        log.info("starting container %s in worker %d's place", self.workers[-1].name, like)
+        return self.workers[-1]
+
+    def _start(self, rank: int, like: int, address: tuple[str, int], secret: bytes) -> None:
+        name = self.container_name(rank)
+        cmd = run_command(self.engine, name=name, run_id=self.run_id, rank=rank, image=self._image,
+                          python=self._python, address=address, threads=self._threads, mounts=self._mounts,
+                          config=self.config, cores=self._slices[like] if self._slices else None)
+        log_path = self.run_dir / f"worker-{rank}.log"
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # a terminal's Ctrl-C reaches the driver only
+        hand_over(proc, secret)
+        self.workers.append(ContainerWorker(rank, name, proc, log_path))
 
     def run_containers(self) -> list[str]:
         """Names of this run's containers that the engine still has (running or not)."""

@@ -1,4 +1,5 @@
-"""Local backend: N worker processes on this machine, each in its own process group."""
+"""Local backend: N worker processes on this machine, each in its own process group; ``add_worker`` starts one
+more after launch (an elastic run's replacement) in a lost worker's place."""
 from __future__ import annotations
 
 import logging
@@ -77,6 +78,11 @@ class LocalBackend:
         self.workers: list[LocalWorker] = []
         self.run_dir: Path | None = None
         self.workers_notice: str | None = None  # how many workers by default, and why (GPUs)
+        # What launch() decided, for a worker added later (add_worker): environment, world, cores, fork server.
+        self._env: dict[str, str] = {}
+        self._world = 0
+        self._slices: list[set[int]] | None = None
+        self._server: Any = None
 
     def default_workers(self) -> int:
         """One worker per visible GPU where there are GPUs (said once, as the run starts), else the CPU default."""
@@ -88,39 +94,54 @@ class LocalBackend:
                threads_per_worker: int, data: Any = None) -> list[LocalWorker]:
         """``data`` is for the Spark backend; here the data travels in the job messages."""
         self.run_dir = Path(tempfile.mkdtemp(prefix="nbdist-run-"))
-        env = worker_env(threads_per_worker)
+        self._env = worker_env(threads_per_worker)
+        self._world = world_size
         cores = usable_cores()
-        slices = shared_core_slices(cores, world_size, threads_per_worker, self.share, self.slot) if cores else None
+        self._slices = (shared_core_slices(cores, world_size, threads_per_worker, self.share, self.slot)
+                        if cores else None)
         # With GPUs the server has imported nothing that picks a device: each worker's job sets its GPU first.
-        server = POOL.server({**env, **placement.warm_server_env(count_host_gpus())}) if self.warm else None
-        forked = 0
-        for rank in range(world_size):
-            gpu_env = local_gpu_env(rank, world=world_size)  # one GPU per worker by local rank, if any
-            log_path = self.run_dir / f"worker-{rank}.log"
-            proc: subprocess.Popen | ForkedWorker | None = None
-            if server is not None:
-                job = {"address": f"{address[0]}:{address[1]}", "rank": rank, "env": {**env, **gpu_env}}
-                try:
-                    proc = server.fork(job, secret, log_path)
-                    forked += 1
-                except OSError as exc:  # the rest start cold: slower, and their own logs say why if they fail
-                    log.warning("%s; starting workers afresh instead", exc)
-                    server.stop()  # the pool starts another for the next job
-                    server = None
-            if proc is None:
-                with open(log_path, "wb") as out:
-                    proc = subprocess.Popen(
-                        job_command(address, rank, die_with_parent=True),
-                        env={**env, **gpu_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                        start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
-                    )
-                hand_over(proc, secret)
-            if slices is not None:
-                pin_to_cores(proc.pid, slices[rank])
-            self.workers.append(LocalWorker(rank, proc, log_path))
+        self._server = POOL.server({**self._env, **placement.warm_server_env(count_host_gpus())}) if self.warm else None
+        forked = sum(self._start(rank, rank, address, secret) for rank in range(world_size))
         log.info("started %d local workers (%d forked from a warm server)%s, logs in %s", world_size, forked,
-                 f" pinned to cores {[sorted(c) for c in slices]}" if slices else "", self.run_dir)
+                 f" pinned to cores {[sorted(c) for c in self._slices]}" if self._slices else "", self.run_dir)
         return list(self.workers)
+
+    def add_worker(self, rank: int, like: int, address: tuple[str, int], secret: bytes) -> LocalWorker:
+        """One more worker, ``rank``, after ``launch``, in launch rank ``like``'s place: its cores, its GPU and its
+        thread budget (an elastic run's replacement, driver/training.py)."""
+        if self.warm:  # the pool's live server (a fork that failed at launch started afresh: try again)
+            self._server = POOL.server({**self._env, **placement.warm_server_env(count_host_gpus())})
+        self._start(rank, like, address, secret)
+        log.info("started local worker %d in worker %d's place", rank, like)
+        return self.workers[-1]
+
+    def _start(self, rank: int, like: int, address: tuple[str, int], secret: bytes) -> bool:
+        """Worker ``rank`` on launch rank ``like``'s cores and GPU, forked from the warm server when there is one;
+        whether it was forked."""
+        gpu_env = local_gpu_env(like, world=self._world)  # one GPU per worker by local rank, if any
+        log_path = self.run_dir / f"worker-{rank}.log"
+        proc: subprocess.Popen | ForkedWorker | None = None
+        if self._server is not None:
+            job = {"address": f"{address[0]}:{address[1]}", "rank": rank, "env": {**self._env, **gpu_env}}
+            try:
+                proc = self._server.fork(job, secret, log_path)
+            except OSError as exc:  # the rest start cold: slower, and their own logs say why if they fail
+                log.warning("%s; starting workers afresh instead", exc)
+                self._server.stop()  # the pool starts another for the next job
+                self._server = None
+        forked = proc is not None
+        if proc is None:
+            with open(log_path, "wb") as out:
+                proc = subprocess.Popen(
+                    job_command(address, rank, die_with_parent=True),
+                    env={**self._env, **gpu_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches the driver only; it stops us
+                )
+            hand_over(proc, secret)
+        if self._slices is not None:
+            pin_to_cores(proc.pid, self._slices[like])
+        self.workers.append(LocalWorker(rank, proc, log_path))
+        return forked
 
     def partition_rows(self) -> list[int] | None:
         return None  # the data travels in the job messages: nothing for tasks to count

@@ -37,25 +37,31 @@ class WorkerProgress:
 
 @dataclass
 class MembershipChange:
-    """An elastic run's change of workers (driver/membership.py): who left and why, the generation it
-    began, its workers (their launch ranks), the epochs its survivors went on from and the steps lost."""
+    """An elastic run's change of workers (driver/membership.py): who left and why, who joined, the generation it
+    began, its workers (their launch ranks), the epochs its workers went on from and the steps lost."""
 
     generation: int
     left: list[int]
     why: str
     workers: list[int]
-    committed: int  # epochs done at the commit the survivors rolled back to
+    committed: int  # epochs done at the commit the workers went on from (a join's: where the members stopped)
     steps_lost: int  # steps run past that commit by the generation that broke (the most any survivor ran)
     at: float = field(default_factory=time.monotonic)
     started: bool = True  # False: the first generation, without workers that did not start in time
+    joined: list[int] = field(default_factory=list)  # workers that joined at that commit (late starters, replacements)
 
     @property
     def line(self) -> str:
         """The change in one line (the text UI's)."""
         who = ", ".join(f"worker {r}" for r in self.left)
+        n = f"{len(self.workers)} worker{'' if len(self.workers) == 1 else 's'}"
         if not self.started:
-            return f"{who} did not start ({self.why}); training with {len(self.workers)} workers"
-        return (f"{who} left ({self.why}); going on with {len(self.workers)} workers from the commit after "
+            return f"{who} did not start ({self.why}); training with {n}"
+        came = ", ".join(f"worker {r}" for r in self.joined)
+        if not self.left:
+            return f"{came} joined at the commit after epoch {self.committed}; training with {n}"
+        joined = f" and {came} joined" if self.joined else ""
+        return (f"{who} left ({self.why}){joined}; going on with {n} from the commit after "
                 f"epoch {self.committed}, {self.steps_lost} step{'' if self.steps_lost == 1 else 's'} lost")
 
 
@@ -229,9 +235,11 @@ class RunState:
         return [(epoch, self._merged(reports)) for epoch, reports in self._aggregator.without(ranks, world_size)]
 
     def regrouped(self, change: MembershipChange) -> None:
-        """The survivors go on from their commit after ``change.committed`` epochs: later epochs are cut back,
-        as for a restart, and the world is theirs."""
-        self.membership.append(change)
+        """The survivors (and joiners) go on from their commit after ``change.committed`` epochs: later epochs
+        are cut back, as for a restart, and the world is theirs. A change with nobody leaving or joining (the
+        joiners waited for did not come) is no change to say."""
+        if change.left or change.joined or not change.started:
+            self.membership.append(change)
         self.world_size = len(change.workers)
         for values in self.history.values():
             del values[change.committed:]
@@ -239,6 +247,14 @@ class RunState:
         del self.epoch_seconds[keep:]
         del self.epoch_samples[keep:]
         self._aggregator = EpochAggregator(self.world_size)
+
+    def noted(self, change: MembershipChange) -> None:
+        """A change that opens no generation: a joiner that did not start (``change.started`` False)."""
+        self.membership.append(change)
+
+    def joiner_added(self, rank: int) -> None:
+        """An elastic run started worker ``rank`` (a replacement): a row of its own from now on."""
+        self.workers.append(WorkerProgress(rank=rank))
 
     def finish(self, status: str, error: str = "") -> None:
         self.status = status

@@ -23,27 +23,30 @@ from ..data.inputs import FitData, PyDatasetData
 from ..data.sharding import batches_per_epoch, rank_batch_sizes, shard_bounds, share_count
 from ..data.structures import map_struct
 from ..errors import NbdistError, TrainingFailed
-from ..machine.placement import meeting
+from ..machine.placement import meeting, threads_per_worker
 from ..model.seeding import run_seed
 from ..model.spec import ModelSpec, apply_state, spec_from_model
 from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
 from ..strategies.host_collective import remove_meeting_place
-from ..wire.commands import Rendezvous, Stop
+from ..wire.commands import JoinAtCommit, Rendezvous, Stop
 from ..wire.messages import BatchSummaries, JobMessage, Placement, TrainSettings
-from ..wire.reports import AsyncPull, AsyncPush, Epoch, Lost, Store, Weights
+from ..wire.reports import AsyncPull, AsyncPush, AtCommit, Epoch, Lost, Store, Weights
 from .async_server import plan_arrays, start_async
 from .failures import describe_exit, last_traceback
 from .keeper import CheckpointKeeper
 from .membership import Membership
 from .resolve import resolve_backend
 from .run import Run, data_parts
-from .state import TERMINAL, RunState
+from .state import TERMINAL, MembershipChange, RunState
 
 log = logging.getLogger(__name__)
 
 # How long a stop waits for rank 0's last weights when they are not sent every epoch.
 STOP_WEIGHTS_WAIT = 10.0
+# Where an elastic run (workers MIN:MAX) can run: backends that see a worker's process end and can start one
+# more worker alone (a replacement).
+ELASTIC_BACKENDS = ("local", "containers")
 
 
 class TrainingJob(Run):
@@ -226,9 +229,9 @@ class TrainingJob(Run):
         """The first generation of an elastic run, checked at the door (docs/elastic.md)."""
         cfg = self.config
         backend = resolve_backend(cfg).name
-        if backend != "local":
-            raise NbdistError(f"workers MIN:MAX (elastic) runs on the local backend so far, not --backend {backend}; "
-                              "give --workers a single number there.")
+        if backend not in ELASTIC_BACKENDS:
+            raise NbdistError(f"workers MIN:MAX (elastic) runs on the {' and '.join(ELASTIC_BACKENDS)} backends so "
+                              f"far, not --backend {backend}; give --workers a single number there.")
         if world < cfg.min_workers:
             raise NbdistError(f"--workers {cfg.min_workers}:{cfg.workers} needs at least {cfg.min_workers} workers, "
                               f"but this run's data allows only {world}; lower MIN to {world}.")
@@ -348,7 +351,10 @@ class TrainingJob(Run):
         if m is not None and not m.formed:  # an elastic run's first generation is those that start in time
             self._started.add(rank)
             return
-        if rank in self._left:  # it started too late, or left: this run goes on without it
+        if m is not None and rank not in m.members and m.hello(rank):  # a joiner: it joins at the next change
+            log.info("%s is ready to join; it joins at the next commit", self._name(rank))
+            return
+        if rank in self._left:  # left, or not wanted (no room): this run goes on without it
             try:
                 self._coordinator.send(rank, Stop())
             except (ConnectionError, OSError):
@@ -368,6 +374,9 @@ class TrainingJob(Run):
                 self._epoch_merged(msg.epoch, merged)
         elif isinstance(msg, Lost):
             self._on_lost(rank, msg)
+        elif isinstance(msg, AtCommit):
+            if self._membership is not None:
+                self._membership.report(rank, msg)
         elif isinstance(msg, Weights):
             self._last_weights = (msg.epoch, msg.weights, len(msg.optimizer))
             self._opt_weights = msg.optimizer
@@ -425,8 +434,8 @@ class TrainingJob(Run):
             self._restart()
         elif self._membership is not None and not self._membership.formed and self.status not in TERMINAL:
             self._form_when_started()
-        elif self._membership is not None and self._membership.broken and self.status not in TERMINAL:
-            self._regroup_when_ready()
+        elif self._membership is not None and self.status not in TERMINAL:
+            self._elastic_tick()
 
     def _after_failure(self, message: str) -> str:
         if self._below_min and message:
@@ -628,9 +637,13 @@ class TrainingJob(Run):
 
     def _on_lost(self, slot: int, msg: Lost) -> None:
         """A worker's collective broke. A member gone: wait for the others (``_regroup_when_ready``); none gone:
-        the worker's own error, which ends the run as any worker's would."""
+        the worker's own error, which ends the run as any worker's would. A worker that joined and broke before it
+        received the state holds nothing to go on from: it leaves (and is stopped)."""
         m = self._membership
         if m is None:
+            return
+        if msg.committed < 0 and slot in m.members and slot not in m.leaving:
+            self._joiner_without_state(slot)
             return
         if not m.broken:
             dead = self._dead_peer(slot)
@@ -647,12 +660,21 @@ class TrainingJob(Run):
     def _regroup_when_ready(self) -> None:
         m = self._membership
         survivors = m.survivors
+        # A pause's members may train a whole epoch before they reach the commit: its wait counts from the first
+        # that stopped there (the others are in step with it), and then from the last joiner's deadline.
+        since = m.broken_at if m.broken else m.paused_at
+        if since is not None and m.starting and not m.broken:
+            since = max(since, max(m.starting.values()))
         if survivors and all(s in self._done for s in survivors):  # the generation had finished
             self._complete()
         elif m.ready():
             self._regroup()
-        elif time.monotonic() - m.broken_at > self.config.sync_timeout:
+        elif since is not None and time.monotonic() - since > self.config.sync_timeout:
             waiting = ", ".join(self._name(s) for s in survivors if s not in m.lost)
+            if not m.broken:
+                self._fail(None, f"{waiting} did not stop at the commit where workers join within "
+                                 f"{self.config.sync_timeout:.0f} s of the others (sync_timeout)", "")
+                return
             self._fail(None, f"after {', '.join(self._name(s) for s in m.leaving)} left, {waiting} did not give up "
                              f"the broken collective within {self.config.sync_timeout:.0f} s (sync_timeout)", "")
 
@@ -661,6 +683,9 @@ class TrainingJob(Run):
         each sent its job; they roll back to their commit and train on from there."""
         m = self._membership
         change = m.regroup()
+        for slot in change.joined:  # watched as members from now on
+            self._left.discard(slot)
+            self._closing.pop(slot, None)
         world = len(change.workers)
         self.world_size = world
         self._remove_meeting_place()
@@ -669,13 +694,99 @@ class TrainingJob(Run):
         self._deal_again(world)
         self._initial_epoch = change.committed
         self.state.regrouped(change)
-        log.info("%s", change.line)  # the text UI's line (ui/text.py); job.state.membership holds it
-        self._notify("membership", change)
+        if change.left or change.joined:
+            log.info("%s", change.line)  # the text UI's line (ui/text.py); job.state.membership holds it
+            self._notify("membership", change)
         for rank, slot in enumerate(m.members):
             try:
                 self._coordinator.send(slot, self._job_message(rank))
             except (ConnectionError, OSError) as exc:  # it went too: the health check names it
                 log.warning("could not send generation %d's job to %s: %s", m.generation, self._name(slot), exc)
+        for slot in change.left:  # once the survivors train again: so a replacement joins at a commit of theirs
+            self._replace(slot)
+
+    def _elastic_tick(self) -> None:
+        """After each pump of a formed elastic run: joiners watched, a generation ending (broken, or paused for
+        joiners) regrouped once ready, a training one asked to pause at its next commit when workers wait to join."""
+        m = self._membership
+        self._watch_joiners()
+        if m.broken or m.pausing:
+            self._regroup_when_ready()
+        elif m.wants_pause():
+            m.pause()
+            waiting = ", ".join(self._name(s) for s in [*m.waiting, *m.starting])
+            log.info("%s to join: the workers stop together at their next commit", waiting)
+            for slot in m.members:
+                try:
+                    self._coordinator.send(slot, JoinAtCommit(m.generation))
+                except (ConnectionError, OSError):
+                    pass  # it went: the health check names it, and the others break instead
+
+    def _watch_joiners(self) -> None:
+        """A joiner whose process ended, or that did not connect within ``startup_timeout`` of its launch, is given
+        up: said in one line, not fatal (the members go on). It is not replaced."""
+        m = self._membership
+        now = time.monotonic()
+        for slot in [*m.starting, *m.waiting]:
+            code = self._handles[slot].exit_status()
+            if code is not None:
+                why = describe_exit(code, self._handles[slot])
+            elif slot in m.starting and now > m.starting[slot]:
+                why = f"did not connect within {self.config.startup_timeout:.0f} s"
+            else:
+                continue
+            m.drop_joiner(slot)
+            change = MembershipChange(generation=m.generation, left=[slot], why=why, workers=list(m.members),
+                                      committed=self._initial_epoch, steps_lost=0, started=False)
+            self.state.noted(change)
+            self.state.worker_finished(slot, "stopped")
+            log.warning("%s", change.line)
+            self._notify("membership", change)
+
+    def _replace(self, slot: int) -> None:
+        """Start a worker in lost member ``slot``'s place (its cores, its GPU), if the backend can and the bounds
+        allow (``Membership.replace``); it joins at the members' next commit. A backend that cannot start it is
+        said in the log, not fatal."""
+        m, backend = self._membership, self._backend
+        add = getattr(backend, "add_worker", None)
+        new = len(self._handles)
+        if add is None or not m.replace(slot, new, time.monotonic() + self.config.startup_timeout):
+            return
+        try:
+            handle = add(new, slot, self._coordinator.address, self._coordinator.secret)
+        except Exception as exc:
+            m.drop_joiner(new)
+            log.warning("could not start a worker in worker %d's place (%s); going on with %d workers", slot, exc,
+                        len(m.members))
+            return
+        self._handles.append(handle)
+        self._coordinator.world_size = len(self._handles)  # its hello names a rank past the launch's
+        self._left.add(new)  # watched as a joiner (_watch_joiners) until it joins
+        self.state.joiner_added(new)
+        log.info("starting %s in worker %d's place; it joins at the next commit", handle.describe(), slot)
+        self._notify("worker", new)
+
+    def _joiner_without_state(self, slot: int) -> None:
+        """Member ``slot`` joined and broke before rank 0's commit reached it: it leaves, as a lost member does,
+        and is stopped."""
+        m = self._membership
+        if not m.leave(slot, "broke before it received the state"):
+            self._fail(slot, f"{self._name(slot)} broke before it received the state, and too few workers are "
+                             "left to go on", "")
+            return
+        self._left.add(slot)
+        for epoch, merged in self.state.workers_left({slot}, len(m.survivors)):
+            self._epoch_merged(epoch, merged)
+        try:
+            self._coordinator.send(slot, Stop())
+        except (ConnectionError, OSError):
+            pass
+
+    def _threads(self) -> int:
+        """An elastic run's workers keep the launch's budget, a joiner too: it takes a lost worker's cores."""
+        if self._membership is None:
+            return super()._threads()
+        return threads_per_worker(self._membership.most * (self.config.local_share if self._local else 1))
 
     def _deal_again(self, world: int) -> None:
         """Each survivor's rows and batch for ``world`` workers: a plain run's launch global batch split over

@@ -27,8 +27,14 @@ def restarts(state: RunState) -> int:
 
 
 def gone(state: RunState) -> dict[int, MembershipChange]:
-    """An elastic run's workers that left (or never started), by launch rank: the change that took each."""
-    return {r: c for c in state.membership for r in c.left}
+    """An elastic run's workers that left (or never started), by launch rank: the change that took each. One that
+    joined later (a late starter) is not gone."""
+    out: dict[int, MembershipChange] = {}
+    for change in state.membership:
+        out.update({r: change for r in change.left})
+        for r in change.joined:
+            out.pop(r, None)
+    return out
 
 
 def membership_line(change: MembershipChange) -> str:

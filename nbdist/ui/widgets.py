@@ -244,20 +244,23 @@ class WidgetDashboard:
 
     # -- drawing ----------------------------------------------------------
     def _build(self, state: RunState) -> None:
-        n = state.world_size
         self.epochs_bar.max = max(1, state.epochs)
         self.epochs_bar.value = state.initial_epoch
+        self._worker_rows(len(state.workers))
+        self.log_panel.selected_index = None
+
+    def _worker_rows(self, n: int) -> None:
+        """A bar, a state and a log per worker; an elastic run's replacement adds one (``RunState.joiner_added``)."""
         self.worker_bars = [W.FloatProgress(value=0.0, min=0.0, max=1.0, description=f"worker {r}",
                                             layout=W.Layout(width="360px")) for r in range(n)]
         self.worker_states = [W.HTML() for _ in range(n)]
         self.worker_box.children = [W.HBox([b, s]) for b, s in zip(self.worker_bars, self.worker_states)]
         self.phase = PhaseChart(n)
         self.phase_box.children = [self.phase.figure, self.timeline.figure]
-        self.logs = [W.HTML("<pre>(no output yet)</pre>") for _ in range(n)]
+        self.logs = [*self.logs, *(W.HTML("<pre>(no output yet)</pre>") for _ in range(n - len(self.logs)))]
         self.log_panel.children = self.logs
         for r in range(n):
             self.log_panel.set_title(r, f"worker {r} log")
-        self.log_panel.selected_index = None
 
     def _request_draw(self) -> None:
         self._dirty = True
@@ -305,6 +308,8 @@ class WidgetDashboard:
             state.status, "info")
         self.overview.value = f"<span style='font-size:13px'>{html.escape(ov.line)}</span>"
         rows = worker_rows(state)
+        if len(rows) > len(self.worker_bars):  # an elastic run started a worker after launch
+            self._worker_rows(len(rows))
         for row, bar, label in zip(rows, self.worker_bars, self.worker_states):
             bar.value = row.fraction
             bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning", "gone": ""}.get(

@@ -11,9 +11,10 @@ from .messages import JobMessage
 
 TYPES: dict[str, Any] = {cls.TYPE.value: cls for cls in (
     reports.Hello, reports.Store, reports.Progress, reports.State, reports.Epoch, reports.Weights, reports.Done,
-    reports.WorkerError, reports.Lost, reports.WorkerWarning, reports.AsyncPull, reports.AsyncPush, reports.Evaluation,
-    reports.Predictions, reports.TaskStarted, reports.TaskRows, reports.TaskExit,
-    commands.Decision, commands.Rendezvous, commands.Stop, commands.AsyncShared, commands.Heartbeat)}
+    reports.WorkerError, reports.Lost, reports.AtCommit, reports.WorkerWarning, reports.AsyncPull, reports.AsyncPush,
+    reports.Evaluation, reports.Predictions, reports.TaskStarted, reports.TaskRows, reports.TaskExit,
+    commands.Decision, commands.Rendezvous, commands.Stop, commands.JoinAtCommit, commands.AsyncShared,
+    commands.Heartbeat)}
 TYPES[MessageType.JOB.value] = JobMessage
 
 

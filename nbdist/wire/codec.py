@@ -38,6 +38,7 @@ class MessageType(enum.StrEnum):
     ERROR = "error"  # failed: the exception's type, one line and the traceback
     WARNING = "warning"  # something worth saying once, not fatal
     LOST = "lost"  # an elastic run: this worker's collective broke; it waits for the driver's new generation
+    AT_COMMIT = "at_commit"  # an elastic run: this worker stopped at its commit for joiners, as asked; it waits too
     ASYNC_PULL = "async_pull"  # --strategy async: the shared weights and a block of batches, please
     ASYNC_PUSH = "async_push"  # --strategy async: a block's delta (seq, the version it started from, samples)
     EVALUATION = "evaluation"  # a shard's additive metric state
@@ -47,6 +48,7 @@ class MessageType(enum.StrEnum):
     DECISION = "decision"  # the notebook's callbacks at an epoch's end: stop? the next learning rate
     RENDEZVOUS = "rendezvous"  # where rank 0's store listens, relayed to every worker
     STOP = "stop"  # end now
+    JOIN_AT_COMMIT = "join_at_commit"  # an elastic run: workers wait to join; stop together at the next commit
     ASYNC_SHARED = "async_shared"  # --strategy async: the shared weights, their version, the next block
     # both ways
     HEARTBEAT = "heartbeat"

@@ -37,6 +37,16 @@ class Stop(Typed):
 
 
 @dataclass(frozen=True)
+class JoinAtCommit(Typed):
+    """An elastic run: workers wait to join (driver/membership.py). Generation ``generation`` ends at its next
+    commit after the one it started from; its members agree over their collective to stop there together and
+    report ``AtCommit`` (worker/elastic.py ``JoinPoint``). One of an older generation is ignored."""
+
+    TYPE = MessageType.JOIN_AT_COMMIT
+    generation: int
+
+
+@dataclass(frozen=True)
 class AsyncShared(Typed):
     """--strategy async: the shared weights and their version, and the worker's next block of batches, or
     ``epoch_done`` (no batches) once the epoch's every batch was trained; ``refused``: why the worker's last

@@ -22,8 +22,9 @@ from .codec import MessageError, MessageType
 
 # Bump on any change to the fields or meaning of any message (this job's, wire/reports.py's, wire/commands.py's):
 # the job carries it and a worker of another version refuses the job. 5: every message typed; 6: engine fields;
-# 7: elastic runs (TrainSettings.elastic, generation; the Lost report).
-JOB_VERSION = 7
+# 7: elastic runs (TrainSettings.elastic, generation; the Lost report); 8: workers joining (JoinAtCommit, AtCommit;
+# a Lost with committed -1).
+JOB_VERSION = 8
 
 JOB_KINDS = ("train", "evaluate", "predict")
 # The shard came in the job's arrays / the Spark task wrote it to a file / the worker reads its rows of

@@ -61,6 +61,9 @@ class DriverLink:
         # Called (on the reader thread) when the driver stops the run asking for the weights
         # (rank 0 when weights travel only at the end: callbacks.WeightShipper.on_stop).
         self.on_stop: Any = None
+        # Messages handled on the reader thread as they arrive, by type, never queued: a notice the training
+        # thread reads between steps (an elastic run's JoinAtCommit, worker/elastic.py).
+        self.handlers: dict[type, Any] = {}
         threading.Thread(target=self._read, name="nbdist-driver-reader", daemon=True).start()
         threading.Thread(target=self._beat, name="nbdist-heartbeat", daemon=True).start()
 
@@ -111,6 +114,10 @@ class DriverLink:
                         except Exception:  # the driver then keeps what it has; the worker ends all the same
                             log.exception("could not send the weights at the stop")
                     os._exit(0)
+                handler = self.handlers.get(type(msg))
+                if handler is not None:
+                    handler(msg)
+                    continue
                 self.inbox.put(msg)
         except Exception as exc:  # closed or forged: either way the driver is gone for us
             if not self.channel.closed:

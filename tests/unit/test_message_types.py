@@ -18,10 +18,11 @@ from nbdist.driver.coordinator import Coordinator
 from nbdist.wire import protocol
 from nbdist.wire.catalog import TYPES, decode_message, read
 from nbdist.wire.codec import MessageError, MessageType
-from nbdist.wire.commands import AsyncShared, Decision, Heartbeat, Rendezvous, Stop
+from nbdist.wire.commands import AsyncShared, Decision, Heartbeat, JoinAtCommit, Rendezvous, Stop
 from nbdist.wire.reports import (
     AsyncPull,
     AsyncPush,
+    AtCommit,
     Done,
     Epoch,
     Evaluation,
@@ -62,6 +63,7 @@ SAMPLES = [
     WorkerError("ValueError", "ValueError: bad shape", "Traceback (most recent call last):\n  ...\nValueError",
                 "builtins:ValueError", "bad shape\nReceived: (3,)"),
     Lost(2, 1, 7, "RuntimeError", "RuntimeError: worker 2 exited", "Traceback (most recent call last):\n  ..."),
+    AtCommit(3, 2),
     WorkerWarning("--engine horovod is not installed on this worker; using gloo"),
     AsyncPull(0, True, [f32(2, 2), np.arange(3)]),
     AsyncPush(7, 3, 64, 1, [f32(2, 2)]),
@@ -76,6 +78,7 @@ SAMPLES = [
     Decision(3, True, None),
     Rendezvous("10.0.0.2", 51234),
     Stop(weights=True),
+    JoinAtCommit(3),
     AsyncShared(4, [8, 9], False, "", [f32(2, 2)]),
     AsyncShared(5, [], True, "replays an update", [f32(2, 2)]),
     Heartbeat(),

@@ -1,8 +1,9 @@
 """Elastic runs (issue 48, docs/elastic.md): workers="MIN:MAX" under allreduce on local workers.
 
-One run of 3 workers loses one to SIGKILL in its second epoch and finishes with the other two; it is
-compared with the fault-free runs of the same membership schedule (3 workers for the first epoch, then 2
-with the same global batch from the committed state). Below MIN the run fails as any run does.
+One run of 3 workers loses one to SIGKILL in its second epoch, goes on with the other two, and a replacement
+joins them at the next commit; it is compared with the fault-free runs of the same membership schedule (3
+workers for the first epoch, 2 with the same global batch from the committed state for the second, 3 again).
+Below MIN the run fails as any run does.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def _killer(victim: int, after_epochs: int, killed: dict):
     return listener
 
 
-def test_a_killed_worker_costs_steps_not_the_run(digits, capsys, tmp_path):
+def test_a_killed_worker_costs_steps_not_the_run_and_is_replaced(digits, capsys, tmp_path):
     x, y = digits
     common = dict(batch_size=BATCH, shuffle=False, seed=7, ui="text")
     steps_per_epoch = -(-len(x) // 3 // BATCH)
@@ -85,7 +86,7 @@ def test_a_killed_worker_costs_steps_not_the_run(digits, capsys, tmp_path):
     mlflow = pytest.importorskip("mlflow")
     from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
-    with _use_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):  # tracked: the change is a tag of the run
+    with _use_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}"):  # tracked: each change is a tag of the run
         job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:3", mlflow=True, **common), x, y, None)
         (tracker,) = [t for t in job.listeners if type(t).__name__ == "RunTracker"]
         tracker.log_model = False  # saving the model for MLflow (tests/workers/test_tracking.py) costs a minute
@@ -98,34 +99,39 @@ def test_a_killed_worker_costs_steps_not_the_run(digits, capsys, tmp_path):
 
     assert job.status == "done" and os.path.exists(marker)
     assert [len(v) for v in history.values()] == [EPOCHS] * len(history)  # one per epoch, none twice
-    (change,) = job.state.membership
-    (gone,) = change.left
-    assert "SIGKILL" in change.why and change.workers == [r for r in range(3) if r != gone]
-    assert change.committed == 1  # the commit at the second epoch's start
+    lost, joined = job.state.membership
+    (gone,) = lost.left
+    survivors = [r for r in range(3) if r != gone]
+    assert "SIGKILL" in lost.why and lost.workers == survivors and lost.joined == []
+    assert lost.committed == 1  # the commit at the second epoch's start
     # Killed mid-epoch: the 5 steps of that epoch before the one it died in, or 6 where its dying step's
     # gradients were already summed (the step's ops are not ordered after the layer's).
-    assert 5 <= change.steps_lost <= 6
-    assert job.state.world_size == 2
+    assert 5 <= lost.steps_lost <= 6
+    # Its replacement, started once the two trained again, joined at their next commit: the third epoch's start.
+    assert (joined.left, joined.joined, joined.workers, joined.committed) == ([], [3], [*survivors, 3], 2)
+    assert joined.line == "worker 3 joined at the commit after epoch 2; training with 3 workers"
+    assert job.state.world_size == 3 and len(job.state.workers) == 4
     assert "elastic: goes on while 2 are left" in out.splitlines()[0]
     assert sum(f"worker {gone} left (was killed by SIGKILL)" in line for line in out.splitlines()) == 1
-    assert len(job.reports) == 2  # the survivors' closing reports
-    assert run.data.params["workers"] == "2:3" and run.data.tags["nbdist.membership.0"] == change.line
+    assert f"nbdist: {joined.line}" in out.splitlines()
+    assert sorted(job.reports) == [*survivors, 3]  # the closing reports of the generation that finished
+    assert run.data.params["workers"] == "2:3" and run.data.tags["nbdist.membership.0"] == lost.line
+    assert run.data.tags["nbdist.membership.1"] == joined.line
     assert sorted(m.step for m in losses) == list(range(EPOCHS))  # one step per epoch, none twice
     assert not wait_no_workers(5)
 
-    # The same membership schedule without a fault: 3 workers for an epoch, then 2 from that state with the
-    # launch's global batch (the allreduce step is the local step on the global batch throughout).
+    # The same membership schedule without a fault: 3 workers for an epoch, 2 for the next from that state with
+    # the launch's global batch, 3 again (the allreduce step is the local step on the global batch throughout).
     reference = _model([DieOnce.layer(marker, 1)])  # the marker is there: nobody dies
-    first = prepare(reference, TrainConfig(epochs=1, workers=3, **{**common, "ui": "none"}), x, y, None)
-    first.start()
-    first.wait(timeout=300)
-    rest = prepare(reference, TrainConfig(epochs=EPOCHS - 1, workers=2, batch_size=3 * BATCH // 2, shuffle=False,
-                                          seed=7, ui="none"), x, y, None)
-    rest.start()
-    rest_history = rest.wait(timeout=300)
+    ref_losses = []
+    for workers, batch in ((3, BATCH), (2, 3 * BATCH // 2), (3, BATCH)):
+        part = prepare(reference, TrainConfig(epochs=1, workers=workers, batch_size=batch, shuffle=False, seed=7,
+                                              ui="none"), x, y, None)
+        part.start()
+        ref_losses += part.wait(timeout=300)["loss"]
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(history["loss"][1:], rest_history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history["loss"], ref_losses, rtol=1e-5)
 
 
 def test_below_min_fails_as_any_run(digits):
