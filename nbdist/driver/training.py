@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # How long a stop waits for rank 0's last weights when they are not sent every epoch.
 STOP_WEIGHTS_WAIT = 10.0
+# How long a worker's Lost waits for the peer whose death broke its collective to be seen ended.
+LOST_PEER_WAIT = 5.0
 # Where an elastic run (workers MIN:MAX) can run: backends that see a worker's process end and can start one
 # more worker alone (a replacement).
 ELASTIC_BACKENDS = ("local", "containers")
@@ -646,7 +648,9 @@ class TrainingJob(Run):
             self._joiner_without_state(slot)
             return
         if not m.broken:
-            dead = self._dead_peer(slot)
+            # A container's end reaches its engine's client a moment after its peers saw it: wait a little longer
+            # than for a process before calling the report the worker's own error (which is rare: no delay else).
+            dead = self._dead_peer(slot, wait=LOST_PEER_WAIT)
             if dead is None:
                 self._handle_message(slot, msg.error())
                 return

@@ -166,14 +166,32 @@ def test_a_membership_change_is_shown_and_the_lost_worker_is_gone(dashboard):
     assert dash.changes.layout.display is None and line in dash.changes.value
     assert "<b>gone</b>" in dash.worker_states[2].value and dash.worker_bars[2].bar_style == ""
     assert "<b>training</b>" in dash.worker_states[0].value
+    # A replacement, worker 3, joins at the next commit: a row of its own in every renderer, and a line.
+    st.joiner_added(3)
+    joined = MembershipChange(generation=2, left=[], why="", workers=[0, 1, 3], committed=2, steps_lost=0,
+                              joined=[3])
+    st.regrouped(joined)
+    out = io.StringIO()
+    for r in [*renderers, TextRenderer(out)]:
+        r("membership", st, joined)
+    joined_line = "worker 3 joined at the commit after epoch 2; training with 3 workers"
+    assert out.getvalue() == f"nbdist: {joined_line}\n"
+    assert [r.state for r in worker_rows(st)] == ["training", "training", "gone", "starting"]
+    assert f"{joined_line} (now workers 0, 1, 3)" in progress_html(st) and "workers changed 2×" in progress_html(st)
+    assert joined_line in shown.items[-1].data and joined_line in dash.changes.value
+    assert len(dash.worker_bars) == 4 and "<b>starting</b>" in dash.worker_states[3].value
+    assert "1 worker gone" in overview(st).line
     st.finish("done")
-    assert line in summary_html(st) and "<b>gone</b>" in summary_html(st)
+    assert line in summary_html(st) and "<b>gone</b>" in summary_html(st) and joined_line in summary_html(st)
 
     late = RunState(world_size=3, epochs=5, strategy="allreduce", min_workers=2)  # one never started
     late.regrouped(MembershipChange(generation=0, left=[2], why="did not connect within 60 s", workers=[0, 1],
                                     committed=0, steps_lost=0, started=False))
     row = worker_rows(late)[2]
     assert (row.state, row.detail) == ("gone", "did not start (did not connect within 60 s)")
+    late.regrouped(MembershipChange(generation=1, left=[], why="", workers=[0, 1, 2], committed=1, steps_lost=0,
+                                    joined=[2]))  # it connected later and joined: not gone any more
+    assert worker_rows(late)[2].state == "starting" and "gone" not in overview(late).line
 
 
 def test_renderers_accept_unknown_kinds_silently(dashboard):
