@@ -756,15 +756,16 @@ class TrainingJob(Run):
         new = len(self._handles)
         if add is None or not m.replace(slot, new, time.monotonic() + self.config.startup_timeout):
             return
+        self._coordinator.world_size = new + 1  # its hello names a rank past the launch's
         try:
             handle = add(new, slot, self._coordinator.address, self._coordinator.secret)
         except Exception as exc:
+            self._coordinator.world_size = new
             m.drop_joiner(new)
             log.warning("could not start a worker in worker %d's place (%s); going on with %d workers", slot, exc,
                         len(m.members))
             return
         self._handles.append(handle)
-        self._coordinator.world_size = len(self._handles)  # its hello names a rank past the launch's
         self._left.add(new)  # watched as a joiner (_watch_joiners) until it joins
         self.state.joiner_added(new)
         log.info("starting %s in worker %d's place; it joins at the next commit", handle.describe(), slot)
