@@ -68,14 +68,17 @@ class Membership:
                                 steps_lost=0, started=False)
 
     def regroup(self) -> MembershipChange:
-        """The next generation: the survivors, from the oldest commit any of them holds."""
+        """The next generation: the survivors, from the oldest commit any of them holds (epoch, then step: a
+        worker keeps its commit before the last, so one that committed once more than another rolls back too)."""
         survivors = self.survivors
         reports = [self.lost[s] for s in survivors]
+        committed, step = min((r.committed, r.step) for r in reports)
+        # A worker past the oldest point in the same epoch lost its steps since it as well.
+        lost = max(r.steps_lost + (r.step - step if r.committed == committed else 0) for r in reports)
         change = MembershipChange(
             generation=self.generation + 1, left=sorted(self.leaving), why="; ".join(
                 dict.fromkeys(self.leaving[s] for s in sorted(self.leaving))),
-            workers=survivors, committed=min(r.committed for r in reports),
-            steps_lost=max(r.steps_lost for r in reports))
+            workers=survivors, committed=committed, step=step, steps_lost=lost)
         self.generation += 1
         self.members = survivors
         self.leaving, self.lost, self.broken_at = {}, {}, None

@@ -48,6 +48,7 @@ class MembershipChange:
     steps_lost: int  # steps run past that commit by the generation that broke (the most any survivor ran)
     at: float = field(default_factory=time.monotonic)
     started: bool = True  # False: the first generation, without workers that did not start in time
+    step: int = 0  # steps of epoch ``committed`` (from 0) the commit holds: > 0 for a commit every K steps
 
     @property
     def line(self) -> str:
@@ -55,8 +56,9 @@ class MembershipChange:
         who = ", ".join(f"worker {r}" for r in self.left)
         if not self.started:
             return f"{who} did not start ({self.why}); training with {len(self.workers)} workers"
+        where = f" and {self.step} step{'' if self.step == 1 else 's'} of the next" if self.step else ""
         return (f"{who} left ({self.why}); going on with {len(self.workers)} workers from the commit after "
-                f"epoch {self.committed}, {self.steps_lost} step{'' if self.steps_lost == 1 else 's'} lost")
+                f"epoch {self.committed}{where}, {self.steps_lost} step{'' if self.steps_lost == 1 else 's'} lost")
 
 
 @dataclass

@@ -110,6 +110,11 @@ class TrainSettings:
     # holds it, rolled back to its last commit. ``generation`` counts the membership changes so far.
     elastic: bool = False
     generation: int = 0
+    # Commit every ``commit_every`` optimizer steps as well as at each epoch start (None: at epoch starts only).
+    # ``resume_step`` > 0: this generation resumes ``initial_epoch`` after that many of its steps (a rollback to a
+    # mid-epoch commit): the worker first trains the rest of that epoch, its rows from that step on.
+    commit_every: int | None = None
+    resume_step: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_summaries, dict):  # as it crosses the wire

@@ -170,9 +170,10 @@ class WorkerError(Typed):
 @dataclass(frozen=True)
 class Lost(Typed):
     """An elastic run (worker/elastic.py): this worker's collective of ``generation`` broke. It holds its
-    commit after ``committed`` epochs (its in-memory copy of the whole state) and had run ``steps_lost`` steps
-    past it; it waits for the driver's next job (the new generation) or its stop. The error it saw is sent as
-    a ``WorkerError``'s fields: the driver raises it when no worker was lost (a real failure, driver/training.py)."""
+    commit after ``committed`` epochs and ``step`` steps of the next (its in-memory copy of the whole state)
+    and had run ``steps_lost`` steps past it; it waits for the driver's next job (the new generation) or its
+    stop. The error it saw is sent as a ``WorkerError``'s fields: the driver raises it when no worker was lost (a
+    real failure, driver/training.py)."""
 
     TYPE = MessageType.LOST
     generation: int
@@ -183,6 +184,7 @@ class Lost(Typed):
     traceback: str
     raised_type: str | None = None
     raised_message: str | None = None
+    step: int = 0  # steps of epoch ``committed`` (counted from 0) the commit holds: 0 at an epoch start
 
     def error(self) -> WorkerError:
         return WorkerError(self.exception, self.message, self.traceback, self.raised_type, self.raised_message)
