@@ -55,15 +55,19 @@ class Commit:
         return self.held[-1] if self.held else None
 
     def take(self, model: Any, epoch: int, step: int = 0, metrics: np.ndarray | None = None) -> None:
+        from ..model.spec import host_array
+
         synced_state(model)  # JAX: the running fit's state into the variables first
         variables = state_variables(model)
         spare = self.held.pop(0) if len(self.held) == 2 else None
+        # One copy from where the backend holds each value (TensorFlow on the CPU: a view of its memory), into
+        # the older commit's buffers once there are two: no fresh pages for hundreds of MB at every commit.
         if spare is not None and [a.shape for a in spare.values] == [tuple(v.shape) for v in variables]:
-            for buffer, v in zip(spare.values, variables):  # the older commit's buffers, reused
-                np.copyto(buffer, keras.ops.convert_to_numpy(v), casting="unsafe")
+            for buffer, v in zip(spare.values, variables):
+                np.copyto(buffer, host_array(v), casting="unsafe")
             values = spare.values
         else:
-            values = [np.array(keras.ops.convert_to_numpy(v), copy=True) for v in variables]
+            values = [np.array(host_array(v), copy=True) for v in variables]
         self.held.append(Snapshot(epoch, step, optimizer_steps(model), values, metrics))
 
     def steps_past(self, model: Any) -> int:

@@ -215,6 +215,7 @@ def test_workers_range_is_checked_at_the_door(options, words):
 @pytest.mark.parametrize("workers, words", [
     ("3:2", "workers MIN:MAX needs 1 <= MIN <= MAX, got 3:2"),
     ("2:3 --strategy averaging", "(elastic) trains under allreduce"),  # 2:3 read as elastic
+    ("3 --commit-every 5", "commit_every applies to an elastic run"),
 ])
 def test_the_magic_takes_workers_min_max(ip, workers, words):
     result = ip.run_cell(f"%%dist_train --data X,y --workers {workers} --ui none\n"
