@@ -11,6 +11,7 @@ Recovery: a 2-worker elastic run (``workers="1:2"``, a commit every step, so tha
 TensorFlow and reports at once) loses worker 1 to SIGKILL in its second epoch; the time from the kill to the
 driver's regroup (the survivor's collective failed, it reported, the next generation's job went out) and to
 the first step the survivor reports after it (its model made anew, the commit put back, the step traced).
+``--take-only``: one commit's copy in this process, as ``Commit.take`` makes it and as fresh copies.
 
     PYTHONPATH=. python benchmarks/elastic_commit.py [--quick] [--repeats 2] [--models digits,big]
 """
@@ -69,6 +70,32 @@ def steady_epoch(kind: str, variant: Any, quick: bool) -> float:
     return statistics.median(gaps[SKIP - 1:] if len(gaps) >= SKIP else gaps)
 
 
+def take_seconds(kind: str, quick: bool, repeats: int = 5) -> dict[str, float]:
+    """One commit's copy in this process, best of ``repeats``: as ``Commit.take`` does it (one copy from host
+    memory into the older commit's buffers) and as fresh copies of ``numpy()`` (before commit 741e9b1)."""
+    import numpy as np
+
+    from nbdist.worker.elastic import Commit, state_variables
+
+    model = model_and_data(kind, quick)[0]
+    model.optimizer.build(model.trainable_variables)  # Adam's slots: the state a running fit holds
+    commit = Commit()
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    for _ in range(2):
+        commit.take(model, 0)  # two commits held: the next one reuses the older one's buffers
+    mb = sum(a.nbytes for a in commit.latest.values) / 2**20
+    return {"state_mb": mb, "take_s": best(lambda: commit.take(model, 0)),
+            "fresh_copies_s": best(lambda: [np.array(v.numpy(), copy=True) for v in state_variables(model)])}
+
+
 def recovery(kind: str, quick: bool) -> dict[str, float]:
     """Seconds from a SIGKILL of worker 1 in the second epoch to the regroup and to the survivor's next step."""
     from nbdist.api import prepare
@@ -103,8 +130,15 @@ def main() -> None:
     p.add_argument("--models", default="digits,big")
     p.add_argument("--variants", default=",".join(map(str, VARIANTS)), help="a subset of none,epoch,100,10,1")
     p.add_argument("--no-recovery", action="store_true", help="the commit costs only")
+    p.add_argument("--take-only", action="store_true", help="only one commit's copy, in this process")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args()
+    if args.take_only:
+        for kind in args.models.split(","):
+            t = take_seconds(kind, args.quick)
+            print(f"{kind}: a commit of {t['state_mb']:.1f} MB takes {1e3 * t['take_s']:.1f} ms; as fresh copies "
+                  f"{1e3 * t['fresh_copies_s']:.1f} ms (load average {os.getloadavg()[0]:.1f})")
+        return
     import big_model
 
     big_model.warm_up()
