@@ -35,9 +35,10 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
     """Train ``model`` data-parallel on ``x``/``y`` and put the trained weights back into it.
 
     Options are the fields of ``TrainConfig`` (epochs, batch_size, workers: N or ``"MIN:MAX"``, an elastic run that
-    goes on without a lost worker (docs/elastic.md), strategy, backend, averaging_frequency, seed, shuffle, ui,
-    background, ...; where the workers come from: warm_workers, executor_wait, advertise_host, container_engine,
-    which the magics take from the session's ``%config DistMagics.<name>``). Blocks until
+    goes on without a lost worker (docs/elastic.md), commit_every: its steps between commits, strategy, backend,
+    averaging_frequency, seed, shuffle, ui, background, ...; where the workers come from: warm_workers,
+    executor_wait, advertise_host, container_engine, which the magics take from the session's
+    ``%config DistMagics.<name>``). Blocks until
     training ends unless ``background=True``; returns the ``TrainingJob`` either way.
     The API is silent by default (``ui="none"``). ``x`` may be a Spark DataFrame (name its
     columns with ``features`` and ``label``, and ``weight_col`` for a column of per-row

@@ -34,8 +34,8 @@ class TrainConfig:
     # held here as workers=MAX and min_workers=MIN.
     workers: int | str | None = None
     min_workers: int | None = None
-    # Elastic runs: survivors roll back to the state every worker commits in memory at each epoch's end
-    # (None). A number of steps is phase 2's (docs/elastic.md).
+    # Elastic runs: every worker commits its state in memory at each epoch's start and, given K, every K optimizer
+    # steps as well; a lost worker then costs at most K steps (None: epoch starts only; docs/elastic.md).
     commit_every: int | None = None
     # None: allreduce (local Keras' step), or averaging, said in one line, for a model whose own
     # train_step applies optimizers besides model.optimizer (model_io.chosen_strategy, at launch).
@@ -281,9 +281,10 @@ def _validate_elastic(cfg: TrainConfig) -> None:
     if cfg.strategy not in (None, "allreduce"):
         raise NbdistError(f"workers MIN:MAX (elastic) trains under allreduce; --strategy {cfg.strategy} keeps a "
                           "fixed number of workers: drop --strategy or give --workers a single number.")
-    if cfg.commit_every is not None:
-        raise NbdistError("commit_every (a commit every K steps) is not built yet: an elastic run commits at "
-                          "each epoch's end; drop commit_every.")
+    k = cfg.commit_every
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise NbdistError(f"commit_every must be a positive number of steps, got {k!r}; for example --commit-every 10 "
+                          "(or drop it to commit at each epoch's start only).")
 
 
 def _validate_checkpointing(cfg: TrainConfig) -> None:

@@ -127,15 +127,18 @@ class Membership:
 
     def regroup(self) -> MembershipChange:
         """The next generation: the survivors, then the joiners that said hello (up to ``most``), from the oldest
-        commit any survivor holds."""
+        commit any survivor holds (epoch, then step: a worker keeps its commit before the last, so one that
+        committed once more than another rolls back too)."""
         survivors = self.survivors
         joined = self.waiting[:max(0, self.most - len(survivors))]
         reports = [self.lost[s] for s in survivors]
+        committed, step = min((r.committed, r.step) for r in reports)
+        # A worker past the oldest point in the same epoch lost its steps since it as well.
+        lost = max(r.steps_lost + (r.step - step if r.committed == committed else 0) for r in reports)
         change = MembershipChange(
             generation=self.generation + 1, left=sorted(self.leaving), why="; ".join(
                 dict.fromkeys(self.leaving[s] for s in sorted(self.leaving))),
-            workers=survivors + joined, committed=min(r.committed for r in reports),
-            steps_lost=max(r.steps_lost for r in reports), joined=joined)
+            workers=survivors + joined, committed=committed, step=step, steps_lost=lost, joined=joined)
         self.generation += 1
         self.members = survivors + joined
         self.waiting = [s for s in self.waiting if s not in joined]

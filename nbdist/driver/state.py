@@ -49,6 +49,7 @@ class MembershipChange:
     at: float = field(default_factory=time.monotonic)
     started: bool = True  # False: the first generation, without workers that did not start in time
     joined: list[int] = field(default_factory=list)  # workers that joined at that commit (late starters, replacements)
+    step: int = 0  # steps of epoch ``committed`` (from 0) the commit holds: > 0 for a commit every K steps
 
     @property
     def line(self) -> str:
@@ -57,12 +58,13 @@ class MembershipChange:
         n = f"{len(self.workers)} worker{'' if len(self.workers) == 1 else 's'}"
         if not self.started:
             return f"{who} did not start ({self.why}); training with {n}"
+        where = f" and {self.step} step{'' if self.step == 1 else 's'} of the next" if self.step else ""
         came = ", ".join(f"worker {r}" for r in self.joined)
         if not self.left:
-            return f"{came} joined at the commit after epoch {self.committed}; training with {n}"
+            return f"{came} joined at the commit after epoch {self.committed}{where}; training with {n}"
         joined = f" and {came} joined" if self.joined else ""
         return (f"{who} left ({self.why}){joined}; going on with {n} from the commit after "
-                f"epoch {self.committed}, {self.steps_lost} step{'' if self.steps_lost == 1 else 's'} lost")
+                f"epoch {self.committed}{where}, {self.steps_lost} step{'' if self.steps_lost == 1 else 's'} lost")
 
 
 @dataclass

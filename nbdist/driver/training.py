@@ -98,6 +98,7 @@ class TrainingJob(Run):
         self._global_batch = 0
         self._below_min = ""  # why an elastic run's failure did not go on (said with it)
         self._started: set[int] = set()  # an elastic run's workers that said hello before its first generation
+        self._resume_step = 0  # an elastic run's generation resumes epoch _initial_epoch after this many steps
         self._not_started: dict[int, str] = {}  # and those that will not be in it, with why
 
     def __repr__(self) -> str:
@@ -237,6 +238,10 @@ class TrainingJob(Run):
         if world < cfg.min_workers:
             raise NbdistError(f"--workers {cfg.min_workers}:{cfg.workers} needs at least {cfg.min_workers} workers, "
                               f"but this run's data allows only {world}; lower MIN to {world}.")
+        if cfg.commit_every is not None and (isinstance(self.data, PyDatasetData) or self._x_file() is not None or (
+                self.fit is not None and self.fit.steps_per_epoch)):  # a worker resumes an epoch at a step of its rows
+            raise NbdistError("commit_every needs the training data as in-memory arrays, one pass per epoch (not a "
+                              "PyDataset, a memory-mapped .npy or fit's steps_per_epoch); drop commit_every.")
         self._global_batch = sum(self._rank_batches)
         if self.fit is not None and self.fit.global_batch is None:  # --batch-size per worker: at launch's world
             self.fit.global_batch = self._global_batch  # the batch later generations deal (_deal_again)
@@ -286,6 +291,7 @@ class TrainingJob(Run):
             batch_sizes=list(self._rank_batches) if fit is not None or cfg.elastic else None,
             learning_rate=self._first_lr, elastic=cfg.elastic,
             generation=self._membership.generation if self._membership is not None else 0,
+            resume_step=self._resume_step,
             epoch_decisions=bool(fit is not None and fit.callbacks.needs_decisions),
             swap_ema=bool(fit is not None and fit.callbacks.swaps_ema),
             raise_on_nan=bool(fit is not None and fit.callbacks.raises_on_nan),
@@ -538,7 +544,7 @@ class TrainingJob(Run):
         self._rendezvous = None  # the new rank 0 publishes a new store
         if self._membership is not None:  # the relaunch is a new first generation, of the world it had
             self._membership, self._left = Membership(self._membership.minimum, self.world_size), set()
-            self._started, self._not_started, self._below_min = set(), {}, ""
+            self._started, self._not_started, self._below_min, self._resume_step = set(), {}, "", 0
         try:
             self._spec, self._initial_epoch = keeper.restart_point()
             self._rewind_last_weights()
@@ -696,7 +702,7 @@ class TrainingJob(Run):
         self._rendezvous = None  # the new rank 0 makes a new meeting place
         self._done, self._closing = set(), {s: t for s, t in self._closing.items() if s in self._left}
         self._deal_again(world)
-        self._initial_epoch = change.committed
+        self._initial_epoch, self._resume_step = change.committed, change.step
         self.state.regrouped(change)
         if change.left or change.joined:
             log.info("%s", change.line)  # the text UI's line (ui/text.py); job.state.membership holds it

@@ -35,6 +35,9 @@ train_worker_arguments = [
     argument("--workers", type=workers_option, default=None, metavar="N|MIN:MAX",
              help="workers (local default: one per visible GPU, else 2); MIN:MAX: start with MAX and go on "
                   "without a lost worker while MIN are left (allreduce, docs/elastic.md)"),
+    argument("--commit-every", type=int, default=None, metavar="K",
+             help="with --workers MIN:MAX: commit every K steps as well as at each epoch start, so a lost worker "
+                  "costs at most K steps (default: epoch starts only)"),
     worker_arguments[1],
 ]
 

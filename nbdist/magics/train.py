@@ -234,6 +234,7 @@ class DistMagics(Magics):
             **session_options(self.shell),
             "epochs": 1 if args.epochs is None else args.epochs,
             "batch_size": 32 if args.batch_size is None else args.batch_size, "workers": args.workers,
+            "commit_every": args.commit_every,
             "strategy": args.strategy, "backend": args.backend,
             "averaging_frequency": args.averaging_frequency, "lr_scaling": args.lr_scaling or "auto",
             "max_staleness": args.max_staleness, "seed": args.seed, "ui": args.ui or self.ui,

@@ -23,8 +23,9 @@ from .codec import MessageError, MessageType
 # Bump on any change to the fields or meaning of any message (this job's, wire/reports.py's, wire/commands.py's):
 # the job carries it and a worker of another version refuses the job. 5: every message typed; 6: engine fields;
 # 7: elastic runs (TrainSettings.elastic, generation; the Lost report); 8: workers joining (JoinAtCommit, AtCommit;
-# a Lost with committed -1).
-JOB_VERSION = 8
+# a Lost with committed -1); 9: commits every K steps (TrainSettings.commit_every, resume_step; Lost and AtCommit's
+# step).
+JOB_VERSION = 9
 
 JOB_KINDS = ("train", "evaluate", "predict")
 # The shard came in the job's arrays / the Spark task wrote it to a file / the worker reads its rows of
@@ -111,6 +112,11 @@ class TrainSettings:
     # holds it, rolled back to its last commit. ``generation`` counts the membership changes so far.
     elastic: bool = False
     generation: int = 0
+    # Commit every ``commit_every`` optimizer steps as well as at each epoch start (None: at epoch starts only).
+    # ``resume_step`` > 0: this generation resumes ``initial_epoch`` after that many of its steps (a rollback to a
+    # mid-epoch commit): the worker first trains the rest of that epoch, its rows from that step on.
+    commit_every: int | None = None
+    resume_step: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_summaries, dict):  # as it crosses the wire

@@ -170,10 +170,11 @@ class WorkerError(Typed):
 @dataclass(frozen=True)
 class Lost(Typed):
     """An elastic run (worker/elastic.py): this worker's collective of ``generation`` broke. It holds its
-    commit after ``committed`` epochs (its in-memory copy of the whole state) and had run ``steps_lost`` steps
-    past it; it waits for the driver's next job (the new generation) or its stop. The error it saw is sent as
-    a ``WorkerError``'s fields: the driver raises it when no worker was lost (a real failure, driver/training.py).
-    ``committed`` -1: a worker that joined this generation broke before it received the state: it holds none."""
+    commit after ``committed`` epochs and ``step`` steps of the next (its in-memory copy of the whole state)
+    and had run ``steps_lost`` steps past it; it waits for the driver's next job (the new generation) or its
+    stop. The error it saw is sent as a ``WorkerError``'s fields: the driver raises it when no worker was lost (a
+    real failure, driver/training.py). ``committed`` -1: a worker that joined this generation broke before it
+    received the state: it holds none."""
 
     TYPE = MessageType.LOST
     generation: int
@@ -184,6 +185,7 @@ class Lost(Typed):
     traceback: str
     raised_type: str | None = None
     raised_message: str | None = None
+    step: int = 0  # steps of epoch ``committed`` (counted from 0) the commit holds: 0 at an epoch start
 
     def error(self) -> WorkerError:
         return WorkerError(self.exception, self.message, self.traceback, self.raised_type, self.raised_message)
@@ -192,12 +194,14 @@ class Lost(Typed):
 @dataclass(frozen=True)
 class AtCommit(Typed):
     """An elastic run (worker/elastic.py): asked by ``JoinAtCommit``, every member of ``generation`` stopped at
-    the same commit, after ``committed`` epochs, so that the workers waiting can join there. Nothing was lost
-    (its model is its commit); it waits for the next generation's job, as after ``Lost``."""
+    the same commit, after ``committed`` epochs and ``step`` steps of the next, so that the workers waiting can
+    join there. Nothing was lost (its model is its commit); it waits for the next generation's job, as after
+    ``Lost``."""
 
     TYPE = MessageType.AT_COMMIT
     generation: int
     committed: int
+    step: int = 0
 
     @property
     def steps_lost(self) -> int:

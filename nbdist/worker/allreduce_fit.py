@@ -12,8 +12,10 @@ log = logging.getLogger("nbdist.worker")
 
 
 def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
-                  lr_factor: float = 1.0, extra_callbacks: list[Any] | None = None) -> None:
-    """``extra_callbacks``: after the strategy's and the event stream's (an elastic run's commits, elastic.py)."""
+                  lr_factor: float = 1.0, extra_callbacks: list[Any] | None = None, last: bool = True) -> None:
+    """``extra_callbacks``: after the strategy's and the event stream's (an elastic run's commits, elastic.py).
+    ``last=False``: an elastic run's rest of a resumed epoch, which the same generation's next fit follows (no
+    ``Done``)."""
     import keras
 
     from ..data.sharding import share_count
@@ -114,7 +116,9 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         train_steps = int(inputs["steps_per_epoch"])
         # TerminateOnNaN(raise_error=True), TensorBoard's batch summaries act at every step, as locally.
         cap = 1 if job.train.step_by_step else MAX_BLOCK
-        blocks = StepBlocks(block_size(train_steps, train_steps, cap), train_steps, inputs.get("validation_steps"),
+        # An elastic run's commit every K steps ends a call (elastic.py).
+        every = int(train.commit_every) if train.elastic and train.commit_every else train_steps
+        blocks = StepBlocks(block_size(every, train_steps, cap), train_steps, inputs.get("validation_steps"),
                             after_train_step=reducer.advance)
         callbacks.insert(0, blocks.install(model))
     if feed is not None:
@@ -124,6 +128,8 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
         reducer.final_check()
     finally:
         reducer.close()  # no hook stays on the model's tensors, no thread of the sum runs
+    if not last:
+        return
     link.send(Done(sync_seconds=reducer.seconds, rounds=reducer.steps, engine=engine, padded_steps=sync.padded_steps,
                    summed_by=reducer.summed_by, device=training_device(),
                    **report))

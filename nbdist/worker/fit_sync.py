@@ -78,6 +78,16 @@ class MetricStateSum:
             v.assign(np.round(part).astype(a.dtype) if a.dtype.kind in "iu" else part.astype(a.dtype))
         self.seconds += time.perf_counter() - t0
 
+    def total(self) -> np.ndarray:
+        """The metric state summed over the workers (float64, flat), the variables left as they are: an elastic
+        run's mid-epoch commit (worker/elastic.py)."""
+        synced_state(self.model)
+        values = [np.asarray(v.numpy()) for v in self.variables()]
+        flat = np.concatenate([a.astype(np.float64).reshape(-1) for a in values]) if values else np.zeros(0)
+        if self.collective.world_size > 1:
+            self._sum(flat)
+        return flat
+
     def _sum(self, flat: np.ndarray) -> None:
         if not self._opened:  # the first sum, at the same point on every worker
             self._opened = True

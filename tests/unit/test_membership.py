@@ -108,3 +108,15 @@ def test_a_joiner_that_does_not_start_is_dropped_and_replacements_are_bounded() 
     assert pausing.drop_joiner(2) and not pausing.drop_joiner(2)  # given up: it never said hello
     change = pausing.regroup()
     assert (change.left, change.joined, change.workers) == ([], [], [0])  # nobody came: no change to say
+
+
+def test_a_mid_epoch_regroup_goes_on_from_the_oldest_commit_every_survivor_holds() -> None:
+    m = Membership(minimum=2, world=3)
+    m.leave(2, "was killed by SIGKILL")
+    # Worker 1 committed after step 8 of epoch 2; worker 0's collective broke before it did (it holds step 4).
+    m.report(0, Lost(0, 2, 3, "E", "E: gone", "", step=4))
+    m.report(1, Lost(0, 2, 0, "E", "E: gone", "", step=8))
+    change = m.regroup()
+    assert (change.committed, change.step) == (2, 4)
+    assert change.steps_lost == 4  # worker 1 goes back past its 4 steps after the point
+    assert "from the commit after epoch 2 and 4 steps of the next, 4 steps lost" in change.line

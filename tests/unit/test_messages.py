@@ -207,7 +207,7 @@ def test_train_settings_name_only_train_config_fields() -> None:
     run_fields = {"rounds_per_epoch", "initial_epoch", "validation_anywhere", "batch_sizes", "learning_rate",
                   "epoch_decisions", "weights_every_epoch", "validation_freq", "steps_per_epoch", "first_pass",
                   "first_batch", "validation_on_tasks", "swap_ema", "raise_on_nan", "batch_summaries",
-                  "elastic", "generation"}
+                  "elastic", "generation", "resume_step"}
     assert {f.name for f in dataclasses.fields(TrainSettings)} - run_fields <= TrainConfig.field_names()
 
 

@@ -134,6 +134,49 @@ def test_a_killed_worker_costs_steps_not_the_run_and_is_replaced(digits, capsys,
     np.testing.assert_allclose(history["loss"], ref_losses, rtol=1e-5)
 
 
+def test_a_commit_every_k_steps_costs_at_most_k(digits, capsys, tmp_path):
+    """Killed in the 10th step of the second epoch with a commit every 4 steps: the survivors resume that epoch
+    after its 8th step, on its remaining global batches, and the replacement joins them at a later commit, so the
+    run is the fault-free one with 3 workers for two epochs and 2 for the third (the same global batches), and the
+    second epoch's merged metrics cover all of it."""
+    x, y = digits
+    k, common = 4, dict(batch_size=BATCH, shuffle=False, seed=7, ui="none")
+    steps_per_epoch = -(-len(x) // 3 // BATCH)
+    marker = str(tmp_path / "died")
+    model = _model([DieOnce.layer(marker, steps_per_epoch + 10)])
+    job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:3", commit_every=k, **{**common, "ui": "text"}),
+                  x, y, None)
+    job.start()
+    history = job.wait(timeout=300)
+    out = capsys.readouterr().out
+
+    assert job.status == "done" and os.path.exists(marker)
+    assert [len(v) for v in history.values()] == [EPOCHS] * len(history)
+    change, *joins = job.state.membership
+    assert (change.committed, change.step) == (1, 8)  # the commit after the second epoch's 8th step
+    assert 1 <= change.steps_lost <= k
+    assert "from the commit after epoch 1 and 8 steps of the next" in out
+    # The replacement joins at a later commit of the survivors (every K steps, or an epoch's start): where depends
+    # on when the survivors hear of it, and the weights do not (the global batch is kept throughout).
+    assert [(j.left, j.joined) for j in joins] == [([], [3])], [j.line for j in joins]
+    assert (joins[0].committed, joins[0].step) > (1, 8)
+
+    reference = _model([DieOnce.layer(marker, 1)])  # the marker is there: nobody dies
+    first = prepare(reference, TrainConfig(epochs=2, workers=3, **common), x, y, None)
+    first.start()
+    first_history = first.wait(timeout=300)
+    rest = prepare(reference, TrainConfig(epochs=EPOCHS - 2, workers=2, **{**common, "batch_size": 3 * BATCH // 2}),
+                   x, y, None)
+    rest.start()
+    rest_history = rest.wait(timeout=300)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The second epoch, trained by two generations, is merged over all of its steps.
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose(history[name], first_history[name] + rest_history[name], rtol=1e-5)
+    assert not wait_no_workers(5)
+
+
 def test_below_min_fails_as_any_run(digits):
     x, y = digits
     killed: dict = {}
@@ -172,6 +215,8 @@ def test_the_run_starts_with_the_workers_that_start(digits, capsys):
     ({"workers": "3:2"}, "1 <= MIN <= MAX"),
     ({"workers": "two"}, "MIN:MAX"),
     ({"workers": "2:3", "strategy": "averaging"}, "allreduce"),
+    ({"workers": "2:3", "commit_every": 0}, "commit_every must be a positive number of steps"),
+    ({"workers": 3, "commit_every": 10}, "commit_every applies to an elastic run"),
 ])
 def test_workers_range_is_checked_at_the_door(options, words):
     with pytest.raises(NbdistError, match=words):
@@ -181,6 +226,7 @@ def test_workers_range_is_checked_at_the_door(options, words):
 @pytest.mark.parametrize("workers, words", [
     ("3:2", "workers MIN:MAX needs 1 <= MIN <= MAX, got 3:2"),
     ("2:3 --strategy averaging", "(elastic) trains under allreduce"),  # 2:3 read as elastic
+    ("3 --commit-every 5", "commit_every applies to an elastic run"),
 ])
 def test_the_magic_takes_workers_min_max(ip, workers, words):
     result = ip.run_cell(f"%%dist_train --data X,y --workers {workers} --ui none\n"
