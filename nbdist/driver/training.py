@@ -42,6 +42,10 @@ from .state import TERMINAL, RunState
 
 log = logging.getLogger(__name__)
 
+# The backends an elastic run (workers="MIN:MAX") runs on (docs/elastic.md); Spark: classic sessions only.
+ELASTIC_BACKENDS = {"local", "spark"}
+# How long a worker whose connection closed may take to be known gone (a lost Spark executor: Spark's news).
+GONE_WAIT = 10.0
 # How long a stop waits for rank 0's last weights when they are not sent every epoch.
 STOP_WEIGHTS_WAIT = 10.0
 
@@ -225,10 +229,11 @@ class TrainingJob(Run):
     def _elastic_membership(self, world: int) -> Membership:
         """The first generation of an elastic run, checked at the door (docs/elastic.md)."""
         cfg = self.config
-        backend = resolve_backend(cfg).name
-        if backend != "local":
-            raise NbdistError(f"workers MIN:MAX (elastic) runs on the local backend so far, not --backend {backend}; "
-                              "give --workers a single number there.")
+        backend = resolve_backend(cfg)
+        if backend.name not in ELASTIC_BACKENDS or getattr(backend, "connect", False):
+            where = "Spark Connect" if getattr(backend, "connect", False) else f"--backend {backend.name}"
+            raise NbdistError(f"workers MIN:MAX (elastic) runs on the local backend and classic Spark sessions so "
+                              f"far, not {where}; give --workers a single number there.")
         if world < cfg.min_workers:
             raise NbdistError(f"--workers {cfg.min_workers}:{cfg.workers} needs at least {cfg.min_workers} workers, "
                               f"but this run's data allows only {world}; lower MIN to {world}.")
@@ -574,6 +579,8 @@ class TrainingJob(Run):
             return False
         handle = self._handles[slot]
         code = handle.exit_status()
+        if code is None and hasattr(handle, "settle"):  # its connection closed; Spark tells a lost task's end later
+            code = handle.settle(GONE_WAIT)
         return bool(getattr(handle, "lost", False)) or (code is not None and code not in (0, 1))
 
     def _not_starting(self, slot: int, message: str) -> bool:
@@ -594,6 +601,9 @@ class TrainingJob(Run):
         """The first generation, once every worker has started or will not: those that did, dealt the launch's
         global batch; the others are said in one line."""
         m = self._membership
+        for h in self._handles:  # those the backend could not place (Spark: no free task slot) will not start
+            if getattr(h, "unplaced", "") and h.rank not in self._not_started:
+                self._not_starting(h.rank, f"{self._name(h.rank)} {h.unplaced}")
         if set(m.members) - self._started - set(self._not_started):
             return  # some are still starting (the health check ends their wait at startup_timeout)
         members = sorted(self._started)

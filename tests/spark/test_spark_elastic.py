@@ -1,0 +1,70 @@
+"""Elastic runs on Spark classic (issue 48, docs/elastic.md): each worker a Spark job of one task.
+
+One run asks for 2:3 workers on local[3]; a worker's process is SIGKILLed in its second epoch (the in-model
+DieOnce layer of tests/workers/test_elastic.py). Its task reports the end, the other two tasks train on
+(a barrier stage would have killed them), and the run ends with 2 workers and weights equal to the fault-free
+runs of the same membership schedule on the local backend (3 workers for an epoch, then 2 from that state).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ..spark_helpers import need_spark, spark_session
+
+need_spark()
+
+from nbdist.api import prepare  # noqa: E402
+from nbdist.config import TrainConfig  # noqa: E402
+
+from ..conftest import wait_no_workers  # noqa: E402
+from ..workers.test_elastic import BATCH, DieOnce, _model  # noqa: E402
+
+EPOCHS = 2
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = spark_session("local[3]")
+    yield session
+    session.stop()
+
+
+def test_a_killed_worker_leaves_the_other_tasks_training(spark, digits, capsys, tmp_path):
+    x, y = digits
+    common = dict(batch_size=BATCH, shuffle=False, seed=7)
+    steps_per_epoch = -(-len(x) // 3 // BATCH)
+    marker = str(tmp_path / "died")
+    model = _model([DieOnce.layer(marker, steps_per_epoch + 6)])  # in the 6th step of the second epoch
+    job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:3", backend="spark", ui="text", **common),
+                  x, y, None)
+    job.start()
+    history = job.wait(timeout=300)
+    out = capsys.readouterr().out
+
+    assert job.status == "done" and os.path.exists(marker)
+    assert [len(v) for v in history.values()] == [EPOCHS] * len(history)  # one per epoch, none twice
+    (change,) = job.state.membership
+    (gone,) = change.left
+    assert "SIGKILL" in change.why and change.workers == [r for r in range(3) if r != gone]
+    assert change.committed == 1 and 5 <= change.steps_lost <= 6  # as on local workers (test_elastic.py)
+    assert job.state.backend == "spark" and job.state.world_size == 2
+    assert "elastic: goes on while 2 are left" in out.splitlines()[0]
+    assert sorted(job.reports) == change.workers  # the survivors' tasks trained on to the end
+    backend = job._backend
+    assert backend.workers[gone].code == -9 and not backend.workers[gone].lost  # its task reported the kill
+    assert not any(backend.workers[r].lost or backend.workers[r].spark_error for r in change.workers)
+    assert not wait_no_workers(5)
+
+    # The same membership schedule without a fault, on local workers: 3 workers for an epoch, then 2 from that
+    # state with the launch's global batch.
+    reference = _model([DieOnce.layer(marker, 1)])  # the marker is there: nobody dies
+    for epochs, workers, batch in ((1, 3, BATCH), (EPOCHS - 1, 2, 3 * BATCH // 2)):
+        run = prepare(reference, TrainConfig(epochs=epochs, workers=workers, backend="local", ui="none",
+                                             **{**common, "batch_size": batch}), x, y, None)
+        run.start()
+        run.wait(timeout=300)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
