@@ -42,6 +42,9 @@ from .task import RESULT_SCHEMA, TaskSpec, arrow_task, run_task, single_task
 
 log = logging.getLogger(__name__)
 
+# How an elastic run's lost task is said (failures.describe_exit): its peers are not affected.
+ELASTIC_LOST = "was lost with its Spark task (its executor or the task's Python process died)"
+
 NO_SPARK = ("--backend spark needs an active SparkContext and there is none; start one first, e.g. "
             "spark = SparkSession.builder.master('local[2]').getOrCreate().")
 
@@ -213,9 +216,7 @@ class SparkTaskWorker:
     def exit_status(self) -> int | None:
         if self.code is None and self.check_lost is not None and time.monotonic() - self._checked_at > 1.0 \
                 and self._check_lost():
-            self.lost_why = ("was lost with its Spark task (its executor or the task's Python process died; the "
-                             "other workers go on)")
-            self.lost, self.code = True, 1
+            self.lost, self.lost_why, self.code = True, ELASTIC_LOST, 1
         return self.code
 
     def _check_lost(self) -> bool:
@@ -375,16 +376,14 @@ class SparkBackend:
             error = summarize_spark_error(exc)
             if w.code is None:  # its task ended without reporting: its worker went with it
                 w.lost = not self._closed.is_set()
-                w.lost_why = ("was lost with its Spark task (its executor or the task's Python process died: "
-                              f"{error})")
-                w.spark_error, w.code = error, 1
+                w.lost_why, w.spark_error, w.code = ELASTIC_LOST, error, 1
             return
         finally:
             sc.removeJobTag(self.group)
         for result in results:
             if w.code is None:  # a retry after its first attempt was lost (single_task starts no worker then)
                 w.error = str(result.get("error") or "")
-                w.lost, w.lost_why = bool(result.get("lost")), "was lost with its Spark task (Spark retried it)"
+                w.lost, w.lost_why = bool(result.get("lost")), ELASTIC_LOST
                 w.code, w.log = int(result["code"]), str(result.get("log") or "")
 
     def _task_failed(self, rank: int) -> bool:
