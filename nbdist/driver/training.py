@@ -38,7 +38,7 @@ from .keeper import CheckpointKeeper
 from .membership import Membership
 from .resolve import resolve_backend
 from .run import Run, data_parts
-from .state import TERMINAL, RunState
+from .state import TERMINAL, RunState, WorkerProgress
 
 log = logging.getLogger(__name__)
 
@@ -530,19 +530,43 @@ class TrainingJob(Run):
         self._done, self._closing = set(), {}
         self._remove_meeting_place()
         self._rendezvous = None  # the new rank 0 publishes a new store
-        if self._membership is not None:  # the relaunch is a new first generation, of the world it had
-            self._membership, self._left = Membership(self._membership.minimum, self.world_size), set()
-            self._started, self._not_started, self._below_min = set(), {}, ""
         try:
+            backend = resolve_backend(self.config)
+            fewer = self._fit_world(backend)  # e.g. an executor gone for good: the task slots left
+            if self._membership is not None:  # the relaunch is a new first generation, of the world it had
+                self._membership, self._left = Membership(self._membership.minimum, self.world_size), set()
+                self._started, self._not_started, self._below_min = set(), {}, ""
+                if fewer:
+                    self._deal_again(self.world_size)
             self._spec, self._initial_epoch = keeper.restart_point()
             self._rewind_last_weights()
             self.state.restarting(self._initial_epoch)
-            reason = keeper.restart_reason(message, self._initial_epoch)
+            reason = keeper.restart_reason(message, self._initial_epoch) + fewer
             log.info("%s", reason)
             self._notify("restart", reason)
-            self._launch(resolve_backend(self.config))
+            self._launch(backend)
         except Exception as exc:
             self._fail(rank, f"relaunching the workers failed ({exc}) after: {message}", worker_traceback)
+
+    def _fit_world(self, backend: Any) -> str:
+        """A relaunch asks for no more workers than the backend has room for now (Spark: its free task slots,
+        ``free_slots``), rather than waiting for slots that are gone; the words saying so ('' when all fit).
+        Each worker keeps its --batch-size (an elastic run: the launch's global batch, dealt by the caller)."""
+        free = getattr(backend, "free_slots", None)
+        world = self.world_size if free is None else max(1, min(self.world_size, free()))
+        if world == self.world_size:
+            return ""
+        said = (f", with {world} worker{'' if world == 1 else 's'} instead of {self.world_size}: the "
+                f"{backend.name} backend has room for {world} now")
+        self.world_size = self.state.world_size = world
+        self.state.workers = [WorkerProgress(rank=r) for r in range(world)]
+        if self._membership is None:
+            shards = self._plan_shards(backend, world)
+            if shards is not None:  # Spark data: its tasks count their partitions again
+                self._apply_shards(shards)
+        if isinstance(self.validation_data, FitData):
+            self._val_shards = shard_bounds(len(self.validation_data), world)
+        return said
 
     def _rewind_last_weights(self) -> None:
         """What a stop before the relaunched workers finish an epoch leaves in the model: the

@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 # How an elastic run's lost task is said (failures.describe_exit): its peers are not affected.
 ELASTIC_LOST = "was lost with its Spark task (its executor or the task's Python process died)"
 
+# Spark's status store (AppStatusListener) flushes live counts at least every spark.ui.liveUpdate.minFlushPeriod
+# (1 s): read that long, this many times, for the free task slots of a relaunch.
+STATUS_FLUSH, STATUS_READS = 1.5, 7
+
 NO_SPARK = ("--backend spark needs an active SparkContext and there is none; start one first, e.g. "
             "spark = SparkSession.builder.master('local[2]').getOrCreate().")
 
@@ -287,6 +291,28 @@ class SparkBackend:
         if self.executors is not None:  # a cluster: the slots of the executors registered now
             return max(1, cluster.registered(self.session.sparkContext).slots)
         return task_slots(self.session.sparkContext)
+
+    def free_slots(self) -> int:
+        """Task slots no job holds now: what a relaunch asks for at most (training.py). The slots of the
+        executors registered now, less the tasks they run; over Connect, the server's configuration's."""
+        slots = self.default_workers()
+        if self.connect:
+            return slots
+        # The tasks of the stages running now (a cancelled run's tasks, still being killed, are not theirs).
+        # Spark's status store writes a busy stage's count about once a second: the lowest count read over a
+        # little longer than that.
+        running = slots
+        tracker = self.session.sparkContext.statusTracker()
+        for _ in range(STATUS_READS):
+            try:
+                stages = [tracker.getStageInfo(s) for s in tracker.getActiveStageIds()]
+                running = min(running, sum(s.numActiveTasks for s in stages if s is not None))
+            except Exception:  # a session stopped meanwhile: count every slot as free
+                return slots
+            if running == 0:
+                break
+            time.sleep(STATUS_FLUSH / (STATUS_READS - 1))
+        return max(0, slots - running)
 
     def partition_rows(self) -> list[int] | None:
         """Each task's row count once every task has written its partition, else None."""
@@ -532,6 +558,23 @@ class SparkBackend:
         except Exception as exc:  # a session stopped meanwhile: its tasks went with it
             log.warning("could not cancel Spark job %s: %s", self.group, exc)
 
+    def _ended_in_status(self, timeout: float = 5.0) -> None:
+        """Wait until Spark's status shows this run's jobs ended (its listener lags the jobs' own end), so
+        that what a relaunch reads of the free task slots (``free_slots``) no longer counts their tasks."""
+        if self.connect or not self.workers:
+            return
+        groups = [f"{self.group}-{w.rank}" for w in self.workers] if self.elastic else [self.group]
+        deadline = time.monotonic() + timeout
+        try:
+            tracker = self.session.sparkContext.statusTracker()
+            while time.monotonic() < deadline:
+                jobs = [tracker.getJobInfo(j) for g in groups for j in tracker.getJobIdsForGroup(g)]
+                if not any(info is not None and info.status == "RUNNING" for info in jobs):
+                    return
+                time.sleep(0.1)
+        except Exception as exc:  # a session stopped meanwhile: nothing of it runs
+            log.debug("cannot read Spark's status of job %s: %s", self.group, exc)
+
     def stop(self, grace: float = 3.0) -> None:
         """Let the tasks end by themselves (their workers exit when the coordinator closes), else cancel."""
         threads = [t for t in [self._thread, *self._threads] if t is not None]
@@ -548,6 +591,7 @@ class SparkBackend:
             if any(t.is_alive() for t in threads):
                 log.warning("Spark job group %s still running 30 s after cancelling", self.group)
         self._closed.set()
+        self._ended_in_status()
         if self._server is not None:
             try:
                 self._server.close()

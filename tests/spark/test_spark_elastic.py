@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -99,3 +100,38 @@ def test_a_killed_worker_leaves_the_other_tasks_training(spark, digits, capsys, 
         run.wait(timeout=300)
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_relaunch_asks_only_for_the_free_task_slots(spark, digits, capsys):
+    """Issue 48's point 5: --max-restarts relaunches on the task slots that are free, not the run's world.
+    A worker of a 3-worker run is killed after its first epoch while another job waits for a slot; that job
+    takes the slot the killed worker's task frees, so the relaunch gets 2 workers and finishes."""
+    x, y = digits
+    sc = spark.sparkContext
+    blocker = threading.Thread(target=_hold_a_slot, args=(sc,), daemon=True)
+
+    def kill_after_first_epoch(kind, state, payload):
+        if kind == "epoch" and state.restarts == 0 and not blocker.is_alive():
+            blocker.start()  # waits for a slot: all 3 are the run's
+            os.kill(state.workers[2].pid, signal.SIGKILL)
+
+    try:
+        job = prepare(_model(), TrainConfig(epochs=2, workers=3, batch_size=BATCH, max_restarts=1, backend="spark",
+                                            ui="text"), x, y, None, listeners=[kill_after_first_epoch])
+        job.start()
+        history = job.wait(timeout=300)
+    finally:
+        sc.cancelJobGroup("nbdist-test-blocker")
+    out = capsys.readouterr().out
+    assert job.status == "done" and job.state.restarts == 1 and len(history["loss"]) == 2
+    assert job.state.world_size == 2 and len(job._handles) == 2 and sorted(job.reports) == [0, 1]
+    assert "with 2 workers instead of 3: the spark backend has room for 2 now" in out
+    assert not wait_no_workers(5)
+
+
+def _hold_a_slot(sc) -> None:
+    sc.setJobGroup("nbdist-test-blocker", "holds a task slot", interruptOnCancel=True)
+    try:
+        sc.parallelize([0], 1).foreach(lambda _: __import__("time").sleep(120))
+    except Exception:
+        pass  # cancelled
