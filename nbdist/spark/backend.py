@@ -354,25 +354,26 @@ class SparkBackend:
     # -- an elastic run: one Spark job of one task per worker ------------------
     def _launch_elastic(self, world_size: int, address: tuple[str, int], secret: bytes, threads_per_worker: int,
                         data: SparkData | None) -> list[SparkTaskWorker]:
-        """Each worker a job of its own (``submit``), on the task slots that exist: a lost task fails its own
-        job, not its peers'. Workers beyond the slots are not submitted: ``unplaced`` says why."""
+        """Each worker a job of its own (``submit``), on the task slots free now: a lost task fails its own
+        job, not its peers'. Workers beyond them are not submitted: ``unplaced`` says why."""
         if data is not None:
             raise NbdistError("an elastic run (--workers MIN:MAX) on Spark trains on data sent from the notebook, "
                               "since a survivor cannot read a lost task's partition; pass numpy arrays or pandas "
                               "(df.toPandas()), or give --workers a single number to train on the DataFrame.")
         if self.executors is not None:  # a cluster: at least MIN slots, within executor_wait
             cluster.wait_for_executors(self.session.sparkContext, self.min_workers, self.executor_wait)
-        slots = self.default_workers()
+        slots = self.free_slots()
         if slots < self.min_workers:
-            raise NbdistError(f"--workers {self.min_workers}:{world_size} needs at least {self.min_workers} Spark "
-                              f"task slots but this SparkContext has {slots}; lower MIN to {slots}.")
+            raise NbdistError(f"--workers {self.min_workers}:{world_size} needs at least {self.min_workers} free Spark "
+                              f"task slots but this SparkContext has {slots} free now; lower MIN to {max(1, slots)} "
+                              "or wait for the jobs that hold them.")
         self._secret = secret
         self.workers = [SparkTaskWorker(r) for r in range(world_size)]
         self._listen()
         self._spec = TaskSpec(address=tuple(address), status_address=self._status_address, secret_hex=secret.hex(),
                               threads=threads_per_worker, warm=self.warm, keras_backend=notebook_backend())
         for w in self.workers[slots:]:
-            w.unplaced = f"found no free Spark task slot (this SparkContext has {slots})"
+            w.unplaced = f"found no free Spark task slot ({slots} were free)"
         for rank in range(min(slots, world_size)):
             self.submit(rank)
         log.info("started %d Spark jobs of one task each (elastic, job tag %s)", min(slots, world_size), self.group)

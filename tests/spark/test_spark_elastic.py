@@ -1,6 +1,7 @@
 """Elastic runs on Spark classic (issue 48, docs/elastic.md): each worker a Spark job of one task.
 
-One run asks for 2:3 workers on local[3]; in its second epoch a worker SIGKILLs its Spark task's Python
+One run asks for 2:4 workers on local[3]: it starts with the 3 that have a task slot. In its second epoch
+a worker SIGKILLs its Spark task's Python
 process (the worker goes with it), so the task is lost and its job fails, as when its executor dies. The
 other two tasks train on (a barrier stage would have been aborted with them), and the run ends with 2 workers
 and weights equal to the fault-free runs of the same membership schedule on the local backend (3 workers for
@@ -65,19 +66,22 @@ def spark():
 
 def test_a_killed_worker_leaves_the_other_tasks_training(spark, digits, capsys, tmp_path):
     x, y = digits
-    common = dict(batch_size=BATCH, shuffle=False, seed=7)
+    common = dict(shuffle=False, seed=7)
     steps_per_epoch = -(-len(x) // 3 // BATCH)
     marker = str(tmp_path / "died")
     model = _model([kill_task_once(marker, steps_per_epoch + 6)])  # in the 6th step of the second epoch
-    job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:3", backend="spark", ui="text", **common),
-                  x, y, None)
+    # A global batch of 4 x 24 = 96 rows: 32 + 32 + 32 on the 3 that start, 48 + 48 once 2 are left.
+    job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:4", batch_size=3 * BATCH // 4, backend="spark",
+                                     ui="text", **common), x, y, None)
     job.start()
     history = job.wait(timeout=300)
     out = capsys.readouterr().out
 
     assert job.status == "done" and os.path.exists(marker)
     assert [len(v) for v in history.values()] == [EPOCHS] * len(history)  # one per epoch, none twice
-    (change,) = job.state.membership
+    first, change = job.state.membership
+    assert first.left == [3] and first.workers == [0, 1, 2] and not first.started
+    assert "worker 3 did not start (found no free Spark task slot (3 were free)); training with 3 workers" in out
     (gone,) = change.left
     assert "lost with its Spark task" in change.why and change.workers == [r for r in range(3) if r != gone]
     # The commit at the second epoch's start; its worker dies a step or more after its task (PR_SET_PDEATHSIG).
@@ -94,8 +98,8 @@ def test_a_killed_worker_leaves_the_other_tasks_training(spark, digits, capsys, 
     # state with the launch's global batch.
     reference = _model([kill_task_once(marker, 1)])  # the marker is there: nobody dies
     for epochs, workers, batch in ((1, 3, BATCH), (EPOCHS - 1, 2, 3 * BATCH // 2)):
-        run = prepare(reference, TrainConfig(epochs=epochs, workers=workers, backend="local", ui="none",
-                                             **{**common, "batch_size": batch}), x, y, None)
+        run = prepare(reference, TrainConfig(epochs=epochs, workers=workers, batch_size=batch, backend="local",
+                                             ui="none", **common), x, y, None)
         run.start()
         run.wait(timeout=300)
     for got, want in zip(model.get_weights(), reference.get_weights()):
