@@ -519,6 +519,7 @@ class SparkBackend:
             log.warning("rejected a status connection: %s", exc)
             sock.close()
             return
+        w: SparkTaskWorker | None = None
         try:
             while True:
                 msg = read(channel.recv())  # a malformed message ends this task's channel, as garbage does
@@ -542,6 +543,10 @@ class SparkBackend:
             pass
         finally:
             channel.close()
+        if self.elastic and w is not None and w.code is None and w.pid is not None and not self._closed.is_set():
+            # An elastic run's task whose channel closed before it said how its worker ended: its Python process
+            # died (killed, or its executor gone), and its worker with it. Known now, before Spark's own news.
+            w.lost, w.lost_why, w.code = True, ELASTIC_LOST, 1
 
     # -- ending -------------------------------------------------------------
     def cleanup(self) -> None:
