@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -139,3 +140,47 @@ def _hold_a_slot(sc) -> None:
         sc.parallelize([0], 1).foreach(lambda _: __import__("time").sleep(120))
     except Exception:
         pass  # cancelled
+
+
+@pytest.fixture
+def executors(spark):
+    """A local-cluster of 3 executors of one core each (executor JVMs of their own), instead of local[3]."""
+    import pyspark
+
+    spark.stop()
+    os.environ.setdefault("SPARK_HOME", os.path.dirname(pyspark.__file__))  # where executors are started from
+    session = spark_session("local-cluster[3,1,1024]", **{"spark.executor.memory": "1g"})
+    deadline = time.monotonic() + 120
+    while session.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 4:  # the driver and 3 executors
+        assert time.monotonic() < deadline, "the local-cluster's executors did not register"
+        time.sleep(0.5)
+    yield session
+    session.stop()
+
+
+@pytest.mark.full("a lost task: test_a_killed_worker_leaves_the_other_tasks_training")
+def test_a_lost_executor_costs_its_worker_not_the_run(executors, digits, capsys):
+    """An executor's JVM SIGKILLed after the first epoch: its worker goes with it, the others train on."""
+    import psutil
+
+    x, y = digits
+    killed: dict = {}
+
+    def kill_executor(kind, state, payload):
+        if kind == "epoch" and not killed:
+            for process in psutil.Process(state.workers[1].pid).parents():
+                if "CoarseGrainedExecutorBackend" in " ".join(process.cmdline()):
+                    killed["jvm"] = process.pid
+                    os.kill(process.pid, signal.SIGKILL)
+                    return
+
+    job = prepare(_model(), TrainConfig(epochs=3, workers="2:3", batch_size=BATCH, backend="spark", ui="text"),
+                  x, y, None, listeners=[kill_executor])
+    job.start()
+    history = job.wait(timeout=300)
+    out = capsys.readouterr().out
+    assert killed and job.status == "done" and len(history["loss"]) == 3
+    (change,) = job.state.membership
+    assert change.left == [1] and change.workers == [0, 2] and "lost with its Spark task" in change.why
+    assert "worker 1 left (was lost with its Spark task" in out and job.state.world_size == 2
+    assert not wait_no_workers(5)
