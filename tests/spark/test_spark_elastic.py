@@ -1,11 +1,12 @@
 """Elastic runs on Spark classic (issue 48, docs/elastic.md): each worker a Spark job of one task.
 
-One run asks for 2:4 workers on local[3]: it starts with the 3 that have a task slot. In its second epoch
-a worker SIGKILLs its Spark task's Python
-process (the worker goes with it), so the task is lost and its job fails, as when its executor dies. The
-other two tasks train on (a barrier stage would have been aborted with them), and the run ends with 2 workers
-and weights equal to the fault-free runs of the same membership schedule on the local backend (3 workers for
-an epoch, then 2 from that state: tests/workers/test_elastic.py's reference).
+One run asks for 2:4 workers on local[3]: it starts with the 3 that have a task slot. In its second epoch a
+worker SIGKILLs its Spark task's Python process (the worker goes with it), so the task is lost and its job
+fails, as when its executor dies. The other two tasks train on (a barrier stage would have been aborted with
+them), and the run ends with 2 workers and weights equal to the fault-free runs of the same membership
+schedule on the local backend (3 workers for an epoch, then 2 from that state: tests/workers/test_elastic.py's
+reference). A --max-restarts relaunch asks only for the free task slots; a DataFrame is refused in one
+sentence; `make test-full` kills an executor's JVM in a local-cluster.
 """
 from __future__ import annotations
 
@@ -142,6 +143,19 @@ def _hold_a_slot(sc) -> None:
         pass  # cancelled
 
 
+def test_an_elastic_run_refuses_a_dataframe_in_one_sentence(spark, digits):
+    """A survivor cannot read a lost task's partition: elastic runs on Spark take arrays (docs/elastic.md)."""
+    from nbdist.errors import NbdistError
+
+    x, y = digits
+    df = spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x[:64], y[:64])], ["pixels", "digit"])
+    job = prepare(_model(), TrainConfig(epochs=1, workers="2:3", backend="spark", ui="none"), df, None, None,
+                  features="pixels", label="digit")
+    with pytest.raises(NbdistError, match=r"df\.toPandas\(\)") as info:
+        job.start()
+    assert "\n" not in str(info.value) and "a single number" in str(info.value)
+
+
 @pytest.fixture
 def executors(spark):
     """A local-cluster of 3 executors of one core each (executor JVMs of their own), instead of local[3]."""
@@ -184,3 +198,4 @@ def test_a_lost_executor_costs_its_worker_not_the_run(executors, digits, capsys)
     assert change.left == [1] and change.workers == [0, 2] and "lost with its Spark task" in change.why
     assert "worker 1 left (was lost with its Spark task" in out and job.state.world_size == 2
     assert not wait_no_workers(5)
+
