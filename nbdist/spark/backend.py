@@ -229,9 +229,10 @@ class SparkTaskWorker:
 
     def settle(self, timeout: float) -> int | None:
         """The exit status once Spark knows how this worker's task ended, waiting up to ``timeout`` s: its
-        connection closed before its task's end was reported (an executor lost, seen by Spark a moment later)."""
+        connection closed before its task's end was reported (an executor lost, seen by Spark a moment later).
+        An elastic run's worker only; another's is returned as it is."""
         deadline = time.monotonic() + timeout
-        while self.exit_status() is None and time.monotonic() < deadline:
+        while self.check_lost is not None and self.exit_status() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         return self.code
 
