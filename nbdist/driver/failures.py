@@ -22,7 +22,7 @@ def describe_exit(code: int, handle: Any = None) -> str:
     if end is not None and end.oom_killed:
         return oom_sentence(end.peak_rss)
     if getattr(handle, "lost", False):  # a Spark task that died without reporting (spark/backend.py)
-        return LOST_TASK
+        return getattr(handle, "lost_why", "") or LOST_TASK
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"

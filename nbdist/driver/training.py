@@ -38,17 +38,19 @@ from .keeper import CheckpointKeeper
 from .membership import Membership
 from .resolve import resolve_backend
 from .run import Run, data_parts
-from .state import TERMINAL, MembershipChange, RunState
+from .state import TERMINAL, MembershipChange, RunState, WorkerProgress
 
 log = logging.getLogger(__name__)
 
+# How long a worker whose connection closed may take to be known gone (a lost Spark executor: Spark's news).
+GONE_WAIT = 10.0
 # How long a stop waits for rank 0's last weights when they are not sent every epoch.
 STOP_WEIGHTS_WAIT = 10.0
 # How long a worker's Lost waits for the peer whose death broke its collective to be seen ended.
 LOST_PEER_WAIT = 5.0
-# Where an elastic run (workers MIN:MAX) can run: backends that see a worker's process end and can start one
-# more worker alone (a replacement).
-ELASTIC_BACKENDS = ("local", "containers")
+# Where an elastic run (workers MIN:MAX) runs (docs/elastic.md): backends that see a worker's end; Spark: classic
+# sessions only. Those with ``add_worker`` (local, containers) also start a replacement for a lost worker.
+ELASTIC_BACKENDS = ("local", "containers", "spark")
 
 
 class TrainingJob(Run):
@@ -231,10 +233,12 @@ class TrainingJob(Run):
     def _elastic_membership(self, world: int) -> Membership:
         """The first generation of an elastic run, checked at the door (docs/elastic.md)."""
         cfg = self.config
-        backend = resolve_backend(cfg).name
-        if backend not in ELASTIC_BACKENDS:
-            raise NbdistError(f"workers MIN:MAX (elastic) runs on the {' and '.join(ELASTIC_BACKENDS)} backends so "
-                              f"far, not --backend {backend}; give --workers a single number there.")
+        backend = resolve_backend(cfg)
+        connect = bool(getattr(backend, "connect", False))
+        if backend.name not in ELASTIC_BACKENDS or connect:
+            where = "Spark Connect" if connect else f"--backend {backend.name}"
+            raise NbdistError(f"workers MIN:MAX (elastic) runs on the local and containers backends and classic Spark "
+                              f"sessions so far, not {where}; give --workers a single number there.")
         if world < cfg.min_workers:
             raise NbdistError(f"--workers {cfg.min_workers}:{cfg.workers} needs at least {cfg.min_workers} workers, "
                               f"but this run's data allows only {world}; lower MIN to {world}.")
@@ -542,19 +546,43 @@ class TrainingJob(Run):
         self._done, self._closing = set(), {}
         self._remove_meeting_place()
         self._rendezvous = None  # the new rank 0 publishes a new store
-        if self._membership is not None:  # the relaunch is a new first generation, of the world it had
-            self._membership, self._left = Membership(self._membership.minimum, self.world_size), set()
-            self._started, self._not_started, self._below_min, self._resume_step = set(), {}, "", 0
         try:
+            backend = resolve_backend(self.config)
+            fewer = self._fit_world(backend)  # e.g. an executor gone for good: the task slots left
+            if self._membership is not None:  # the relaunch is a new first generation, of the world it had
+                self._membership, self._left = Membership(self._membership.minimum, self.world_size), set()
+                self._started, self._not_started, self._below_min, self._resume_step = set(), {}, "", 0
+                if fewer:
+                    self._deal_again(self.world_size)
             self._spec, self._initial_epoch = keeper.restart_point()
             self._rewind_last_weights()
             self.state.restarting(self._initial_epoch)
-            reason = keeper.restart_reason(message, self._initial_epoch)
+            reason = keeper.restart_reason(message, self._initial_epoch) + fewer
             log.info("%s", reason)
             self._notify("restart", reason)
-            self._launch(resolve_backend(self.config))
+            self._launch(backend)
         except Exception as exc:
             self._fail(rank, f"relaunching the workers failed ({exc}) after: {message}", worker_traceback)
+
+    def _fit_world(self, backend: Any) -> str:
+        """A relaunch asks for no more workers than the backend has room for now (Spark: its free task slots,
+        ``free_slots``), rather than waiting for slots that are gone; the words saying so ('' when all fit).
+        Each worker keeps its --batch-size (an elastic run: the launch's global batch, dealt by the caller)."""
+        free = getattr(backend, "free_slots", None)
+        world = self.world_size if free is None else max(1, min(self.world_size, free()))
+        if world == self.world_size:
+            return ""
+        said = (f", with {world} worker{'' if world == 1 else 's'} instead of {self.world_size}: the "
+                f"{backend.name} backend has room for {world} now")
+        self.world_size = self.state.world_size = world
+        self.state.workers = [WorkerProgress(rank=r) for r in range(world)]
+        if self._membership is None:
+            shards = self._plan_shards(backend, world)
+            if shards is not None:  # Spark data: its tasks count their partitions again
+                self._apply_shards(shards)
+        if isinstance(self.validation_data, FitData):
+            self._val_shards = shard_bounds(len(self.validation_data), world)
+        return said
 
     def _rewind_last_weights(self) -> None:
         """What a stop before the relaunched workers finish an epoch leaves in the model: the
@@ -591,6 +619,8 @@ class TrainingJob(Run):
             return False
         handle = self._handles[slot]
         code = handle.exit_status()
+        if code is None and hasattr(handle, "settle"):  # its connection closed; Spark tells a lost task's end later
+            code = handle.settle(GONE_WAIT)
         return bool(getattr(handle, "lost", False)) or (code is not None and code not in (0, 1))
 
     def _not_starting(self, slot: int, message: str) -> bool:
@@ -611,6 +641,9 @@ class TrainingJob(Run):
         """The first generation, once every worker has started or will not: those that did, dealt the launch's
         global batch; the others are said in one line."""
         m = self._membership
+        for h in self._handles:  # those the backend could not place (Spark: no free task slot) will not start
+            if getattr(h, "unplaced", "") and h.rank not in self._not_started:
+                self._not_starting(h.rank, f"{self._name(h.rank)} {h.unplaced}")
         if set(m.members) - self._started - set(self._not_started):
             return  # some are still starting (the health check ends their wait at startup_timeout)
         members = sorted(self._started)

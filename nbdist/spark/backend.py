@@ -8,6 +8,10 @@ the stage under a tag of its own (job group, or Connect's operation tag), so sto
 exactly its tasks. Each task starts the local backend's worker program and reports over an authenticated
 side channel its rows, its process and how it ended (exit code, log tail). The coordinator stays in the
 notebook, also over Connect: a notebook the executors cannot reach is told so by the first task.
+
+An elastic run (``workers="MIN:MAX"``, classic sessions, data over the wire: docs/elastic.md) runs each worker
+as a Spark job of one ordinary task instead, on its own thread and job group under the run's job tag: a lost
+task fails only its own job, the others train on, and as many jobs start as there are task slots.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import re
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,9 +38,16 @@ from ..wire.reports import TaskExit, TaskRows, TaskStarted
 from . import cluster
 from .balance import Rebalance, rebalance_frame, rebalance_rdd, rebalance_with_validation
 from .data import SparkData, barrier_safe
-from .task import RESULT_SCHEMA, TaskSpec, arrow_task, run_task
+from .task import RESULT_SCHEMA, TaskSpec, arrow_task, run_task, single_task
 
 log = logging.getLogger(__name__)
+
+# How an elastic run's lost task is said (failures.describe_exit): its peers are not affected.
+ELASTIC_LOST = "was lost with its Spark task (its executor or the task's Python process died)"
+
+# Spark's status store (AppStatusListener) flushes live counts at least every spark.ui.liveUpdate.minFlushPeriod
+# (1 s): read that long, this many times, for the free task slots of a relaunch.
+STATUS_FLUSH, STATUS_READS = 1.5, 7
 
 NO_SPARK = ("--backend spark needs an active SparkContext and there is none; start one first, e.g. "
             "spark = SparkSession.builder.master('local[2]').getOrCreate().")
@@ -200,8 +212,28 @@ class SparkTaskWorker:
         # Its task ended without reporting while the Spark job failed (its Python process or executor died):
         # Spark never retries a barrier ResultStage, so the run ends here unless it relaunches (--max-restarts).
         self.lost = False
+        self.lost_why = ""  # an elastic run's words for that loss (failures.describe_exit)
+        self.unplaced = ""  # an elastic run's worker that got no task slot at launch: why (never started)
+        self.check_lost: Callable[[], bool] | None = None  # an elastic run's: asks Spark whether its task failed
+        self._checked_at = 0.0
 
     def exit_status(self) -> int | None:
+        if self.code is None and self.check_lost is not None and time.monotonic() - self._checked_at > 1.0 \
+                and self._check_lost():
+            self.lost, self.lost_why, self.code = True, ELASTIC_LOST, 1
+        return self.code
+
+    def _check_lost(self) -> bool:
+        self._checked_at = time.monotonic()
+        return self.check_lost()
+
+    def settle(self, timeout: float) -> int | None:
+        """The exit status once Spark knows how this worker's task ended, waiting up to ``timeout`` s: its
+        connection closed before its task's end was reported (an executor lost, seen by Spark a moment later).
+        An elastic run's worker only; another's is returned as it is."""
+        deadline = time.monotonic() + timeout
+        while self.check_lost is not None and self.exit_status() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
         return self.code
 
     def describe(self) -> str:
@@ -233,6 +265,9 @@ class SparkBackend:
         # the notebook at, and whether they keep warm workers.
         self.executor_wait, self.warm = config.executor_wait, config.warm_workers
         self.connect = is_connect_session(session)
+        # An elastic run (classic sessions; training.py refuses it over Connect): one job per worker, launched
+        # on as many task slots as exist (at least min_workers).
+        self.elastic, self.min_workers = config.elastic and not self.connect, config.min_workers or 1
         # Classic sessions, before any Spark job: executors registered, and the address they reach us at.
         self.executors = None if self.connect else cluster.wait_for_executors(session.sparkContext, 1,
                                                                               self.executor_wait)
@@ -243,6 +278,9 @@ class SparkBackend:
         self.workers: list[SparkTaskWorker] = []
         self.job_error: str | None = None
         self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # an elastic run's: one per worker's job
+        self._spec: TaskSpec | None = None
+        self._status_address: tuple[str, int] = ("", 0)
         self._server: socket.socket | None = None
         self._closed = threading.Event()
         self._secret = b""
@@ -255,6 +293,28 @@ class SparkBackend:
             return max(1, cluster.registered(self.session.sparkContext).slots)
         return task_slots(self.session.sparkContext)
 
+    def free_slots(self) -> int:
+        """Task slots no job holds now: what a relaunch asks for at most (training.py). The slots of the
+        executors registered now, less the tasks they run; over Connect, the server's configuration's."""
+        slots = self.default_workers()
+        if self.connect:
+            return slots
+        # The tasks of the stages running now (a cancelled run's tasks, still being killed, are not theirs).
+        # Spark's status store writes a busy stage's count about once a second: the lowest count read over a
+        # little longer than that.
+        running = slots
+        tracker = self.session.sparkContext.statusTracker()
+        for _ in range(STATUS_READS):
+            try:
+                stages = [tracker.getStageInfo(s) for s in tracker.getActiveStageIds()]
+                running = min(running, sum(s.numActiveTasks for s in stages if s is not None))
+            except Exception:  # a session stopped meanwhile: count every slot as free
+                return slots
+            if running == 0:
+                break
+            time.sleep(STATUS_FLUSH / (STATUS_READS - 1))
+        return max(0, slots - running)
+
     def partition_rows(self) -> list[int] | None:
         """Each task's row count once every task has written its partition, else None."""
         rows = [w.rows for w in self.workers]
@@ -264,6 +324,8 @@ class SparkBackend:
                data: SparkData | None = None) -> list[SparkTaskWorker]:
         """``data``: a DataFrame or RDD read where it lives, one partition per task; None: the
         data travels over the wire and the tasks only host the workers."""
+        if self.elastic:
+            return self._launch_elastic(world_size, address, secret, threads_per_worker, data)
         if self.connect and data is not None and data.dataframe is None:
             raise NbdistError("RDDs do not exist over Spark Connect; pass a DataFrame instead, e.g. "
                               "spark.createDataFrame(pandas_df), naming its columns with --features and --label.")
@@ -277,12 +339,8 @@ class SparkBackend:
         source = None if data is None else self._balanced(world_size, data)
         self._secret = secret
         self.workers = [SparkTaskWorker(r) for r in range(world_size)]
-        self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._server.bind((self.bind_host, 0))
-        self._server.listen(64)
-        status_address = (self.advertise_host, self._server.getsockname()[1])
-        threading.Thread(target=self._accept, name="nbdist-spark-status", daemon=True).start()
-        spec = TaskSpec(address=tuple(address), status_address=status_address, secret_hex=secret.hex(),
+        self._listen()
+        spec = TaskSpec(address=tuple(address), status_address=self._status_address, secret_hex=secret.hex(),
                         threads=threads_per_worker, layout=None if data is None else data.layout,
                         warm=self.warm,  # TrainConfig.warm_workers=False turns executors' warm workers off
                         keras_backend=notebook_backend(),
@@ -293,6 +351,84 @@ class SparkBackend:
         log.info("started Spark job %s with %d barrier tasks%s", self.group, world_size,
                  " over Spark Connect" if self.connect else "")
         return list(self.workers)
+
+    # -- an elastic run: one Spark job of one task per worker ------------------
+    def _launch_elastic(self, world_size: int, address: tuple[str, int], secret: bytes, threads_per_worker: int,
+                        data: SparkData | None) -> list[SparkTaskWorker]:
+        """Each worker a job of its own (``submit``), on the task slots free now: a lost task fails its own
+        job, not its peers'. Workers beyond them are not submitted: ``unplaced`` says why."""
+        if data is not None:
+            raise NbdistError("an elastic run (--workers MIN:MAX) on Spark trains on data sent from the notebook, "
+                              "since a survivor cannot read a lost task's partition; pass numpy arrays or pandas "
+                              "(df.toPandas()), or give --workers a single number to train on the DataFrame.")
+        if self.executors is not None:  # a cluster: at least MIN slots, within executor_wait
+            cluster.wait_for_executors(self.session.sparkContext, self.min_workers, self.executor_wait)
+        slots = self.free_slots()
+        if slots < self.min_workers:
+            raise NbdistError(f"--workers {self.min_workers}:{world_size} needs at least {self.min_workers} free Spark "
+                              f"task slots but this SparkContext has {slots} free now; lower MIN to {max(1, slots)} "
+                              "or wait for the jobs that hold them.")
+        self._secret = secret
+        self.workers = [SparkTaskWorker(r) for r in range(world_size)]
+        self._listen()
+        self._spec = TaskSpec(address=tuple(address), status_address=self._status_address, secret_hex=secret.hex(),
+                              threads=threads_per_worker, warm=self.warm, keras_backend=notebook_backend())
+        for w in self.workers[slots:]:
+            w.unplaced = f"found no free Spark task slot ({slots} were free)"
+        for rank in range(min(slots, world_size)):
+            self.submit(rank)
+        log.info("started %d Spark jobs of one task each (elastic, job tag %s)", min(slots, world_size), self.group)
+        return list(self.workers)
+
+    def submit(self, rank: int) -> None:
+        """Start worker ``rank``'s job: one task on a free slot (it waits for one). The hook for a worker that
+        joins later."""
+        w = self.workers[rank]
+        w.unplaced = ""
+        w.check_lost = functools.partial(self._task_failed, rank)
+        job = self.session.sparkContext.parallelize([rank], 1).mapPartitions(
+            functools.partial(single_task, self._spec, rank)).collect
+        thread = threading.Thread(target=self._run_one, args=(rank, job), name=f"nbdist-spark-job-{rank}",
+                                  daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _run_one(self, rank: int, job: Callable[[], list[Any]]) -> None:
+        sc = self.session.sparkContext
+        sc.setJobGroup(f"{self.group}-{rank}", f"nbdist worker {rank} (elastic)", interruptOnCancel=True)
+        sc.addJobTag(self.group)  # the run's: stop() cancels every worker's job at once
+        w = self.workers[rank]
+        try:
+            results = job()
+        except Exception as exc:
+            error = summarize_spark_error(exc)
+            if w.code is None:  # its task ended without reporting: its worker went with it
+                w.lost = not self._closed.is_set()
+                w.lost_why, w.spark_error, w.code = ELASTIC_LOST, error, 1
+            return
+        finally:
+            sc.removeJobTag(self.group)
+        for result in results:
+            if w.code is None:  # a retry after its first attempt was lost (single_task starts no worker then)
+                w.error = str(result.get("error") or "")
+                w.lost, w.lost_why = bool(result.get("lost")), ELASTIC_LOST
+                w.code, w.log = int(result["code"]), str(result.get("log") or "")
+
+    def _task_failed(self, rank: int) -> bool:
+        """Whether worker ``rank``'s job has a failed task (its executor lost: Spark retries it, and the retry
+        starts no worker). Then the job is cancelled, so the retry does not wait for a slot."""
+        try:
+            tracker = self.session.sparkContext.statusTracker()
+            for job_id in tracker.getJobIdsForGroup(f"{self.group}-{rank}"):
+                info = tracker.getJobInfo(job_id)
+                for stage_id in (info.stageIds if info is not None else []):
+                    stage = tracker.getStageInfo(stage_id)
+                    if stage is not None and stage.numFailedTasks > 0:
+                        self.session.sparkContext.cancelJobGroup(f"{self.group}-{rank}")
+                        return True
+        except Exception as exc:  # a stopped session: its tasks went with it
+            log.debug("cannot read Spark's status of worker %d: %s", rank, exc)
+        return False
 
     @property
     def data_note(self) -> str:
@@ -361,6 +497,14 @@ class SparkBackend:
                 w.code, w.log = int(result["code"]), str(result.get("log") or "")
 
     # -- reports from the tasks -------------------------------------------
+    def _listen(self) -> None:
+        """The status listener the tasks report to (``_status_address``)."""
+        self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._server.bind((self.bind_host, 0))
+        self._server.listen(64)
+        self._status_address = (self.advertise_host, self._server.getsockname()[1])
+        threading.Thread(target=self._accept, name="nbdist-spark-status", daemon=True).start()
+
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
@@ -376,6 +520,7 @@ class SparkBackend:
             log.warning("rejected a status connection: %s", exc)
             sock.close()
             return
+        w: SparkTaskWorker | None = None
         try:
             while True:
                 msg = read(channel.recv())  # a malformed message ends this task's channel, as garbage does
@@ -399,6 +544,10 @@ class SparkBackend:
             pass
         finally:
             channel.close()
+        if self.elastic and w is not None and w.code is None and w.pid is not None and not self._closed.is_set():
+            # An elastic run's task whose channel closed before it said how its worker ended: its Python process
+            # died (killed, or its executor gone), and its worker with it. Known now, before Spark's own news.
+            w.lost, w.lost_why, w.code = True, ELASTIC_LOST, 1
 
     # -- ending -------------------------------------------------------------
     def cleanup(self) -> None:
@@ -409,24 +558,47 @@ class SparkBackend:
         try:
             if self.connect:
                 self.session.interruptTag(self.group)
+            elif self.elastic:
+                self.session.sparkContext.cancelJobsWithTag(self.group)
             else:
                 self.session.sparkContext.cancelJobGroup(self.group)
         except Exception as exc:  # a session stopped meanwhile: its tasks went with it
             log.warning("could not cancel Spark job %s: %s", self.group, exc)
 
+    def _ended_in_status(self, timeout: float = 5.0) -> None:
+        """Wait until Spark's status shows this run's jobs ended (its listener lags the jobs' own end), so
+        that what a relaunch reads of the free task slots (``free_slots``) no longer counts their tasks."""
+        if self.connect or not self.workers:
+            return
+        groups = [f"{self.group}-{w.rank}" for w in self.workers] if self.elastic else [self.group]
+        deadline = time.monotonic() + timeout
+        try:
+            tracker = self.session.sparkContext.statusTracker()
+            while time.monotonic() < deadline:
+                jobs = [tracker.getJobInfo(j) for g in groups for j in tracker.getJobIdsForGroup(g)]
+                if not any(info is not None and info.status == "RUNNING" for info in jobs):
+                    return
+                time.sleep(0.1)
+        except Exception as exc:  # a session stopped meanwhile: nothing of it runs
+            log.debug("cannot read Spark's status of job %s: %s", self.group, exc)
+
     def stop(self, grace: float = 3.0) -> None:
         """Let the tasks end by themselves (their workers exit when the coordinator closes), else cancel."""
-        thread = self._thread
-        if thread is not None and thread.is_alive():
-            thread.join(grace)
-            if thread.is_alive():
-                log.info("cancelling Spark job %s", self.group)
-                self._closed.set()
-                self.cancel()
-                thread.join(30.0)
-                if thread.is_alive():
-                    log.warning("Spark job group %s still running 30 s after cancelling", self.group)
+        threads = [t for t in [self._thread, *self._threads] if t is not None]
+        deadline = time.monotonic() + grace
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            log.info("cancelling Spark job %s", self.group)
+            self._closed.set()
+            self.cancel()
+            deadline = time.monotonic() + 30.0
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if any(t.is_alive() for t in threads):
+                log.warning("Spark job group %s still running 30 s after cancelling", self.group)
         self._closed.set()
+        self._ended_in_status()
         if self._server is not None:
             try:
                 self._server.close()

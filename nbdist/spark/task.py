@@ -1,4 +1,6 @@
-"""What one Spark barrier task does on its executor: write its partition, start a worker, watch it.
+"""What one Spark task does on its executor: write its partition, start a worker, watch it.
+
+A task of the run's barrier stage, or in an elastic run the one task of a worker's own job (``single_task``).
 
 Everything here runs on the executor, so it imports only the standard library
 and numpy at module level (pyspark is imported inside the task). The pure parts
@@ -354,6 +356,21 @@ def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
     yield pa.RecordBatch.from_pylist([result], schema=pa.schema([
         ("rank", pa.int64()), ("code", pa.int64()), ("rows", pa.int64()), ("log", pa.string()),
         ("error", pa.string())]))
+
+
+def single_task(spec: TaskSpec, rank: int, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
+    """An elastic run's worker ``rank``: the one ordinary task of its own job (``rdd.mapPartitions`` body).
+    A retry of it (Spark retries a task whose executor was lost) starts no worker: that worker is gone and
+    the others went on without it; it returns at once, marked lost."""
+    from pyspark import TaskContext
+
+    for _ in rows:  # its one row, the rank
+        pass
+    ctx = TaskContext.get()
+    if ctx.attemptNumber() > 0:
+        yield {"rank": rank, "code": 1, "rows": -1, "log": "", "error": "", "lost": True}
+        return
+    yield task_body(spec, rank, ctx.resources())
 
 
 def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
