@@ -26,37 +26,9 @@ from nbdist.api import prepare  # noqa: E402
 from nbdist.config import TrainConfig  # noqa: E402
 
 from ..conftest import wait_no_workers  # noqa: E402
-from ..workers.test_elastic import BATCH, _model  # noqa: E402
+from ..workers.test_elastic import BATCH, DieOnce, _model  # noqa: E402
 
 EPOCHS = 2
-
-
-def kill_task_once(marker: str, at: int):
-    """An identity layer whose worker SIGKILLs its parent, the Spark task's Python process, at its ``at``-th
-    training step: the first worker to get there, once per ``marker`` file (the worker dies with its task)."""
-    import keras
-    import tensorflow as tf
-
-    class KillTask(keras.layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.calls = 0
-
-        def tick(self):
-            self.calls += 1
-            if self.calls == at:
-                try:
-                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                except FileExistsError:
-                    return
-                os.kill(os.getppid(), signal.SIGKILL)
-
-        def call(self, x, training=None):
-            if training:
-                tf.py_function(self.tick, [], [])
-            return x
-
-    return KillTask()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +43,7 @@ def test_a_killed_worker_leaves_the_other_tasks_training(spark, digits, capsys, 
     common = dict(shuffle=False, seed=7)
     steps_per_epoch = -(-len(x) // 3 // BATCH)
     marker = str(tmp_path / "died")
-    model = _model([kill_task_once(marker, steps_per_epoch + 6)])  # in the 6th step of the second epoch
+    model = _model([DieOnce.layer(marker, steps_per_epoch + 6, parent=True)])  # in the 6th step of the second epoch
     # A global batch of 4 x 24 = 96 rows: 32 + 32 + 32 on the 3 that start, 48 + 48 once 2 are left.
     job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:4", batch_size=3 * BATCH // 4, backend="spark",
                                      ui="text", **common), x, y, None)
@@ -98,7 +70,7 @@ def test_a_killed_worker_leaves_the_other_tasks_training(spark, digits, capsys, 
 
     # The same membership schedule without a fault, on local workers: 3 workers for an epoch, then 2 from that
     # state with the launch's global batch.
-    reference = _model([kill_task_once(marker, 1)])  # the marker is there: nobody dies
+    reference = _model([DieOnce.layer(marker, 1)])  # the marker is there: nobody dies
     for epochs, workers, batch in ((1, 3, BATCH), (EPOCHS - 1, 2, 3 * BATCH // 2)):
         run = prepare(reference, TrainConfig(epochs=epochs, workers=workers, batch_size=batch, backend="local",
                                              ui="none", **common), x, y, None)

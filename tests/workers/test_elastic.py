@@ -36,10 +36,11 @@ def _model(layers=()):
 
 class DieOnce:
     """An identity layer whose worker process kills itself (SIGKILL) at its ``at``-th training step: the first
-    worker to get there, once per ``marker`` file. The driver sees events too late to kill mid-epoch."""
+    worker to get there, once per ``marker`` file. The driver sees events too late to kill mid-epoch. ``parent``:
+    it kills its parent instead (a Spark task's Python process, which the worker dies with)."""
 
     @staticmethod
-    def layer(marker: str, at: int):
+    def layer(marker: str, at: int, parent: bool = False):
         import keras
         import tensorflow as tf
 
@@ -55,7 +56,7 @@ class DieOnce:
                         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                     except FileExistsError:
                         return
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getppid() if parent else os.getpid(), signal.SIGKILL)
 
             def call(self, x, training=None):
                 if training:
