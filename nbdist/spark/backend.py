@@ -1,17 +1,13 @@
 """Spark backend: workers are barrier tasks of the notebook's SparkSession, classic or Spark Connect.
 
 One launcher serves both: the barrier stage is ``df.mapInArrow(arrow_task, schema, barrier=True)`` over the
-training DataFrame (one partition per worker, rebalanced into equal shares where needed: balance.py) or over
-``spark.range(n, numPartitions=n)`` when the data travels over the wire; an RDD of pairs (classic sessions
-only) runs as ``rdd.barrier().mapPartitions`` with the same task body. A background thread ``collect()``s
-the stage under a tag of its own (job group, or Connect's operation tag), so stopping the run cancels
-exactly its tasks. Each task starts the local backend's worker program and reports over an authenticated
-side channel its rows, its process and how it ended (exit code, log tail). The coordinator stays in the
-notebook, also over Connect: a notebook the executors cannot reach is told so by the first task.
-
-An elastic run (``workers="MIN:MAX"``, classic sessions, data over the wire: docs/elastic.md) runs each worker
-as a Spark job of one ordinary task instead, on its own thread and job group under the run's job tag: a lost
-task fails only its own job, the others train on, and as many jobs start as there are task slots.
+training DataFrame (one partition per worker, rebalanced into equal shares: balance.py) or over ``spark.range``
+when the data travels over the wire; an RDD of pairs (classic only) runs as ``rdd.barrier().mapPartitions``.
+A background thread ``collect()``s the stage under a tag of its own, so stopping the run cancels exactly its
+tasks. Each task starts the worker program and reports over an authenticated side channel its rows, its process
+and how it ended. The coordinator stays in the notebook, also over Connect. An elastic run (``workers="MIN:MAX"``,
+classic sessions, data over the wire: docs/elastic.md) runs each worker as a Spark job of one ordinary task
+instead, under the run's job tag: a lost task fails only its own job, and the others train on.
 """
 from __future__ import annotations
 
