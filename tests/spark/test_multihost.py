@@ -142,6 +142,33 @@ def test_killed_worker_on_one_host(cluster, spark, data):
         time.sleep(0.5)
 
 
+def test_elastic_run_goes_on_without_a_hosts_worker(cluster, spark, data):
+    """An elastic run (1:2) across the two hosts: hostB's worker is SIGKILLed after the first epoch; hostA's
+    worker rolls back to its commit and trains on, and the run finishes. A replacement's job takes hostB's
+    freed slot and joins at a later commit if it connects before the run ends."""
+    X_tr, _, y_tr, _ = data
+    job = nbdist.train(small_model(), X_tr, y_tr, epochs=30, batch_size=32, workers="1:2", strategy="allreduce",
+                       backend="spark", seed=0, ui="none", background=True)
+    host = HOSTS[1]
+    deadline = time.monotonic() + 180
+    while not (job.history.get("loss") and cluster.pids_on(host, WORKER)):  # training, across both hosts
+        assert job.status not in ("failed", "done"), job.error
+        assert time.monotonic() < deadline, "training did not start within 180 s"
+        time.sleep(0.2)
+    (gone,) = [w.rank for w in job.state.workers if w.host == host.name]
+    os.kill(cluster.pids_on(host, WORKER)[0], signal.SIGKILL)
+    history = job.wait(timeout=300)
+    assert job.status == "done" and len(history["loss"]) == 30
+    left, *joins = job.state.membership
+    assert left.left == [gone] and left.workers == [1 - gone] and "SIGKILL" in left.why, left.line
+    assert all((j.left, j.joined) == ([], [2]) for j in joins) and len(joins) <= 1, [j.line for j in joins]
+    assert job.state.workers[1 - gone].host == HOSTS[0].name and 1 - gone in job.reports
+    deadline = time.monotonic() + 20
+    while _left_on_hosts(cluster):
+        assert time.monotonic() < deadline, f"left behind: {_left_on_hosts(cluster)}"
+        time.sleep(0.5)
+
+
 def test_coordinator_unreachable_from_the_hosts(cluster, spark, data, monkeypatch):
     """A coordinator address the executors cannot reach: one sentence naming the worker, the address and the setting."""
     from nbdist.spark import cluster as spark_cluster

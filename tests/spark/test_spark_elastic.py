@@ -6,8 +6,8 @@ fails, as when its executor dies. The other two tasks train on (a barrier stage 
 them). The fourth worker's job, waiting for a slot since the launch, takes the lost task's and joins at the
 survivors' next commit; the run ends with 3 workers and weights equal to the fault-free runs of the same
 membership schedule on the local backend (3 workers for an epoch, 2 from that state, then 3: as
-tests/workers/test_elastic.py's reference). A --max-restarts relaunch asks only for the free task slots; a DataFrame is refused in one
-sentence; `make test-full` kills an executor's JVM in a local-cluster.
+tests/workers/test_elastic.py's reference). A --max-restarts relaunch asks only for the free task slots; a
+DataFrame is refused in one sentence; `make test-full` kills an executor's JVM in a local-cluster.
 """
 from __future__ import annotations
 
