@@ -575,7 +575,8 @@ class SparkBackend:
             pass
         finally:
             channel.close()
-        if self.elastic and w is not None and w.code is None and w.pid is not None and not self._closed.is_set():
+        if self.elastic and w is not None and w.code is None and w.pid is not None and not self._closed.is_set() \
+                and w.rank not in self._withdrawn:
             # An elastic run's task whose channel closed before it said how its worker ended: its Python process
             # died (killed, or its executor gone), and its worker with it. Known now, before Spark's own news.
             w.lost, w.lost_why, w.code = True, ELASTIC_LOST, 1
