@@ -646,7 +646,7 @@ class TrainingJob(Run):
                 self._not_starting(h.rank, f"{self._name(h.rank)} {h.unplaced}")
         if set(m.members) - self._started - set(self._not_started):
             return  # some are still starting (the health check ends their wait at startup_timeout)
-        members = sorted(self._started)
+        members = sorted(self._started - set(self._not_started))
         if len(members) < len(m.members):
             change = m.first(members, "; ".join(dict.fromkeys(self._not_started.values())), self._initial_epoch)
             self.world_size = len(members)
@@ -660,6 +660,8 @@ class TrainingJob(Run):
                 self._coordinator.send(slot, self._job_message(rank))
             except (ConnectionError, OSError) as exc:  # it went: the health check names it
                 log.warning("could not send the job to %s: %s", self._name(slot), exc)
+        for slot in sorted(self._started & set(self._not_started)):  # counted out, then started (Spark: a job that
+            self._send_job(slot)  # waited for a slot got one): it joins at the next commit
 
     def _member_left(self, slot: int) -> bool:
         """Member ``slot`` is gone: the generation is broken; True while enough workers are left to go on."""
@@ -806,6 +808,9 @@ class TrainingJob(Run):
             return
         self._handles.append(handle)
         self._left.add(new)  # watched as a joiner (_watch_joiners) until it joins
+        if getattr(handle, "unplaced", ""):  # Spark: its job waits for a task slot, maybe until the run ends; the
+            m.drop_joiner(new)  # members do not wait for it: it joins at their first commit after its hello
+            m.never_started.add(new)
         self.state.joiner_added(new)
         log.info("starting %s in worker %d's place; it joins at the next commit", handle.describe(), slot)
         self._notify("worker", new)

@@ -6,8 +6,9 @@ when the data travels over the wire; an RDD of pairs (classic only) runs as ``rd
 A background thread ``collect()``s the stage under a tag of its own, so stopping the run cancels exactly its
 tasks. Each task starts the worker program and reports over an authenticated side channel its rows, its process
 and how it ended. The coordinator stays in the notebook, also over Connect. An elastic run (``workers="MIN:MAX"``,
-classic sessions, data over the wire: docs/elastic.md) runs each worker as a Spark job of one ordinary task
-instead, under the run's job tag: a lost task fails only its own job, and the others train on.
+classic, data over the wire: docs/elastic.md) runs each worker as a Spark job of one ordinary task under the run's
+job tag: a lost task fails only its own job. Jobs beyond the free slots, and replacements (``add_worker``), wait
+for a slot until the run ends; such a worker joins at the members' first commit after it connected.
 """
 from __future__ import annotations
 
@@ -209,7 +210,9 @@ class SparkTaskWorker:
         # Spark never retries a barrier ResultStage, so the run ends here unless it relaunches (--max-restarts).
         self.lost = False
         self.lost_why = ""  # an elastic run's words for that loss (failures.describe_exit)
-        self.unplaced = ""  # an elastic run's worker that got no task slot at launch: why (never started)
+        # An elastic run's worker whose job waits for a task slot (beyond the launch's free slots, or a
+        # replacement): why. The run does not wait for it; it joins if its task starts.
+        self.unplaced = ""
         self.check_lost: Callable[[], bool] | None = None  # an elastic run's: asks Spark whether its task failed
         self._checked_at = 0.0
 
@@ -264,6 +267,7 @@ class SparkBackend:
         # An elastic run (classic sessions; training.py refuses it over Connect): one job per worker, launched
         # on as many task slots as exist (at least min_workers).
         self.elastic, self.min_workers = config.elastic and not self.connect, config.min_workers or 1
+        self.startup_timeout = config.startup_timeout
         # Classic sessions, before any Spark job: executors registered, and the address they reach us at.
         self.executors = None if self.connect else cluster.wait_for_executors(session.sparkContext, 1,
                                                                               self.executor_wait)
@@ -275,6 +279,7 @@ class SparkBackend:
         self.job_error: str | None = None
         self._thread: threading.Thread | None = None
         self._threads: list[threading.Thread] = []  # an elastic run's: one per worker's job
+        self._withdrawn: set[int] = set()  # an elastic run's jobs cancelled before their task started (stop)
         self._spec: TaskSpec | None = None
         self._status_address: tuple[str, int] = ("", 0)
         self._server: socket.socket | None = None
@@ -352,7 +357,7 @@ class SparkBackend:
     def _launch_elastic(self, world_size: int, address: tuple[str, int], secret: bytes, threads_per_worker: int,
                         data: SparkData | None) -> list[SparkTaskWorker]:
         """Each worker a job of its own (``submit``), on the task slots free now: a lost task fails its own
-        job, not its peers'. Workers beyond them are not submitted: ``unplaced`` says why."""
+        job, not its peers'. Workers beyond them are ``unplaced``: their jobs wait for a slot (``_submit_unplaced``)."""
         if data is not None:
             raise NbdistError("an elastic run (--workers MIN:MAX) on Spark trains on data sent from the notebook, "
                               "since a survivor cannot read a lost task's partition; pass numpy arrays or pandas "
@@ -370,17 +375,42 @@ class SparkBackend:
         self._spec = TaskSpec(address=tuple(address), status_address=self._status_address, secret_hex=secret.hex(),
                               threads=threads_per_worker, warm=self.warm, keras_backend=notebook_backend())
         for w in self.workers[slots:]:
-            w.unplaced = f"found no free Spark task slot ({slots} were free)"
-        for rank in range(min(slots, world_size)):
+            w.unplaced = f"found no free Spark task slot ({slots} were free; it joins when it gets one)"
+        placed = min(slots, world_size)
+        for rank in range(placed):
             self.submit(rank)
-        log.info("started %d Spark jobs of one task each (elastic, job tag %s)", min(slots, world_size), self.group)
+        if placed < world_size:  # once the placed tasks run, so that theirs are the slots free now
+            threading.Thread(target=self._submit_unplaced, args=(placed, world_size), daemon=True,
+                             name="nbdist-spark-unplaced").start()
+        log.info("started %d Spark jobs of one task each (elastic, job tag %s)", placed, self.group)
         return list(self.workers)
 
+    def _submit_unplaced(self, placed: int, world_size: int) -> None:
+        """The jobs of the launch's workers that found no free slot, submitted once the placed workers' tasks
+        started (or ``startup_timeout`` passed): they wait for a slot (an executor added, a job ending) until the
+        run ends. The first generation forms without them; one that starts joins at the next commit."""
+        deadline = time.monotonic() + self.startup_timeout
+        while any(w.pid is None and w.code is None for w in self.workers[:placed]) \
+                and time.monotonic() < deadline and not self._closed.is_set():
+            time.sleep(0.2)
+        for rank in range(placed, world_size):
+            if not self._closed.is_set():
+                self.submit(rank)
+
+    def add_worker(self, rank: int, like: int, address: tuple[str, int], secret: bytes) -> SparkTaskWorker:
+        """One more worker, ``rank``, in lost worker ``like``'s place (an elastic run's replacement,
+        driver/training.py): its job, of one task, waits for a free task slot until the run ends (the lost task's
+        slot, when its executor lives; else an executor Spark adds). ``unplaced``: the members do not wait for it;
+        it joins at their first commit after it connected. Spark picks the slot, and the task its GPU."""
+        self.workers.append(SparkTaskWorker(rank))
+        self.workers[rank].unplaced = f"waits for a free Spark task slot in worker {like}'s place"
+        self.submit(rank)
+        return self.workers[rank]
+
     def submit(self, rank: int) -> None:
-        """Start worker ``rank``'s job: one task on a free slot (it waits for one). The hook for a worker that
-        joins later."""
+        """Start worker ``rank``'s job: one task on a free slot (it waits for one until it gets one or the run
+        ends)."""
         w = self.workers[rank]
-        w.unplaced = ""
         w.check_lost = functools.partial(self._task_failed, rank)
         job = self.session.sparkContext.parallelize([rank], 1).mapPartitions(
             functools.partial(single_task, self._spec, rank)).collect
@@ -399,7 +429,7 @@ class SparkBackend:
         except Exception as exc:
             error = summarize_spark_error(exc)
             if w.code is None:  # its task ended without reporting: its worker went with it
-                w.lost = not self._closed.is_set()
+                w.lost = not self._closed.is_set() and rank not in self._withdrawn
                 w.lost_why, w.spark_error, w.code = ELASTIC_LOST, error, 1
             return
         finally:
@@ -540,7 +570,8 @@ class SparkBackend:
             pass
         finally:
             channel.close()
-        if self.elastic and w is not None and w.code is None and w.pid is not None and not self._closed.is_set():
+        if self.elastic and w is not None and w.code is None and w.pid is not None and not self._closed.is_set() \
+                and w.rank not in self._withdrawn:
             # An elastic run's task whose channel closed before it said how its worker ended: its Python process
             # died (killed, or its executor gone), and its worker with it. Known now, before Spark's own news.
             w.lost, w.lost_why, w.code = True, ELASTIC_LOST, 1
@@ -580,6 +611,14 @@ class SparkBackend:
 
     def stop(self, grace: float = 3.0) -> None:
         """Let the tasks end by themselves (their workers exit when the coordinator closes), else cancel."""
+        if self.elastic:  # jobs still waiting for a slot hold no worker: cancelled at once
+            for w in list(self.workers):
+                if w.pid is None and w.code is None:
+                    self._withdrawn.add(w.rank)
+                    try:
+                        self.session.sparkContext.cancelJobGroup(f"{self.group}-{w.rank}")
+                    except Exception as exc:  # a stopped session: its jobs went with it
+                        log.debug("could not cancel worker %d's Spark job: %s", w.rank, exc)
         threads = [t for t in [self._thread, *self._threads] if t is not None]
         deadline = time.monotonic() + grace
         for thread in threads:

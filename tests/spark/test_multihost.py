@@ -142,6 +142,50 @@ def test_killed_worker_on_one_host(cluster, spark, data):
         time.sleep(0.5)
 
 
+def test_elastic_run_loses_and_regains_a_hosts_worker(cluster, spark, data):
+    """An elastic run (1:3) across the two hosts, one task slot each: the third worker's job waits for a slot.
+    hostB's worker is SIGKILLed after the first epoch; hostA's worker rolls back to its commit and trains on,
+    the waiting job takes hostB's freed slot and its worker joins at hostA's next commit (the driver is held at
+    the regroup until it connected, so that it is that commit), and the run finishes on both hosts."""
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    X_tr, _, y_tr, _ = data
+    run: dict = {}
+
+    def until_worker_2_connects(kind, state, payload):
+        if kind == "membership" and payload.left and payload.generation > 0:
+            deadline = time.monotonic() + 120
+            while 2 not in run["job"]._coordinator.connected() and time.monotonic() < deadline:
+                time.sleep(0.2)
+
+    job = run["job"] = prepare(small_model(), TrainConfig(epochs=30, workers="1:3", batch_size=32, seed=0,
+                                                          strategy="allreduce", backend="spark", ui="none"),
+                               X_tr, y_tr, None, listeners=[until_worker_2_connects])
+    job.start().run_in_background()
+    host = HOSTS[1]
+    deadline = time.monotonic() + 180
+    while not (job.history.get("loss") and cluster.pids_on(host, WORKER)):  # training, across both hosts
+        assert job.status not in ("failed", "done"), job.error
+        assert time.monotonic() < deadline, "training did not start within 180 s"
+        time.sleep(0.2)
+    (gone,) = [w.rank for w in job.state.workers if w.host == host.name]
+    os.kill(cluster.pids_on(host, WORKER)[0], signal.SIGKILL)
+    history = job.wait(timeout=300)
+    assert job.status == "done" and len(history["loss"]) == 30
+    first, left, joined = job.state.membership
+    assert first.left == [2] and "no free Spark task slot" in first.why, first.line
+    assert left.left == [gone] and left.workers == [1 - gone] and "SIGKILL" in left.why, left.line
+    assert (joined.left, joined.joined, joined.workers) == ([], [2], [1 - gone, 2]), joined.line
+    assert joined.committed == left.committed + 1  # the survivor's next commit: the next epoch's start
+    assert [job.state.workers[r].host for r in (1 - gone, 2)] == [HOSTS[0].name, host.name]
+    assert sorted(job.reports) == [1 - gone, 2] and job.state.world_size == 2
+    deadline = time.monotonic() + 20
+    while _left_on_hosts(cluster):
+        assert time.monotonic() < deadline, f"left behind: {_left_on_hosts(cluster)}"
+        time.sleep(0.5)
+
+
 def test_coordinator_unreachable_from_the_hosts(cluster, spark, data, monkeypatch):
     """A coordinator address the executors cannot reach: one sentence naming the worker, the address and the setting."""
     from nbdist.spark import cluster as spark_cluster

@@ -3,10 +3,11 @@
 One run asks for 2:4 workers on local[3]: it starts with the 3 that have a task slot. In its second epoch a
 worker SIGKILLs its Spark task's Python process (the worker goes with it), so the task is lost and its job
 fails, as when its executor dies. The other two tasks train on (a barrier stage would have been aborted with
-them), and the run ends with 2 workers and weights equal to the fault-free runs of the same membership
-schedule on the local backend (3 workers for an epoch, then 2 from that state: tests/workers/test_elastic.py's
-reference). A --max-restarts relaunch asks only for the free task slots; a DataFrame is refused in one
-sentence; `make test-full` kills an executor's JVM in a local-cluster.
+them). The fourth worker's job, waiting for a slot since the launch, takes the lost task's and joins at the
+survivors' next commit; the run ends with 3 workers and weights equal to the fault-free runs of the same
+membership schedule on the local backend (3 workers for an epoch, 2 from that state, then 3: as
+tests/workers/test_elastic.py's reference). A --max-restarts relaunch asks only for the free task slots; a
+DataFrame is refused in one sentence; `make test-full` kills an executor's JVM in a local-cluster.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from nbdist.config import TrainConfig  # noqa: E402
 from ..conftest import wait_no_workers  # noqa: E402
 from ..workers.test_elastic import BATCH, DieOnce, _model  # noqa: E402
 
-EPOCHS = 2
+EPOCHS = 3
 
 
 @pytest.fixture(scope="module")
@@ -45,39 +46,60 @@ def test_a_killed_worker_leaves_the_other_tasks_training(spark, digits, capsys, 
     marker = str(tmp_path / "died")
     model = _model([DieOnce.layer(marker, steps_per_epoch + 6, parent=True)])  # in the 6th step of the second epoch
     # A global batch of 4 x 24 = 96 rows: 32 + 32 + 32 on the 3 that start, 48 + 48 once 2 are left.
-    job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:4", batch_size=3 * BATCH // 4, backend="spark",
-                                     ui="text", **common), x, y, None)
+    run: dict = {}
+    job = run["job"] = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:4", batch_size=3 * BATCH // 4,
+                                                  backend="spark", ui="text", **common), x, y, None,
+                               listeners=[_until_worker_3_connects(run)])
     job.start()
     history = job.wait(timeout=300)
     out = capsys.readouterr().out
 
     assert job.status == "done" and os.path.exists(marker)
     assert [len(v) for v in history.values()] == [EPOCHS] * len(history)  # one per epoch, none twice
-    first, change = job.state.membership
+    first, change, joined = job.state.membership
     assert first.left == [3] and first.workers == [0, 1, 2] and not first.started
-    assert "worker 3 did not start (found no free Spark task slot (3 were free)); training with 3 workers" in out
+    assert ("worker 3 did not start (found no free Spark task slot (3 were free; it joins when it gets one)); "
+            "training with 3 workers") in out
     (gone,) = change.left
     assert "lost with its Spark task" in change.why and change.workers == [r for r in range(3) if r != gone]
     # The commit at the second epoch's start; its worker dies a step or more after its task (PR_SET_PDEATHSIG).
-    assert change.committed == 1 and 5 <= change.steps_lost < steps_per_epoch
-    assert job.state.backend == "spark" and job.state.world_size == 2
+    assert change.committed == 1 and 5 <= change.steps_lost < steps_per_epoch and change.joined == []
+    # Worker 3's job waited for a slot since the launch: it took the lost task's, and joined at the survivors'
+    # next commit (the replacement's job, behind it, waited for a slot until the run ended).
+    assert (joined.left, joined.joined, joined.workers, joined.committed) == ([], [3], [*change.workers, 3], 2)
+    assert "worker 3 joined at the commit after epoch 2; training with 3 workers" in out
+    assert job.state.backend == "spark" and job.state.world_size == 3
     assert "elastic: goes on while 2 are left" in out.splitlines()[0]
-    assert sorted(job.reports) == change.workers  # the survivors' tasks trained on to the end
+    assert sorted(job.reports) == joined.workers  # the survivors' tasks and the joiner's trained on to the end
     backend = job._backend
     assert backend.workers[gone].lost and "lost with its Spark task" in out  # its job failed, not the others'
-    assert not any(backend.workers[r].lost or backend.workers[r].spark_error for r in change.workers)
+    assert not any(backend.workers[r].lost or backend.workers[r].spark_error for r in joined.workers)
+    assert len(backend.workers) == 5 and backend.workers[4].pid is None  # the replacement got no slot
     assert not wait_no_workers(5)
 
-    # The same membership schedule without a fault, on local workers: 3 workers for an epoch, then 2 from that
-    # state with the launch's global batch.
+    # The same membership schedule without a fault, on local workers: 3 workers for an epoch, 2 from that state
+    # for the second, 3 for the third, with the launch's global batch.
     reference = _model([DieOnce.layer(marker, 1)])  # the marker is there: nobody dies
-    for epochs, workers, batch in ((1, 3, BATCH), (EPOCHS - 1, 2, 3 * BATCH // 2)):
-        run = prepare(reference, TrainConfig(epochs=epochs, workers=workers, batch_size=batch, backend="local",
+    for workers, batch in ((3, BATCH), (2, 3 * BATCH // 2), (3, BATCH)):
+        run = prepare(reference, TrainConfig(epochs=1, workers=workers, batch_size=batch, backend="local",
                                              ui="none", **common), x, y, None)
         run.start()
         run.wait(timeout=300)
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _until_worker_3_connects(run: dict):
+    """Holds the driver at the loss's regroup (before the survivors get their jobs) until worker 3, whose job
+    takes the lost task's slot, has connected: so it joins at the survivors' next commit, not a later one."""
+
+    def listener(kind, state, payload):
+        if kind == "membership" and payload.left and payload.generation > 0:
+            deadline = time.monotonic() + 120
+            while 3 not in run["job"]._coordinator.connected() and time.monotonic() < deadline:
+                time.sleep(0.2)
+
+    return listener
 
 
 def test_a_relaunch_asks_only_for_the_free_task_slots(spark, digits, capsys):
@@ -166,8 +188,11 @@ def test_a_lost_executor_costs_its_worker_not_the_run(executors, digits, capsys)
     history = job.wait(timeout=300)
     out = capsys.readouterr().out
     assert killed and job.status == "done" and len(history["loss"]) == 3
-    (change,) = job.state.membership
+    change, *joins = job.state.membership
     assert change.left == [1] and change.workers == [0, 2] and "lost with its Spark task" in change.why
-    assert "worker 1 left (was lost with its Spark task" in out and job.state.world_size == 2
+    # Its replacement's job waits for a slot: the local-cluster's master starts a new executor, and the
+    # replacement joins if it connects before the run ends.
+    assert all((j.left, j.joined) == ([], [3]) for j in joins) and len(joins) <= 1
+    assert "worker 1 left (was lost with its Spark task" in out and job.state.world_size == 2 + len(joins)
     assert not wait_no_workers(5)
 
