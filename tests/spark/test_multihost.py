@@ -118,16 +118,21 @@ def test_names_resolving_to_a_second_interface(cluster, spark, data, local_accur
     assert abs(acc - local_accuracy("allreduce")) <= 0.01
 
 
+def _wait_training_on(cluster, host, job) -> None:
+    """Until ``job`` has merged an epoch and has a worker on ``host`` (training, across both hosts)."""
+    deadline = time.monotonic() + 180
+    while not (job.history.get("loss") and cluster.pids_on(host, WORKER)):
+        assert job.status not in ("failed", "done"), job.error
+        assert time.monotonic() < deadline, "training did not start within 180 s"
+        time.sleep(0.2)
+
+
 def test_killed_worker_on_one_host(cluster, spark, data):
     X_tr, _, y_tr, _ = data
     job = nbdist.train(small_model(), X_tr, y_tr, epochs=400, batch_size=32, workers=2, strategy="allreduce",
                        backend="spark", seed=0, ui="none", background=True)
     host = HOSTS[1]
-    deadline = time.monotonic() + 180
-    while not (job.history.get("loss") and cluster.pids_on(host, WORKER)):  # training, across both hosts
-        assert job.status not in ("failed", "done"), job.error
-        assert time.monotonic() < deadline, "training did not start within 180 s"
-        time.sleep(0.2)
+    _wait_training_on(cluster, host, job)
     victim = cluster.pids_on(host, WORKER)[0]
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
@@ -164,11 +169,7 @@ def test_elastic_run_loses_and_regains_a_hosts_worker(cluster, spark, data):
                                X_tr, y_tr, None, listeners=[until_worker_2_connects])
     job.start().run_in_background()
     host = HOSTS[1]
-    deadline = time.monotonic() + 180
-    while not (job.history.get("loss") and cluster.pids_on(host, WORKER)):  # training, across both hosts
-        assert job.status not in ("failed", "done"), job.error
-        assert time.monotonic() < deadline, "training did not start within 180 s"
-        time.sleep(0.2)
+    _wait_training_on(cluster, host, job)
     (gone,) = [w.rank for w in job.state.workers if w.host == host.name]
     os.kill(cluster.pids_on(host, WORKER)[0], signal.SIGKILL)
     history = job.wait(timeout=300)
