@@ -219,8 +219,12 @@ class SparkTaskWorker:
     def exit_status(self) -> int | None:
         if self.code is None and self.check_lost is not None and time.monotonic() - self._checked_at > 1.0 \
                 and self._check_lost():
-            self.lost, self.lost_why, self.code = True, ELASTIC_LOST, 1
+            self.mark_lost()
         return self.code
+
+    def mark_lost(self, lost: bool = True) -> None:
+        """An elastic run's worker ended with its task, unreported (``lost``: not by the run's own stop)."""
+        self.lost, self.lost_why, self.code = lost, ELASTIC_LOST, 1
 
     def _check_lost(self) -> bool:
         self._checked_at = time.monotonic()
@@ -429,8 +433,8 @@ class SparkBackend:
         except Exception as exc:
             error = summarize_spark_error(exc)
             if w.code is None:  # its task ended without reporting: its worker went with it
-                w.lost = not self._closed.is_set() and rank not in self._withdrawn
-                w.lost_why, w.spark_error, w.code = ELASTIC_LOST, error, 1
+                w.spark_error = error
+                w.mark_lost(not self._closed.is_set() and rank not in self._withdrawn)
             return
         finally:
             sc.removeJobTag(self.group)
@@ -574,7 +578,7 @@ class SparkBackend:
                 and w.rank not in self._withdrawn:
             # An elastic run's task whose channel closed before it said how its worker ended: its Python process
             # died (killed, or its executor gone), and its worker with it. Known now, before Spark's own news.
-            w.lost, w.lost_why, w.code = True, ELASTIC_LOST, 1
+            w.mark_lost()
 
     # -- ending -------------------------------------------------------------
     def cleanup(self) -> None:
@@ -620,17 +624,11 @@ class SparkBackend:
                     except Exception as exc:  # a stopped session: its jobs went with it
                         log.debug("could not cancel worker %d's Spark job: %s", w.rank, exc)
         threads = [t for t in [self._thread, *self._threads] if t is not None]
-        deadline = time.monotonic() + grace
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in threads):
+        if not _joined(threads, grace):
             log.info("cancelling Spark job %s", self.group)
             self._closed.set()
             self.cancel()
-            deadline = time.monotonic() + 30.0
-            for thread in threads:
-                thread.join(max(0.0, deadline - time.monotonic()))
-            if any(t.is_alive() for t in threads):
+            if not _joined(threads, 30.0):
                 log.warning("Spark job group %s still running 30 s after cancelling", self.group)
         self._closed.set()
         self._ended_in_status()
@@ -639,3 +637,11 @@ class SparkBackend:
                 self._server.close()
             except OSError:
                 pass
+
+
+def _joined(threads: list[threading.Thread], seconds: float) -> bool:
+    """Join ``threads`` within ``seconds`` in all; whether every one ended."""
+    deadline = time.monotonic() + seconds
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
