@@ -140,6 +140,7 @@ class RunState:
     world_note: str = ""  # why the run has fewer workers than asked (driver/resolve.py resolve_world), if it has
     min_workers: int | None = None  # an elastic run's MIN (TrainConfig.min_workers); None: not elastic
     membership: list[MembershipChange] = field(default_factory=list)  # an elastic run's changes, in order
+    relaunched_at: int = 0  # len(membership) at the last relaunch: the changes since then are this launch's
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -221,6 +222,7 @@ class RunState:
         """
         self.restarts += 1
         self.status = "restarting"
+        self.relaunched_at = len(self.membership)  # the relaunched workers take the launch ranks afresh
         for values in self.history.values():
             del values[completed:]
         keep = max(0, completed - self.initial_epoch)

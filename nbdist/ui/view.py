@@ -27,10 +27,10 @@ def restarts(state: RunState) -> int:
 
 
 def gone(state: RunState) -> dict[int, MembershipChange]:
-    """An elastic run's workers that left (or never started), by launch rank: the change that took each. One that
-    joined later (a late starter) is not gone."""
+    """An elastic run's workers that left (or never started) since its last relaunch, by launch rank: the change
+    that took each. One that joined later (a late starter) is not gone, nor one a relaunch started again."""
     out: dict[int, MembershipChange] = {}
-    for change in state.membership:
+    for change in state.membership[state.relaunched_at:]:
         out.update({r: change for r in change.left})
         for r in change.joined:
             out.pop(r, None)

@@ -184,6 +184,13 @@ def test_a_membership_change_is_shown_and_the_lost_worker_is_gone(dashboard):
     st.finish("done")
     assert line in summary_html(st) and "<b>gone</b>" in summary_html(st) and joined_line in summary_html(st)
 
+    # Below MIN, --max-restarts relaunches every worker under the launch ranks again: none of them is gone.
+    relaunched = elastic_state()
+    lose_worker_2(relaunched)
+    relaunched.restarting(completed=1)
+    assert "gone" not in [r.state for r in worker_rows(relaunched)] and "gone" not in overview(relaunched).line
+    assert relaunched.membership and relaunched.relaunched_at == len(relaunched.membership)
+
     late = RunState(world_size=3, epochs=5, strategy="allreduce", min_workers=2)  # one never started
     late.regrouped(MembershipChange(generation=0, left=[2], why="did not connect within 60 s", workers=[0, 1],
                                     committed=0, steps_lost=0, started=False))
