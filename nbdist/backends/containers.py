@@ -293,6 +293,12 @@ class ContainerBackend:
         log.info("starting container %s in worker %d's place", self.workers[-1].name, like)
         return self.workers[-1]
 
+    def remove_worker(self, rank: int) -> None:
+        """End worker ``rank``'s container, which an elastic run went on without (it went silent)."""
+        for w in self.workers:
+            if w.rank == rank and w.proc.poll() is None:
+                self.engine.run(["kill", w.name], check=False)
+
     def _start(self, rank: int, like: int, address: tuple[str, int], secret: bytes) -> None:
         name = self.container_name(rank)
         cmd = run_command(self.engine, name=name, run_id=self.run_id, rank=rank, image=self._image,

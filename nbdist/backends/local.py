@@ -115,6 +115,13 @@ class LocalBackend:
         log.info("started local worker %d in worker %d's place", rank, like)
         return self.workers[-1]
 
+    def remove_worker(self, rank: int) -> None:
+        """End worker ``rank``, which an elastic run went on without (it went silent): SIGKILL, as ``stop`` ends one
+        that outlives its grace."""
+        for w in self.workers:
+            if w.rank == rank and w.exit_status() is None:
+                w.signal(signal.SIGKILL)
+
     def _start(self, rank: int, like: int, address: tuple[str, int], secret: bytes) -> bool:
         """Worker ``rank`` on launch rank ``like``'s cores and GPU, forked from the warm server when there is one;
         whether it was forked."""

@@ -24,6 +24,7 @@ class HealthChecks:
     _closing: dict[int, float]
     _exited: dict[int, float]
     _left: set[int]  # workers an elastic run went on without (driver/membership.py): no more watched
+    _silent: dict[int, float]  # workers silent past heartbeat_timeout: for how long
     _coordinator: Any
     _backend: Any
     _launched_at: float
@@ -89,8 +90,10 @@ class HealthChecks:
             self._fail(missing[0], f"{h.describe()} did not connect within {self.config.startup_timeout:.0f} s",
                        h.log_tail(30))
             return
-        for rank in self._coordinator.connected():
-            if self._coordinator.silent_for(rank) > self.config.heartbeat_timeout:
+        for rank in self._coordinator.connected() - self._left - self._done:
+            silent = self._coordinator.silent_for(rank)
+            if silent > self.config.heartbeat_timeout:
+                self._silent[rank] = silent  # an elastic run goes on without it (training.py _process_gone)
                 self._fail(rank, f"{self._name(rank)} sent nothing for {self.config.heartbeat_timeout:.0f} s "
                                  "and is presumed hung", self._handles[rank].log_tail(30))
                 return

@@ -71,6 +71,7 @@ class Run(HealthChecks):
         self._closing: dict[int, float] = {}  # rank -> when its connection closed
         self._exited: dict[int, float] = {}  # rank -> when its process was first seen to exit with 0
         self._left: set[int] = set()  # workers an elastic run went on without (training.py, membership.py)
+        self._silent: dict[int, float] = {}  # workers silent past heartbeat_timeout, by rank: for how long
         self._failure: BaseException | None = None  # what wait() raises
         self._warned: set[str] = set()
         self._launched_at = 0.0

@@ -29,7 +29,7 @@ from ..model.spec import ModelSpec, apply_state, spec_from_model
 from ..spark.data import SparkData
 from ..strategies.averaging import rounds_per_epoch
 from ..strategies.host_collective import remove_meeting_place
-from ..wire.commands import JoinAtCommit, Rendezvous, Stop
+from ..wire.commands import GenerationBroken, JoinAtCommit, Rendezvous, Stop
 from ..wire.messages import BatchSummaries, JobMessage, Placement, TrainSettings
 from ..wire.reports import AsyncPull, AsyncPush, AtCommit, Epoch, Lost, Store, Weights
 from .async_server import plan_arrays, start_async
@@ -614,9 +614,12 @@ class TrainingJob(Run):
         return list(self._membership.members) if self._membership is not None else list(range(self.world_size))
 
     def _process_gone(self, slot: int) -> bool:
-        """Worker ``slot``'s process ended (killed, crashed, its Spark task lost), not one that raised (exit 1)."""
+        """Worker ``slot``'s process ended (killed, crashed, its Spark task lost), not one that raised (exit 1), or it
+        sent nothing past ``heartbeat_timeout`` (its host cut off, or it hung: ``_silent``)."""
         if slot >= len(self._handles):
             return False
+        if slot in self._silent:
+            return True
         handle = self._handles[slot]
         code = handle.exit_status()
         if code is None and hasattr(handle, "settle"):  # its connection closed; Spark tells a lost task's end later
@@ -669,14 +672,34 @@ class TrainingJob(Run):
         if slot not in m.members or slot in m.leaving:
             return slot in m.gone  # already counted
         handle = self._handles[slot]
-        if not m.leave(slot, describe_exit(handle.exit_status() or 0, handle)):
+        silent = self._silent.get(slot)
+        why = (f"sent nothing for {silent:.0f} s: its host cut off, or it hung" if silent is not None
+               else describe_exit(handle.exit_status() or 0, handle))
+        if not m.leave(slot, why):
             return False
         self._left.add(slot)
         log.info("%s %s; the others roll back to their last commit", handle.describe(), m.leaving[slot])
+        self._leave_generation(slot)
         # Epochs every survivor finished are complete without it (the summed metrics are everyone's).
         for epoch, merged in self.state.workers_left({slot}, len(m.survivors)):
             self._epoch_merged(epoch, merged)
         return True
+
+    def _leave_generation(self, slot: int) -> None:
+        """Member ``slot`` left: stop it where the backend can (a silent one may come back: it is fenced off), and
+        tell the survivors, so that none waits in a collective for it (one cut off closes no connection)."""
+        remove = getattr(self._backend, "remove_worker", None)
+        if remove is not None and self._handles[slot].exit_status() is None:
+            try:
+                remove(slot)
+            except Exception as exc:  # e.g. a Spark session stopped meanwhile: its tasks went with it
+                log.warning("could not stop %s: %s", self._name(slot), exc)
+        m = self._membership
+        for survivor in m.survivors:
+            try:
+                self._coordinator.send(survivor, GenerationBroken(m.generation))
+            except (ConnectionError, OSError):
+                pass  # it went too: the health check names it
 
     def _on_lost(self, slot: int, msg: Lost) -> None:
         """A worker's collective broke. A member gone: wait for the others (``_regroup_when_ready``); none gone:

@@ -411,6 +411,12 @@ class SparkBackend:
         self.submit(rank)
         return self.workers[rank]
 
+    def remove_worker(self, rank: int) -> None:
+        """Cancel worker ``rank``'s job, which an elastic run went on without (it went silent: its executor may be
+        cut off, and Spark kills the task if it can still reach it). Its end is no news any more."""
+        self._withdrawn.add(rank)
+        self.session.sparkContext.cancelJobGroup(f"{self.group}-{rank}")
+
     def submit(self, rank: int) -> None:
         """Start worker ``rank``'s job: one task on a free slot (it waits for one until it gets one or the run
         ends)."""

@@ -12,13 +12,27 @@ import datetime
 import logging
 import os
 import socket
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..machine.keras_backend import configured_backend
 
 log = logging.getLogger(__name__)
+
+
+# How often a worker waiting in a Gloo call looks whether its driver gave the generation up (``abandoned``).
+WAIT_SLICE = datetime.timedelta(seconds=0.5)
+
+
+# Process groups closed with a call left waiting for a peer that went silent: kept, never destroyed, since
+# destroying one joins its Gloo thread, which ends only at the group's timeout. A worker exits by os._exit.
+_LEFT_RUNNING: list[Any] = []
+
+
+class GenerationBroken(RuntimeError):
+    """An elastic run's driver said a member of this collective's generation is gone: its waits end at once."""
 
 
 class Collective(Protocol):
@@ -141,8 +155,11 @@ class GlooCollective:
         self._torch = torch
         self.rank = rank
         self.world_size = world_size
-        self.timeout = timeout  # seconds; bounds every wait of the point-to-point ring too
+        self.timeout = timeout  # seconds
         self._keys = 0
+        # An elastic run's word that its generation is broken (worker/elastic.py): why, else None.
+        self.broken: Callable[[], str | None] = lambda: None
+        self._left_waiting = False  # a call was left unfinished (GenerationBroken)
 
     @property
     def store(self):
@@ -155,13 +172,32 @@ class GlooCollective:
         return f"nbdist/{prefix}/{self._keys}"
 
     def allreduce_sum(self, buf: np.ndarray) -> None:
-        self._dist.all_reduce(self._torch.from_numpy(buf), op=self._dist.ReduceOp.SUM)
+        self._wait(self._dist.all_reduce(self._torch.from_numpy(buf), op=self._dist.ReduceOp.SUM, async_op=True))
 
     def broadcast(self, buf: np.ndarray, root: int = 0) -> None:
-        self._dist.broadcast(self._torch.from_numpy(buf), src=root)
+        self._wait(self._dist.broadcast(self._torch.from_numpy(buf), src=root, async_op=True))
+
+    def _wait(self, work: Any) -> None:
+        """Wait for ``work`` in slices, looking between them whether the generation was given up: a peer cut off
+        from the network closes no connection, and a blocked Gloo call cannot be ended from another thread. A
+        slice's timeout leaves the call running; the process group's own timeout still bounds it."""
+        while True:
+            try:
+                work.wait(WAIT_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():  # it ended meanwhile, or failed by itself: its own result
+                    work.wait()
+                    return
+            why = self.broken()
+            if why:
+                self._left_waiting = True
+                raise GenerationBroken(why)
 
     def close(self) -> None:
         try:
+            if self._left_waiting:  # the group's last reference going would wait for that call's own timeout
+                _LEFT_RUNNING.append(self._dist.group.WORLD)
             self._dist.destroy_process_group()
         except Exception:  # already torn down by a failing peer
             log.debug("destroy_process_group failed", exc_info=True)

@@ -13,10 +13,12 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .collective import GenerationBroken
 from .shared import CHUNK_ELEMENTS, SHM_DIR, open_chunked_sum, open_shared_sum, supported_here
 
 PREFIX = "nbdist-meet-"
@@ -25,8 +27,8 @@ PREFIX = "nbdist-meet-"
 class DirectoryStore:
     """``set``/``get`` of small values through files of one directory; ``get`` waits, at most ``timeout`` s."""
 
-    def __init__(self, path: str, timeout: float) -> None:
-        self.path, self.timeout = path, timeout
+    def __init__(self, path: str, timeout: float, broken: Callable[[], str | None] = lambda: None) -> None:
+        self.path, self.timeout, self.broken = path, timeout, broken
 
     def _file(self, key: str) -> str:
         return os.path.join(self.path, key.replace("/", "%"))
@@ -45,6 +47,9 @@ class DirectoryStore:
                 with open(path, "rb") as f:
                     return f.read()
             except FileNotFoundError:
+                why = self.broken()
+                if why:
+                    raise GenerationBroken(why) from None
                 if time.monotonic() - start > self.timeout:
                     raise TimeoutError(f"no worker wrote {key!r} in {self.timeout:.0f} s (the collective "
                                        "timeout); a worker may have died before it met the others") from None
@@ -72,7 +77,9 @@ class HostCollective:
                                "(not x86-64); install torch for its Gloo collectives: pip install 'nbdist[torch]'")
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.path = path
-        self._store = DirectoryStore(path, timeout)
+        # An elastic run's word that its generation is broken (worker/elastic.py): why, else None.
+        self.broken: Callable[[], str | None] = lambda: None
+        self._store = DirectoryStore(path, timeout, lambda: self.broken())
         self._keys = 0
         self._sums: dict[Any, Any] = {}
 

@@ -17,7 +17,7 @@ import os
 import platform
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ import numpy as np
 
 from ..machine.placement import usable_cores
 from ..machine.processes import ProcessId, remove_quietly
+from .collective import GenerationBroken
 from .shm_files import _attach, _create, boot_id
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class _SharedSum:
         self._peers = list(peers)
         self._seq = np.ndarray((world,), dtype=np.int64, buffer=buf, offset=0, strides=(LINE,))
         self._plans: dict[int, ChunkPlan] = {}  # summer(bucket)'s layouts, by length
+        self.broken: Callable[[], str | None] = lambda: None  # the collective's word that its generation is gone
 
     def _wait_all(self, k: int) -> None:
         """Return once every peer's counter has reached ``k``."""
@@ -197,6 +199,9 @@ class _SharedSum:
         who = self._peers[peer]
         if who is not None and not who.alive():
             raise PeerGone(f"worker {peer} (pid {who.pid}) exited during the gradient exchange")
+        why = self.broken()
+        if why:
+            raise GenerationBroken(why)
         if waited > self.timeout:
             raise TimeoutError(f"worker {peer} sent no gradients for {waited:.0f} s "
                                f"(the collective timeout); it may be stuck")
@@ -434,16 +439,23 @@ def _open_segment(collective: Any, size: int) -> tuple[mmap.mmap, list[ProcessId
 def open_shared_sum(collective: Any, length: int, dtype: Any = np.float32) -> SharedMemorySum | None:
     """A ``SharedMemorySum`` of ``length`` floats of ``dtype`` on every worker, or None (see ``_open_segment``)."""
     opened = _open_segment(collective, segment_bytes(collective.world_size, length, np.dtype(dtype).itemsize))
-    return None if opened is None else SharedMemorySum(collective.rank, collective.world_size, length, *opened[:2],
-                                                       collective.timeout, opened[2], dtype)
+    return None if opened is None else _heeding(collective, SharedMemorySum(
+        collective.rank, collective.world_size, length, *opened[:2], collective.timeout, opened[2], dtype))
 
 
 def open_chunked_sum(collective: Any, length: int, chunk: int = CHUNK_ELEMENTS) -> SharedChunkedSum | None:
     """A ``SharedChunkedSum`` for buckets of up to ``length`` float32 in rows of ``chunk``, or None."""
     chunk = min(max(ALIGN, chunk // ALIGN * ALIGN), -(-length // ALIGN) * ALIGN)
     opened = _open_segment(collective, chunked_segment_bytes(collective.world_size, chunk))
-    return None if opened is None else SharedChunkedSum(collective.rank, collective.world_size, chunk, *opened[:2],
-                                                        collective.timeout, opened[2])
+    return None if opened is None else _heeding(collective, SharedChunkedSum(
+        collective.rank, collective.world_size, chunk, *opened[:2], collective.timeout, opened[2]))
+
+
+def _heeding(collective: Any, summer: _SharedSum) -> Any:
+    """``summer``'s waits end once ``collective`` is told its generation is broken (an elastic run's)."""
+    if hasattr(collective, "broken"):
+        summer.broken = lambda: collective.broken()
+    return summer
 
 
 def open_plan_sum(collective: Any, length: int, plan: Any) -> SharedMemorySum | SharedChunkedSum | None:

@@ -13,8 +13,8 @@ TYPES: dict[str, Any] = {cls.TYPE.value: cls for cls in (
     reports.Hello, reports.Store, reports.Progress, reports.State, reports.Epoch, reports.Weights, reports.Done,
     reports.WorkerError, reports.Lost, reports.AtCommit, reports.WorkerWarning, reports.AsyncPull, reports.AsyncPush,
     reports.Evaluation, reports.Predictions, reports.TaskStarted, reports.TaskRows, reports.TaskExit,
-    commands.Decision, commands.Rendezvous, commands.Stop, commands.JoinAtCommit, commands.AsyncShared,
-    commands.Heartbeat)}
+    commands.Decision, commands.Rendezvous, commands.Stop, commands.JoinAtCommit, commands.GenerationBroken,
+    commands.AsyncShared, commands.Heartbeat)}
 TYPES[MessageType.JOB.value] = JobMessage
 
 

@@ -49,6 +49,7 @@ class MessageType(enum.StrEnum):
     RENDEZVOUS = "rendezvous"  # where rank 0's store listens, relayed to every worker
     STOP = "stop"  # end now
     JOIN_AT_COMMIT = "join_at_commit"  # an elastic run: workers wait to join; stop together at the next commit
+    GENERATION_BROKEN = "generation_broken"  # an elastic run: a member is gone; leave the generation's collective
     ASYNC_SHARED = "async_shared"  # --strategy async: the shared weights, their version, the next block
     # both ways
     HEARTBEAT = "heartbeat"

@@ -47,6 +47,16 @@ class JoinAtCommit(Typed):
 
 
 @dataclass(frozen=True)
+class GenerationBroken(Typed):
+    """An elastic run: a member of generation ``generation`` is gone (ended, or silent past heartbeat_timeout). Its
+    members leave whatever collective they wait in, report ``Lost`` and wait for the next generation's job
+    (worker/elastic.py). One of an older generation is ignored."""
+
+    TYPE = MessageType.GENERATION_BROKEN
+    generation: int
+
+
+@dataclass(frozen=True)
 class AsyncShared(Typed):
     """--strategy async: the shared weights and their version, and the worker's next block of batches, or
     ``epoch_done`` (no batches) once the epoch's every batch was trained; ``refused``: why the worker's last

@@ -24,8 +24,8 @@ from .codec import MessageError, MessageType
 # the job carries it and a worker of another version refuses the job. 5: every message typed; 6: engine fields;
 # 7: elastic runs (TrainSettings.elastic, generation; the Lost report); 8: workers joining (JoinAtCommit, AtCommit;
 # a Lost with committed -1); 9: commits every K steps (TrainSettings.commit_every, resume_step; Lost and AtCommit's
-# step).
-JOB_VERSION = 9
+# step); 10: GenerationBroken.
+JOB_VERSION = 10
 
 JOB_KINDS = ("train", "evaluate", "predict")
 # The shard came in the job's arrays / the Spark task wrote it to a file / the worker reads its rows of

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from ..strategies.averaging import synced_state
-from ..wire.commands import JoinAtCommit
+from ..wire.commands import GenerationBroken, JoinAtCommit
 from ..wire.messages import JobMessage
 from ..wire.reports import AtCommit, Lost
 
@@ -186,15 +186,27 @@ class GenerationEnds(Exception):
 
 
 class JoinRequests:
-    """The newest generation the driver asked to end at its next commit (``JoinAtCommit``), set on the link's
-    reader thread as the notice arrives, so no wait for another message drops it."""
+    """The newest generation the driver asked to end at its next commit (``JoinAtCommit``) and the newest it said is
+    broken (``GenerationBroken``), set on the link's reader thread as the notices arrive, so no wait for another
+    message drops them and a worker blocked in a collective learns it."""
 
     def __init__(self, link: Any) -> None:
-        self.generation = -1
+        self.generation = self.broken = -1
         link.handlers[JoinAtCommit] = self._asked
+        link.handlers[GenerationBroken] = self._broken
 
     def _asked(self, msg: JoinAtCommit) -> None:
         self.generation = max(self.generation, int(msg.generation))
+
+    def _broken(self, msg: GenerationBroken) -> None:
+        self.broken = max(self.broken, int(msg.generation))
+
+    def heeded_by(self, collective: Any, generation: int) -> None:
+        """``collective``'s waits end once the driver says ``generation`` is broken (strategies/collective.py)."""
+        inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
+        if hasattr(inner, "broken"):
+            inner.broken = lambda: (f"the driver gave generation {generation} up: a member is gone"
+                                    if self.broken >= generation else None)
 
 
 class JoinPoint:
@@ -315,6 +327,7 @@ def run_elastic(link: Any, job: JobMessage, model: Any, lr_factor: float,
         ended = False
         try:
             collective = connect(link, job)
+            requests.heeded_by(collective, int(job.train.generation))
             point = (int(job.train.initial_epoch), int(job.train.resume_step))
             if int(job.train.generation) > 0:
                 resume, lr_factor = share_commit(collective, model, commit, *point, lr_factor)

@@ -18,7 +18,7 @@ from nbdist.driver.coordinator import Coordinator
 from nbdist.wire import protocol
 from nbdist.wire.catalog import TYPES, decode_message, read
 from nbdist.wire.codec import MessageError, MessageType
-from nbdist.wire.commands import AsyncShared, Decision, Heartbeat, JoinAtCommit, Rendezvous, Stop
+from nbdist.wire.commands import AsyncShared, Decision, GenerationBroken, Heartbeat, JoinAtCommit, Rendezvous, Stop
 from nbdist.wire.reports import (
     AsyncPull,
     AsyncPush,
@@ -79,6 +79,7 @@ SAMPLES = [
     Rendezvous("10.0.0.2", 51234),
     Stop(weights=True),
     JoinAtCommit(3),
+    GenerationBroken(3),
     AsyncShared(4, [8, 9], False, "", [f32(2, 2)]),
     AsyncShared(5, [], True, "replays an update", [f32(2, 2)]),
     Heartbeat(),

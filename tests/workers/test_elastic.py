@@ -37,10 +37,11 @@ def _model(layers=()):
 class DieOnce:
     """An identity layer whose worker process kills itself (SIGKILL) at its ``at``-th training step: the first
     worker to get there, once per ``marker`` file. The driver sees events too late to kill mid-epoch. ``parent``:
-    it kills its parent instead (a Spark task's Python process, which the worker dies with)."""
+    it kills its parent instead (a Spark task's Python process, which the worker dies with). ``sig``: another
+    signal (SIGSTOP: alive and silent, as a worker whose host is cut off)."""
 
     @staticmethod
-    def layer(marker: str, at: int, parent: bool = False):
+    def layer(marker: str, at: int, parent: bool = False, sig: int = signal.SIGKILL):
         import keras
         import tensorflow as tf
 
@@ -56,7 +57,7 @@ class DieOnce:
                         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                     except FileExistsError:
                         return
-                    os.kill(os.getppid() if parent else os.getpid(), signal.SIGKILL)
+                    os.kill(os.getppid() if parent else os.getpid(), sig)
 
             def call(self, x, training=None):
                 if training:
@@ -78,7 +79,30 @@ def _killer(victim: int, after_epochs: int, killed: dict):
     return listener
 
 
-def test_a_killed_worker_costs_steps_not_the_run_and_is_replaced(digits, capsys, tmp_path):
+@pytest.fixture(scope="module")
+def schedule_reference(digits, tmp_path_factory):
+    """Fault-free runs of the schedule a loss in the second epoch and a join at the third's start make: 3 workers
+    for an epoch, 2 for the next from that state with the launch's global batch, 3 again (the allreduce step is
+    the local step on the global batch throughout). The final weights and each epoch's loss."""
+    x, y = digits
+    reference = _model([DieOnce.layer(str(tmp_path_factory.mktemp("ref")), 1)])  # a directory: nobody dies
+    losses = []
+    for workers, batch in ((3, BATCH), (2, 3 * BATCH // 2), (3, BATCH)):
+        part = prepare(reference, TrainConfig(epochs=1, workers=workers, batch_size=batch, shuffle=False, seed=7,
+                                              ui="none"), x, y, None)
+        part.start()
+        losses += part.wait(timeout=300)["loss"]
+    return reference.get_weights(), losses
+
+
+def assert_schedule(model, history, reference) -> None:
+    weights, losses = reference
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history["loss"], losses, rtol=1e-5)
+
+
+def test_a_killed_worker_costs_steps_not_the_run_and_is_replaced(digits, capsys, tmp_path, schedule_reference):
     x, y = digits
     common = dict(batch_size=BATCH, shuffle=False, seed=7, ui="text")
     steps_per_epoch = -(-len(x) // 3 // BATCH)
@@ -120,19 +144,33 @@ def test_a_killed_worker_costs_steps_not_the_run_and_is_replaced(digits, capsys,
     assert run.data.tags["nbdist.membership.1"] == joined.line
     assert sorted(m.step for m in losses) == list(range(EPOCHS))  # one step per epoch, none twice
     assert not wait_no_workers(5)
+    assert_schedule(model, history, schedule_reference)  # the same membership schedule without a fault
 
-    # The same membership schedule without a fault: 3 workers for an epoch, 2 for the next from that state with
-    # the launch's global batch, 3 again (the allreduce step is the local step on the global batch throughout).
-    reference = _model([DieOnce.layer(marker, 1)])  # the marker is there: nobody dies
-    ref_losses = []
-    for workers, batch in ((3, BATCH), (2, 3 * BATCH // 2), (3, BATCH)):
-        part = prepare(reference, TrainConfig(epochs=1, workers=workers, batch_size=batch, shuffle=False, seed=7,
-                                              ui="none"), x, y, None)
-        part.start()
-        ref_losses += part.wait(timeout=300)["loss"]
-    for got, want in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(history["loss"], ref_losses, rtol=1e-5)
+
+def test_a_silent_worker_is_taken_for_lost_and_replaced(digits, capsys, tmp_path, schedule_reference):
+    """A worker stopped (SIGSTOP) in the second epoch is alive and silent, as one whose host is cut off: past
+    heartbeat_timeout the driver takes it for lost and ends it, the others leave the sum they wait in, roll back
+    and go on, and its replacement joins at the next commit: the schedule of the killed worker's run."""
+    x, y = digits
+    steps_per_epoch = -(-len(x) // 3 // BATCH)
+    marker = str(tmp_path / "stopped")
+    model = _model([DieOnce.layer(marker, steps_per_epoch + 6, sig=signal.SIGSTOP)])
+    job = prepare(model, TrainConfig(epochs=EPOCHS, workers="2:3", batch_size=BATCH, shuffle=False, seed=7,
+                                     ui="text", heartbeat_interval=0.5, heartbeat_timeout=6), x, y, None)
+    job.start()
+    history = job.wait(timeout=300)
+    out = capsys.readouterr().out
+
+    assert job.status == "done" and os.path.exists(marker)
+    assert [len(v) for v in history.values()] == [EPOCHS] * len(history)
+    lost, joined = job.state.membership
+    (gone,) = lost.left
+    assert lost.why.startswith("sent nothing for ") and "its host cut off, or it hung" in lost.why
+    assert lost.committed == 1 and 5 <= lost.steps_lost <= 6
+    assert (joined.left, joined.joined, joined.committed) == ([], [3], 2)
+    assert sum(f"worker {gone} left (sent nothing for" in line for line in out.splitlines()) == 1
+    assert not wait_no_workers(5)  # the stopped worker was ended, not left behind
+    assert_schedule(model, history, schedule_reference)
 
 
 def test_a_commit_every_k_steps_costs_at_most_k(digits, capsys, tmp_path):
@@ -235,3 +273,52 @@ def test_the_magic_takes_workers_min_max(ip, workers, words):
                          "m.compile('sgd', 'mse')\n")
     assert not result.success and words in str(result.error_in_exec)
     assert "Traceback" not in str(result.error_in_exec)
+
+
+def _waits_for_a_silent_peer(rank: int, ports, results) -> None:
+    """Rank 1 sums once, then stays silent (a peer cut off: its connections stay open); rank 0's next sum is
+    given up by its driver's word a second later."""
+    from nbdist.strategies.collective import GenerationBroken, GlooCollective, open_store_listener
+
+    listen_fd = None
+    if rank == 0:
+        listen_fd, port = open_store_listener("127.0.0.1")
+        ports.put(port)
+    port = ports.get(timeout=30) if rank == 1 else port
+    coll = GlooCollective(rank, 2, "127.0.0.1", port, 120.0, listen_fd=listen_fd)
+    buf = np.ones(4, dtype=np.float32)
+    coll.allreduce_sum(buf)
+    if rank == 1:
+        results.put((rank, float(buf[0]), "", 0.0, 0.0))
+        time.sleep(60)
+        return
+    start = time.monotonic()
+    coll.broken = lambda: "a member is gone" if time.monotonic() - start > 1.0 else None
+    try:
+        coll.allreduce_sum(buf)
+        why = ""
+    except GenerationBroken as exc:
+        why = str(exc)
+    left = time.monotonic() - start
+    coll.close()  # a Gloo call was left running: close ends it rather than wait out the group's 120 s
+    results.put((rank, float(buf[0]), why, left, time.monotonic() - start - left))
+
+
+def test_a_gloo_sum_waiting_for_a_silent_peer_ends_on_the_drivers_word():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_waits_for_a_silent_peer, args=(r, ports, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = {r: rest for r, *rest in (results.get(timeout=90) for _ in procs)}
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(10)
+    first, why, left, closing = got[0]
+    assert first == 2.0 and got[1][0] == 2.0  # the first sum was a real one
+    assert why == "a member is gone"
+    assert 1.0 <= left < 2.5 and closing < 2.0
