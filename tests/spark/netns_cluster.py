@@ -189,6 +189,16 @@ class NetnsCluster:
                 found.append(int(entry))
         return found
 
+    @contextlib.contextmanager
+    def cut_off(self, host: Host):
+        """``host`` cut off from the network (its link to the bridge down) until the block ends: its processes live
+        on and its connections stay open, but nothing reaches them and nothing of theirs arrives."""
+        _ip("link", "set", host.veth, "down")
+        try:
+            yield
+        finally:
+            _ip("link", "set", host.veth, "up", check=False)
+
     # -- tearing down --------------------------------------------------------
     def close(self) -> None:
         for proc in reversed(self.procs):  # each leads its own process group, executors included

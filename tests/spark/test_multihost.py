@@ -187,6 +187,39 @@ def test_elastic_run_loses_and_regains_a_hosts_worker(cluster, spark, data):
         time.sleep(0.5)
 
 
+def test_elastic_run_goes_on_without_a_host_cut_off(cluster, spark, data):
+    """An elastic run (1:2) with a worker on each host; hostB is cut off after the first epoch: its worker lives
+    and holds its connections, silent. Past heartbeat_timeout the driver takes it for lost and cancels its job,
+    hostA's worker leaves the Gloo sum it waits in on the driver's word, rolls back and finishes the run alone.
+    Once hostB is back, nothing of the run is left on it."""
+    from nbdist.api import prepare
+    from nbdist.config import TrainConfig
+
+    X_tr, _, y_tr, _ = data
+    job = prepare(small_model(), TrainConfig(epochs=30, workers="1:2", batch_size=32, seed=0, strategy="allreduce",
+                                             backend="spark", ui="none", heartbeat_interval=1, heartbeat_timeout=8),
+                  X_tr, y_tr, None)
+    job.start().run_in_background()
+    host = HOSTS[1]
+    _wait_training_on(cluster, host, job)
+    (gone,) = [w.rank for w in job.state.workers if w.host == host.name]
+    with cluster.cut_off(host):
+        cut = time.monotonic()
+        while not job.state.membership and time.monotonic() - cut < 60:
+            time.sleep(0.1)
+        took = time.monotonic() - cut
+        history = job.wait(timeout=300)
+    assert job.status == "done" and len(history["loss"]) == 30
+    (left,) = [c for c in job.state.membership if c.left]
+    assert left.left == [gone] and left.workers == [1 - gone] and left.why.startswith("sent nothing for "), left.line
+    assert 8 <= took < 30, took  # the silence, then the survivor's word: not the collective's 300 s
+    assert job.state.workers[1 - gone].host == HOSTS[0].name and job.state.world_size == 1
+    deadline = time.monotonic() + 60
+    while _left_on_hosts(cluster):
+        assert time.monotonic() < deadline, f"left behind: {_left_on_hosts(cluster)}"
+        time.sleep(0.5)
+
+
 def test_coordinator_unreachable_from_the_hosts(cluster, spark, data, monkeypatch):
     """A coordinator address the executors cannot reach: one sentence naming the worker, the address and the setting."""
     from nbdist.spark import cluster as spark_cluster
