@@ -157,8 +157,9 @@ class GlooCollective:
         self.world_size = world_size
         self.timeout = timeout  # seconds
         self._keys = 0
-        # An elastic run's word that its generation is broken (worker/elastic.py): why, else None.
-        self.broken: Callable[[], str | None] = lambda: None
+        # An elastic run's word that its generation is broken (worker/elastic.py): why, else None. Unset, a call
+        # blocks until it ends (a sliced wait costs a large sum up to a tenth: benchmarks/gloo_wait.py).
+        self.broken: Callable[[], str | None] | None = None
         self._left_waiting = False  # a call was left unfinished (GenerationBroken)
 
     @property
@@ -181,6 +182,9 @@ class GlooCollective:
         """Wait for ``work`` in slices, looking between them whether the generation was given up: a peer cut off
         from the network closes no connection, and a blocked Gloo call cannot be ended from another thread. A
         slice's timeout leaves the call running; the process group's own timeout still bounds it."""
+        if self.broken is None:
+            work.wait()
+            return
         while True:
             try:
                 work.wait(WAIT_SLICE)

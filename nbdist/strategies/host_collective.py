@@ -78,8 +78,8 @@ class HostCollective:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.path = path
         # An elastic run's word that its generation is broken (worker/elastic.py): why, else None.
-        self.broken: Callable[[], str | None] = lambda: None
-        self._store = DirectoryStore(path, timeout, lambda: self.broken())
+        self.broken: Callable[[], str | None] | None = None
+        self._store = DirectoryStore(path, timeout, lambda: self.broken() if self.broken is not None else None)
         self._keys = 0
         self._sums: dict[Any, Any] = {}
 

@@ -454,7 +454,7 @@ def open_chunked_sum(collective: Any, length: int, chunk: int = CHUNK_ELEMENTS) 
 def _heeding(collective: Any, summer: _SharedSum) -> Any:
     """``summer``'s waits end once ``collective`` is told its generation is broken (an elastic run's)."""
     if hasattr(collective, "broken"):
-        summer.broken = lambda: collective.broken()
+        summer.broken = lambda: collective.broken() if collective.broken is not None else None
     return summer
 
 
