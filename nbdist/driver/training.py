@@ -543,7 +543,7 @@ class TrainingJob(Run):
         self._shutdown()  # waits for every worker process to end
         self._restart_pending = None
         keeper = self._keeper
-        self._done, self._closing = set(), {}
+        self._done, self._closing, self._silent = set(), {}, {}
         self._remove_meeting_place()
         self._rendezvous = None  # the new rank 0 publishes a new store
         try:
