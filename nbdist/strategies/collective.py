@@ -22,7 +22,7 @@ from ..machine.keras_backend import configured_backend
 log = logging.getLogger(__name__)
 
 
-# How often a worker waiting in a Gloo call looks whether its driver gave the generation up (``abandoned``).
+# How often a worker waiting in a Gloo call of an elastic run looks whether its driver gave the generation up.
 WAIT_SLICE = datetime.timedelta(seconds=0.5)
 
 
