@@ -140,6 +140,24 @@ def worker_processes() -> list[psutil.Process]:
     return out
 
 
+def run_ranks(target, world: int = 2, timeout: float = 90.0) -> dict:
+    """``target(rank, ports, results)`` in ``world`` spawned processes, sharing two queues (rank 0 puts the
+    ports the others need, each puts ``(rank, *result)`` once); their results by rank. None is left running."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, ports, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return {r: rest for r, *rest in (results.get(timeout=timeout) for _ in procs)}
+    finally:  # every result is in (or never comes): what still runs is killed
+        for p in procs:
+            p.kill()
+            p.join(10)
+
+
 def wait_no_workers(timeout: float = 5.0) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -18,7 +18,7 @@ from nbdist.api import prepare
 from nbdist.config import TrainConfig
 from nbdist.errors import NbdistError, TrainingFailed
 
-from ..conftest import wait_no_workers
+from ..conftest import run_ranks, wait_no_workers
 
 EPOCHS = 3
 BATCH = 32  # per worker at launch: a global batch of 96 on 3 workers, 48 + 48 once 2 are left
@@ -305,19 +305,7 @@ def _waits_for_a_silent_peer(rank: int, ports, results) -> None:
 
 
 def test_a_gloo_sum_waiting_for_a_silent_peer_ends_on_the_drivers_word():
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    ports, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_waits_for_a_silent_peer, args=(r, ports, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {r: rest for r, *rest in (results.get(timeout=90) for _ in procs)}
-    finally:
-        for p in procs:
-            p.kill()
-            p.join(10)
+    got = run_ranks(_waits_for_a_silent_peer)
     first, why, left, closing = got[0]
     assert first == 2.0 and got[1][0] == 2.0  # the first sum was a real one
     assert why == "a member is gone"

@@ -12,6 +12,8 @@ from nbdist.driver.state import RunState
 from nbdist.wire.reports import Progress, State
 from nbdist.worker.phases import PhaseClock, PhaseReporter
 
+from ..conftest import run_ranks
+
 LATE = 1.5  # seconds rank 1 keeps rank 0 waiting
 
 
@@ -44,20 +46,7 @@ def _rank(rank: int, ports: mp.Queue, results: mp.Queue) -> None:
 
 @pytest.fixture(scope="module")
 def reports():
-    ctx = mp.get_context("spawn")
-    ports, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, ports, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        out = dict((r, (sent, value, seconds)) for r, sent, value, seconds in
-                   (results.get(timeout=90) for _ in procs))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return out
+    return {r: tuple(rest) for r, rest in run_ranks(_rank).items()}
 
 
 def test_a_worker_waiting_for_a_late_peer_reports_synchronising(reports):
