@@ -109,7 +109,7 @@ def recovery(kind: str, quick: bool) -> dict[str, float]:
         if event == "progress" and "kill" not in marks and state.epochs_done >= 1:
             marks["kill"] = now
             os.kill(state.workers[1].pid, signal.SIGKILL)
-        elif event == "membership":
+        elif event == "membership" and payload.left and "regroup" not in marks:  # not its replacement's join
             marks["regroup"] = now
         elif event == "progress" and "regroup" in marks and "first_step" not in marks:
             marks["first_step"] = now
@@ -118,7 +118,7 @@ def recovery(kind: str, quick: bool) -> dict[str, float]:
     job = prepare(model, cfg, x, y, None, listeners=[listener])
     job.start()
     job.wait(timeout=1800)
-    (change,) = job.state.membership
+    (change, *_) = [c for c in job.state.membership if c.left]
     return {"regroup_s": marks["regroup"] - marks["kill"], "first_step_s": marks["first_step"] - marks["kill"],
             "steps_lost": change.steps_lost}
 
