@@ -35,6 +35,12 @@ class GenerationBroken(RuntimeError):
     """An elastic run's driver said a member of this collective's generation is gone: its waits end at once."""
 
 
+def broken_word(collective: Any) -> str | None:
+    """Why ``collective``'s generation was given up (its ``broken``, set in an elastic run), else None."""
+    broken = getattr(collective, "broken", None)
+    return broken() if broken is not None else None
+
+
 class Collective(Protocol):
     rank: int
     world_size: int

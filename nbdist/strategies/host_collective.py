@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .collective import GenerationBroken
+from .collective import GenerationBroken, broken_word
 from .shared import CHUNK_ELEMENTS, SHM_DIR, open_chunked_sum, open_shared_sum, supported_here
 
 PREFIX = "nbdist-meet-"
@@ -79,7 +79,7 @@ class HostCollective:
         self.path = path
         # An elastic run's word that its generation is broken (worker/elastic.py): why, else None.
         self.broken: Callable[[], str | None] | None = None
-        self._store = DirectoryStore(path, timeout, lambda: self.broken() if self.broken is not None else None)
+        self._store = DirectoryStore(path, timeout, lambda: broken_word(self))
         self._keys = 0
         self._sums: dict[Any, Any] = {}
 

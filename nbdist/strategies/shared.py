@@ -25,7 +25,7 @@ import numpy as np
 
 from ..machine.placement import usable_cores
 from ..machine.processes import ProcessId, remove_quietly
-from .collective import GenerationBroken
+from .collective import GenerationBroken, broken_word
 from .shm_files import _attach, _create, boot_id
 
 log = logging.getLogger(__name__)
@@ -453,8 +453,7 @@ def open_chunked_sum(collective: Any, length: int, chunk: int = CHUNK_ELEMENTS) 
 
 def _heeding(collective: Any, summer: _SharedSum) -> Any:
     """``summer``'s waits end once ``collective`` is told its generation is broken (an elastic run's)."""
-    if hasattr(collective, "broken"):
-        summer.broken = lambda: collective.broken() if collective.broken is not None else None
+    summer.broken = lambda: broken_word(collective)
     return summer
 
 
