@@ -1,7 +1,10 @@
-"""A notebook on Keras' JAX or torch backend, as a separate process (issue 25): ``python backend_driver.py BACKEND``.
+"""A notebook on Keras' JAX or torch backend, as a separate process (issue 25):
+``python backend_driver.py BACKEND PHASE[,PHASE...]``.
 
 Keras reads ``KERAS_BACKEND`` once, when it is first imported, so each backend needs a process of its
-own; ``test_backends.py`` runs this script and reads the JSON line it prints last. Everything a user
+own; ``test_backends.py`` runs this script and reads the JSON line it prints last. Several phases in one
+process share its imports and fork server (a notebook's session does too): their result is one dict by
+phase, and a phase that raised holds its traceback under "error" while the next still runs. Everything a user
 would do: the cell's own ``model.fit`` under ``%%dist_train`` (allreduce, Adam), ``nbdist.train`` with
 averaging every step (plain SGD), ``nbdist.evaluate`` and ``nbdist.predict``, each beside the local Keras
 call it must equal. Digits, 2 workers, 2 epochs.
@@ -13,11 +16,12 @@ import os
 import sys
 
 BACKEND = sys.argv[1]
-PHASE = sys.argv[2] if len(sys.argv) > 2 else "core"
+PHASES = (sys.argv[2] if len(sys.argv) > 2 else "core").split(",")
 os.environ["KERAS_BACKEND"] = BACKEND
 
 import signal  # noqa: E402
 import tempfile  # noqa: E402
+import traceback  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -523,8 +527,12 @@ def seeded_cells() -> dict[str, object]:
                          "    keras.layers.Dropout(0.3, seed=5), keras.layers.Dense(10, 'softmax')])\n"
                          "model.layers[-1].set_weights(fixed_top)\n"}
     out: dict[str, object] = {"backend": keras.backend.backend()}
+
+    def listed() -> list[str]:
+        return sorted(p.name for p in jax_cache_dir().glob("*")) if jax_cache_dir().is_dir() else []
+
     for name, cell in cells.items():
-        runs, cached = [], []
+        runs, cached = [], [listed()]  # what earlier phases of this process stored
         for _ in range(2):
             shell.run_cell_magic("dist_train", "--workers 2 --ui none",
                                  cell + "model.compile('adam', 'sparse_categorical_crossentropy', "
@@ -532,7 +540,7 @@ def seeded_cells() -> dict[str, object]:
             job = shell.user_ns["history_job"]
             runs.append((shell.user_ns["model"], shell.user_ns["history"].history,
                          [job.reports[r].get("tensorflow_loaded") for r in sorted(job.reports)]))
-            cached.append(sorted(p.name for p in jax_cache_dir().glob("*")) if jax_cache_dir().is_dir() else [])
+            cached.append(listed())
         (a, history_a, tf_a), (b, history_b, tf_b) = runs
         out[name] = {"weight_gap": weight_gap(a, b), "same_history": history_a == history_b,
                      "workers_tensorflow": tf_a + tf_b, "cached": cached}
@@ -709,5 +717,13 @@ if __name__ == "__main__":
     phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers"),
               "seeded": seeded_cells, "async": async_only, "device_sum": torch_device_sums,
               "other_apis": other_apis, "lazy_loader": lazy_loader}
-    result = phases[PHASE]()
+    if len(PHASES) == 1:
+        result = phases[PHASES[0]]()
+    else:
+        result = {}
+        for phase in PHASES:
+            try:
+                result[phase] = phases[phase]()
+            except Exception:  # the test names the phase and shows this traceback
+                result[phase] = {"error": traceback.format_exc()}
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)
