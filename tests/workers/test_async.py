@@ -44,26 +44,23 @@ def _run(ip, strategy: str, claim: str | None) -> tuple[float, float, object]:
 def test_async_is_not_held_back_by_a_slow_worker_and_matches_allreduce(ip, digits_split, tmp_path):
     x_train, x_test, y_train, y_test = digits_split
     ip.run_cell(_slow_cell())
-    ip.user_ns.update(Xa=x_train, ya=y_train, Xt=x_test, yt=y_test, PAUSE=0.06, EPOCHS=12, LR=0.01)
+    ip.user_ns.update(Xa=x_train, ya=y_train, Xt=x_test, yt=y_test, PAUSE=0.06, EPOCHS=8, LR=0.01)
     seconds, accuracy = {}, {}
-    for slowed in (False, True):
-        for strategy in ("allreduce", "async"):
-            claim = str(tmp_path / f"{strategy}-{slowed}.pid") if slowed else None
-            seconds[strategy, slowed], accuracy[strategy, slowed], job = _run(ip, strategy, claim)
-            if slowed:
-                assert os.path.exists(claim)  # a worker was slowed
-            if strategy == "async":
-                pushed = {r: job.reports[r]["async_pushed"] for r in job.reports}
-                assert all(n > 0 for n in pushed.values()), pushed
+    for strategy in ("allreduce", "async"):  # both with one worker slowed (benchmark row P12 times both unslowed)
+        claim = str(tmp_path / f"{strategy}.pid")
+        seconds[strategy], accuracy[strategy], job = _run(ip, strategy, claim)
+        assert os.path.exists(claim)  # a worker was slowed
+        if strategy == "async":
+            pushed = {r: job.reports[r]["async_pushed"] for r in job.reports}
+            assert all(n > 0 for n in pushed.values()), pushed
     print("seconds", seconds, "accuracy", accuracy)
     # Bounds that hold on a loaded CI machine and still fail a synchronous or unsound async (a run held to the
     # slow worker's pace is 1.0; Elephas-style unscaled deltas lose tens of points). The goals themselves
     # (<= 0.6 of allreduce's time, accuracy within 1 point) are benchmark row P12's: measured 0.59 and 0.9656
     # vs 0.9667 once; here 0.565 in one run, and the 1-point check failed 1 run in 5 at 10 epochs (450 test rows:
     # one point is about their noise).
-    assert seconds["async", True] <= 0.7 * seconds["allreduce", True], seconds
-    for slowed in (False, True):
-        assert abs(accuracy["async", slowed] - accuracy["allreduce", slowed]) <= 0.025, accuracy
+    assert seconds["async"] <= 0.7 * seconds["allreduce"], seconds
+    assert abs(accuracy["async"] - accuracy["allreduce"]) <= 0.025, accuracy
 
 
 def _async_job(ip, digits, listener, epochs: int = 200):
