@@ -1,7 +1,7 @@
 """R6: forged, truncated, oversized, bit-flipped and replayed frames against a LIVE coordinator.
 
-A real 2-worker run trains on digits while hypothesis throws at least 10,000 hostile
-connections at its coordinator (loopback only). Each connection must be rejected
+A real 2-worker run trains on digits while hypothesis throws at least 2,000 hostile connections
+at its coordinator (loopback only; ``make test-full`` throws 10,000: ``NBDIST_FUZZ_FRAMES``). Each connection must be rejected
 (the coordinator's ``rejected`` counter counts every one, ``accepted`` stays at the two
 real workers), nothing crashes, and the run finishes with the accuracy of the same run
 without the attack.
@@ -27,9 +27,9 @@ from nbdist.wire import protocol
 
 from ..conftest import mlp, wait_no_workers
 
-FRAMES = int(os.environ.get("NBDIST_FUZZ_FRAMES", "10000"))
+FRAMES = int(os.environ.get("NBDIST_FUZZ_FRAMES", "2000"))
 BUDGET = 60.0  # seconds for the whole attack
-EPOCHS = 200
+EPOCHS = max(40, FRAMES // 50)  # training under attack reaches about one epoch per 50 connections
 HOLD_FROM = EPOCHS - 10  # from this epoch on, the run waits for the attack to end (see _holder)
 SENDERS = 4
 
