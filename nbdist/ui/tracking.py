@@ -36,6 +36,24 @@ PARAM_CHARS = 500
 KERAS_AUTOLOG = ("keras", "tensorflow")
 # How an nbdist ending reads in MLflow.
 RUN_STATUS = {"done": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+# The distributions a logged Keras model needs on each Keras backend, beside Keras itself.
+BACKEND_DISTRIBUTIONS = {"tensorflow": ("tensorflow", "tensorflow-cpu"), "jax": ("jax", "jaxlib"),
+                         "torch": ("torch",)}
+
+
+def model_requirements(backend: str) -> list[str]:
+    """The pip requirements of a Keras model logged from this notebook: Keras and its backend at the versions
+    installed here. Given to MLflow, which otherwise infers them by loading the model again in a child process
+    (seconds at every run's end)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pinned = []
+    for name in ("keras", *BACKEND_DISTRIBUTIONS.get(backend, ())):
+        try:
+            pinned.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:  # e.g. tensorflow-cpu where tensorflow is installed
+            continue
+    return pinned
 
 
 def import_mlflow(required: bool, why: str = "--mlflow") -> Any | None:
@@ -260,11 +278,12 @@ class RunTracker:
         """The trained model as an MLflow Keras model under ``model/`` (``mlflow.keras.load_model(
         "runs:/<id>/model")``), saved here and uploaded: ``mlflow.keras.log_model`` would need the
         fluent active run, which a background run's thread does not have."""
+        import keras
         import mlflow.keras
 
         path = os.path.join(tmp, "model")
         try:
-            mlflow.keras.save_model(model, path)
+            mlflow.keras.save_model(model, path, pip_requirements=model_requirements(keras.config.backend()))
         except Exception as exc:  # e.g. a notebook class Keras cannot save: the rest is logged
             log.warning("the trained model could not be saved for MLflow (%s: %s); params, metrics and "
                         "the chart are logged.", type(exc).__name__, str(exc).splitlines()[0][:200])

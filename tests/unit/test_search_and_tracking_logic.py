@@ -13,7 +13,7 @@ from nbdist.errors import NbdistError
 from nbdist.fit_arguments import FitCall
 from nbdist.search.study import infer_direction
 from nbdist.ui.search import search_rows, search_sentence, search_text
-from nbdist.ui.tracking import run_params, unreachable
+from nbdist.ui.tracking import model_requirements, run_params, unreachable
 
 
 def test_search_state_tracks_the_best_complete_trial_in_its_direction():
@@ -64,6 +64,14 @@ def test_run_params_hold_options_fit_arguments_and_optimizer_config():
     assert params["fit.callbacks"] == "EarlyStopping" and "averaging_frequency" not in params
     assert params["optimizer"] == "SGD" and float(params["optimizer.momentum"]) == pytest.approx(0.9)
     assert (params["strategy"], params["seed"], params["model.parameters"]) == ("allreduce", "7", "10")
+
+
+def test_a_logged_models_requirements_are_keras_and_its_backend_as_installed():
+    from importlib.metadata import version
+
+    for backend, names in (("tensorflow", ("keras", "tensorflow")), ("jax", ("keras", "jax", "jaxlib")),
+                           ("torch", ("keras", "torch"))):
+        assert model_requirements(backend) == [f"{n}=={version(n)}" for n in names], backend
 
 
 def test_only_http_tracking_uris_are_probed():

@@ -1,10 +1,10 @@
 """R6: forged, truncated, oversized, bit-flipped and replayed frames against a LIVE coordinator.
 
 A real 2-worker run trains on digits while hypothesis throws at least 2,000 hostile connections
-at its coordinator (loopback only; ``make test-full`` throws 10,000: ``NBDIST_FUZZ_FRAMES``). Each connection must be rejected
-(the coordinator's ``rejected`` counter counts every one, ``accepted`` stays at the two
-real workers), nothing crashes, and the run finishes with the accuracy of the same run
-without the attack.
+at its coordinator (loopback only; ``make test-full`` throws 10,000: ``NBDIST_FUZZ_FRAMES``).
+Each connection must be rejected (the coordinator's ``rejected`` counter counts every one,
+``accepted`` stays at the two real workers), nothing crashes, and the run finishes with the
+accuracy of the same run without the attack.
 """
 from __future__ import annotations
 

@@ -77,6 +77,14 @@ fit_history = model.fit(X, y, batch_size=64, epochs=2, validation_data=(Xv, yv),
     files = {f.path for f in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"model", "nbdist_summary.png"} <= files
     loaded = mlflow.keras.load_model(f"runs:/{run.info.run_id}/model")
+    # Its requirements name Keras and TensorFlow at the notebook's versions (given, not inferred by MLflow
+    # in a child process that loads the model again).
+    from importlib.metadata import version
+
+    needs = mlflow.pyfunc.get_model_dependencies(f"runs:/{run.info.run_id}/model")
+    with open(needs) as f:
+        pinned = set(f.read().split())
+    assert {f"keras=={version('keras')}", f"tensorflow=={version('tensorflow')}"} <= pinned, pinned
     x = ip.user_ns["Xv"][:50]
     np.testing.assert_allclose(loaded.predict(x, verbose=0), ip.user_ns["model"].predict(x, verbose=0), atol=1e-6)
 
