@@ -376,7 +376,15 @@ def _accuracy(model: Any, x: Any, y: np.ndarray) -> float:
     return float((np.argmax(model.predict(x, verbose=0), axis=-1) == y).mean())
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+# Cases whose path another case covers in CI (make test-full runs them): the case that covers each.
+FURTHER = {"string_lookup": "text_vectorization", "discretization": "normalization",
+           "category_and_hashing": "integer_lookup", "mixed_bfloat16": "mixed_float16",
+           "loss_scale_optimizer": "mixed_float16", "schedule_momentum": "rmsprop_clipnorm",
+           "lstm": "regularized", "attention": "regularized", "two_inputs_lambda": "regularized"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.full(f"the {FURTHER[name]} case"))
+                                  if name in FURTHER else name for name in sorted(ZOO)])
 def test_two_workers_under_allreduce_train_the_whole_model_as_the_local_global_batch(name, data, digits):
     case = ZOO[name]
     # Inexact models train long enough on all of digits for a point of accuracy to mean something.
