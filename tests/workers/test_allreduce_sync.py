@@ -90,30 +90,33 @@ def _grads(rank, step):
 STEPS = [(3, 1), (4, 4), (2, 0)]
 
 
-def _rank_main(rank: int, world: int, port: int, engine: str, mode: str) -> None:
-    """One worker of test_two_process_exchange (run in its own process): the host engine the plan names."""
+def _rank_main(rank: int, world: int, port: int, plans: list[list[str]]) -> None:
+    """One worker of test_two_process_exchange (run in its own process): each host engine a plan names, in
+    turn over one Gloo group; the report by mode."""
     from nbdist.machine.engines import Plan
     from nbdist.strategies.collective import GlooCollective
     from nbdist.worker.phases import PhaseClock, PhaseCollective
 
     gloo = GlooCollective(rank, world, "127.0.0.1", port, timeout=60)
-    clock = PhaseClock()
-    plan = Plan(engine, mode, bucket_bytes=256)  # chunked: rows of 64 floats
-    reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], plan)
-    clock.strategy_timer = reducer
-    errors = []
-    for step, counts in enumerate(STEPS):
-        n, total = counts[rank], sum(counts)
-        reducer.set_weight(n, total)
-        mine = _grads(rank, step) if n else [np.zeros(s, np.float32) for s in SHAPES]
-        out = reducer.exchange(*mine)
-        want = [(counts[0] * a + counts[1] * b) / total for a, b in zip(_grads(0, step), _grads(1, step))]
-        errors.append(max(float(np.abs(o - w).max()) for o, w in zip(out, want)))
-    chunks = len(reducer._shared_plan.chunks) if reducer._shared else 0
-    print(json.dumps({"errors": errors, "chunks": chunks, "busy_after": clock.busy_for(),
-                      "steps": reducer.steps, "seconds": reducer.seconds,
-                      "small_sum": type(reducer._shared).__name__,
-                      **_broadcast_start(gloo, rank)}), flush=True)
+    report = {}
+    for engine, mode in plans:
+        clock = PhaseClock()
+        plan = Plan(engine, mode, bucket_bytes=256)  # chunked: rows of 64 floats
+        reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], plan)
+        clock.strategy_timer = reducer
+        errors = []
+        for step, counts in enumerate(STEPS):
+            n, total = counts[rank], sum(counts)
+            reducer.set_weight(n, total)
+            mine = _grads(rank, step) if n else [np.zeros(s, np.float32) for s in SHAPES]
+            out = reducer.exchange(*mine)
+            want = [(counts[0] * a + counts[1] * b) / total for a, b in zip(_grads(0, step), _grads(1, step))]
+            errors.append(max(float(np.abs(o - w).max()) for o, w in zip(out, want)))
+        chunks = len(reducer._shared_plan.chunks) if reducer._shared else 0
+        report[mode] = {"errors": errors, "chunks": chunks, "busy_after": clock.busy_for(), "steps": reducer.steps,
+                        "seconds": reducer.seconds, "small_sum": type(reducer._shared).__name__}
+        reducer.close()
+    print(json.dumps({**report, **_broadcast_start(gloo, rank)}), flush=True)
     gloo.close()
 
 
@@ -132,23 +135,32 @@ def _broadcast_start(gloo, rank: int) -> dict:
     return {"broadcast_sent": sent, "broadcast_values": [np.asarray(v.numpy()).tolist() for v in variables]}
 
 
-@pytest.mark.parametrize("engine,mode,small_sum",
-                         [("torch", "gloo", "NoneType"), ("shared", "chunked", "SharedChunkedSum"),
-                          ("shared", "small", "SharedMemorySum")],
-                         ids=["chunked-allreduce", "shared-chunked", "shared-memory"])
-def test_two_process_exchange_equals_the_weighted_average(engine, mode, small_sum):
-    reports = run_ranks("tests.workers.test_allreduce_sync:_rank_main", 2, engine, mode, timeout=90)
-    for report in reports:
+PLANS = [("torch", "gloo", "NoneType"), ("shared", "chunked", "SharedChunkedSum"),
+         ("shared", "small", "SharedMemorySum")]
+
+
+@pytest.fixture(scope="module")
+def exchanged() -> list[dict]:
+    """Two real processes' reports: every host engine of ``PLANS`` in turn, then a run's start."""
+    return run_ranks("tests.workers.test_allreduce_sync:_rank_main", 2, [[e, m] for e, m, _ in PLANS], timeout=120)
+
+
+@pytest.mark.parametrize("engine,mode,small_sum", PLANS, ids=["chunked-allreduce", "shared-chunked", "shared-memory"])
+def test_two_process_exchange_equals_the_weighted_average(exchanged, engine, mode, small_sum):
+    for report in (r[mode] for r in exchanged):
         assert report["small_sum"] == small_sum
         assert report["chunks"] == {"gloo": 0, "chunked": 4, "small": 1}[mode]
         assert report["steps"] == len(STEPS) and report["seconds"] > 0
         assert max(report["errors"]) < 1e-6, report
         assert report["busy_after"] == 0.0  # the phase clock saw the exchange end
-    # A run's start: compared by checksum and broadcast only when a worker holds other values, then rank 0's
-    # everywhere (under allreduce nothing would reconcile differing replicas later).
-    assert [r["broadcast_sent"] for r in reports] == [[False, True], [False, True]]
-    assert reports[0]["broadcast_values"] == reports[1]["broadcast_values"]
-    assert reports[0]["broadcast_values"][1][3] == pytest.approx(0.75)  # rank 0's
+
+
+def test_a_runs_start_is_broadcast_only_where_a_worker_holds_other_values(exchanged):
+    """Compared by checksum and broadcast only when a worker holds other values, then rank 0's everywhere
+    (under allreduce nothing would reconcile differing replicas later)."""
+    assert [r["broadcast_sent"] for r in exchanged] == [[False, True], [False, True]]
+    assert exchanged[0]["broadcast_values"] == exchanged[1]["broadcast_values"]
+    assert exchanged[0]["broadcast_values"][1][3] == pytest.approx(0.75)  # rank 0's
 
 
 def test_tensorflow_adopts_the_averaged_gradients_without_a_copy():
