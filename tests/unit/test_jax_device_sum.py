@@ -3,7 +3,7 @@ sum_w (n_w / N) g_w computed with numpy, per gradient, with uneven rows and a mi
 (CPUs) and one sum per gradient (GPUs); the averaging round's ``weighted_mean`` likewise, and a round where no
 worker trained keeps the values. Two virtual
 CPU devices in this process stand for two workers (the same XLA all-reduce; across processes it runs over
-Gloo, checked against the local fit in tests/workers/test_jax_engine.py)."""
+Gloo, checked against the local fit in tests/workers/test_backends.py)."""
 from __future__ import annotations
 
 import numpy as np

@@ -21,6 +21,7 @@ os.environ["KERAS_BACKEND"] = BACKEND
 
 import signal  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 import traceback  # noqa: E402
 
 import keras  # noqa: E402
@@ -716,14 +717,17 @@ def mnist_convnet() -> keras.Model:
 if __name__ == "__main__":
     phases = {"core": main, "more": more, "spark": on_spark, "containers": lambda: same_as_local("containers"),
               "seeded": seeded_cells, "async": async_only, "device_sum": torch_device_sums,
-              "other_apis": other_apis, "lazy_loader": lazy_loader}
+              "other_apis": other_apis, "lazy_loader": lazy_loader,
+              "jax_engine": lambda: __import__("jax_engine_driver").main()}
     if len(PHASES) == 1:
         result = phases[PHASES[0]]()
     else:
         result = {}
         for phase in PHASES:
+            started = time.monotonic()
             try:
                 result[phase] = phases[phase]()
             except Exception:  # the test names the phase and shows this traceback
                 result[phase] = {"error": traceback.format_exc()}
+            print(f"phase {phase}: {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     print("NBDIST-RESULT " + json.dumps(result, default=float), flush=True)

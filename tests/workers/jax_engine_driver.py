@@ -1,5 +1,6 @@
 """A notebook on Keras' JAX backend training with ``--engine jax`` (the sum inside the jitted step, over JAX's
-own collectives): ``python jax_engine_driver.py``; ``test_jax_engine.py`` reads the JSON line it prints last.
+own collectives): backend_driver.py's phase ``jax_engine`` (or ``python jax_engine_driver.py``, which prints
+the JSON line test_backends.py reads).
 Digits, 2 workers, 2 epochs, SGD and Adam, each beside the local fit on the global batch; uneven shares (the
 host path, said once); the averaging strategy's rounds inside the JAX job; then a run whose worker 1 dies in its
 second epoch, timed."""

@@ -28,7 +28,7 @@ ROWS = 512  # backend_driver.py's digits rows
 
 # The phases of one driver per backend, in this order: the seeded cell's phase imports TensorFlow in the
 # notebook (keras.utils.set_random_seed does, as locally), which the others check it never does, so it is last.
-PHASES = {"jax": ("core", "more", "other_apis", "seeded"),
+PHASES = {"jax": ("core", "more", "other_apis", "jax_engine", "seeded"),
           "torch": ("core", "more", "lazy_loader", "other_apis", "device_sum", "seeded")}
 
 
@@ -260,3 +260,41 @@ def test_a_seeded_cell_reproduces_on_jax_and_torch_workers_without_tensorflow(ba
         assert set(first) > set(before) and again == first, seeded["cached"]
     else:
         assert before == first == again == [], seeded["cached"]
+
+
+@pytest.mark.timeout(900)
+def test_two_jax_workers_sum_inside_the_step_as_the_local_fit_and_a_killed_one_fails_the_run(driven):
+    """Issue 36, ``--engine jax``: the gradients summed by JAX's own collectives inside the jitted step (Gloo
+    on the CPU here, NCCL inside XLA on GPUs: the same code path; jax_engine_driver.py). SGD and Adam equal
+    the local fit on the global batch; a BatchNorm and Dropout model equals the same run through the host
+    call; uneven shares fall back to the host path in one sentence; the averaging strategy's rounds inside
+    the JAX job equal the local step (every step, SGD) and the host's rounds (every 3 steps, uneven shares,
+    BatchNorm and Dropout); a SIGKILLed worker fails the run at once (no hang in the collective). JAX's CPU
+    collectives have had wrong sums and hangs (DESIGN.md 9)."""
+    result = driven("jax", "jax_engine")
+    for name in ("sgd", "adam"):
+        run = result[name]
+        assert run["engines"] == ["jax", "jax"] and run["summed_by"] == ["device", "device"], run
+        assert_same_history(run["history"], run["expected"])
+        assert run["weight_gap"] < 1e-5, (name, run["weight_gap"])
+    # BatchNorm and Dropout: JAX's collective trains what the host call trains (the GPUs' default, issue 36).
+    assert result["bn_jax"]["engines"] == ["jax", "jax"] and result["bn_gloo"]["engines"] == ["gloo", "gloo"]
+    assert_same_history(result["bn_jax"]["history"], result["bn_gloo"]["history"])
+    assert result["bn_gap"] < 1e-6, result["bn_gap"]
+    uneven = result["uneven"]  # shares of 188 and 187 rows: the host path, said once
+    assert uneven["engines"] == ["gloo", "gloo"], uneven
+    assert any(w.startswith("--engine jax needs the same rows per step") for w in uneven["warnings"]), uneven
+    assert_same_history(uneven["history"], uneven["expected"])
+    assert uneven["weight_gap"] < 1e-5, uneven["weight_gap"]
+    # The averaging strategy's rounds on the devices (the GPUs' path, over Gloo here).
+    average = result["average"]
+    assert average["summed_by"] == ["device", "device"], average
+    assert_same_history(average["history"], average["expected"])
+    assert average["weight_gap"] < 1e-5, average["weight_gap"]
+    uneven = result["average_uneven"]
+    assert uneven["True"]["summed_by"] == ["device", "device"] and uneven["False"]["summed_by"] != ["device"] * 2
+    assert_same_history(uneven["True"]["history"], uneven["False"]["history"])
+    assert result["average_uneven_gap"] < 1e-6, result["average_uneven_gap"]
+    dead = result["dead"]
+    assert dead["error"] and "worker 1" in dead["error"] and "SIGKILL" in dead["error"], dead
+    assert dead["status"] == "failed" and dead["seconds"] < 30, dead
