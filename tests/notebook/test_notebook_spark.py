@@ -31,6 +31,8 @@ def test_spark_dataframe_notebook_executes():
     # 4 epochs: at 2 the jump from ~0.5 to ~1.0 sometimes had not happened yet (0.683 once in CI)
 
 
+@pytest.mark.full("training, prediction and the dashboard's header over Connect: tests/spark/test_spark_connect.py; "
+                  "a Spark notebook top to bottom in a kernel: test_spark_dataframe_notebook_executes")
 @pytest.mark.timeout(900)  # a Connect server starts inside the kernel first (10-40 s here)
 def test_spark_connect_notebook_executes():
     """The Connect variant: a notebook whose `spark` is a Spark Connect client (no SparkContext)."""

@@ -329,6 +329,8 @@ def test_both_strategies_match_local_fit_and_warm_workers_serve_the_second_run(s
     assert runs["averaging"][1] == [False, False] and runs["allreduce"][1] == [True, True], runs
 
 
+@pytest.mark.full("a search on Spark tasks: test_spark_local.py's search test; runs over Connect: this module's "
+                  "training tests")
 def test_a_search_runs_its_trials_over_connect(spark, data, tmp_path):
     """%%dist_tune's API with a Spark Connect session: 2 trials at once, each a run of one Spark task's
     worker; each stored value is its run's merged metric, and the best model is the best trial's. (Each trial's

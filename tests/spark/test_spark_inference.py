@@ -99,6 +99,8 @@ def test_magic_evaluates_dataframe_exactly(spark, data, multiclass, test_frame, 
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.full("evaluate on a DataFrame: test_magic_evaluates_dataframe_exactly; AUC's merged counts: "
+                  "tests/workers/test_evaluate.py's binary classifier test")
 def test_binary_metrics_on_dataframe_equal_keras_and_sklearn(spark, data, binary, test_frame, no_leftover_workers):
     _, Xte, _, yte = data
     yb = (yte >= 5).astype("float32")

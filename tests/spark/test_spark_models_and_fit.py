@@ -46,6 +46,8 @@ def test_a_model_without_an_input_shape_trains_from_a_dataframe(spark, data):
     assert float((model.predict(Xte, verbose=0).argmax(1) == yte).mean()) > 0.8
 
 
+@pytest.mark.full("async on Spark tasks: the PyDataset test below; arrays dealt by batch index: "
+                  "tests/workers/test_async.py")
 def test_async_trains_arrays_on_spark_tasks(spark, data):
     """Issue 38: --strategy async with the workers as Spark tasks (barrier mode): the arrays travel whole to each
     task, the driver deals batch indices; the model ends on the shared weights the tasks last validated."""
