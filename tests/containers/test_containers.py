@@ -151,7 +151,9 @@ def start_job(model, x, y, namespace=None, listeners=None, **options):
     return job
 
 
-@pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
+@pytest.mark.parametrize("strategy", [pytest.param("averaging", marks=pytest.mark.full(
+    "containers' transport and cleanup: the allreduce case; averaging's rounds: tests/workers/test_training.py")),
+    "allreduce"])
 def test_two_containers_match_local_accuracy_and_leave_nothing(engine, split, strategy):
     x_train, x_test, y_train, y_test = split
     # A learning rate that converges in few epochs keeps the test short on a loaded machine.

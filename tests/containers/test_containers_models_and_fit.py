@@ -44,6 +44,8 @@ def test_notebook_loss_and_subclassed_model_train_in_containers(engine, digits_s
     check_subclassed_run(job, model, local, x_test, y_test, EPOCHS)
 
 
+@pytest.mark.full("the same cell on Spark tasks: tests/spark/test_spark_models_and_fit.py; notebook objects in "
+                  "containers: test_notebook_loss_and_subclassed_model_train_in_containers")
 def test_intercepted_fit_with_callbacks_and_class_weight(engine, ip, tmp_path):
     check_intercepted_fit(ip, "--workers 2 --backend containers --strategy allreduce --ui none", tmp_path)
 

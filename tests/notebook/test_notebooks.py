@@ -29,6 +29,8 @@ def stream_text(nb: nbformat.NotebookNode) -> str:
                    for o in c.get("outputs", []) if o.get("output_type") == "stream")
 
 
+@pytest.mark.full("the quickstart top to bottom in a kernel, to its epochs and test accuracy: test_browser.py's "
+                  "quickstart test (and make demo)")
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_quickstart_notebook_executes():
     text = stream_text(execute("01_quickstart.ipynb"))
@@ -38,6 +40,8 @@ def test_quickstart_notebook_executes():
     assert accuracy > 0.9
 
 
+@pytest.mark.full("a CNN under allreduce: tests/workers/test_allreduce.py's CNN test; a notebook top to bottom: "
+                  "this module's other notebooks")
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_lenet_allreduce_notebook_executes():
     text = stream_text(execute("03_lenet_allreduce.ipynb"))
@@ -79,6 +83,8 @@ def test_your_keras_cell_notebook_executes():
     assert float(re.search(r"text: test accuracy: ([0-9.]+)", text).group(1)) > 0.8
 
 
+@pytest.mark.full("this notebook's search top to bottom, its 4 trials and best_model's line: test_browser.py's "
+                  "search test")
 @pytest.mark.usefixtures("no_leftover_workers")
 def test_tune_notebook_executes():
     """A 4-trial search, 2 at once on local workers: the text view's lines, and best_model scoring the
