@@ -198,6 +198,9 @@ def test_an_rdd_over_connect_is_one_sentence(spark):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.full("one file's rows streamed in order in equal shares: test_spark_partitions.py's one-file test; "
+                  "a DataFrame streamed over Connect: test_validation_dataframe_streams_over_connect_with_exact_"
+                  "metrics")
 def test_one_parquet_file_streams_over_connect_in_equal_shares_in_order(spark, data, tmp_path, no_leftover_workers):
     """The issue's one Parquet file, read as two partitions of which one holds every row ([n, 0]), over
     Connect: each worker trains on an equal share (as it reports), worker 0 on the file's first half and

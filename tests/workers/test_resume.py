@@ -63,7 +63,9 @@ def killer(after: int, times: int = 1):
     return listen
 
 
-@pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
+@pytest.mark.parametrize("strategy", [pytest.param("averaging", marks=pytest.mark.full(
+    "averaging's state restored from a checkpoint: test_max_restarts_recovers_without_the_user; a crash then "
+    "--resume: the allreduce case")), "allreduce"])
 def test_crash_then_resume_continues_from_the_checkpoint(strategy, reference, digits_split, tmp_path):
     x, xt, y, yt = digits_split
     ref = reference(strategy)
