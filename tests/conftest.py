@@ -45,12 +45,17 @@ def pytest_collection_modifyitems(config, items) -> None:
                                                     "runs it"))
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    """Seconds per tier (setup, call and teardown of its tests) against CI's budget.
+SLOWEST_FILES = 20  # test files listed with their seconds after the tiers
 
-    Printed by every run, so a tier that grows shows up in CI's log before the budget is gone.
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Seconds per tier (setup, call and teardown of its tests) against CI's budget, then the slowest files.
+
+    Printed by every run, so a tier that grows shows up in CI's log before the budget is gone, with the
+    files where its time goes (a module's shared run is its first test's setup: --durations splits it).
     """
     tiers: dict[str, float] = {}
+    files: dict[str, float] = {}
     for reports in terminalreporter.stats.values():
         for rep in reports:
             nodeid, duration = getattr(rep, "nodeid", ""), getattr(rep, "duration", None)
@@ -58,12 +63,17 @@ def pytest_terminal_summary(terminalreporter) -> None:
                 parts = nodeid.split("/")
                 tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
                 tiers[tier] = tiers.get(tier, 0.0) + duration
+                path = nodeid.split("::")[0]
+                files[path] = files.get(path, 0.0) + duration
     if not tiers:
         return
     total = sum(tiers.values())
     terminalreporter.write_sep("=", f"time per tier: {total / 60:.1f} of CI's {CI_BUDGET_SECONDS // 60} minutes")
     for tier, seconds in sorted(tiers.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{tier:<12} {seconds / 60:5.1f} min  {100 * seconds / total:3.0f}%")
+    terminalreporter.write_sep("-", f"the {SLOWEST_FILES} slowest files")
+    for path, seconds in sorted(files.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]:
+        terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
 
 
 @pytest.fixture(autouse=True, scope="session")
