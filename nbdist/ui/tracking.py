@@ -41,10 +41,11 @@ BACKEND_DISTRIBUTIONS = {"tensorflow": ("tensorflow", "tensorflow-cpu"), "jax": 
                          "torch": ("torch",)}
 
 
-def model_requirements(backend: str) -> list[str]:
+def model_requirements(backend: str) -> list[str] | None:
     """The pip requirements of a Keras model logged from this notebook: Keras and its backend at the versions
     installed here. Given to MLflow, which otherwise infers them by loading the model again in a child process
-    (seconds at every run's end)."""
+    (seconds at every run's end); None, for MLflow to infer them, where the backend came from a distribution
+    of another name (a nightly, a vendor's build)."""
     from importlib.metadata import PackageNotFoundError, version
 
     pinned = []
@@ -53,7 +54,7 @@ def model_requirements(backend: str) -> list[str]:
             pinned.append(f"{name}=={version(name)}")
         except PackageNotFoundError:  # e.g. tensorflow-cpu where tensorflow is installed
             continue
-    return pinned
+    return pinned if len(pinned) > 1 and pinned[0].startswith("keras==") else None
 
 
 def import_mlflow(required: bool, why: str = "--mlflow") -> Any | None:
