@@ -48,13 +48,15 @@ def model_requirements(backend: str) -> list[str] | None:
     of another name (a nightly, a vendor's build)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    pinned = []
-    for name in ("keras", *BACKEND_DISTRIBUTIONS.get(backend, ())):
+    def pinned(name: str) -> str | None:
         try:
-            pinned.append(f"{name}=={version(name)}")
+            return f"{name}=={version(name)}"
         except PackageNotFoundError:  # e.g. tensorflow-cpu where tensorflow is installed
-            continue
-    return pinned if len(pinned) > 1 and pinned[0].startswith("keras==") else None
+            return None
+
+    keras_pin = pinned("keras")
+    backend_pins = [p for p in map(pinned, BACKEND_DISTRIBUTIONS.get(backend, ())) if p]
+    return [keras_pin, *backend_pins] if keras_pin and backend_pins else None
 
 
 def import_mlflow(required: bool, why: str = "--mlflow") -> Any | None:
