@@ -65,25 +65,41 @@ def test_the_directory_is_private_or_refused(tmp_path):
     assert spark_warm.pool_dir((3, 4), root=deep, fallback_root=deep) is None
 
 
+# Holds a process's first import of TensorFlow for 3 s: a socket bound before that import is seen before
+# TensorFlow's libraries are mapped on any machine, however quickly it imports.
+SLOW_TENSORFLOW = """import sys, time
+class HoldTensorFlow:
+    def find_spec(self, name, path=None, target=None):
+        if name == "tensorflow":
+            sys.meta_path.remove(self)
+            time.sleep(3)
+        return None
+sys.meta_path.insert(0, HoldTensorFlow())
+"""
+
+
 def test_a_claim_hands_over_the_job_and_returns_the_workers_own_exit_code(tmp_path):
     """Claimed as soon as its socket is there, before TensorFlow loads (a back-to-back run's task queues for
     it and waits for the imports), the worker takes the job and the task gets the worker's own exit code."""
+    (tmp_path / "hold").mkdir()
+    (tmp_path / "hold" / "sitecustomize.py").write_text(SLOW_TENSORFLOW)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join((str(tmp_path / "hold"), ENV["PYTHONPATH"]))}
     directory = spark_warm.pool_dir(_me(), root=str(tmp_path))
-    proc = spark_warm.start(directory, ENV, _me())
+    proc = spark_warm.start(directory, env, _me())
     try:
         deadline = time.monotonic() + 60
         while not list(directory.glob("*.sock")):
             assert time.monotonic() < deadline and proc.poll() is None, "the warm worker never bound its socket"
             time.sleep(0.01)
         assert "tensorflow" not in Path(f"/proc/{proc.pid}/maps").read_text()  # bound first thing
-        assert spark_warm.claim(directory, {**ENV, "OMP_NUM_THREADS": "7"}, b"{}\n", b"k") is None  # other env
+        assert spark_warm.claim(directory, {**env, "OMP_NUM_THREADS": "7"}, b"{}\n", b"k") is None  # other env
         closed = socket.socket()
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
         closed.close()  # nobody listens there: the worker's connection is refused
-        worker = spark_warm.claim(directory, ENV, job_line(("127.0.0.1", port), 0, {"NBDIST_X": "1"}), b"\x01" * 16)
+        worker = spark_warm.claim(directory, env, job_line(("127.0.0.1", port), 0, {"NBDIST_X": "1"}), b"\x01" * 16)
         assert worker is not None and worker.pid == proc.pid
-        assert spark_warm.claim(directory, ENV, b"{}\n", b"k") is None  # taken: nobody else gets it
+        assert spark_warm.claim(directory, env, b"{}\n", b"k") is None  # taken: nobody else gets it
         # Its own code, sent on the socket, not a guess: a worker that cannot reach its driver says so.
         assert worker.wait(timeout=60) == protocol.EXIT_UNREACHABLE
         assert "cannot reach the notebook's coordinator at 127.0.0.1:" in worker.log_path.read_text(errors="replace")
