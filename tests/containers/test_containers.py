@@ -299,6 +299,7 @@ def test_an_image_without_nbdist_gets_one_sentence_before_any_worker(engine, dig
     assert not [n for n in left if n.startswith("nbdist-")], left
 
 
+@pytest.mark.full("a search's trials on a remote kind: tests/spark/test_spark_local.py's search test")
 def test_search_trials_run_in_containers_each_value_its_runs_merged_metric(engine, split, tmp_path):
     """A small search on the containers backend: 2 trials at once, one container each; each stored value is its
     run's merged metric at the last epoch, and no container is left."""
@@ -321,6 +322,7 @@ def test_search_trials_run_in_containers_each_value_its_runs_merged_metric(engin
     assert accuracy(search.best_model, x_test, y_test) == pytest.approx(search.study.best_value, abs=1e-6)
 
 
+@pytest.mark.full("async on a remote kind: tests/spark/test_spark_models_and_fit.py's PyDataset test")
 def test_async_trains_in_containers_and_leaves_nothing(engine, split):
     """Issue 38: --strategy async with each worker in its container: the arrays travel whole to each, the driver
     deals batch indices; the model ends on the shared weights the workers last validated."""

@@ -20,6 +20,8 @@ from .test_containers import run_containers
 EPOCHS = 6  # the kill lands in the second epoch or a little later: the join needs a commit after its regroup
 
 
+@pytest.mark.full("a killed worker survived and replaced: tests/workers/test_elastic.py's killed-worker test; a "
+                  "container's failure named and removed: test_containers.py's raising-worker test")
 def test_a_killed_container_is_survived_and_replaced(digits):
     try:
         engine = find_engine()

@@ -30,6 +30,8 @@ def engine() -> Engine:
         pytest.skip(str(exc))
 
 
+@pytest.mark.full("notebook objects by value on a remote kind: tests/spark/test_spark_models_and_fit.py's "
+                  "notebook-loss test")
 def test_notebook_loss_and_subclassed_model_train_in_containers(engine, digits_split):
     """Containers get the notebook's loss function and model class (built with build()) by value."""
     x_train, x_test, y_train, y_test = digits_split
@@ -51,7 +53,9 @@ def test_intercepted_fit_with_callbacks_and_class_weight(engine, ip, tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.full), "torch"])  # JAX: Connect's
+@pytest.mark.full("a JAX or torch notebook's workers on a remote kind: tests/spark/test_spark_backends.py (torch), "
+                  "test_spark_connect.py (JAX)")
+@pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_a_jax_or_torch_notebook_trains_in_containers_as_locally(engine, backend):
     """Issue 25: the default image mounts this machine's Python, so its JAX and torch; a notebook of its own
     on that backend (Keras reads KERAS_BACKEND once per process)."""

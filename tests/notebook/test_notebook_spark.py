@@ -14,6 +14,9 @@ need_spark()
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "02_spark_dataframe.ipynb"
 
 
+@pytest.mark.full("a DataFrame trained, evaluated and predicted on Spark tasks: tests/spark/test_spark_stream.py, "
+                  "test_spark_inference.py; a notebook top to bottom in a kernel: test_notebooks.py's your-Keras-cell "
+                  "test")
 def test_spark_dataframe_notebook_executes():
     import nbformat
     from nbclient import NotebookClient

@@ -57,6 +57,8 @@ def test_lenet_allreduce_notebook_executes():
 
 
 @pytest.mark.usefixtures("no_leftover_workers")
+@pytest.mark.full("an RDD of (features, label) pairs trained by Spark tasks: tests/spark/test_spark_local.py's "
+                  "RDD test")
 def test_elephas_migration_notebook_executes():
     from ..spark_helpers import need_spark
 

@@ -147,6 +147,8 @@ def test_killed_worker_on_one_host(cluster, spark, data):
         time.sleep(0.5)
 
 
+@pytest.mark.full("a killed worker replaced on Spark: test_spark_elastic.py's killed-worker test; elastic across the "
+                  "two hosts: test_elastic_run_goes_on_without_a_host_cut_off")
 def test_elastic_run_loses_and_regains_a_hosts_worker(cluster, spark, data):
     """An elastic run (1:3) across the two hosts, one task slot each: the third worker's job waits for a slot.
     hostB's worker is SIGKILLed after the first epoch; hostA's worker rolls back to its commit and trains on,

@@ -159,6 +159,7 @@ def test_evaluate_equals_keras_incl_auc(spark, data, test_frame, no_leftover_wor
         assert abs(got[name] - weighted[name]) < 1e-6, (name, got[name], weighted[name])
 
 
+@pytest.mark.full("predict on a DataFrame where it lives: test_spark_inference.py's predict test")
 def test_predict_equals_model_predict(spark, data, test_frame):
     _, Xte, _, yte = data
     model = small_model(1)
@@ -255,6 +256,7 @@ def test_a_model_without_an_input_shape_trains_over_connect(spark, data):
     assert job.status == "done" and job.state.backend == "spark" and model.layers[0].kernel.shape == (64, 16)
 
 
+@pytest.mark.full("a validation DataFrame streamed with exact metrics: test_spark_stream.py's validation test")
 def test_validation_dataframe_streams_over_connect_with_exact_metrics(spark, data, test_frame, no_leftover_workers):
     Xtr, Xte, ytr, yte = data
     model = small_model()
@@ -308,6 +310,8 @@ def test_interrupt_cancels_the_connect_job(spark, data):
     assert spark.range(10).count() == 10
 
 
+@pytest.mark.full("training over Connect as locally: the JAX notebook test here; both strategies on Spark tasks: "
+                  "test_spark_allreduce.py, test_spark_local.py; warm executors: test_spark_warm.py")
 def test_both_strategies_match_local_fit_and_warm_workers_serve_the_second_run(spark, data, warm_executors):
     Xtr, Xte, ytr, yte = data
     local = small_model()

@@ -102,6 +102,8 @@ def _until_worker_3_connects(run: dict):
     return listener
 
 
+@pytest.mark.full("a lost Spark task's worker replaced by a new job on a free slot: "
+                  "test_a_killed_worker_leaves_the_other_tasks_training")
 def test_a_relaunch_asks_only_for_the_free_task_slots(spark, digits, capsys):
     """Issue 48's point 5: --max-restarts relaunches on the task slots that are free, not the run's world.
     A worker of a 3-worker run is killed after its first epoch while another job waits for a slot; that job

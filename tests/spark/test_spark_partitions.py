@@ -78,7 +78,8 @@ def frame(spark, rows, case, tmp_path):
 
 
 # The one-file case runs in test_one_file_streams_its_rows_in_order_and_says_so_first.
-CASES = ["skewed [125, 15]",
+CASES = [pytest.param("skewed [125, 15]", marks=pytest.mark.full(
+             "skewed partitions dealt in equal shares: test_a_skewed_rdd_trains_with_equal_shares")),
          pytest.param("one partition", marks=pytest.mark.full(
              "one partition's rows split between both workers: the one-file test below")),
          "empty partitions [0, 50, 50, 33, 0]",

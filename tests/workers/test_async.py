@@ -41,6 +41,8 @@ def _run(ip, strategy: str, claim: str | None) -> tuple[float, float, object]:
     return sum(job.state.epoch_seconds), accuracy, job
 
 
+@pytest.mark.full("async's speed beside a slow worker is benchmark row P12's; async training: this module's "
+                  "other tests")
 def test_async_is_not_held_back_by_a_slow_worker_and_matches_allreduce(ip, digits_split, tmp_path):
     x_train, x_test, y_train, y_test = digits_split
     ip.run_cell(_slow_cell())

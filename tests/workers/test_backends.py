@@ -30,6 +30,9 @@ ROWS = 512  # backend_driver.py's digits rows
 # notebook (keras.utils.set_random_seed does, as locally), which the others check it never does, so it is last.
 PHASES = {"jax": ("core", "more", "other_apis", "jax_engine", "seeded"),
           "torch": ("core", "more", "lazy_loader", "other_apis", "device_sum", "seeded")}
+# Phases only `make test-full` runs (their test's case is marked full): JAX's "more" repeats torch's cases
+# through JAX's own step, 25 s of compiling.
+FULL_ONLY = {("jax", "more")}
 
 
 def run_driver(backend: str, phase: str = "core", *more: str, cache_home: Path | None = None,
@@ -49,15 +52,17 @@ def run_driver(backend: str, phase: str = "core", *more: str, cache_home: Path |
 
 
 @pytest.fixture(scope="module")
-def driven(tmp_path_factory) -> Callable[[str, str], dict]:
-    """``driven(backend, phase)``: that phase's result from the backend's one driver run (``PHASES``), started by
-    the first test that asks for the backend; the driver's workers keep their JAX programs under a cache
-    directory of its own (the seeded phase reads it)."""
+def driven(tmp_path_factory, pytestconfig) -> Callable[[str, str], dict]:
+    """``driven(backend, phase)``: that phase's result from the backend's one driver run (``PHASES``, less
+    ``FULL_ONLY`` without --full), started by the first test that asks for the backend; the driver's workers keep
+    their JAX programs under a cache directory of its own (the seeded phase reads it)."""
     runs: dict[str, dict] = {}
+    full = pytestconfig.getoption("--full")
 
     def result(backend: str, phase: str) -> dict:
         if backend not in runs:
-            runs[backend] = run_driver(backend, ",".join(PHASES[backend]), timeout=840,
+            phases = [p for p in PHASES[backend] if full or (backend, p) not in FULL_ONLY]
+            runs[backend] = run_driver(backend, ",".join(phases), timeout=840,
                                        cache_home=tmp_path_factory.mktemp(f"cache-{backend}"))
         outcome = runs[backend][phase]
         assert "error" not in outcome, f"the {backend} driver's {phase} phase raised:\n{outcome['error']}"
@@ -113,7 +118,8 @@ def test_a_notebook_on_jax_or_torch_trains_evaluates_and_predicts_as_locally(bac
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("jax", marks=pytest.mark.full(
+    "the same cases through a non-TensorFlow backend's hook: the torch case")), "torch"])
 def test_the_paths_that_differ_per_backend(backend, driven):
     """C25, one run per backend: 1 worker equals the local fit; a small CNN under allreduce with
     EarlyStopping(restore_best_weights=True) stops where the local fit stops, with its weights; a subclassed

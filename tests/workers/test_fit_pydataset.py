@@ -100,7 +100,8 @@ def _shares(path: str, epochs: int) -> dict[int, dict[int, list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("strategy", ["averaging", "allreduce"])
+@pytest.mark.parametrize("strategy", [pytest.param("averaging", marks=pytest.mark.full(
+    "each worker reading its share of a PyDataset: the allreduce case")), "allreduce"])
 def test_py_dataset_trains_like_local_and_each_worker_reads_its_share(ip, digits_split, tmp_path, strategy):
     """A shuffled PyDataset over digits (43 batches of 32) with a PyDataset as validation_data, on 2
     workers: test accuracy within 1 point of the same cell run locally; in every epoch each worker

@@ -175,7 +175,8 @@ def _rank_main(rank: int, world: int, port: int, mode: str) -> None:
         gloo.close()
 
 
-@pytest.mark.parametrize("world,mode", [(2, "spin"), (3, "spin"), (2, "sleep")])
+@pytest.mark.parametrize("world,mode", [pytest.param(2, "spin", marks=pytest.mark.full("the 3-spin case")), (3, "spin"),
+                                        (2, "sleep")])
 def test_shared_sum_between_real_processes_equals_numpy_with_the_same_bits_everywhere(world, mode):
     before = _segments()
     reports = run_ranks("tests.workers.test_shared:_rank_main", world, mode)
@@ -274,7 +275,8 @@ def _chunked_rank_main(rank: int, world: int, port: int, mode: str) -> None:
         gloo.close()
 
 
-@pytest.mark.parametrize("world, mode", [(2, "run"), (3, "run"), (3, "scaled")])
+@pytest.mark.parametrize("world, mode", [pytest.param(2, "run", marks=pytest.mark.full("the 3-run case")), (3, "run"),
+                                         (3, "scaled")])
 def test_chunked_sum_between_real_processes_is_the_rank_order_sum_with_the_same_bits_everywhere(world, mode):
     """"scaled": the gradients scaled as they are copied in."""
     before = _segments()

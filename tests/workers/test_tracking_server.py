@@ -91,6 +91,7 @@ def tracking_server(tmp_path: Path) -> Iterator[str]:
         log.close()
 
 
+@pytest.mark.full("a %%dist_train cell under autolog as one MLflow run: test_tracking.py's autolog test")
 def test_dist_train_with_autolog_is_one_run_on_a_tracking_server(ip, tracking_server, tmp_path):
     import mlflow.keras
 

@@ -76,6 +76,7 @@ def test_jobs_fork_their_workers_from_one_server(digits, fresh_pool):
     assert parents <= {server.proc.pid, None}  # None: already reaped when checked
 
 
+@pytest.mark.full("forking from one server: test_jobs_fork_their_workers_from_one_server")
 def test_a_server_per_environment_and_the_least_recently_used_stops(fresh_pool):
     envs = [worker_env(threads) for threads in (1, 2, 3)]
     first = POOL.server(envs[0])
@@ -171,6 +172,7 @@ def test_pinning_reaches_the_threads_a_warm_worker_already_runs():
         child.wait()
 
 
+@pytest.mark.full("cold workers: every test that passes warm_workers=False")
 def test_no_server_when_warm_workers_are_off(digits, fresh_pool):
     x, y = digits
     job = nbdist.train(_mlp(), x, y, epochs=1, batch_size=32, workers=2, ui="none", warm_workers=False,
