@@ -176,11 +176,12 @@ def summarize_spark_error(exc: BaseException) -> str:
         except Exception:
             text = ""
     text = text or str(exc)
+    missing = re.search(r"No module named '([\w.]+)'", text)
+    if missing:  # the task's Python raised before any worker started: its interpreter lacks a package
+        return cluster.python_hint(missing.group(1).split(".")[0])
     for line in text.splitlines():
         line = line.strip()
         if line:
-            if "No module named 'nbdist'" in text:
-                return cluster.PYTHON_HINT
             return line[:500]
     return type(exc).__name__
 
@@ -440,7 +441,10 @@ class SparkBackend:
             error = summarize_spark_error(exc)
             if w.code is None:  # its task ended without reporting: its worker went with it
                 w.spark_error = error
-                w.mark_lost(not self._closed.is_set() and rank not in self._withdrawn)
+                if error.startswith(cluster.CANNOT_IMPORT):  # its Python raised: said in full, never relaunched
+                    w.code = 1
+                else:
+                    w.mark_lost(not self._closed.is_set() and rank not in self._withdrawn)
             return
         finally:
             sc.removeJobTag(self.group)
@@ -512,11 +516,12 @@ class SparkBackend:
             if not self._closed.is_set():
                 log.warning("Spark job %s failed: %s", self.group, self.job_error)
             failed = failed_barrier_task(self.job_error)
+            raised = self.job_error.startswith(cluster.CANNOT_IMPORT)  # said in full, not a loss to relaunch
             for w in self.workers:
                 if w.code is None:  # the task ended without reporting: its process went with it
                     # Not cancelled by this run's own ending, and the task Spark names as the one that
                     # failed (its peers' tasks were then cancelled with the stage), when it names one.
-                    w.lost = not self._closed.is_set() and failed in (None, w.rank)
+                    w.lost = not (self._closed.is_set() or raised) and failed in (None, w.rank)
                     w.spark_error = self.job_error
                     w.log = (w.log + "\n" if w.log else "") + f"Spark job failed: {self.job_error}"
                     w.code = 1

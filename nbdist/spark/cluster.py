@@ -176,8 +176,14 @@ def coordinator_host(sc: Any, executors: Executors | None,
 UNREACHABLE_HINT = ("set spark.driver.host (and spark.driver.bindAddress) to an address of the notebook's machine "
                     "that the executors can reach")
 
-PYTHON_HINT = ("the executors cannot import nbdist: they run the Python named by PYSPARK_PYTHON in the notebook's "
-               "environment when the session was created (spark.pyspark.python is ignored for a session created "
-               "from Python); set os.environ['PYSPARK_PYTHON'] to a Python with nbdist, TensorFlow and torch that "
-               "exists at the same path on every executor machine before creating the session "
-               "(or ship nbdist with sc.addPyFile).")
+CANNOT_IMPORT = "the executors cannot import "  # how python_hint's sentence begins
+
+
+def python_hint(module: str) -> str:
+    """The sentence for a Spark task whose Python could not import ``module`` (nbdist, or one it needs):
+    the executors' interpreter is another environment than the notebook's."""
+    ship = " (or ship nbdist with sc.addPyFile)" if module == "nbdist" else ""
+    return (f"{CANNOT_IMPORT}{module}: they run the Python named by PYSPARK_PYTHON in the notebook's environment "
+            "when the session was created (spark.pyspark.python is ignored for a session created from Python); set "
+            "os.environ['PYSPARK_PYTHON'] to a Python with nbdist and its requirements that exists at the same path "
+            f"on every executor machine before creating the session{ship}.")

@@ -122,6 +122,29 @@ def test_killed_worker_fails_fast_and_leaves_nothing(spark, data):
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))  # failed: model untouched
 
 
+def _needs_a_missing_package(rows):
+    import nbdist_missing_package  # noqa: F401  (as the executors' Python lacking pyarrow fails mapInArrow)
+
+    yield from rows
+
+
+def test_a_package_the_executors_python_lacks_is_one_sentence_not_a_lost_task(spark):
+    """A barrier stage whose tasks' Python cannot import a package (the executors run another environment than
+    the notebook's): what Spark reports is a failed barrier task, which nbdist took for a lost one ("its Python
+    process or executor died", and relaunched under --max-restarts); it names the package and PYSPARK_PYTHON."""
+    from nbdist.spark.backend import SparkBackend, SparkTaskWorker
+
+    backend = SparkBackend(spark, TrainConfig(backend="spark"))
+    backend.workers = [SparkTaskWorker(0), SparkTaskWorker(1)]
+    backend._run(spark.sparkContext.parallelize([0, 1], 2).barrier().mapPartitions(_needs_a_missing_package).collect)
+    for w in backend.workers:
+        assert w.code == 1 and not w.lost, (w.code, w.lost, w.spark_error)
+        said = w.describe()
+        assert "the executors cannot import nbdist_missing_package: they run the Python named by PYSPARK_PYTHON" \
+            in said and "\n" not in said, said
+    assert spark.sparkContext.parallelize(range(10), 2).sum() == 45
+
+
 def test_search_runs_two_trials_at_once_on_spark_prunes_and_stores_merged_metrics(spark, data, tmp_path):
     """%%dist_tune's API on local[2]: 4 trials, 2 at once, each trial one worker in a Spark task. The two that
     learn complete with their run's merged metric at the last epoch; the two that cannot are pruned by the

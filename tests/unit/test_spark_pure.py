@@ -66,6 +66,8 @@ def test_spark_errors_are_summarised():
     assert summarize_spark_error(RuntimeError("first line\n\tat org.apache...")) == "first line"
     assert "the executors cannot import nbdist" in summarize_spark_error(
         RuntimeError("ModuleNotFoundError: No module named 'nbdist'"))
+    said = summarize_spark_error(RuntimeError("Job aborted\nModuleNotFoundError: No module named 'pyarrow.lib'"))
+    assert said.startswith("the executors cannot import pyarrow: ") and "sc.addPyFile" not in said, said
 
 
 def test_backend_spark_without_spark_is_one_sentence():
