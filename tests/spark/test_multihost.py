@@ -245,7 +245,7 @@ def test_no_executors(cluster, data):
     start = time.monotonic()
     with pytest.raises(NbdistError) as err:
         nbdist.train(small_model(), df, features=["pixels"], label="digit", epochs=1, batch_size=32, workers=2,
-                     backend="spark", ui="none", executor_wait=6)  # none can come: 20 s proves nothing more
+                     backend="spark", ui="none", executor_wait=3)  # none can come: 20 s proves nothing more
     assert time.monotonic() - start < 30
     message = str(err.value)
     assert message.startswith("no Spark executor registered") and "spark.executor.cores" in message, message
@@ -258,7 +258,7 @@ def test_driver_address_unreachable(cluster, data):
     start = time.monotonic()
     with pytest.raises(NbdistError) as err:
         nbdist.train(small_model(), df, features=["pixels"], label="digit", epochs=1, batch_size=32, workers=2,
-                     backend="spark", ui="none", executor_wait=6)  # none can come: 20 s proves nothing more
+                     backend="spark", ui="none", executor_wait=3)  # none can come: 20 s proves nothing more
     assert time.monotonic() - start < 30
     message = str(err.value)
     assert f"spark.driver.host='{UNREACHABLE_IP}'" in message and f"to {BRIDGE_IP}" in message, message

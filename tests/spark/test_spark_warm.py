@@ -65,14 +65,14 @@ def test_the_directory_is_private_or_refused(tmp_path):
     assert spark_warm.pool_dir((3, 4), root=deep, fallback_root=deep) is None
 
 
-# Holds a process's first import of TensorFlow for 3 s: a socket bound before that import is seen before
-# TensorFlow's libraries are mapped on any machine, however quickly it imports.
+# Holds a process's first import of TensorFlow for 1 s (100 times the test's poll): a socket bound before that
+# import is seen before TensorFlow's libraries are mapped on any machine, however quickly it imports.
 SLOW_TENSORFLOW = """import sys, time
 class HoldTensorFlow:
     def find_spec(self, name, path=None, target=None):
         if name == "tensorflow":
             sys.meta_path.remove(self)
-            time.sleep(3)
+            time.sleep(1)
         return None
 sys.meta_path.insert(0, HoldTensorFlow())
 """
