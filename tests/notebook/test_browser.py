@@ -168,22 +168,21 @@ def run_to_its_dashboard(page, base: str, token: str, notebook: str, last_output
 
 
 def open_and_run_all(page, base: str, token: str, notebook: str) -> None:
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
     # reset: a fresh workspace, not the one the previous test left with its notebook's tab open (then two
     # notebooks' indicators match, the first one hidden, and waiting for it to be visible never ends).
     page.goto(f"{base}/lab/tree/{notebook}?reset&token={token}", timeout=60_000)
     page.wait_for_selector(".jp-Notebook .jp-Cell:visible", timeout=60_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']:visible", timeout=90_000)
     page.wait_for_selector(".jp-Spinner", state="detached", timeout=90_000)
-    # JupyterLab may ask which kernel to use: take the proposed one (Python 3).
+    # JupyterLab may ask which kernel to use: take the proposed one (Python 3). Whichever comes first, that
+    # question or the named kernel idle (both notebooks name theirs: waiting for a question that never comes
+    # cost 15 s a test).
+    idle = ".jp-StatusBar-Widget:has-text('Idle')"
+    page.wait_for_selector(f".jp-Dialog .jp-mod-accept, {idle}", timeout=90_000)
     accept = page.locator(".jp-Dialog .jp-mod-accept")
-    try:
-        accept.wait_for(timeout=15_000)
-        accept.click()
-    except PlaywrightTimeout:
-        pass
-    page.wait_for_selector(".jp-StatusBar-Widget:has-text('Idle')", timeout=90_000)
+    if accept.count():
+        accept.first.click()
+    page.wait_for_selector(idle, timeout=90_000)
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
