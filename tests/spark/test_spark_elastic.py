@@ -62,7 +62,7 @@ def test_a_killed_worker_leaves_the_other_tasks_training(spark, digits, capsys, 
             "training with 3 workers") in out
     (gone,) = change.left
     assert "lost with its Spark task" in change.why and change.workers == [r for r in range(3) if r != gone]
-    # The commit at the second epoch's start; its worker dies a step or more after its task (PR_SET_PDEATHSIG).
+    # The commit at the second epoch's start; its worker dies in the step its task dies in (DieOnce).
     assert change.committed == 1 and 5 <= change.steps_lost < steps_per_epoch and change.joined == []
     # Worker 3's job waited for a slot since the launch: it took the lost task's, and joined at the survivors'
     # next commit (the replacement's job, behind it, waited for a slot until the run ended).

@@ -37,8 +37,10 @@ def _model(layers=()):
 class DieOnce:
     """An identity layer whose worker process kills itself (SIGKILL) at its ``at``-th training step: the first
     worker to get there, once per ``marker`` file. The driver sees events too late to kill mid-epoch. ``parent``:
-    it kills its parent instead (a Spark task's Python process, which the worker dies with). ``sig``: another
-    signal (SIGSTOP: alive and silent, as a worker whose host is cut off)."""
+    it kills its parent first (a Spark task's Python process, which the worker dies with), then itself there and
+    then: Linux's PR_SET_PDEATHSIG comes once the parent is torn down, which under load took up to a whole epoch's
+    steps, and a test's step must not depend on that. ``sig``: another signal (SIGSTOP: alive and silent, as a
+    worker whose host is cut off)."""
 
     @staticmethod
     def layer(marker: str, at: int, parent: bool = False, sig: int = signal.SIGKILL):
@@ -57,7 +59,9 @@ class DieOnce:
                         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                     except FileExistsError:
                         return
-                    os.kill(os.getppid() if parent else os.getpid(), sig)
+                    if parent:
+                        os.kill(os.getppid(), signal.SIGKILL)
+                    os.kill(os.getpid(), sig)
 
             def call(self, x, training=None):
                 if training:
