@@ -441,7 +441,7 @@ class SparkBackend:
             error = summarize_spark_error(exc)
             if w.code is None:  # its task ended without reporting: its worker went with it
                 w.spark_error = error
-                if error.startswith(cluster.CANNOT_IMPORT):  # its Python raised: said in full, never relaunched
+                if cluster.cannot_import(error):  # its Python raised: said in full, never relaunched
                     w.code = 1
                 else:
                     w.mark_lost(not self._closed.is_set() and rank not in self._withdrawn)
@@ -516,7 +516,7 @@ class SparkBackend:
             if not self._closed.is_set():
                 log.warning("Spark job %s failed: %s", self.group, self.job_error)
             failed = failed_barrier_task(self.job_error)
-            raised = self.job_error.startswith(cluster.CANNOT_IMPORT)  # said in full, not a loss to relaunch
+            raised = cluster.cannot_import(self.job_error)  # said in full, not a loss to relaunch
             for w in self.workers:
                 if w.code is None:  # the task ended without reporting: its process went with it
                     # Not cancelled by this run's own ending, and the task Spark names as the one that

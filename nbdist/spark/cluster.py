@@ -179,6 +179,11 @@ UNREACHABLE_HINT = ("set spark.driver.host (and spark.driver.bindAddress) to an 
 CANNOT_IMPORT = "the executors cannot import "  # how python_hint's sentence begins
 
 
+def cannot_import(error: str) -> bool:
+    """Whether a Spark job's summarised error is ``python_hint``'s: a task's Python raised, no process died."""
+    return error.startswith(CANNOT_IMPORT)
+
+
 def python_hint(module: str) -> str:
     """The sentence for a Spark task whose Python could not import ``module`` (nbdist, or one it needs):
     the executors' interpreter is another environment than the notebook's."""
