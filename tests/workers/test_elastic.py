@@ -38,9 +38,9 @@ class DieOnce:
     """An identity layer whose worker process kills itself (SIGKILL) at its ``at``-th training step: the first
     worker to get there, once per ``marker`` file. The driver sees events too late to kill mid-epoch. ``parent``:
     it kills its parent first (a Spark task's Python process, which the worker dies with), then itself there and
-    then: Linux's PR_SET_PDEATHSIG comes once the parent is torn down, which under load took up to a whole epoch's
-    steps, and a test's step must not depend on that. ``sig``: another signal (SIGSTOP: alive and silent, as a
-    worker whose host is cut off)."""
+    then: the PR_SET_PDEATHSIG its parent's death sends came 1 to 13 steps later under load (why so late was not
+    pinned down), and a test's step must not depend on that. ``sig``: another signal (SIGSTOP: alive and silent,
+    as a worker whose host is cut off)."""
 
     @staticmethod
     def layer(marker: str, at: int, parent: bool = False, sig: int = signal.SIGKILL):
