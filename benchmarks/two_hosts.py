@@ -86,8 +86,9 @@ def main() -> int:
             spark = spark_session(cluster.master_url, **{"spark.driver.host": BRIDGE_IP,
                                                          "spark.driver.bindAddress": BRIDGE_IP,
                                                          "spark.executor.memory": "1g"})
-            import nbdist
             from big_model import build, data
+
+            import nbdist
 
             x, y = data(16, 128)
             for _ in range(2):  # the first run leaves the executors' warm workers up
