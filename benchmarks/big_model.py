@@ -92,7 +92,10 @@ def distributed(size: dict[str, Any], strategy: str, backend: str = "local") -> 
     ends.append(time.perf_counter())
     job.start()
     job.wait()
-    return {"epoch": steady(ends), "call": time.perf_counter() - t0}
+    call = time.perf_counter() - t0
+    reports = [r for r in job.reports.values() if isinstance(r, dict)]
+    return {"epoch": steady(ends), "call": call, "hosts": sorted(w.host for w in job.state.workers),
+            "sync_s": [r.get("sync_seconds") for r in reports], "summed_by": [r.get("summed_by") for r in reports]}
 
 
 def warm_up(backend: str = "local") -> None:

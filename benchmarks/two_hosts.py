@@ -15,50 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "benchmarks"))
-
-SKIP = 2  # epochs left out of the steady median (tracing, warm-up)
-WARM_WAIT = 20.0  # s: the executors' next warm workers import TensorFlow after a job's tasks end
-
-
-def run(size: dict[str, int], strategy: str) -> dict[str, Any]:
-    from big_model import build, data
-
-    from nbdist.api import prepare
-    from nbdist.config import TrainConfig
-
-    x, y = data(size["features"], size["rows"])
-    model = build(size["features"], size["hidden"])
-    cfg = TrainConfig(epochs=size["epochs"], batch_size=32, workers=2, strategy=strategy, backend="spark",
-                      ui="none", seed=0)
-    ends: list[float] = []
-
-    def listener(kind: str, state: Any, payload: Any) -> None:
-        if kind == "epoch":
-            ends.append(time.perf_counter())
-
-    t0 = time.perf_counter()
-    job = prepare(model, cfg, x, y, None, listeners=[listener])
-    ends.append(time.perf_counter())
-    job.start()
-    job.wait()
-    call = time.perf_counter() - t0
-    gaps = [b - a for a, b in zip(ends, ends[1:])]
-    reports = getattr(job, "reports", None) or {}
-    done = [r for r in (reports.values() if isinstance(reports, dict) else reports) if isinstance(r, dict)]
-    return {"strategy": strategy, "epoch": statistics.median(gaps[SKIP:]), "call": call,
-            "hosts": sorted(w.host for w in job.state.workers),
-            "sync_s": [r.get("sync_seconds") for r in done], "summed_by": [r.get("summed_by") for r in done]}
 
 
 def main() -> int:
@@ -86,18 +51,14 @@ def main() -> int:
             spark = spark_session(cluster.master_url, **{"spark.driver.host": BRIDGE_IP,
                                                          "spark.driver.bindAddress": BRIDGE_IP,
                                                          "spark.executor.memory": "1g"})
-            from big_model import build, data
+            from big_model import SPARK_WARM_WAIT, distributed, warm_up
 
-            import nbdist
-
-            x, y = data(16, 128)
-            for _ in range(2):  # the first run leaves the executors' warm workers up
-                nbdist.train(build(16, 16), x, y, epochs=1, workers=2, batch_size=32, backend="spark", ui="none")
+            warm_up("spark")  # two small runs: the first leaves the executors' warm workers up
             runs = []
             for _ in range(args.repeats):
                 for strategy in ("averaging", "allreduce"):
-                    time.sleep(WARM_WAIT)
-                    runs.append(run(size, strategy))
+                    time.sleep(SPARK_WARM_WAIT)  # the executors' next warm workers import meanwhile
+                    runs.append({"strategy": strategy, **distributed(size, strategy, "spark")})
                     print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
         finally:
             if spark is not None:
