@@ -66,7 +66,7 @@ class GradientAllreduce(GradientSum):
         if loss_scaling and self.sums_on_host:
             import tensorflow as tf
 
-            self.loss_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="nbdist_loss_scale")
+            self.loss_scale = tf.Variable(1.0, trainable=False, dtype=tf.as_dtype(self.dtype), name="nbdist_loss_scale")
         # A schedule (``schedule``): every step's (weight, total), found by an in-graph step counter.
         self._table: list[tuple[float, float]] | None = None
         self.step: Any = None
@@ -130,7 +130,7 @@ class GradientAllreduce(GradientSum):
         import tensorflow as tf
 
         self._table = [(float(sizes[j]) if j < len(sizes) else 0.0, float(t)) for j, t in enumerate(totals)]
-        self._scales = tf.constant([w / t for w, t in self._table], dtype=tf.float32)
+        self._scales = tf.constant([w / t for w, t in self._table], dtype=tf.as_dtype(self.dtype))
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="nbdist_step")
 
     @property
@@ -197,14 +197,16 @@ class GradientAllreduce(GradientSum):
             raise RuntimeError("the set of variables with sparse gradients changed between steps")
         # Variables without a gradient contribute zeros; the optimizer still sees None for them. A sparse
         # gradient's place in the bucket holds zeros too (its slices are gathered after the bucket's sum).
-        dense = [tf.zeros(s, tf.float32) if g is None or sp else tf.cast(tf.convert_to_tensor(g), tf.float32)
+        # The host bucket's dtype (float64 for a float64 model); the device engine's buckets are float32.
+        flat = tf.as_dtype(self.dtype) if on_host else tf.float32
+        dense = [tf.zeros(s, flat) if g is None or sp else tf.cast(tf.convert_to_tensor(g), flat)
                  for g, s, sp in zip(grads, self.shapes, sparse)]
         if on_host:
             exchange = self.exchange_copy if prescaled else self.exchange
             # With a schedule, the step's share from its counter (which moves on after the step: ``advance``).
             fn, args = (exchange, dense) if self._table is None else (self._at_step(exchange),
                                                                       [self.step.read_value(), *dense])
-            out = tf.numpy_function(fn, args, Tout=[tf.float32] * len(dense), stateful=True,
+            out = tf.numpy_function(fn, args, Tout=[flat] * len(dense), stateful=True,
                                     name="nbdist_gradient_allreduce")
             if not isinstance(out, (list, tuple)):  # eagerly, one output comes back bare, not in a list
                 out = [out]

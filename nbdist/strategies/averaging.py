@@ -49,10 +49,16 @@ def sync_after(batch: int, batches: int, k: int) -> bool:
 EAGER_WRITE_FLOATS = 1 << 20
 
 
-class FlatBuffer:
-    """Variables packed into one contiguous float32 buffer, so one allreduce moves them all.
+def buffer_dtype(variables: Sequence[Any]) -> Any:
+    """float64 where any variable is float64 (summed in float32, its values would be rounded to float32), else
+    float32."""
+    return np.float64 if any("float64" in str(getattr(v, "dtype", "")) for v in variables) else np.float32
 
-    ``extra`` float32 slots follow the variables (the averager's sample count). ``compiled``
+
+class FlatBuffer:
+    """Variables packed into one contiguous buffer (``buffer_dtype``), so one allreduce moves them all.
+
+    ``extra`` slots follow the variables (the averager's sample count). ``compiled``
     (TensorFlow variables): read and written by one ``tf.function`` each way, which measured 0.26 +
     0.33 ms a round for the quickstart MLP with Adam's slots, against 0.53 + 1.36 ms variable by
     variable, per round, several rounds an epoch. Otherwise variable by variable (anything with
@@ -68,30 +74,31 @@ class FlatBuffer:
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         self.size = int(self.offsets[-1])
-        self.buffer = np.zeros(self.size + extra, dtype=np.float32)
+        self.dtype = buffer_dtype(self.variables)
+        self.buffer = np.zeros(self.size + extra, dtype=self.dtype)
         self.values = self.buffer[:self.size]  # the variables' part of the buffer
         self.compiled = bool(compiled and self.variables)
-        self._read, self._write = (compiled_transfer(self.variables, self.shapes)
+        self._read, self._write = (compiled_transfer(self.variables, self.shapes, self.dtype)
                                    if self.compiled else (None, None))
 
     def gather(self, scale: float = 1.0) -> np.ndarray:
         if self._read is not None:
-            for part, a, b in zip(self._read(_scalar(scale)), self.offsets[:-1], self.offsets[1:]):
+            for part, a, b in zip(self._read(_scalar(scale, self.dtype)), self.offsets[:-1], self.offsets[1:]):
                 np.copyto(self.buffer[a:b], view_of(part))
             return self.buffer
         for v, a, b in zip(self.variables, self.offsets[:-1], self.offsets[1:]):
-            np.multiply(np.asarray(v.numpy(), dtype=np.float32).reshape(-1), scale, out=self.buffer[a:b])
+            np.multiply(np.asarray(v.numpy(), dtype=self.dtype).reshape(-1), scale, out=self.buffer[a:b])
         return self.buffer
 
     def scatter(self, total: float = 1.0) -> None:
         """The variables := the buffer's values / ``total``."""
         if self._write is not None and self.size < EAGER_WRITE_FLOATS:
-            self._write(self.values, _scalar(total))
+            self._write(self.values, _scalar(total, self.dtype))
             return
         for v, shape, a, b in zip(self.variables, self.shapes, self.offsets[:-1], self.offsets[1:]):
             # A fresh array per variable: TensorFlow may adopt an assigned array's memory as the
             # variable's own, so it must never be the buffer the next round overwrites.
-            v.assign(np.divide(self.buffer[a:b], np.float32(total)).reshape(shape))
+            v.assign(np.divide(self.buffer[a:b], self.dtype(total)).reshape(shape))
 
 
 def state_digest(variables: Sequence[Any]) -> int:
@@ -137,22 +144,24 @@ def _address(array: np.ndarray) -> int:
     return int(array.__array_interface__["data"][0])
 
 
-def _scalar(value: float) -> Any:
-    """A float32 scalar tensor: a NumPy or Python number would make ``tf.function`` trace again for every value."""
+def _scalar(value: float, dtype: Any = np.float32) -> Any:
+    """A scalar tensor: a NumPy or Python number would make ``tf.function`` trace again for every value."""
     import tensorflow as tf
 
-    return tf.constant(value, dtype=tf.float32)
+    return tf.constant(value, dtype=tf.as_dtype(dtype))
 
 
-def compiled_transfer(variables: Sequence[Any], shapes: Sequence[tuple[int, ...]]
+def compiled_transfer(variables: Sequence[Any], shapes: Sequence[tuple[int, ...]], dtype: Any = np.float32
                       ) -> tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]:
-    """(read, write): every variable flat as float32 times a scale; and the flat buffer back, divided by a
+    """(read, write): every variable flat as ``dtype`` times a scale; and the flat buffer back, divided by a
     total, one call each."""
     import tensorflow as tf
 
+    flat_dtype = tf.as_dtype(dtype)
+
     @tf.function(reduce_retracing=True)
     def read(scale: Any) -> Any:
-        return [tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float32), [-1]) * scale for v in variables]
+        return [tf.reshape(tf.cast(tf.convert_to_tensor(v), flat_dtype), [-1]) * scale for v in variables]
 
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
 
@@ -201,7 +210,7 @@ class WeightedAverager(Averager):
         self.collective = collective
         self.flat = FlatBuffer(variables, extra=1, compiled=compiled)
         room = int(aligned_offsets([1, *self.flat.sizes])[-1])  # an in-place round's layout: the largest
-        self.summer = None if plan is None else open_plan_sum(collective, room, plan)
+        self.summer = None if plan is None else open_plan_sum(collective, room, plan, self.flat.dtype)
         self.summed_by = "allreduce" if self.summer is None else plan.summed_by
         self._plans: dict[str, Any] = {}
         self._one = np.ones(1, dtype=np.float32)  # the weight's slot in an in-place round

@@ -108,7 +108,7 @@ class HostGradientAllreduce(GradientAllreduce):
         """The step's gradients summed over the workers, each weighted by its rows (None stays None)."""
         self._take_weight()
         self._check_present(list(grads))
-        dense = [np.zeros(s, np.float32) if g is None else np.asarray(g, dtype=np.float32)
+        dense = [np.zeros(s, self.dtype) if g is None else np.asarray(g, dtype=self.dtype)
                  for g, s in zip(grads, self.shapes)]
         out = self.exchange(*dense)
         return [None if g is None else o for g, o in zip(grads, out)]
@@ -126,7 +126,8 @@ class HostGradientAllreduce(GradientAllreduce):
                 self.overlapped = self.overlapped or self._overlap.early_launches > 0
                 return out
             return self._engine_impl.reduce(self, list(grads))
-        arrays = [None if g is None else g.detach().to("cpu", torch.float32).numpy() for g in grads]
+        flat = torch.float64 if self.dtype == np.float64 else torch.float32  # the host bucket's
+        arrays = [None if g is None else g.detach().to("cpu", flat).numpy() for g in grads]
         summed = self.reduce_arrays(arrays)
         return [None if g is None else torch.from_numpy(s).to(device=g.device, dtype=g.dtype)
                 for g, s in zip(grads, summed)]
@@ -135,7 +136,7 @@ class HostGradientAllreduce(GradientAllreduce):
         """A pad step's summed gradients: the device sum's zeros made on its device, else numpy's exchanged."""
         if self._engine_impl is not None:
             return self.reduce_torch(self._engine_impl.zeros(self.shapes, present))
-        summed = self.reduce_arrays([np.zeros(s, np.float32) if p else None for s, p in zip(self.shapes, present)])
+        summed = self.reduce_arrays([np.zeros(s, self.dtype) if p else None for s, p in zip(self.shapes, present)])
         return [None if g is None else keras.ops.convert_to_tensor(np.array(g)) for g in summed]
 
 
@@ -161,12 +162,14 @@ def wrap_jax_optimizer(optimizer: Any, reducer: HostGradientAllreduce) -> Callab
 
     def host(*arrays: Any) -> list[np.ndarray]:
         summed = reducer.reduce_arrays([np.asarray(a) for a in arrays])
-        return [np.array(s, dtype=np.float32) for s in summed]  # copies: the bucket is reused next step
+        # copies, each in its gradient's dtype as declared: the bucket is reused next step
+        return [np.array(s, dtype=a.dtype) for s, a in zip(summed, arrays)]
 
     def stateless_apply(optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         grads = list(grads)
-        dense = [jnp.asarray(g, jnp.float32) for g in grads]
-        shapes = [jax.ShapeDtypeStruct(g.shape, jnp.float32) for g in dense]
+        # float64 gradients (JAX with x64 on) stay float64; anything else is summed as float32
+        dense = [jnp.asarray(g, jnp.float64 if g.dtype == jnp.float64 else jnp.float32) for g in grads]
+        shapes = [jax.ShapeDtypeStruct(g.shape, g.dtype) for g in dense]
         summed = io_callback(host, shapes, *dense, ordered=True)
         grads = [s.astype(g.dtype) for g, s in zip(grads, summed)]
         return original(optimizer_variables, grads, trainable_variables)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..machine.engines import Plan
-from .averaging import batch_sizes
+from .averaging import batch_sizes, buffer_dtype
 from .collective import Collective
 from .shared import aligned_offsets, fill, open_plan_sum, pieces, waiting
 from .sparse_grads import SliceExchange
@@ -62,17 +62,18 @@ class GradientSum:
         self.shapes = [tuple(v.shape) for v in variables]
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.offsets = aligned_offsets(self.sizes)
+        self.dtype = buffer_dtype(variables)  # float64 for a float64 model: its sums not rounded to float32
         # Gradients then, in the last slot, this worker's sample count: the summed count checks
         # that every worker agreed on the step's total.
         count_at = int(self.offsets[-1])
-        self._buckets = [_Bucket(count_at + 1)]
+        self._buckets = [_Bucket(count_at + 1, self.dtype)]
         self.buffer = self._buckets[0].data  # the bucket of the latest step
         self._layout = pieces([*self.offsets[:-1], count_at], [*self.sizes, 1], 0, count_at + 1)
         self.prescaled: bool | None = None  # which exchange the train step uses, fixed when first traced
         inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
         # Several workers summing host buckets (not the tensors where they are).
         self.sums_on_host = inner.world_size > 1 and self.plan.engine in ("shared", "torch") and not self.plan.device
-        self._shared = open_plan_sum(collective, count_at + 1, self.plan) if self.sums_on_host else None
+        self._shared = open_plan_sum(collective, count_at + 1, self.plan, self.dtype) if self.sums_on_host else None
         if self._shared is not None:
             self._shared_plan = self._shared.plan([*self.offsets[:-1], count_at], [*self.sizes, 1], count_at + 1)
         elif self.plan.engine == "shared":  # the segment could not be mapped: Gloo
@@ -105,8 +106,8 @@ class GradientSum:
         read where they are by the shared-memory sum, else copied into the bucket and summed there."""
         t0 = time.perf_counter()
         n, total = self.weight, self._check_total()
-        factor = np.float32(n / total) if scale or n == 0 else None
-        arrays = [np.reshape(g, -1) for g in grads] + [np.array([n], dtype=np.float32)]
+        factor = self.dtype(n / total) if scale or n == 0 else None
+        arrays = [np.reshape(g, -1) for g in grads] + [np.array([n], dtype=self.dtype)]
         scales = [factor] * len(grads) + [None]
         bucket = self._free_bucket()
         self.buffer = bucket.data
@@ -149,7 +150,7 @@ class GradientSum:
         # Something kept a gradient tensor (e.g. a variable assigned it): leave that bucket to it.
         # At most two are kept; a dropped one is freed when TensorFlow lets go of it.
         log.debug("gradient bucket still referenced by TensorFlow; using a new one")
-        bucket = _Bucket(len(self._buckets[0].data))
+        bucket = _Bucket(len(self._buckets[0].data), self.dtype)
         self._buckets = self._buckets[-1:] + [bucket]
         return bucket
 
@@ -163,18 +164,19 @@ class GradientSum:
         return out
 
 
-def _aligned_zeros(length: int, align_bytes: int = 64) -> np.ndarray:
-    """A float32 zero array whose data starts on an ``align_bytes`` boundary."""
-    raw = np.zeros(length + align_bytes // 4, dtype=np.float32)
-    shift = (-raw.ctypes.data % align_bytes) // 4
+def _aligned_zeros(length: int, dtype: Any = np.float32, align_bytes: int = 64) -> np.ndarray:
+    """A zero array of ``dtype`` whose data starts on an ``align_bytes`` boundary."""
+    item = np.dtype(dtype).itemsize
+    raw = np.zeros(length + align_bytes // item, dtype=dtype)
+    shift = (-raw.ctypes.data % align_bytes) // item
     return raw[shift:shift + length]
 
 
 class _Bucket:
-    """One aligned float32 bucket and weak references to the views of it lent to TensorFlow."""
+    """One aligned bucket and weak references to the views of it lent to TensorFlow."""
 
-    def __init__(self, length: int) -> None:
-        self.data = _aligned_zeros(length)
+    def __init__(self, length: int, dtype: Any = np.float32) -> None:
+        self.data = _aligned_zeros(length, dtype)
         self.lent: list[weakref.ref] = []
 
     def in_use(self) -> bool:

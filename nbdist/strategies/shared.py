@@ -146,9 +146,9 @@ def chunk_plan(offsets: Sequence[int], sizes: Sequence[int], length: int, chunk:
     return ChunkPlan(length, out)
 
 
-def chunked_segment_bytes(world: int, chunk: int) -> int:
-    """The counters, then two slots of ``world`` input rows and one output row of ``chunk`` float32."""
-    return LINE * world + 2 * (world + 1) * row_stride(chunk)
+def chunked_segment_bytes(world: int, chunk: int, itemsize: int = 4) -> int:
+    """The counters, then two slots of ``world`` input rows and one output row of ``chunk`` floats."""
+    return LINE * world + 2 * (world + 1) * row_stride(chunk, itemsize)
 
 
 class _SharedSum:
@@ -349,12 +349,13 @@ class SharedChunkedSum(_SharedSum):
     """
 
     def __init__(self, rank: int, world: int, chunk: int, buf: mmap.mmap, peers: Sequence[ProcessId | None],
-                 timeout: float, spin: bool) -> None:
+                 timeout: float, spin: bool, dtype: Any = np.float32) -> None:
         super().__init__(rank, world, buf, peers, timeout, spin)
         self.chunk = chunk
-        stride, rows = row_stride(chunk), world + 1
-        self._slots = [np.ndarray((rows, chunk), dtype=np.float32, buffer=buf,
-                                  offset=LINE * world + s * rows * stride, strides=(stride, 4))
+        item = np.dtype(dtype).itemsize
+        stride, rows = row_stride(chunk, item), world + 1
+        self._slots = [np.ndarray((rows, chunk), dtype=dtype, buffer=buf,
+                                  offset=LINE * world + s * rows * stride, strides=(stride, item))
                        for s in (0, 1)]
         self._phase = int(self._seq[rank])
 
@@ -443,12 +444,13 @@ def open_shared_sum(collective: Any, length: int, dtype: Any = np.float32) -> Sh
         collective.rank, collective.world_size, length, *opened[:2], collective.timeout, opened[2], dtype))
 
 
-def open_chunked_sum(collective: Any, length: int, chunk: int = CHUNK_ELEMENTS) -> SharedChunkedSum | None:
-    """A ``SharedChunkedSum`` for buckets of up to ``length`` float32 in rows of ``chunk``, or None."""
+def open_chunked_sum(collective: Any, length: int, chunk: int = CHUNK_ELEMENTS,
+                     dtype: Any = np.float32) -> SharedChunkedSum | None:
+    """A ``SharedChunkedSum`` for buckets of up to ``length`` floats of ``dtype`` in rows of ``chunk``, or None."""
     chunk = min(max(ALIGN, chunk // ALIGN * ALIGN), -(-length // ALIGN) * ALIGN)
-    opened = _open_segment(collective, chunked_segment_bytes(collective.world_size, chunk))
+    opened = _open_segment(collective, chunked_segment_bytes(collective.world_size, chunk, np.dtype(dtype).itemsize))
     return None if opened is None else _heeding(collective, SharedChunkedSum(
-        collective.rank, collective.world_size, chunk, *opened[:2], collective.timeout, opened[2]))
+        collective.rank, collective.world_size, chunk, *opened[:2], collective.timeout, opened[2], dtype))
 
 
 def _heeding(collective: Any, summer: _SharedSum) -> Any:
@@ -457,13 +459,14 @@ def _heeding(collective: Any, summer: _SharedSum) -> Any:
     return summer
 
 
-def open_plan_sum(collective: Any, length: int, plan: Any) -> SharedMemorySum | SharedChunkedSum | None:
-    """The plan's shared-memory sum (machine/engines.py) of buckets of ``length`` float32: one row ("small") or
-    chunk by chunk ("chunked"); None where the plan names another engine or the segment could not be mapped.
-    Collective: every worker calls it at the same point."""
+def open_plan_sum(collective: Any, length: int, plan: Any,
+                  dtype: Any = np.float32) -> SharedMemorySum | SharedChunkedSum | None:
+    """The plan's shared-memory sum (machine/engines.py) of buckets of ``length`` floats of ``dtype``: one row
+    ("small") or chunk by chunk ("chunked"); None where the plan names another engine or the segment could not be
+    mapped. Collective: every worker calls it at the same point."""
     inner = getattr(collective, "inner", collective)  # PhaseCollective wraps the engine
     if inner.world_size < 2 or plan.engine != "shared":
         return None
     if plan.mode == "small":
-        return open_shared_sum(inner, length)
-    return open_chunked_sum(inner, length, max(ALIGN, plan.bucket_bytes // 4))
+        return open_shared_sum(inner, length, dtype)
+    return open_chunked_sum(inner, length, max(ALIGN, plan.bucket_bytes // np.dtype(dtype).itemsize), dtype)

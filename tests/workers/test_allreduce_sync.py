@@ -65,7 +65,7 @@ def test_aligned_offsets_and_chunk_plan_cover_every_gradient_element_once():
 
 
 def test_solo_exchange_returns_aligned_views_and_checks_the_total():
-    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s) for s in SHAPES])
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s, np.float32) for s in SHAPES])
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
     reducer.set_weight(5, 5)
@@ -102,7 +102,7 @@ def _rank_main(rank: int, world: int, port: int, plans: list[list[str]]) -> None
     for engine, mode in plans:
         clock = PhaseClock()
         plan = Plan(engine, mode, bucket_bytes=256)  # chunked: rows of 64 floats
-        reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s) for s in SHAPES], plan)
+        reducer = GradientAllreduce(PhaseCollective(gloo, clock), [np.zeros(s, np.float32) for s in SHAPES], plan)
         clock.strategy_timer = reducer
         errors = []
         for step, counts in enumerate(STEPS):
@@ -169,7 +169,7 @@ def test_tensorflow_adopts_the_averaged_gradients_without_a_copy():
     # timed exchange). If a TensorFlow upgrade starts copying, this shows it.
     import tensorflow as tf
 
-    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s) for s in SHAPES])
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s, np.float32) for s in SHAPES])
     reducer.set_weight(2, 2)
     out = tf.function(reducer.reduce)([tf.ones(s) for s in SHAPES])
     assert all((o.numpy() == 1).all() for o in out)
@@ -182,7 +182,7 @@ def test_a_bucket_kept_by_a_variable_is_never_refilled():
     # makes the variable share the bucket's memory, so the next step must use another bucket.
     import tensorflow as tf
 
-    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s) for s in SHAPES])
+    reducer = GradientAllreduce(SoloCollective(), [np.zeros(s, np.float32) for s in SHAPES])
     v = tf.Variable(tf.zeros(SHAPES[1]))
 
     @tf.function
