@@ -263,7 +263,8 @@ class GradientAllreduce(GradientSum):
         import tensorflow as tf
 
         sparse = self._sparse or [False] * len(self.shapes)
-        zeros = [None if not p else _no_slices(s) if sp else tf.zeros(s, tf.float32)
+        flat = tf.as_dtype(self.dtype)  # a float64 model's pad step sums and applies float64 zeros
+        zeros = [None if not p else _no_slices(s, flat) if sp else tf.zeros(s, flat)
                  for s, p, sp in zip(self.shapes, present, sparse)]
         return self.reduce(zeros, prescaled=bool(self.prescaled))
 
@@ -348,9 +349,9 @@ class AllreduceCallback(keras.callbacks.Callback):
             self.reducer.seconds += time.perf_counter() - t0
 
 
-def _no_slices(shape: tuple[int, ...]) -> Any:
-    """An empty sparse gradient for a variable of ``shape`` (a pad step's share)."""
+def _no_slices(shape: tuple[int, ...], dtype: Any) -> Any:
+    """An empty sparse gradient of ``dtype`` for a variable of ``shape`` (a pad step's share)."""
     import tensorflow as tf
 
-    return tf.IndexedSlices(tf.zeros((0, *shape[1:]), tf.float32), tf.zeros((0,), tf.int64),
+    return tf.IndexedSlices(tf.zeros((0, *shape[1:]), dtype), tf.zeros((0,), tf.int64),
                             tf.constant(shape, tf.int64))

@@ -140,7 +140,7 @@ class SliceExchange:
 
         if self.collective.world_size == 1:
             return list(grads)  # nothing to join: the local step's slices already
-        parts, layout = [], []
+        parts, layout, kinds_out = [], [], []
         for g in grads:
             if tf.executing_eagerly():
                 kinds = self._eager_kinds(len(layout))
@@ -151,9 +151,11 @@ class SliceExchange:
                 kinds = tuple(from_batch(s) for s in segs)
                 lengths = tf.stack([tf.shape(s, out_type=tf.int64)[0] for s in segs])
             layout.append(kinds)
-            parts += [tf.cast(tf.reshape(g.indices, [-1]), tf.int64), tf.cast(g.values, tf.float32), lengths]
+            flat = tf.float64 if g.values.dtype == tf.float64 else tf.float32  # a float64 model's stay float64
+            parts += [tf.cast(tf.reshape(g.indices, [-1]), tf.int64), tf.cast(g.values, flat), lengths]
+            kinds_out += [tf.int64, flat]
         self._settle(tuple(layout))
-        out = tf.numpy_function(exchange, parts, Tout=[tf.int64, tf.float32] * len(grads), stateful=True,
+        out = tf.numpy_function(exchange, parts, Tout=kinds_out, stateful=True,
                                 name="nbdist_gather_slices")
         result = []
         for k, g in enumerate(grads):
@@ -189,8 +191,8 @@ class SliceExchange:
 
         ``rows``: this worker's rows in the step (a pad step has none and contributes no slices);
         ``scale``: n / N for values not yet scaled by it, else None. Two sums: every worker's segment
-        lengths, then one float64 buffer where each worker fills its own blocks (indices and float32
-        values are exact in float64; the other workers add zeros).
+        lengths, then one float64 buffer where each worker fills its own blocks (indices and values are exact
+        in float64; the other workers add zeros). Values come back in the dtype they came in.
         """
         assert self.layout is not None
         world, rank = self.collective.world_size, self.collective.rank
@@ -208,9 +210,9 @@ class SliceExchange:
         sizes = counts * np.asarray(widths, dtype=np.int64)[None, :]  # [rank, segment] elements
         starts = np.concatenate([[0], np.cumsum(sizes.T.reshape(-1))])  # segment-major, then rank
         buf = np.zeros(int(starts[-1]), dtype=np.float64)
-        factor = None if scale is None else np.float32(scale)
         j = 0
         for indices, values, lengths in grads:
+            factor = None if scale is None else values.dtype.type(scale)
             offset = 0
             for length in lengths:
                 if rows > 0 and length:
@@ -233,9 +235,9 @@ class SliceExchange:
                     ix.append(block[:, 0])
                     vals.append(block[:, 1:])
                 j += 1
-            width = grads[k][1].shape[1]
+            width, dtype = grads[k][1].shape[1], grads[k][1].dtype
             out += [np.concatenate(ix).astype(np.int64) if ix else np.zeros(0, np.int64),
-                    np.ascontiguousarray(np.concatenate(vals) if vals else np.zeros((0, width)), dtype=np.float32)]
+                    np.ascontiguousarray(np.concatenate(vals) if vals else np.zeros((0, width)), dtype=dtype)]
         return out
 
     def _segment(self, blocks: list[np.ndarray], per_row: bool) -> list[np.ndarray]:

@@ -132,3 +132,27 @@ def test_a_float64_models_gradients_are_summed_in_float64(digits, shared_memory)
                        shared_memory=shared_memory)
     assert [job.reports[r]["summed_by"] for r in range(2)] == ["shared" if shared_memory else "allreduce"] * 2
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-12
+
+
+def test_a_float64_embeddings_slices_and_pad_steps_stay_float64(digits):
+    """The sparse slices of a float64 Embedding travel as float64, and a pad step (257 rows: one worker has a step
+    fewer) sums and applies float64 zeros: the local step on the global batch to float64's precision."""
+    x, y = _tokens(digits[0][:257]), digits[1][:257]
+    b = 16
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(8)
+        model = keras.Sequential([keras.Input((64,), dtype="int32"),
+                                  keras.layers.Embedding(17 * 64, 8, dtype="float64"),
+                                  keras.layers.GlobalAveragePooling1D(dtype="float64"),
+                                  keras.layers.Dense(10, activation="softmax", dtype="float64")])
+        model.compile(keras.optimizers.SGD(0.5), "sparse_categorical_crossentropy")
+        return model
+
+    local, remote = build(), build()
+    remote.set_weights(local.get_weights())
+    idx = interleave_batches(np.arange(len(x)), 2, b)
+    local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
+    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, strategy="allreduce", shuffle=False)
+    assert sum(job.reports[r]["padded_steps"] for r in range(2)) == 1
+    assert relative_error(remote.get_weights(), local.get_weights()) < 1e-12
