@@ -13,27 +13,28 @@ from ..conftest import mlp, relative_error
 from .test_training import interleave_batches
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
+NEEDS_SHM = pytest.mark.skipif(not shared.supported_here(), reason="needs x86-64 and /dev/shm")
+# How a round is summed: (shared_memory, direct_sum_bytes) and the summed_by the workers report.
+SUMMING_PATHS = [pytest.param(True, 4 * 2**20, "shared", marks=NEEDS_SHM), (False, 4 * 2**20, "allreduce"),
+                 pytest.param(True, 0, "shared-chunked", marks=NEEDS_SHM)]
 
 
-@pytest.mark.parametrize("shared_memory,direct_sum_bytes,summed_by", [
-    pytest.param(True, 4 * 2**20, "shared", marks=pytest.mark.skipif(not shared.supported_here(),
-                                                                      reason="needs x86-64 and /dev/shm")),
-    (False, 4 * 2**20, "allreduce"),
-    pytest.param(True, 0, "shared-chunked", marks=pytest.mark.skipif(not shared.supported_here(),
-                                                                     reason="needs x86-64 and /dev/shm")),
-])
-def test_every_summing_path_equals_big_batch_sgd(digits, shared_memory, direct_sum_bytes, summed_by):
-    """K=1, SGD, 2 workers with batch b == local fit with batch 2b, whichever way the rounds are summed."""
-    x, y = digits[0][:600], digits[1][:600]
-    b = 16
-    local = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
-    remote = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
+def _beside_big_batch(local: keras.Model, remote: keras.Model, x, y, b: int = 16, **train):
+    """``local`` fit on the global batch (2 workers' batches of ``b``, interleaved) and ``remote``, from the same
+    weights, trained by nbdist on 2 workers for an epoch with ``train``'s options; the job."""
     remote.set_weights(local.get_weights())
     idx = interleave_batches(np.arange(len(x)), 2, b)
     local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
-    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2,
-                       strategy="averaging", averaging_frequency=1, shuffle=False,
-                       shared_memory=shared_memory, direct_sum_bytes=direct_sum_bytes)
+    return nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, shuffle=False, **train)
+
+
+@pytest.mark.parametrize("shared_memory,direct_sum_bytes,summed_by", SUMMING_PATHS)
+def test_every_summing_path_equals_big_batch_sgd(digits, shared_memory, direct_sum_bytes, summed_by):
+    """K=1, SGD, 2 workers with batch b == local fit with batch 2b, whichever way the rounds are summed."""
+    local = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
+    remote = mlp(seed=4, optimizer=keras.optimizers.SGD(0.1))
+    job = _beside_big_batch(local, remote, digits[0][:600], digits[1][:600], strategy="averaging",
+                            averaging_frequency=1, shared_memory=shared_memory, direct_sum_bytes=direct_sum_bytes)
     assert [job.reports[r]["summed_by"] for r in range(2)] == [summed_by] * 2
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-5
 
@@ -58,7 +59,7 @@ def _tokens(x: np.ndarray) -> np.ndarray:
     return np.rint(x * 16).astype("int32") + 17 * np.arange(64, dtype="int32")  # a token per pixel and value
 
 
-@pytest.mark.skipif(not shared.supported_here(), reason="needs x86-64 and /dev/shm")
+@NEEDS_SHM
 @pytest.mark.parametrize("build,inputs", [(_wide, np.asarray), (_embedding, _tokens)],
                          ids=["dense-momentum", "embedding-by-scatter"])
 def test_a_large_model_averages_in_place_as_big_batch_sgd(digits, build, inputs):
@@ -87,26 +88,14 @@ def _float64(seed: int) -> keras.Model:
     return model
 
 
-@pytest.mark.parametrize("shared_memory,direct_sum_bytes,summed_by", [
-    pytest.param(True, 4 * 2**20, "shared", marks=pytest.mark.skipif(not shared.supported_here(),
-                                                                      reason="needs x86-64 and /dev/shm")),
-    (False, 4 * 2**20, "allreduce"),
-    pytest.param(True, 0, "shared-chunked", marks=pytest.mark.skipif(not shared.supported_here(),
-                                                                     reason="needs x86-64 and /dev/shm")),
-])
+@pytest.mark.parametrize("shared_memory,direct_sum_bytes,summed_by", SUMMING_PATHS)
 def test_a_float64_model_averages_in_float64(digits, shared_memory, direct_sum_bytes, summed_by):
     """A model of float64 layers keeps float64 weights through every round, as its local fit does: equal to
     big-batch SGD to float64's precision, where rounds summed in float32 rounded the weights to float32 each time
     (a relative error of about 1e-7, and every weight a float32 value)."""
-    x, y = digits[0][:320], digits[1][:320]
-    b = 16
     local, remote = _float64(6), _float64(6)
-    remote.set_weights(local.get_weights())
-    idx = interleave_batches(np.arange(len(x)), 2, b)
-    local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
-    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2,
-                       strategy="averaging", averaging_frequency=1, shuffle=False,
-                       shared_memory=shared_memory, direct_sum_bytes=direct_sum_bytes)
+    job = _beside_big_batch(local, remote, digits[0][:320], digits[1][:320], strategy="averaging",
+                            averaging_frequency=1, shared_memory=shared_memory, direct_sum_bytes=direct_sum_bytes)
     assert [job.reports[r]["summed_by"] for r in range(2)] == [summed_by] * 2
     weights = remote.get_weights()
     assert all(w.dtype == np.float64 for w in weights)
@@ -115,21 +104,16 @@ def test_a_float64_model_averages_in_float64(digits, shared_memory, direct_sum_b
 
 
 @pytest.mark.parametrize("shared_memory", [
-    pytest.param(True, marks=pytest.mark.skipif(not shared.supported_here(), reason="needs x86-64 and /dev/shm")),
+    pytest.param(True, marks=NEEDS_SHM),
     False,
 ])
 def test_a_float64_models_gradients_are_summed_in_float64(digits, shared_memory):
     """Under allreduce a float64 model's gradients are summed in float64 buckets: its step equals the local step on
     the global batch to float64's precision (summed in float32, 1.6e-8 apart after an epoch). On Keras' torch
     backend the loss itself is float32 (Keras' ``compute_loss``), so there the step is float32's anyway."""
-    x, y = digits[0][:320], digits[1][:320]
-    b = 16
     local, remote = _float64(7), _float64(7)
-    remote.set_weights(local.get_weights())
-    idx = interleave_batches(np.arange(len(x)), 2, b)
-    local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
-    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, strategy="allreduce", shuffle=False,
-                       shared_memory=shared_memory)
+    job = _beside_big_batch(local, remote, digits[0][:320], digits[1][:320], strategy="allreduce",
+                            shared_memory=shared_memory)
     assert [job.reports[r]["summed_by"] for r in range(2)] == ["shared" if shared_memory else "allreduce"] * 2
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-12
 
@@ -137,9 +121,6 @@ def test_a_float64_models_gradients_are_summed_in_float64(digits, shared_memory)
 def test_a_float64_embeddings_slices_and_pad_steps_stay_float64(digits):
     """The sparse slices of a float64 Embedding travel as float64, and a pad step (257 rows: one worker has a step
     fewer) sums and applies float64 zeros: the local step on the global batch to float64's precision."""
-    x, y = _tokens(digits[0][:257]), digits[1][:257]
-    b = 16
-
     def build() -> keras.Model:
         keras.utils.set_random_seed(8)
         model = keras.Sequential([keras.Input((64,), dtype="int32"),
@@ -150,9 +131,6 @@ def test_a_float64_embeddings_slices_and_pad_steps_stay_float64(digits):
         return model
 
     local, remote = build(), build()
-    remote.set_weights(local.get_weights())
-    idx = interleave_batches(np.arange(len(x)), 2, b)
-    local.fit(x[idx], y[idx], batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
-    job = nbdist.train(remote, x, y, epochs=1, batch_size=b, workers=2, strategy="allreduce", shuffle=False)
+    job = _beside_big_batch(local, remote, _tokens(digits[0][:257]), digits[1][:257], strategy="allreduce")
     assert sum(job.reports[r]["padded_steps"] for r in range(2)) == 1
     assert relative_error(remote.get_weights(), local.get_weights()) < 1e-12
