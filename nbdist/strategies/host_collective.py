@@ -100,10 +100,12 @@ class HostCollective:
             self.allreduce_sum(flat)
             buf[...] = flat
             return
-        # float32 (gradients, weights) chunk by chunk; counts and exact sums in one small segment per dtype and size
-        key = "chunked" if buf.dtype == np.float32 else (buf.dtype.str, buf.size)
+        # float32 (gradients, weights) and a float64 model's weights, larger than a chunk, chunk by chunk; counts
+        # and exact sums in one small segment per dtype and size (a whole 2-slot copy per worker: small only)
+        chunked = buf.dtype == np.float32 or (buf.dtype == np.float64 and buf.size > CHUNK_ELEMENTS)
+        key = ("chunked", buf.dtype.str) if chunked else (buf.dtype.str, buf.size)
         if key not in self._sums:
-            self._sums[key] = self._opened(open_chunked_sum(self, CHUNK_ELEMENTS) if key == "chunked"
+            self._sums[key] = self._opened(open_chunked_sum(self, CHUNK_ELEMENTS, dtype=buf.dtype) if chunked
                                            else open_shared_sum(self, buf.size, buf.dtype))
         self._sums[key](buf.reshape(-1))
 

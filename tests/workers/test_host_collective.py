@@ -29,7 +29,7 @@ BIG = 2**20 + 12345  # more than two of the chunked sum's chunks
 
 def rank_arrays(rank: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(100 + rank)
-    return {"big": rng.normal(size=BIG).astype("float32"), "f64": rng.normal(size=7),
+    return {"big": rng.normal(size=BIG).astype("float32"), "f64": rng.normal(size=7), "big64": rng.normal(size=BIG),
             "i64": rng.integers(-1000, 1000, 3), "grid": rng.normal(size=(4, 5)).astype("float32")[:, ::2]}
 
 
@@ -52,6 +52,7 @@ def sum_and_broadcast(rank: int, world: int, _port: int, path: str, die_at: int)
         b = np.full(1000, float(rank), "float32")
         col.broadcast(b, root=1)
         out["broadcast"] = digest(b)
+        out["summed_by"] = {str(key): type(summer).__name__ for key, summer in col._sums.items()}
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -68,6 +69,10 @@ def expected_sums(world: int) -> dict[str, str]:
             total = total + per_rank[r][name]  # rank order: the bits every worker must hold
         out[name] = digest(total)
     out["broadcast"] = digest(np.full(1000, 1.0, "float32"))
+    # Large floats chunk by chunk (a float64 model's weights too: a whole copy per worker would be 2 x its size),
+    # the rest in small segments.
+    out["summed_by"] = {"('chunked', '<f4')": "SharedChunkedSum", "('chunked', '<f8')": "SharedChunkedSum",
+                        "('<f8', 7)": "SharedMemorySum", "('<i8', 3)": "SharedMemorySum"}
     return out
 
 
