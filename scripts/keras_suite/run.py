@@ -1,9 +1,9 @@
 """Keras' own trainer, model and callback tests with every ``keras.Model.fit`` routed through ``%%dist_train``.
 
-Not shipped, not in CI. Usage (TensorFlow backend; a Keras source checkout of the installed version)::
+Not shipped, not in CI. Usage (a Keras source checkout of the installed version)::
 
-    KERAS_BACKEND=tensorflow PYTHONPATH=$PWD .venv/bin/python scripts/keras_suite/run.py /path/to/keras \\
-        [--out keras_suite_out] [-k EXPR] [--timeout 600]
+    PYTHONPATH=$PWD .venv/bin/python scripts/keras_suite/run.py /path/to/keras \\
+        [--backend tensorflow|jax|torch] [--out keras_suite_out] [-k EXPR] [--timeout 600]
 
 Runs the selected test files twice from the checkout: locally as they are, then the tests that passed
 locally and called ``keras.Model.fit`` with each test's body as the cell of ``%%dist_train --workers 2
@@ -43,7 +43,7 @@ def test_files(checkout: Path) -> list[str]:
 
 def pytest_run(checkout: Path, mode: str, files: list[str], record: Path, only: Path | None, args: argparse.Namespace,
                log: Path) -> dict:
-    env = dict(os.environ, KERAS_BACKEND="tensorflow",
+    env = dict(os.environ, KERAS_BACKEND=args.backend,
                PYTHONPATH=os.pathsep.join([str(checkout), str(ROOT), str(HERE)]))
     cmd = [sys.executable, "-m", "pytest", "-p", "plugin", "-p", "no:cacheprovider", "-q", "-o", "addopts=", "-s",
            "--continue-on-collection-errors",
@@ -65,6 +65,8 @@ def pytest_run(checkout: Path, mode: str, files: list[str], record: Path, only: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkout", type=Path, help="a Keras source checkout (tag of the installed version)")
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"), default="tensorflow",
+                        help="Keras' backend, for both runs")
     parser.add_argument("--out", type=Path, default=Path("keras_suite_out"))
     parser.add_argument("-k", default=None, help="pytest -k expression, to run a part of the suite")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test")
@@ -95,7 +97,7 @@ def main() -> None:
     passed = [t for t in fitting if remote.get(t, {}).get("outcome") == "passed"]
     failures = {t: remote.get(t, {"outcome": "not run", "reason": "not run"}) for t in fitting if t not in passed}
     summary = {
-        "keras": version, "magic_line": "%%dist_train --workers 2 --ui none",
+        "keras": version, "backend": args.backend, "magic_line": "%%dist_train --workers 2 --ui none",
         "local": {o: sum(r["outcome"] == o for r in local.values()) for o in ("passed", "failed", "error", "skipped")},
         "pass_locally_and_fit": len(fitting), "pass_through_nbdist": len(passed),
         "failures": {t: {"outcome": r["outcome"], "reason": r.get("reason", ""), "after": r.get("after", [])}
@@ -103,7 +105,7 @@ def main() -> None:
         "passed": passed,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    lines = [f"Keras {version}, TensorFlow backend, fit through %%dist_train --workers 2 --ui none",
+    lines = [f"Keras {version}, {args.backend} backend, fit through %%dist_train --workers 2 --ui none",
              f"local: {summary['local']}",
              f"pass locally and fit a keras.Model: {len(fitting)}",
              f"of those, pass through nbdist: {len(passed)}", "", "failures (test id: reason):"]
