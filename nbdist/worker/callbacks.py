@@ -38,9 +38,10 @@ class PassSummaries(keras.callbacks.TensorBoard):
     global batch (its running means), the step is the global step."""
 
     def __init__(self, summaries: BatchSummaries) -> None:
-        super().__init__(summaries.log_dir, update_freq=summaries.update_freq or "epoch",
-                         profile_batch=tuple(summaries.profile_batch), write_graph=False,
-                         write_steps_per_second=summaries.write_steps_per_second)
+        # No profiled batch is 0, as Keras takes it: on torch any other value raises
+        profile = tuple(summaries.profile_batch) if any(summaries.profile_batch) else 0
+        super().__init__(summaries.log_dir, update_freq=summaries.update_freq or "epoch", profile_batch=profile,
+                         write_graph=False, write_steps_per_second=summaries.write_steps_per_second)
         self._train_graph = summaries.write_graph
 
     def set_model(self, model: Any) -> None:

@@ -212,14 +212,16 @@ def masked_sequences() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
 
 
 def masked_model() -> keras.Model:
-    """Two masked losses per step (Embedding(mask_zero=True), then Masking): two sums per step, in order."""
+    """Two masked losses per step (Embedding(mask_zero=True), then Masking): two sums per step, in order. On
+    torch under ``jit_compile=True``: ``torch.compile`` traces the step, and nbdist's sums must run eagerly."""
     ids, fl = keras.Input((SEQ,), dtype="int32", name="ids"), keras.Input((SEQ, 3), name="fl")
     embedded = keras.layers.Embedding(VOCAB, 6, mask_zero=True,
                                       embeddings_initializer=keras.initializers.RandomUniform(seed=8))(ids)
     seq = keras.layers.Dense(3, activation="softmax", name="seq", **seeded(9))(embedded)
     mk = keras.layers.Dense(1, name="mk", **seeded(10))(keras.layers.Masking(0.0)(fl))
     model = keras.Model({"ids": ids, "fl": fl}, {"seq": seq, "mk": mk})
-    model.compile(keras.optimizers.Adam(0.01), loss={"seq": "sparse_categorical_crossentropy", "mk": "mse"})
+    model.compile(keras.optimizers.Adam(0.01), loss={"seq": "sparse_categorical_crossentropy", "mk": "mse"},
+                  jit_compile=BACKEND == "torch")
     return model
 
 
@@ -545,7 +547,28 @@ def seeded_cells() -> dict[str, object]:
         (a, history_a, tf_a), (b, history_b, tf_b) = runs
         out[name] = {"weight_gap": weight_gap(a, b), "same_history": history_a == history_b,
                      "workers_tensorflow": tf_a + tf_b, "cached": cached}
+    out["tensorboard"] = batch_summaries(shell)
     return out
+
+
+def batch_summaries(shell: InteractiveShell) -> dict[str, list[str]]:
+    """The notebook's TensorBoard(update_freq=1) on this backend (Keras' TensorBoard imports TensorFlow, here as
+    locally): the tags of its train and validation runs, written by worker 0 (batches) and the notebook (epochs)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with tempfile.TemporaryDirectory() as tb:
+        shell.user_ns["TB"] = tb
+        shell.run_cell_magic("dist_train", "--workers 2 --ui none",
+                             "model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, 'softmax')])\n"
+                             "model.compile('adam', 'sparse_categorical_crossentropy')\n"
+                             "model.fit(X, y, batch_size=64, epochs=2, validation_split=0.25, verbose=0,\n"
+                             "          callbacks=[keras.callbacks.TensorBoard(TB, update_freq=1)])\n")
+        tags = {}
+        for run in ("train", "validation"):
+            acc = EventAccumulator(os.path.join(tb, run), size_guidance={"tensors": 0, "scalars": 0})
+            acc.Reload()
+            tags[run] = sorted(set(acc.Tags().get("tensors", [])) | set(acc.Tags().get("scalars", [])))
+    return tags
 
 
 def async_only() -> dict[str, object]:

@@ -130,7 +130,8 @@ def test_the_paths_that_differ_per_backend(backend, driven):
     cell's fit equals the local fit of joined batches; two masked losses (Embedding(mask_zero=True),
     Masking) under allreduce, each worker's half of a batch holding its own number of valid timesteps,
     are normalised by the global batch's valid entries as the local fit's (weights and every History
-    entry to 1e-5; each worker's own normalisation was 2e-3 away); mixed_float16 (its loss scale) and
+    entry to 1e-5; each worker's own normalisation was 2e-3 away), on torch under jit_compile=True (torch.compile
+    traces the step; nbdist's sums run eagerly); mixed_float16 (its loss scale) and
     mixed_bfloat16 under allreduce equal the local fit to their precision; the notebook never imported
     TensorFlow."""
     result = driven(backend, "more")
@@ -254,7 +255,9 @@ def test_a_seeded_cell_reproduces_on_jax_and_torch_workers_without_tensorflow(ba
     History; unseeded (the cell's own draws fixed) two runs differ; the workers seeded themselves without
     importing TensorFlow (Keras' set_random_seed imports it whenever it is installed). JAX: the first run's
     workers stored their compiled programs under the user's cache, and the cell run again compiled nothing
-    new (it loaded them: worker/runtime.py's use_jax_compilation_cache)."""
+    new (it loaded them: worker/runtime.py's use_jax_compilation_cache). Then the notebook's
+    TensorBoard(update_freq=1): its batch and epoch curves are written (on torch it raised, Keras refusing
+    any profile_batch but 0 there)."""
     result = driven(backend, "seeded")
     assert result["backend"] == backend
     seeded, unseeded = result["seeded"], result["unseeded"]
@@ -266,6 +269,9 @@ def test_a_seeded_cell_reproduces_on_jax_and_torch_workers_without_tensorflow(ba
         assert set(first) > set(before) and again == first, seeded["cached"]
     else:
         assert before == first == again == [], seeded["cached"]
+    tags = result["tensorboard"]
+    assert {"batch_loss", "epoch_loss", "epoch_learning_rate"} <= set(tags["train"]), tags
+    assert {"epoch_loss", "evaluation_loss_vs_iterations"} <= set(tags["validation"]), tags
 
 
 @pytest.mark.timeout(900)
