@@ -141,11 +141,16 @@ class HostGradientAllreduce(GradientAllreduce):
 
 
 def wrap_torch_optimizer(optimizer: Any, reducer: HostGradientAllreduce) -> Callable[..., Any]:
-    """Make ``optimizer.apply`` sum the gradients first (between ``backward`` and the update); return the original."""
+    """Make ``optimizer.apply`` sum the gradients first (between ``backward`` and the update); return the original.
+    Under ``jit_compile=True`` (``torch.compile`` of the train step) the sum runs eagerly, a graph break: traced,
+    its numpy and collectives would be compiled into the graph or fail."""
+    import torch
+
     original = optimizer.apply
+    reduce = torch.compiler.disable(reducer.reduce_torch)
 
     def apply(grads: Sequence[Any], trainable_variables: Any = None) -> Any:
-        return original(reducer.reduce_torch(grads), trainable_variables)
+        return original(reduce(grads), trainable_variables)
 
     optimizer.apply = apply  # an instance attribute: Keras' train step and apply_gradients look it up on self
     return original

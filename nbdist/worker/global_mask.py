@@ -75,7 +75,7 @@ class GlobalMaskNormaliser:
 
         Each backend sums the counts where its step runs: TensorFlow in a graph op, JAX in an ordered host
         call inside the jitted step (ordered with the gradients' own, so every worker runs the same sums in
-        the same order), torch eagerly."""
+        the same order), torch eagerly (also inside ``torch.compile``)."""
         import keras
 
         self._calls += 1
@@ -84,7 +84,10 @@ class GlobalMaskNormaliser:
             return self._tensorflow_weight(mask, dtype)
         if backend == "jax":
             return self._jax_weight(mask, dtype)
-        return self._eager_weight(mask, dtype)
+        import torch
+
+        # eagerly under jit_compile=True too (a graph break): torch.compile cannot trace the counts' sum
+        return torch.compiler.disable(self._eager_weight)(mask, dtype)
 
     def _tensorflow_weight(self, mask: Any, dtype: Any) -> Any:
         import tensorflow as tf
