@@ -71,8 +71,11 @@ def build_model(job: JobMessage) -> tuple[Any, float]:
     # Keras' own would run past an epoch's end on the repeated pipelines.
     model.steps_per_execution = 1
     on_tf = keras.backend.backend() == "tensorflow"
-    # The gradient allreduce is a Python op: XLA cannot compile it (one worker sums nothing: Keras' own step).
-    if train.strategy == "allreduce" and on_tf and job.world_size > 1:
+    # Sums inside the train step are Python ops, which XLA cannot compile: the gradient allreduce, and averaging
+    # every step's masked-loss counts (global_mask.py). One worker sums nothing: Keras' own step.
+    sums_in_step = train.strategy == "allreduce" or (train.strategy == "averaging"
+                                                     and int(train.averaging_frequency) == 1)
+    if sums_in_step and on_tf and job.world_size > 1:
         model.jit_compile = False
 
     build_optimizer(model)
