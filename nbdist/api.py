@@ -12,7 +12,15 @@ from .checks import check_built, check_fits_model, check_no_custom_loop, check_n
 from .config import TrainConfig, implied_strategy
 from .data.files import not_in_memory, pipeline_message
 from .data.inputs import FitData, PyDatasetData, is_py_dataset, make_fit_data, make_py_dataset_data
-from .data.pipelines import check_any, fit_from_pipelines, is_pipeline, is_split_loader, split_loaders
+from .data.pipelines import (
+    check_any,
+    fit_from_pipelines,
+    is_generator,
+    is_pipeline,
+    is_split_loader,
+    reads_once,
+    split_loaders,
+)
 from .driver.fit_call import check_fit_arguments, fit_data, fit_plan, intercept_fit, prepare_fit_run
 from .driver.training import TrainingJob
 from .errors import NbdistError
@@ -130,8 +138,8 @@ def prepare_fit(model: Any, config: TrainConfig, fit: FitCall, global_batch: int
     """A job for one ``model.fit(...)``'s arguments (driver/fit_call.py), not yet started: the door of every
     in-memory run (``nbdist.train``, ``--data X,y``, a cell's fit, a trial's), where they are checked once."""
     fit, config = loaders_split(fit, config)
-    if is_pipeline(fit.x) or is_pipeline(fit.validation_data):  # read once into the arrays it yields
-        piped = is_pipeline(fit.x)
+    if reads_once(fit):  # read once into the arrays it yields
+        piped = is_pipeline(fit.x) or is_generator(fit.x)
         fit = fit_from_pipelines(fit)
         if piped and global_batch is None:  # --data ds, nbdist.train(model, ds): its batch is the global one
             global_batch = fit.batch_size
@@ -157,7 +165,7 @@ def fit_job(model: Any, config: TrainConfig, fit: FitCall, explicit: dict[str, A
     """A job for a cell's ``model.fit(...)`` (``%%dist_train``, a trial of ``%%dist_tune``): its arguments
     agreed with the magic line's ``explicit`` options, then checked as every in-memory run is."""
     fit, config = loaders_split(fit, config)
-    if is_pipeline(fit.x) or is_pipeline(fit.validation_data):  # read first: its batch is the global batch
+    if reads_once(fit):  # read first: its batch is the global batch
         fit = fit_from_pipelines(fit)
     changes, global_batch = fit_plan(fit, explicit, lr_scaling_given)
     return prepare_fit(model, config.replace(**changes), fit, global_batch, namespace)

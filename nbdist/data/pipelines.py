@@ -5,7 +5,8 @@ over another map-style dataset (whose ``__getitem__`` may draw random numbers un
 the workers instead (torch_loaders.py). Sound only for what reading once keeps: a pipeline that draws random
 numbers (augmentation in a ``map``) would freeze one draw for every epoch, and one that repeats forever has
 no end; both are refused in one sentence. The pipeline's shuffle becomes nbdist's per-epoch shuffle of the
-rows (a full one), its batch size the fit's global batch. TensorFlow and torch are imported only then.
+rows (a full one), its batch size the fit's global batch. TensorFlow and torch are imported only then. A
+generator as fit's x gives the batches Keras would draw from it for that fit, each a global batch.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 from ..errors import NbdistError
 from ..fit_arguments import FitCall
 from .files import memory_budget, not_in_memory
-from .inputs import standardize_batch
+from .inputs import is_py_dataset, standardize_batch
 from .sharding import rank_batch_sizes
 from .structures import leaves
 
@@ -268,13 +269,96 @@ def _concat(parts: list[Any]) -> Any:
     return np.concatenate(parts, axis=0)
 
 
+# The most batches read from a generator that never ends, with no steps_per_epoch to say how many Keras takes.
+MAX_GENERATOR_BATCHES = 100_000
+
+
+def is_generator(value: Any) -> bool:
+    """A Python generator or iterator (a ``keras.utils.PyDataset`` is dealt by batch instead: inputs.py)."""
+    return not_in_memory(value) == "a generator or iterator" and not is_py_dataset(value)
+
+
+def read_generator(fit: FitCall) -> FitCall:
+    """``model.fit(generator, ...)``'s arguments with the batches Keras would draw from the generator, read once
+    into arrays. Keras draws ``steps_per_epoch`` batches an epoch, the next ones each epoch; without
+    ``steps_per_epoch`` one epoch to the generator's end (more epochs would find it empty: refused). Each batch
+    is a global batch split by rows over the workers, so every batch but the last must have the first's rows."""
+    what = "the training data x"
+    for name in ("y", "sample_weight"):
+        if getattr(fit, name) is not None:
+            raise NbdistError(f"model.fit got a generator as x and {name} too; drop {name}: the generator's batches "
+                              "hold the labels and weights, (x, y) or (x, y, sample_weight).")
+    epochs = max(0, int(fit.epochs) - int(fit.initial_epoch or 0))
+    wanted = None if fit.steps_per_epoch is None else int(fit.steps_per_epoch) * epochs
+    limit = memory_budget()
+    batches: list[tuple[Any, ...]] = []
+    size = 0
+    iterator = iter(fit.x)
+    while wanted is None or len(batches) < wanted:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        except Exception as exc:
+            raise NbdistError(f"reading {what}, a generator, failed ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); check that next(...) of it runs "
+                              "locally.") from None
+        if isinstance(batch, (tuple, list)) and len(batch) not in (1, 2, 3):
+            raise NbdistError(f"{what} is a generator whose batches have {len(batch)} parts; yield (x, y), "
+                              "(x, y, sample_weight) or x, as model.fit expects.")
+        parts = standardize_batch(batch)
+        size += sum(a.nbytes for part in parts for a in leaves(part))
+        if size > limit or len(batches) >= MAX_GENERATOR_BATCHES:
+            raise NbdistError(f"{what} is a generator that yields more than {limit / 2**30:.1f} GiB or "
+                              f"{MAX_GENERATOR_BATCHES} batches for this fit, which nbdist would read into the "
+                              "notebook's memory; pass steps_per_epoch (Keras draws that many batches an epoch), "
+                              "or a keras.utils.PyDataset, whose batches each worker reads itself.")
+        batches.append(parts)
+    if not batches:
+        raise NbdistError(f"{what} is a generator that yields no batches; it needs at least one.")
+    if wanted is None and epochs > 1:
+        raise NbdistError(f"{what} is a generator that ended after {len(batches)} batches, which leaves the "
+                          f"second of epochs={epochs} without data (Keras warns and replays the few batches it "
+                          f"peeked at); pass epochs=1, or steps_per_epoch={len(batches)} and a generator that "
+                          "repeats.")
+    if wanted is not None and len(batches) < wanted:
+        raise NbdistError(f"{what} is a generator that ended after {len(batches)} batches, but steps_per_epoch="
+                          f"{fit.steps_per_epoch} over {epochs} epochs draws {wanted}; lower steps_per_epoch or "
+                          "epochs, or make the generator repeat.")
+    rows = [len(leaves(b[0])[0]) for b in batches]
+    odd = next((r for r in rows[1:-1] if r != rows[0]), rows[-1] if rows[-1] > rows[0] else None)
+    if odd is not None:
+        raise NbdistError(f"{what} is a generator whose batches have {rows[0]} rows and {odd}; nbdist splits every "
+                          "batch by rows over the workers and needs batches of one size (the last may be "
+                          "smaller); yield batches of one size, or pass a keras.utils.PyDataset.")
+    if len({len(b) for b in batches}) > 1:
+        raise NbdistError(f"{what}: the generator's batches differ in their parts ((x, y) and (x, y, "
+                          "sample_weight)); yield the same parts in every batch.")
+    try:
+        joined = tuple(_concat([b[i] for b in batches]) for i in range(len(batches[0])))
+    except ValueError as exc:
+        raise NbdistError(f"{what}: the generator's batches differ in shape beyond their rows ({exc}); pad every "
+                          "batch to one shape or pass arrays.") from None
+    x, y, weights = (*joined, None, None)[:3]
+    if y is None:
+        raise NbdistError("the training data x is a generator whose batches hold no labels; yield (x, y) "
+                          "batches to train on it.")
+    log.info("read the generator into %d batches of %d rows", len(batches), rows[0])
+    return fit.replace(x=x, y=y, sample_weight=weights, batch_size=rows[0], shuffle=False)
+
+
+def reads_once(fit: FitCall) -> bool:
+    """Whether the fit's x or validation_data is an input this module reads once (``fit_from_pipelines``)."""
+    return is_pipeline(fit.x) or is_generator(fit.x) or is_pipeline(fit.validation_data)
+
+
 def fit_from_pipelines(fit: FitCall) -> FitCall:
     """``model.fit``'s arguments with its tf.data pipelines (x, validation_data) as the arrays they yield,
     and the batch size and shuffling they had."""
     x, vd = fit.x, fit.validation_data
-    if not is_pipeline(x) and not is_pipeline(vd):
+    if not reads_once(fit):
         return fit
-    out = fit
+    out = read_generator(fit) if is_generator(x) else fit
     if is_pipeline(x):
         rows = read_any(x, "the training data x")
         for name in ("y", "sample_weight"):
