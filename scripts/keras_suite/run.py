@@ -3,7 +3,7 @@
 Not shipped, not in CI. Usage (a Keras source checkout of the installed version)::
 
     PYTHONPATH=$PWD .venv/bin/python scripts/keras_suite/run.py /path/to/keras \\
-        [--backend tensorflow|jax|torch] [--out keras_suite_out] [-k EXPR] [--timeout 600]
+        [--backend tensorflow|jax|torch] [--folders keras/src/...] [--out keras_suite_out] [-k EXPR] [--timeout 600]
 
 Runs the selected test files twice from the checkout: locally as they are, then the tests that passed
 locally and called ``keras.Model.fit`` with each test's body as the cell of ``%%dist_train --workers 2
@@ -34,9 +34,9 @@ def checkout_version(checkout: Path) -> str:
     return found.group(1)
 
 
-def test_files(checkout: Path) -> list[str]:
+def test_files(checkout: Path, folders: list[str]) -> list[str]:
     files = []
-    for folder in SUITE:
+    for folder in folders:
         files += sorted(str(p.relative_to(checkout)) for p in (checkout / folder).glob("*_test.py"))
     return files
 
@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("checkout", type=Path, help="a Keras source checkout (tag of the installed version)")
     parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"), default="tensorflow",
                         help="Keras' backend, for both runs")
+    parser.add_argument("--folders", nargs="+", default=None,
+                        help="the checkout's test folders to run (default: trainers, models and callbacks)")
     parser.add_argument("--out", type=Path, default=Path("keras_suite_out"))
     parser.add_argument("-k", default=None, help="pytest -k expression, to run a part of the suite")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test")
@@ -81,7 +83,7 @@ def main() -> None:
                          f"tag v{keras.__version__}.")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
-    files = test_files(checkout)
+    files = test_files(checkout, args.folders or list(SUITE))
     local_record = out / "local.json"
     if args.reuse_local and local_record.exists():
         local = json.loads(local_record.read_text())["results"]
