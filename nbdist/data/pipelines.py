@@ -259,6 +259,10 @@ def read_pipeline(dataset: Any, what: str, budget: int | None = None) -> Pipelin
 def _concat(parts: list[Any]) -> Any:
     """One structure (array, list or dict of arrays) from a batch's structures, leaf by leaf."""
     first = parts[0]
+    if any(p is None for p in parts):  # an optional input given as None stays None
+        if not all(p is None for p in parts):
+            raise ValueError("an input None in some batches only")
+        return None
     if isinstance(first, dict):
         return {k: _concat([p[k] for p in parts]) for k in first}
     if isinstance(first, list):

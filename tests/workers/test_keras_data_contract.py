@@ -59,3 +59,19 @@ def test_optional_none_input_trains_as_locally_and_the_run_keeps_no_data() -> No
     gc.collect()
     assert [r() is None for r in refs] == [True] * 4, "a finished run still holds the arrays it trained on"
     assert job.history["loss"] and failed.status == "failed"  # the jobs and their results stay
+
+
+def test_a_generator_of_batches_with_an_optional_none_input_trains_as_locally() -> None:
+    """``model.fit(gen)`` whose batches hold ``{"x": x, "o": None}``: the generator is read into arrays with the
+    optional input None throughout (it failed: None batches could not be joined); the local fit's losses."""
+    x, y = load_digits(return_X_y=True)
+    x, y = (x / 16).astype("float32")[:256], y[:256].astype("float32")
+
+    def batches():
+        for start in range(0, 256, 64):
+            yield {"x": x[start:start + 64], "o": None}, y[start:start + 64]
+
+    expected = optional_input_model().fit(batches(), verbose=0).history["loss"]
+    job = nbdist.train(optional_input_model(), batches(), workers=2, backend="local", strategy="allreduce",
+                       lr_scaling="none")
+    np.testing.assert_allclose(job.history["loss"], expected, rtol=1e-5)
