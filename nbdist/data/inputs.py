@@ -157,21 +157,23 @@ class PyDatasetData:
         return self.batches
 
 
-def standardize_batch(batch: Any, class_weight: dict[int, float] | None = None) -> tuple[Any, ...]:
-    """A PyDataset item as Keras reads it: ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)`` as a tuple
-    (a lone array or dict is ``x``); ``class_weight`` adds per-row weights from ``y``. Leaves as numpy."""
+def standardize_batch(batch: Any, class_weight: dict[int, float] | None = None,
+                      source: str = "a PyDataset") -> tuple[Any, ...]:
+    """A PyDataset item (or another ``source``'s batch) as Keras reads it: ``(x,)``, ``(x, y)`` or ``(x, y,
+    sample_weight)`` as a tuple (a lone array or dict is ``x``); ``class_weight`` adds per-row weights from ``y``.
+    Leaves as numpy."""
     if isinstance(batch, dict) or hasattr(batch, "shape"):
         batch = (batch,)
     if isinstance(batch, list):
         batch = tuple(batch)
     if not isinstance(batch, tuple) or len(batch) not in (1, 2, 3):
-        raise NbdistError(f"the PyDataset's __getitem__ returned {type(batch).__name__}; return (x, y), "
-                          "(x, y, sample_weight) or x, as Keras expects.")
-    structs = tuple(to_struct(part, "a PyDataset batch") for part in batch)
+        raise NbdistError(f"{source}'s batch is {type(batch).__name__}; give (x, y), (x, y, sample_weight) or x, "
+                          "as Keras expects.")
+    structs = tuple(to_struct(part, f"{source}'s batch") for part in batch)
     if any(isinstance(a, RaggedRows) for part in structs for a in leaves(part)):
-        raise NbdistError("a PyDataset batch holds a tf.RaggedTensor, and nbdist reads a PyDataset's batches as "
-                          "arrays; return padded batches (x.to_tensor()) from __getitem__, or pass the "
-                          "tf.RaggedTensor itself to fit, which nbdist splits by rows.")
+        raise NbdistError(f"{source}'s batch holds a tf.RaggedTensor, and nbdist reads its batches as arrays; "
+                          "give padded batches (x.to_tensor()), or pass the tf.RaggedTensor itself to fit, which "
+                          "nbdist splits by rows.")
     parts = tuple(map_struct(np.asarray, part) for part in structs)
     if class_weight is not None:
         if len(parts) != 2:

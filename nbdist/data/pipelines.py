@@ -172,7 +172,7 @@ def read_loader(loader: Any, what: str, budget: int | None = None) -> PipelineRo
         raise NbdistError(f"{what} is a torch DataLoader of more than {limit / 2**30:.1f} GiB, which nbdist would "
                           "read into the notebook's memory; pass a Spark DataFrame (streamed from the executors) or "
                           "a keras.utils.PyDataset, whose batches each worker reads itself.")
-    parts = standardize_batch(tuple(t.detach().cpu().numpy() for t in tensors))
+    parts = standardize_batch(tuple(t.detach().cpu().numpy() for t in tensors), source="a torch DataLoader")
     x, y, weights = (*parts, None, None)[:3]
     return PipelineRows(x, y, weights, int(loader.batch_size), isinstance(loader.sampler, RandomSampler))
 
@@ -227,7 +227,7 @@ def read_pipeline(dataset: Any, what: str, budget: int | None = None) -> Pipelin
             if isinstance(batch, tuple) and len(batch) not in (1, 2, 3):
                 raise NbdistError(f"{what} is a tf.data pipeline whose elements have {len(batch)} parts; yield "
                                   "(x, y), (x, y, sample_weight) or x, as model.fit expects.")
-            parts = standardize_batch(batch)
+            parts = standardize_batch(batch, source="a tf.data pipeline")
             size += sum(a.nbytes for part in parts for a in leaves(part))
             if size > limit:
                 raise NbdistError(f"{what} is a tf.data pipeline of more than {limit / 2**30:.1f} GiB, which nbdist "
@@ -310,7 +310,7 @@ def read_generator(fit: FitCall) -> FitCall:
         if isinstance(batch, (tuple, list)) and len(batch) not in (1, 2, 3):
             raise NbdistError(f"{what} is a generator whose batches have {len(batch)} parts; yield (x, y), "
                               "(x, y, sample_weight) or x, as model.fit expects.")
-        parts = standardize_batch(batch)
+        parts = standardize_batch(batch, source="a generator")
         size += sum(a.nbytes for part in parts for a in leaves(part))
         if size > limit or len(batches) >= MAX_GENERATOR_BATCHES:
             raise NbdistError(f"{what} is a generator that yields more than {limit / 2**30:.1f} GiB or "
