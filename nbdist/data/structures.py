@@ -22,17 +22,29 @@ def is_scipy_sparse(value: Any) -> bool:
     return type(value).__module__.startswith("scipy.sparse") and hasattr(value, "toarray")
 
 
+def is_tf_sparse(value: Any) -> bool:
+    """A tf.SparseTensor (told by its class, so this module needs no TensorFlow)."""
+    return type(value).__name__ == "SparseTensor" and type(value).__module__.startswith("tensorflow")
+
+
 def dense_from_sparse(value: Any, what: str, budget: int | None = None) -> np.ndarray:
-    """A scipy sparse matrix (TfidfVectorizer's, OneHotEncoder's) as the dense rows Keras' Dense layers compute
-    on alike; refused in one sentence when that would not fit in memory."""
-    rows, cols = value.shape
-    dtype = np.float32 if value.dtype.kind in "fb" or value.dtype.itemsize > 4 else value.dtype
-    size = rows * cols * np.dtype(dtype).itemsize
+    """A scipy sparse matrix (TfidfVectorizer's, OneHotEncoder's) or a tf.SparseTensor as the dense rows Keras'
+    Dense layers compute on alike; refused in one sentence when that would not fit in memory."""
+    tf_sparse = is_tf_sparse(value)
+    given = np.dtype(value.dtype.as_numpy_dtype) if tf_sparse else np.dtype(value.dtype)
+    dtype = np.float32 if given.kind in "fb" or given.itemsize > 4 else given
+    shape = tuple(int(d) for d in value.shape)
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     limit = memory_budget() if budget is None else budget
     if size > limit:
-        raise NbdistError(f"{what} is a scipy sparse matrix of {rows} x {cols}, {size / 2**30:.1f} GiB as dense rows "
-                          f"(more than {limit / 2**30:.1f} GiB); reduce its columns (e.g. max_features=...) or "
+        kind = "tf.SparseTensor" if tf_sparse else "scipy sparse matrix"
+        raise NbdistError(f"{what} is a {kind} of {' x '.join(map(str, shape))}, {size / 2**30:.1f} GiB as dense "
+                          f"rows (more than {limit / 2**30:.1f} GiB); reduce its columns (e.g. max_features=...) or "
                           "train from a Spark DataFrame, which streams.")
+    if tf_sparse:
+        import tensorflow as tf
+
+        return np.asarray(tf.sparse.to_dense(value).numpy(), dtype=dtype)
     return np.asarray(value.toarray(), dtype=dtype)
 
 
@@ -41,7 +53,7 @@ def as_array(value: Any, what: str) -> np.ndarray:
     kind = not_in_memory(value)
     if kind is not None:  # every entry point refuses a stream with the same sentence
         raise NbdistError(pipeline_message(kind, what))
-    if is_scipy_sparse(value):
+    if is_scipy_sparse(value) or is_tf_sparse(value):
         return dense_from_sparse(value, what)
     if hasattr(value, "to_numpy") and callable(value.to_numpy):  # pandas DataFrame / Series
         value = value.to_numpy()

@@ -95,6 +95,23 @@ def test_a_scipy_sparse_matrix_is_its_dense_rows_or_one_sentence_when_too_large(
         dense_from_sparse(matrix, "training data x", budget=100)
 
 
+def test_a_tf_sparse_tensor_is_its_dense_rows_or_one_sentence_when_too_large():
+    """A tf.SparseTensor as x (Keras' TensorFlow backend takes it; a Dense layer computes alike on the dense
+    rows), as fit's x or inside a generator's batch, where it was "Python objects"."""
+    import tensorflow as tf
+
+    from nbdist.data.inputs import make_fit_data
+    from nbdist.data.structures import dense_from_sparse
+
+    dense = np.where(np.random.default_rng(0).random((30, 12)) < 0.2, 1.5, 0.0)
+    tensor = tf.sparse.from_dense(dense)
+    data = make_fit_data(tensor, np.arange(30) % 2)
+    assert data.x.dtype == np.float32 and data.x.shape == (30, 12)
+    np.testing.assert_array_equal(data.x, dense.astype("float32"))
+    with pytest.raises(NbdistError, match=r"tf.SparseTensor of 30 x 12, .* reduce its columns"):
+        dense_from_sparse(tensor, "training data x", budget=100)
+
+
 def test_predictions_keep_keras_structure():
     """Issue 46: predict's tuples and namedtuples survive the wire's flat layout."""
     import collections
