@@ -158,10 +158,10 @@ class PyDatasetData:
 
 
 def standardize_batch(batch: Any, class_weight: dict[int, float] | None = None,
-                      source: str = "a PyDataset") -> tuple[Any, ...]:
+                      source: str = "a PyDataset", ragged: bool = False) -> tuple[Any, ...]:
     """A PyDataset item (or another ``source``'s batch) as Keras reads it: ``(x,)``, ``(x, y)`` or ``(x, y,
     sample_weight)`` as a tuple (a lone array or dict is ``x``); ``class_weight`` adds per-row weights from ``y``.
-    Leaves as numpy."""
+    Leaves as numpy; ``ragged``: a tf.RaggedTensor leaf kept as its rows (batches read once and joined)."""
     if isinstance(batch, dict) or hasattr(batch, "shape"):
         batch = (batch,)
     if isinstance(batch, list):
@@ -170,11 +170,11 @@ def standardize_batch(batch: Any, class_weight: dict[int, float] | None = None,
         raise NbdistError(f"{source}'s batch is {type(batch).__name__}; give (x, y), (x, y, sample_weight) or x, "
                           "as Keras expects.")
     structs = tuple(to_struct(part, f"{source}'s batch") for part in batch)
-    if any(isinstance(a, RaggedRows) for part in structs for a in leaves(part)):
+    if not ragged and any(isinstance(a, RaggedRows) for part in structs for a in leaves(part)):
         raise NbdistError(f"{source}'s batch holds a tf.RaggedTensor, and nbdist reads its batches as arrays; "
                           "give padded batches (x.to_tensor()), or pass the tf.RaggedTensor itself to fit, which "
                           "nbdist splits by rows.")
-    parts = tuple(map_struct(np.asarray, part) for part in structs)
+    parts = tuple(map_struct(lambda a: a if isinstance(a, RaggedRows) else np.asarray(a), part) for part in structs)
     if class_weight is not None:
         if len(parts) != 2:
             raise NbdistError("class_weight with a PyDataset needs batches of (x, y), without sample weights "

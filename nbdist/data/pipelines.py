@@ -20,6 +20,7 @@ from ..errors import NbdistError
 from ..fit_arguments import FitCall
 from .files import memory_budget, not_in_memory
 from .inputs import is_py_dataset, standardize_batch
+from .ragged import RaggedRows, concat
 from .sharding import rank_batch_sizes
 from .structures import leaves
 
@@ -227,7 +228,7 @@ def read_pipeline(dataset: Any, what: str, budget: int | None = None) -> Pipelin
             if isinstance(batch, tuple) and len(batch) not in (1, 2, 3):
                 raise NbdistError(f"{what} is a tf.data pipeline whose elements have {len(batch)} parts; yield "
                                   "(x, y), (x, y, sample_weight) or x, as model.fit expects.")
-            parts = standardize_batch(batch, source="a tf.data pipeline")
+            parts = standardize_batch(batch, source="a tf.data pipeline", ragged=True)
             size += sum(a.nbytes for part in parts for a in leaves(part))
             if size > limit:
                 raise NbdistError(f"{what} is a tf.data pipeline of more than {limit / 2**30:.1f} GiB, which nbdist "
@@ -263,6 +264,8 @@ def _concat(parts: list[Any]) -> Any:
         if not all(p is None for p in parts):
             raise ValueError("an input None in some batches only")
         return None
+    if isinstance(first, RaggedRows):  # a tf.RaggedTensor's rows, joined as such (the arrays path splits them)
+        return concat(parts)
     if isinstance(first, dict):
         return {k: _concat([p[k] for p in parts]) for k in first}
     if isinstance(first, list):
@@ -310,7 +313,7 @@ def read_generator(fit: FitCall) -> FitCall:
         if isinstance(batch, (tuple, list)) and len(batch) not in (1, 2, 3):
             raise NbdistError(f"{what} is a generator whose batches have {len(batch)} parts; yield (x, y), "
                               "(x, y, sample_weight) or x, as model.fit expects.")
-        parts = standardize_batch(batch, source="a generator")
+        parts = standardize_batch(batch, source="a generator", ragged=True)
         size += sum(a.nbytes for part in parts for a in leaves(part))
         if size > limit or len(batches) >= MAX_GENERATOR_BATCHES:
             raise NbdistError(f"{what} is a generator that yields more than {limit / 2**30:.1f} GiB or "

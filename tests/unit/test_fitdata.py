@@ -162,3 +162,22 @@ def test_ragged_rows_are_dealt_travel_as_arrays_and_come_back_as_tf_gather_gives
         shards = [flatten_outputs(value[a:b]) for a, b in ((0, 2), (2, 2), (2, len(rows)))]
         layout = shards[0][0]
         same(keras_data(unflatten_outputs(layout, iter(concat_flat(layout, [s[1] for s in shards])))), value)
+
+
+def test_a_generators_ragged_batches_are_joined_as_ragged_rows():
+    """model.fit(generator) whose batches hold a tf.RaggedTensor (TensorFlow backend): the batches read for the
+    fit join into one ragged input, row for row, which the arrays path splits as it splits any (it was refused)."""
+    import tensorflow as tf
+
+    from nbdist.data.pipelines import fit_from_pipelines
+    from nbdist.fit_arguments import FitCall
+
+    rows = [[1, 2], [3], [4, 5, 6], [7], [8, 9]]
+
+    def batches():
+        for start in (0, 2, 4):
+            yield tf.ragged.constant(rows[start:start + 2]), np.arange(start, min(start + 2, 5))
+
+    fit = fit_from_pipelines(FitCall(x=batches()))
+    assert fit.batch_size == 2 and not fit.shuffle and list(fit.y) == [0, 1, 2, 3, 4]
+    assert tf.RaggedTensor.from_nested_row_splits(fit.x.values, fit.x.splits).to_list() == rows
