@@ -131,6 +131,8 @@ def to_struct(value: Any, what: str) -> Struct:
         if not value:
             raise NbdistError(f"{what} is empty; pass at least one example per worker.")
         return [to_struct(v, f"{what}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, RaggedRows):  # a ragged input already read (a generator's batches, joined)
+        return value
     kind = not_in_memory(value)
     if kind is not None:
         raise NbdistError(pipeline_message(kind, what))

@@ -181,3 +181,5 @@ def test_a_generators_ragged_batches_are_joined_as_ragged_rows():
     fit = fit_from_pipelines(FitCall(x=batches()))
     assert fit.batch_size == 2 and not fit.shuffle and list(fit.y) == [0, 1, 2, 3, 4]
     assert tf.RaggedTensor.from_nested_row_splits(fit.x.values, fit.x.splits).to_list() == rows
+    data = make_fit_data(fit.x, tf.ragged.constant(rows))  # ragged labels too, as Keras' Embedding test has
+    assert data.x is fit.x and data.y.splits[0].tolist() == [0, 2, 3, 6, 7, 9]
