@@ -165,6 +165,12 @@ def fit_job(model: Any, config: TrainConfig, fit: FitCall, explicit: dict[str, A
     """A job for a cell's ``model.fit(...)`` (``%%dist_train``, a trial of ``%%dist_tune``): its arguments
     agreed with the magic line's ``explicit`` options, then checked as every in-memory run is."""
     fit, config = loaders_split(fit, config)
+    if is_generator(fit.x):  # its batches are drawn for the fit's epochs: the magic line's first
+        if "batch_size" in explicit:
+            raise NbdistError("a generator makes its own batches: drop --batch-size from the magic line (each of "
+                              "its batches is a global batch, split over the workers).")
+        if "epochs" in explicit and "epochs" not in fit.given:
+            fit = fit.replace(epochs=explicit["epochs"])
     if reads_once(fit):  # read first: its batch is the global batch
         fit = fit_from_pipelines(fit)
     changes, global_batch = fit_plan(fit, explicit, lr_scaling_given)

@@ -278,6 +278,7 @@ def _concat(parts: list[Any]) -> Any:
 
 # The most batches read from a generator that never ends, with no steps_per_epoch to say how many Keras takes.
 MAX_GENERATOR_BATCHES = 100_000
+_END = object()
 
 
 def is_generator(value: Any) -> bool:
@@ -302,14 +303,9 @@ def read_generator(fit: FitCall) -> FitCall:
     size = 0
     iterator = iter(fit.x)
     while wanted is None or len(batches) < wanted:
-        try:
-            batch = next(iterator)
-        except StopIteration:
+        batch = next(iterator, _END)  # what the generator raises, Keras' fit would raise too: it goes up
+        if batch is _END:
             break
-        except Exception as exc:
-            raise NbdistError(f"reading {what}, a generator, failed ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}); check that next(...) of it runs "
-                              "locally.") from None
         if isinstance(batch, (tuple, list)) and len(batch) not in (1, 2, 3):
             raise NbdistError(f"{what} is a generator whose batches have {len(batch)} parts; yield (x, y), "
                               "(x, y, sample_weight) or x, as model.fit expects.")

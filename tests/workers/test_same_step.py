@@ -309,6 +309,12 @@ def test_a_generator_trains_on_the_batches_keras_draws_from_it(ip):
     assert runs[0][2] == int(ip.user_ns["model"].optimizer.iterations) == 15 and runs[1][2] == 9
     # nbdist drew the 15 batches the fit used (Keras on TensorFlow draws a few more ahead, into its prefetch)
     np.testing.assert_array_equal(after, ip.user_ns["y"][448:452])
+    # The magic line's --epochs is the fit's, for the batches drawn too: the second epoch's are the next 3
+    ip.run_cell_magic("dist_train", "--workers 2 --ui none --epochs 2",
+                      "model = mlp(5)\nhist = model.fit(repeating(32), steps_per_epoch=3, verbose=0)\n")
+    got = ip.user_ns["hist"].history["loss"]
+    ip.run_cell("model = mlp(5)\nhist = model.fit(repeating(32), steps_per_epoch=3, epochs=2, verbose=0)\n")
+    np.testing.assert_allclose(got, ip.user_ns["hist"].history["loss"], rtol=1e-5)
 
 
 # -- averaging with K > 1: what it is ----------------------------------------------------------------
