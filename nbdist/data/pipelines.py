@@ -243,18 +243,22 @@ def read_pipeline(dataset: Any, what: str, budget: int | None = None) -> Pipelin
                           "next(iter(ds)).") from None
     if not batches:
         raise NbdistError(f"{what} is a tf.data pipeline that yields no batches; it needs at least one.")
+    x, y, weights = _join(batches, what, "the tf.data pipeline", " (e.g. padded_batch with padded_shapes)")
+    first = len(leaves(batches[0][0])[0])
+    return PipelineRows(x, y, weights, first, bool({op for op in ops if "ShuffleDataset" in op}))
+
+
+def _join(batches: list[tuple[Any, ...]], what: str, source: str, pad_hint: str) -> tuple[Any, Any, Any]:
+    """The batches' x, y and sample weights (None where absent), each joined row after row, or one sentence."""
     if len({len(b) for b in batches}) > 1:
-        raise NbdistError(f"{what}: the tf.data pipeline's batches differ in their parts ((x, y) and (x, y, "
-                          "sample_weight)); yield the same parts in every batch.")
+        raise NbdistError(f"{what}: {source}'s batches differ in their parts ((x, y) and (x, y, sample_weight)); "
+                          "yield the same parts in every batch.")
     try:
         joined = tuple(_concat([b[i] for b in batches]) for i in range(len(batches[0])))
     except ValueError as exc:
-        raise NbdistError(f"{what}: the tf.data pipeline's batches differ in shape beyond their rows ({exc}); "
-                          "pad every batch to one shape (e.g. padded_batch with padded_shapes) or pass "
-                          "arrays.") from None
-    first = len(leaves(batches[0][0])[0])
-    x, y, weights = (*joined, None, None)[:3]
-    return PipelineRows(x, y, weights, first, bool({op for op in ops if "ShuffleDataset" in op}))
+        raise NbdistError(f"{what}: {source}'s batches differ in shape beyond their rows ({exc}); pad every batch "
+                          f"to one shape{pad_hint} or pass arrays.") from None
+    return (*joined, None, None)[:3]
 
 
 def _concat(parts: list[Any]) -> Any:
@@ -334,15 +338,7 @@ def read_generator(fit: FitCall) -> FitCall:
         raise NbdistError(f"{what} is a generator whose batches have {rows[0]} rows and {odd}; nbdist splits every "
                           "batch by rows over the workers and needs batches of one size (the last may be "
                           "smaller); yield batches of one size, or pass a keras.utils.PyDataset.")
-    if len({len(b) for b in batches}) > 1:
-        raise NbdistError(f"{what}: the generator's batches differ in their parts ((x, y) and (x, y, "
-                          "sample_weight)); yield the same parts in every batch.")
-    try:
-        joined = tuple(_concat([b[i] for b in batches]) for i in range(len(batches[0])))
-    except ValueError as exc:
-        raise NbdistError(f"{what}: the generator's batches differ in shape beyond their rows ({exc}); pad every "
-                          "batch to one shape or pass arrays.") from None
-    x, y, weights = (*joined, None, None)[:3]
+    x, y, weights = _join(batches, what, "the generator", "")
     if y is None:
         raise NbdistError("the training data x is a generator whose batches hold no labels; yield (x, y) "
                           "batches to train on it.")
