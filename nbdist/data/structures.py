@@ -17,35 +17,37 @@ from .ragged import RaggedRows, concat, is_ragged, ragged_rows
 Struct = Any
 
 
-def is_scipy_sparse(value: Any) -> bool:
-    """A scipy.sparse matrix or array (told by its module, so this module needs no scipy)."""
-    return type(value).__module__.startswith("scipy.sparse") and hasattr(value, "toarray")
-
-
-def is_tf_sparse(value: Any) -> bool:
-    """A tf.SparseTensor (told by its class, so this module needs no TensorFlow)."""
-    return type(value).__name__ == "SparseTensor" and type(value).__module__.startswith("tensorflow")
+def sparse_kind(value: Any) -> str | None:
+    """What sparse input ``value`` is (told by its class, so this module imports none of them), else None."""
+    cls = type(value)
+    if cls.__module__.startswith("scipy.sparse") and hasattr(value, "toarray"):
+        return "scipy sparse matrix"
+    if cls.__name__ == "SparseTensor" and cls.__module__.startswith("tensorflow"):
+        return "tf.SparseTensor"
+    if cls.__name__ == "BCOO" and cls.__module__.startswith("jax"):
+        return "JAX BCOO array"
+    return None
 
 
 def dense_from_sparse(value: Any, what: str, budget: int | None = None) -> np.ndarray:
-    """A scipy sparse matrix (TfidfVectorizer's, OneHotEncoder's) or a tf.SparseTensor as the dense rows Keras'
-    Dense layers compute on alike; refused in one sentence when that would not fit in memory."""
-    tf_sparse = is_tf_sparse(value)
-    given = np.dtype(value.dtype.as_numpy_dtype) if tf_sparse else np.dtype(value.dtype)
+    """A sparse input (a scipy matrix, TfidfVectorizer's or OneHotEncoder's; a tf.SparseTensor; a JAX BCOO array)
+    as the dense rows Keras' Dense layers compute on alike; refused in one sentence when that would not fit in
+    memory."""
+    kind = sparse_kind(value)
+    given = np.dtype(value.dtype.as_numpy_dtype) if kind == "tf.SparseTensor" else np.dtype(value.dtype)
     dtype = np.float32 if given.kind in "fb" or given.itemsize > 4 else given
     shape = tuple(int(d) for d in value.shape)
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     limit = memory_budget() if budget is None else budget
     if size > limit:
-        kind = "tf.SparseTensor" if tf_sparse else "scipy sparse matrix"
         raise NbdistError(f"{what} is a {kind} of {' x '.join(map(str, shape))}, {size / 2**30:.1f} GiB as dense "
                           f"rows (more than {limit / 2**30:.1f} GiB); reduce its columns (e.g. max_features=...) or "
                           "train from a Spark DataFrame, which streams.")
-    if tf_sparse:
+    if kind == "tf.SparseTensor":
         import tensorflow as tf
 
         return np.asarray(tf.sparse.to_dense(value).numpy(), dtype=dtype)
-    return np.asarray(value.toarray(), dtype=dtype)
+    return np.asarray(value.toarray() if kind == "scipy sparse matrix" else value.todense(), dtype=dtype)
 
 
 def as_array(value: Any, what: str) -> np.ndarray:
@@ -53,7 +55,7 @@ def as_array(value: Any, what: str) -> np.ndarray:
     kind = not_in_memory(value)
     if kind is not None:  # every entry point refuses a stream with the same sentence
         raise NbdistError(pipeline_message(kind, what))
-    if is_scipy_sparse(value) or is_tf_sparse(value):
+    if sparse_kind(value) is not None:
         return dense_from_sparse(value, what)
     if hasattr(value, "to_numpy") and callable(value.to_numpy):  # pandas DataFrame / Series
         value = value.to_numpy()

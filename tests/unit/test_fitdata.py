@@ -95,9 +95,9 @@ def test_a_scipy_sparse_matrix_is_its_dense_rows_or_one_sentence_when_too_large(
         dense_from_sparse(matrix, "training data x", budget=100)
 
 
-def test_a_tf_sparse_tensor_is_its_dense_rows_or_one_sentence_when_too_large():
-    """A tf.SparseTensor as x (Keras' TensorFlow backend takes it; a Dense layer computes alike on the dense
-    rows), as fit's x or inside a generator's batch, where it was "Python objects"."""
+def test_a_tf_sparse_tensor_or_jax_bcoo_is_its_dense_rows_or_one_sentence_when_too_large():
+    """A tf.SparseTensor or a JAX BCOO array as x (Keras' backends take them; a Dense layer computes alike on the
+    dense rows), as fit's x or inside a generator's batch, where they were "Python objects"."""
     import tensorflow as tf
 
     from nbdist.data.inputs import make_fit_data
@@ -110,6 +110,10 @@ def test_a_tf_sparse_tensor_is_its_dense_rows_or_one_sentence_when_too_large():
     np.testing.assert_array_equal(data.x, dense.astype("float32"))
     with pytest.raises(NbdistError, match=r"tf.SparseTensor of 30 x 12, .* reduce its columns"):
         dense_from_sparse(tensor, "training data x", budget=100)
+    from jax.experimental import sparse  # JAX's sparse input (BCOO), as Keras' JAX backend takes it
+
+    np.testing.assert_array_equal(make_fit_data(sparse.BCOO.fromdense(dense), np.arange(30) % 2).x,
+                                  dense.astype("float32"))
 
 
 def test_predictions_keep_keras_structure():
