@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import NbdistError
 from ..fit_arguments import FitCall
-from .files import memory_budget, not_in_memory
+from .files import memory_budget, not_in_memory, pipeline_message
 from .inputs import is_py_dataset, standardize_batch
 from .ragged import RaggedRows, concat
 from .sharding import rank_batch_sizes
@@ -300,6 +300,9 @@ def read_generator(fit: FitCall) -> FitCall:
         if getattr(fit, name) is not None:
             raise NbdistError(f"model.fit got a generator as x and {name} too; drop {name}: the generator's batches "
                               "hold the labels and weights, (x, y) or (x, y, sample_weight).")
+    streamed = not_in_memory(fit.validation_data)
+    if streamed is not None and not is_pipeline(fit.validation_data):  # said before the generator is drawn from
+        raise NbdistError(pipeline_message(streamed, "validation_data"))
     epochs = max(0, int(fit.epochs) - int(fit.initial_epoch or 0))
     wanted = None if fit.steps_per_epoch is None else int(fit.steps_per_epoch) * epochs
     limit = memory_budget()

@@ -106,11 +106,12 @@ def _batches(*rows, labels=True):
     ("model.fit(_batches(4, 4), steps_per_epoch=2, epochs=2)", "ended after 2 batches, but steps_per_epoch=2 over "
                                                                "2 epochs draws 4"),
     ("%%--batch-size 2\nmodel.fit(_batches(4, 4))", "a generator makes its own batches: drop --batch-size"),
-], ids=["and-y", "no-labels", "uneven", "finite-epochs", "too-short", "batch-size"])
+    ("model.fit(G, validation_data=_batches(4))", "validation_data is a generator or iterator"),
+], ids=["and-y", "no-labels", "uneven", "finite-epochs", "too-short", "batch-size", "validation"])
 def test_a_generator_keras_could_not_draw_the_fit_from_is_one_sentence(ip, fit, words):
     """model.fit(generator): what reading it for the fit's batches cannot keep is said in one sentence, before any
     worker starts (a batch of other rows would not be split over the workers as one global batch)."""
-    ip.user_ns.update(keras=keras, _batches=_batches)
+    ip.user_ns.update(keras=keras, _batches=_batches, G=_batches(4, 4))
     line = "--workers 2 --ui none"
     if fit.startswith("%%"):  # options for the magic line, then the fit
         more, fit = fit[2:].split("\n", 1)
@@ -119,6 +120,7 @@ def test_a_generator_keras_could_not_draw_the_fit_from_is_one_sentence(ip, fit, 
         ip.run_cell_magic("dist_train", line, CELL + fit + "\n")
     assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
     assert not worker_processes()
+    assert len(list(ip.user_ns["G"])) == 2  # the notebook's generator G was not drawn from
 
 
 class _Batches(keras.utils.PyDataset):
