@@ -269,9 +269,10 @@ def repeating(batch):
         start = (i * batch) % 512
         yield X[start:start + batch], y[start:start + batch]
         i += 1
-def once(batch):
+def once(batch):  # 512 rows: the last batch short
     for start in range(0, 512, batch):
-        yield X[start:start + batch], y[start:start + batch], np.linspace(0.5, 1.5, 600)[start:start + batch]
+        part = slice(start, min(start + batch, 512))
+        yield X[part], y[part], np.linspace(0.5, 1.5, 512)[part]
 def mlp(seed):
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
@@ -288,8 +289,8 @@ hist_once = model_once.fit(once(60), verbose=0)
 
 def test_a_generator_trains_on_the_batches_keras_draws_from_it(ip):
     """model.fit(generator, steps_per_epoch=5, epochs=3): each epoch the next 5 of its batches, each a global
-    batch split over the workers; the notebook's generator is left after the batches the fit used. A finite generator
-    (x, y, sample_weight) without steps_per_epoch, its last batch short: one epoch to its end. History and
+    batch split over the workers; the notebook's generator is left after the batches the fit used. A finite
+    generator (x, y, sample_weight) without steps_per_epoch, its last batch short: one epoch to its end. History and
     weights equal the same cell run locally, to 1e-5 (both were refused)."""
     ip.user_ns["np"] = np
     ip.run_cell_magic("dist_train", "--workers 2 --ui none --strategy allreduce", GENERATOR_CELL)
