@@ -166,6 +166,12 @@ def _row(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(np.isscalar(v) for v in value)
 
 
+def _narrow_float(dtype: np.dtype) -> bool:
+    """ml_dtypes' floats (bfloat16, float8_*), which numpy sees as raw bytes: float32 holds each exactly, and Keras
+    casts a floating input to the layer's compute dtype either way."""
+    return dtype.kind == "V" and (dtype.name == "bfloat16" or dtype.name.startswith("float"))
+
+
 def _leaf(value: Any, what: str) -> np.ndarray:
     arr = as_array(value, what)
     text = as_text(arr)
@@ -176,7 +182,7 @@ def _leaf(value: Any, what: str) -> np.ndarray:
     if arr.dtype == object:
         raise NbdistError(f"{what} holds Python objects, not numbers in one array; pass a numpy array per "
                           "input (several inputs as a dict or list of arrays), e.g. .astype('float32').")
-    if arr.dtype.kind == "b":
+    if arr.dtype.kind == "b" or _narrow_float(arr.dtype):
         arr = arr.astype("float32")
     if arr.dtype.kind not in "iuf":
         raise NbdistError(f"{what} has dtype {arr.dtype}, not numbers; convert it first, e.g. .astype('float32').")

@@ -187,3 +187,17 @@ def test_a_generators_ragged_batches_are_joined_as_ragged_rows():
     assert tf.RaggedTensor.from_nested_row_splits(fit.x.values, fit.x.splits).to_list() == rows
     data = make_fit_data(fit.x, tf.ragged.constant(rows))  # ragged labels too, as Keras' Embedding test has
     assert data.x is fit.x and data.y.splits[0].tolist() == [0, 2, 3, 6, 7, 9]
+
+
+def test_bfloat16_and_float8_arrays_train_as_their_float32_values():
+    """ml_dtypes' floats (numpy sees raw bytes, and the wire carries numpy's own dtypes): widened to float32, which
+    holds each value exactly; Keras casts a floating input to the layer's compute dtype either way (Keras'
+    quantized layer tests feed bfloat16; they were refused as "not numbers")."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from nbdist.data.inputs import make_fit_data
+
+    values = np.array([[0.5, -2.0], [3.0, 0.125], [1.5, 4.0]], "float32")
+    for dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
+        data = make_fit_data(values.astype(dtype), values[:, :1].astype(dtype))
+        assert data.x.dtype == data.y.dtype == np.float32
+        np.testing.assert_array_equal(data.x, values)
