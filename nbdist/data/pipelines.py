@@ -290,16 +290,12 @@ def is_generator(value: Any) -> bool:
     return not_in_memory(value) == "a generator or iterator" and not is_py_dataset(value)
 
 
-def read_generator(fit: FitCall) -> FitCall:
-    """``model.fit(generator, ...)``'s arguments with the batches Keras would draw from the generator, read once
-    into arrays. Keras draws ``steps_per_epoch`` batches an epoch, the next ones each epoch; without
-    ``steps_per_epoch`` one epoch to the generator's end (more epochs would find it empty: refused). Each batch
-    is a global batch split by rows over the workers, so every batch but the last must have the first's rows."""
+def read_generator(fit: FitCall) -> PipelineRows:
+    """The batches Keras would draw from ``model.fit(generator, ...)``'s generator, read once into arrays. Keras
+    draws ``steps_per_epoch`` batches an epoch, the next ones each epoch; without ``steps_per_epoch`` one epoch to
+    the generator's end (more epochs would find it empty: refused). Each batch is a global batch split by rows over
+    the workers, so every batch but the last must have the first's rows."""
     what = "the training data x"
-    for name in ("y", "sample_weight"):
-        if getattr(fit, name) is not None:
-            raise NbdistError(f"model.fit got a generator as x and {name} too; drop {name}: the generator's batches "
-                              "hold the labels and weights, (x, y) or (x, y, sample_weight).")
     streamed = not_in_memory(fit.validation_data)
     if streamed is not None and not is_pipeline(fit.validation_data):  # said before the generator is drawn from
         raise NbdistError(pipeline_message(streamed, "validation_data"))
@@ -342,11 +338,7 @@ def read_generator(fit: FitCall) -> FitCall:
                           "batch by rows over the workers and needs batches of one size (the last may be "
                           "smaller); yield batches of one size, or pass a keras.utils.PyDataset.")
     x, y, weights = _join(batches, what, "the generator", "")
-    if y is None:
-        raise NbdistError("the training data x is a generator whose batches hold no labels; yield (x, y) "
-                          "batches to train on it.")
-    log.info("read the generator into %d batches of %d rows", len(batches), rows[0])
-    return fit.replace(x=x, y=y, sample_weight=weights, batch_size=rows[0], shuffle=False)
+    return PipelineRows(x, y, weights, rows[0], False)
 
 
 def reads_once(fit: FitCall) -> bool:
@@ -360,19 +352,23 @@ def fit_from_pipelines(fit: FitCall) -> FitCall:
     x, vd = fit.x, fit.validation_data
     if not reads_once(fit):
         return fit
-    out = read_generator(fit) if is_generator(x) else fit
-    if is_pipeline(x):
-        rows = read_any(x, "the training data x")
+    out = fit
+    if is_pipeline(x) or is_generator(x):
+        kind, whose = ("a generator", "generator's") if is_generator(x) else ("an input pipeline", "pipeline's")
+        # A pipeline's own refusals come first; a generator is drawn from only once nothing else refuses.
+        rows = None if is_generator(x) else read_any(x, "the training data x")
         for name in ("y", "sample_weight"):
             if getattr(fit, name) is not None:
-                raise NbdistError(f"model.fit got an input pipeline as x and {name} too; drop {name}: the "
-                                  "pipeline's batches hold the labels and weights, (x, y) or (x, y, sample_weight).")
+                raise NbdistError(f"model.fit got {kind} as x and {name} too; drop {name}: the {whose} batches "
+                                  "hold the labels and weights, (x, y) or (x, y, sample_weight).")
+        if rows is None:
+            rows = read_generator(fit)
         if rows.y is None:
-            raise NbdistError("the training data x is an input pipeline whose batches hold no labels; yield "
-                              "(x, y) batches to train on it.")
+            raise NbdistError(f"the training data x is {kind} whose batches hold no labels; yield (x, y) batches "
+                              "to train on it.")
         out = out.replace(x=rows.x, y=rows.y, sample_weight=rows.sample_weight, batch_size=rows.batch_size,
                           shuffle=rows.shuffled)
-        log.info("read the input pipeline into %d rows, batch %d, %s", len(leaves(rows.x)[0]), rows.batch_size,
+        log.info("read %s into %d rows, batch %d, %s", kind, len(leaves(rows.x)[0]), rows.batch_size,
                  "shuffled each epoch" if rows.shuffled else "in order")
     if is_pipeline(vd):
         val = read_any(vd, "validation_data")
