@@ -52,6 +52,7 @@ class GlobalMaskNormaliser:
         self.tracing = False  # set while this job's train step is traced (or run eagerly)
         self._calls = 0
         self._last: Any = None  # the previous sum in this trace: the sums run in the same order everywhere
+        self._torch_weight: Any = None  # torch: ``_eager_weight`` kept out of torch.compile, made once
 
     def install(self, model: Any) -> None:
         global _active
@@ -84,10 +85,11 @@ class GlobalMaskNormaliser:
             return self._tensorflow_weight(mask, dtype)
         if backend == "jax":
             return self._jax_weight(mask, dtype)
-        import torch
+        if self._torch_weight is None:  # eagerly under jit_compile=True too (a graph break): it cannot be traced
+            import torch
 
-        # eagerly under jit_compile=True too (a graph break): torch.compile cannot trace the counts' sum
-        return torch.compiler.disable(self._eager_weight)(mask, dtype)
+            self._torch_weight = torch.compiler.disable(self._eager_weight)
+        return self._torch_weight(mask, dtype)
 
     def _tensorflow_weight(self, mask: Any, dtype: Any) -> Any:
         import tensorflow as tf
