@@ -79,9 +79,8 @@ ENTRIES = {"nbdist.train": _train_api, "--data": _magic_data, "model.fit": _cell
 READ_BY_FIT = {("generator", "nbdist.train"), ("generator", "model.fit")}
 
 
-@pytest.mark.parametrize("entry, kind", [(ENTRIES[e], k) for k in sorted(STREAMS) for e in ENTRIES
-                                         if (k, e) not in READ_BY_FIT],
-                         ids=[f"{k}-{e}" for k in sorted(STREAMS) for e in ENTRIES if (k, e) not in READ_BY_FIT])
+@pytest.mark.parametrize("entry, kind", [pytest.param(ENTRIES[e], k, id=f"{k}-{e}") for k in sorted(STREAMS)
+                                         for e in ENTRIES if (k, e) not in READ_BY_FIT])
 def test_a_stream_is_one_sentence_at_every_entry_point(ip, entry, kind):
     make, words, also = STREAMS[kind]
     ip.user_ns["keras"] = keras
