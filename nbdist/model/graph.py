@@ -168,6 +168,25 @@ def _torch_parameter(variable: Any) -> Any:
     return value if torch is not None and isinstance(value, torch.nn.Parameter) else None
 
 
+def _made_functional(cls: type) -> bool:
+    """Whether ``cls`` is a Model subclass that Keras made functional: one whose ``__init__`` passed inputs and
+    outputs swaps its base ``Model`` for ``Functional`` (keras' ``inject_functional_model_class``)."""
+    from keras.src.models.functional import Functional
+
+    return issubclass(cls, Functional) and cls is not Functional
+
+
+def _new_functional(cls: type) -> Any:
+    """An empty instance of ``cls`` made functional here as in the sender: a class imported by name has its base
+    swapped only in a process that constructed one."""
+    from keras.src.models.functional import Functional
+    from keras.src.models.model import inject_functional_model_class
+
+    if not issubclass(cls, Functional):
+        inject_functional_model_class(cls)
+    return cls.__new__(cls)
+
+
 def _set_dict(obj: Any, state: dict[str, Any]) -> None:
     obj.__dict__.update(state)
 
@@ -369,7 +388,8 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
             if isinstance(obj, optimizer):
                 state = {k: _by_variable(v, self.var_keys) for k, v in state.items()}
                 return copyreg.__newobj__, (kind,), state, None, None, _set_optimizer
-            return copyreg.__newobj__, (kind,), without_torch_params(state), None, None, _set_dict
+            made = (_new_functional, (kind,)) if _made_functional(kind) else (copyreg.__newobj__, (kind,))
+            return *made, without_torch_params(state), None, None, _set_dict
         if isinstance(obj, tracking.Tracker):
             return copyreg.__newobj__, (kind,), dict(vars(obj)), None, None, _set_tracker
         if isinstance(obj, (tracking.TrackedList, tracking.TrackedDict, tracking.TrackedSet)):

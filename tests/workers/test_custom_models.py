@@ -229,3 +229,32 @@ def assert_same_fit(got: dict, expected: dict, model, expected_model) -> None:
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
     for a, b in zip(model.get_weights(), expected_model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class ImportedFunctional(keras.Model):
+    """A subclass that builds itself as a functional model (``super().__init__(inputs, outputs)``), defined at a
+    module's top level as a user's own package would define it: it travels by name, and Keras makes it
+    functional (swaps its base class) only in a process that has constructed one."""
+
+    def __init__(self, **kwargs):
+        inputs = keras.Input((64,))
+        hidden = keras.layers.Dense(32, activation="relu", kernel_initializer=keras.initializers.GlorotUniform(7))
+        outputs = keras.layers.Dense(10, activation="softmax",
+                                     kernel_initializer=keras.initializers.GlorotUniform(8))(hidden(inputs))
+        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        self.hidden_layer = hidden  # an attribute besides the graph, as Keras' own saving test has
+
+
+def test_an_imported_subclassed_functional_model_trains_as_locally(digits):
+    """Keras' saving test's ``SubclassFunctional``: on a worker that had never made one, the class was still a
+    plain Model subclass, and its first step raised "does not have a call() method"."""
+    x, y = digits
+    local, dist = ImportedFunctional(), ImportedFunctional()
+    for model in (local, dist):
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    dist.set_weights(local.get_weights())
+    for idx in global_batches(len(x), 2, 16):
+        local.train_on_batch(x[idx], y[idx])
+    nbdist.train(dist, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
+                 lr_scaling="none")
+    assert relative_error(dist.get_weights(), local.get_weights()) < 1e-5
