@@ -27,6 +27,12 @@ from .tensors import empty_tensor, tensor_as_array, tensor_from_array, tensor_la
 
 # Compiled step functions: bound to this process's graphs; Keras makes them again when None.
 _DROPPED = frozenset({"train_function", "test_function", "predict_function"})
+# TensorFlow's checkpoint bookkeeping on its trackable objects (a Keras object on that backend is one), made again
+# on demand. Any other attribute named ``_self_...`` is the object's own (keras_hub's ``_self_attention_layer``).
+_TF_BOOKKEEPING = frozenset({
+    "_self_setattr_tracking", "_self_unconditional_checkpoint_dependencies", "_self_unconditional_dependency_names",
+    "_self_unconditional_deferred_dependencies", "_self_update_uid", "_self_name_based_restores",
+    "_self_saveable_object_factories"})
 # A layer's losses added by its last call (an activity regularizer's): Keras clears them at the next call.
 _CALL_LOSSES = frozenset({"_losses", "_loss_ids"})
 
@@ -60,7 +66,7 @@ def optimizers_of(model: Any) -> list[Any]:
             return
         if isinstance(obj, saveable):
             for key, value in vars(obj).items():
-                if not key.startswith("_self_") and key not in _DROPPED:
+                if key not in _TF_BOOKKEEPING and key not in _DROPPED:
                     visit(value, depth + 1)
         elif isinstance(obj, (list, tuple)):
             for value in obj:
@@ -369,7 +375,7 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
         variable, saveable, tracking, optimizer = self.classes
         kind = type(obj)
         if isinstance(obj, variable):
-            meta = {k: v for k, v in vars(obj).items() if k != "_value" and not k.startswith("_self_")}
+            meta = {k: v for k, v in vars(obj).items() if k != "_value" and k not in _TF_BOOKKEEPING}
             if meta.get("_layout") is not None:  # a keras.distribution's placement on this process's devices
                 meta["_layout"] = None
             parameter = _torch_parameter(obj)
@@ -378,8 +384,7 @@ class _GraphPickler(_cloudpickler()):  # type: ignore[misc]
             value = np.asarray(obj.numpy())
             return _new_variable, (kind, meta, (value.shape, value.dtype.str) if id(obj) in self.apart else value)
         if isinstance(obj, saveable):
-            # TensorFlow's checkpoint bookkeeping (_self_*) is made again on demand.
-            state = {k: (None if k in _DROPPED else v) for k, v in vars(obj).items() if not k.startswith("_self_")}
+            state = {k: (None if k in _DROPPED else v) for k, v in vars(obj).items() if k not in _TF_BOOKKEEPING}
             for key, value in state.items():
                 if _is_tf_resource(value):  # restored from the layer's assets (save_assets)
                     state[key] = None
@@ -440,7 +445,7 @@ def unpicklable_part(model: Any) -> str | None:
         seen.add(id(obj))
         leaves = []
         for key, value in vars(obj).items():
-            if key.startswith("_self_") or key in _DROPPED or isinstance(value, tracking.Tracker):
+            if key in _TF_BOOKKEEPING or key in _DROPPED or isinstance(value, tracking.Tracker):
                 continue
             items = list(value.values()) if isinstance(value, dict) else value
             items = list(items) if isinstance(items, (list, tuple)) else [value]
