@@ -22,6 +22,7 @@ from ..data.inputs import batch_rows
 from ..wire.commands import AsyncShared, Decision
 from ..wire.messages import JobMessage
 from ..wire.reports import AsyncPull, AsyncPush, Epoch, Progress
+from .runtime import keras_own
 
 log = logging.getLogger("nbdist.worker")
 
@@ -85,7 +86,7 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
                 batch = read.result(timeout=timeout)
                 reading += time.perf_counter() - t0
                 x, y, w = (*batch, None, None)[:3]
-                logs = model.train_on_batch(x, y, sample_weight=w, return_dict=True)
+                logs = keras_own(model, "train_on_batch")(x, y, sample_weight=w, return_dict=True)
                 rows += batch_rows(batch)
             samples += rows
             delta = [now - before for now, before in zip(_read(variables), base)]
@@ -142,6 +143,6 @@ def _validate(model: Any, job: JobMessage, rows: int) -> dict[str, Any]:
             return a[part]
 
         w = None if job.sample_weight_val is None else keras.tree.map_structure(cut, job.sample_weight_val)
-        logs = model.test_on_batch(keras.tree.map_structure(cut, job.x_val), keras.tree.map_structure(cut, job.y_val),
-                                   sample_weight=w, return_dict=True)
+        x_val, y_val = keras.tree.map_structure(cut, job.x_val), keras.tree.map_structure(cut, job.y_val)
+        logs = keras_own(model, "test_on_batch")(x_val, y_val, sample_weight=w, return_dict=True)
     return {f"val_{k}": v for k, v in logs.items()}

@@ -24,6 +24,7 @@ from ..wire.commands import Decision
 from ..wire.messages import JobMessage
 from .callback_list import WorkerCallbacks
 from .callbacks import notebook_callbacks
+from .runtime import keras_own
 from .validation import KeepValidationIterator, reads_whole_passes
 
 log = logging.getLogger("nbdist.worker")
@@ -247,7 +248,7 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
                                 job.train.batch_summaries if job.rank == 0 else None)
     listed = WorkerCallbacks(callbacks + extra, model, int(job.train.epochs), inputs.get("steps_per_epoch"))
     try:
-        model.fit(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=listed,
+        keras_own(model, "fit")(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=listed,
                   initial_epoch=int(job.train.initial_epoch), validation_freq=int(job.train.validation_freq))
     finally:
         if feed is not None:

@@ -258,3 +258,61 @@ def test_an_imported_subclassed_functional_model_trains_as_locally(digits):
     nbdist.train(dist, x, y, epochs=1, batch_size=16, workers=2, strategy="allreduce", shuffle=False,
                  lr_scaling="none")
     assert relative_error(dist.get_weights(), local.get_weights()) < 1e-5
+
+
+PIPELINE_CELL = """
+history = model.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0, validation_data=(Xv, yv))
+"""
+
+
+def pipeline_model():
+    """A model whose class preprocesses in its own fit, evaluate and predict, as keras_hub's models do: the arrays
+    become a tf.data pipeline with the preprocessing mapped over it (here, scaling to [0, 1]), then Keras' own
+    method runs on that pipeline (keras_hub's ``PipelineModel``)."""
+    import tensorflow as tf
+
+    def pipeline(x, y=None, batch_size=None):
+        data = x if isinstance(x, tf.data.Dataset) else tf.data.Dataset.from_tensor_slices(
+            x if y is None else (x, y)).batch(batch_size or 32)
+        return data.map(lambda *d: (d[0] / 16.0, *d[1:]))
+
+    class Preprocessing(keras.Sequential):
+        def fit(self, x=None, y=None, batch_size=None, validation_data=None, **kwargs):
+            if validation_data is not None:
+                validation_data = pipeline(*((validation_data,) if isinstance(validation_data, tf.data.Dataset)
+                                             else validation_data), batch_size=batch_size)
+            return super().fit(pipeline(x, y, batch_size), validation_data=validation_data, **kwargs)
+
+        def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
+            if kwargs.get("_use_cached_eval_dataset"):  # fit's validation: its pipeline was made by fit
+                return super().evaluate(x, y, batch_size=batch_size, **kwargs)
+            return super().evaluate(pipeline(x, y, batch_size), **kwargs)
+
+        def predict(self, x=None, batch_size=None, **kwargs):
+            return super().predict(pipeline(x, batch_size=batch_size), **kwargs)
+
+    glorot = keras.initializers.GlorotUniform
+    model = Preprocessing([keras.Input((64,)), keras.layers.Dense(16, activation="relu", kernel_initializer=glorot(4)),
+                           keras.layers.Dense(10, activation="softmax", kernel_initializer=glorot(5))])
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_a_model_that_preprocesses_in_its_own_fit_trains_and_evaluates_as_locally(ip):
+    """keras_hub's models preprocess in their class's fit, evaluate and predict, then call Keras' own. The
+    notebook runs the class's fit around the one nbdist intercepts; the workers ran it again, on nbdist's
+    batches: preprocessed twice on TensorFlow, and on JAX and torch refused by tf.data ("Attempt to convert a
+    value (<generator ...>)")."""
+    x, y, xv, yv = (ip.user_ns[k] for k in ("X", "y", "Xv", "yv"))
+    local = pipeline_model()
+    expected = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, validation_data=(xv, yv)).history
+    ip.user_ns["model"] = pipeline_model()
+    ip.run_cell_magic("dist_train", "--workers 2 --strategy allreduce --lr-scaling none --ui none", PIPELINE_CELL)
+    model = ip.user_ns["model"]
+    assert_same_fit(ip.user_ns["history"].history, expected, model, local)
+    np.testing.assert_allclose(ip.user_ns["history"].history["val_loss"], expected["val_loss"], rtol=1e-5)
+    # Evaluated and scored on the workers as the notebook's own calls would (nothing ran them in the notebook):
+    # the class's preprocessing applied there.
+    got = nbdist.evaluate(model, xv, yv, workers=2)
+    np.testing.assert_allclose([got["loss"], got["accuracy"]], local.evaluate(xv, yv, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(nbdist.predict(model, xv, workers=2), local.predict(xv, verbose=0), rtol=1e-5)
