@@ -16,6 +16,7 @@ from ..data.structures import flatten_outputs, has_text, map_struct
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Evaluation, Predictions, Progress
 from .datasets import sample_count, tf_structure, uses_tf_data
+from .runtime import overrides
 
 log = logging.getLogger("nbdist.worker")
 
@@ -26,7 +27,12 @@ def evaluate_shard(model: Any, x: Any, y: Any, batch_size: int, classifier: dict
     takes them: arrays, or lists or dicts of arrays), plus the classifier's additive counts."""
     from ..model.metrics import ClassifierSpec, shard_statistics
 
-    model.evaluate(_unsized_batches(x, y, sample_weight, batch_size), verbose=0)
+    if overrides(model, "evaluate") and not uses_tf_data() and not hasattr(x, "element_spec"):
+        # The class's own evaluate, as the notebook's call would run it: on the arrays (batches known in size on
+        # JAX and torch either way, ``_unsized_batches``).
+        model.evaluate(x, y, sample_weight=sample_weight, batch_size=batch_size, verbose=0)
+    else:
+        model.evaluate(_unsized_batches(x, y, sample_weight, batch_size), verbose=0)
     names = [v.path for v in model.metrics_variables]
     state = [np.asarray(v.numpy()) for v in model.metrics_variables]
     extra: dict[str, Any] = {}

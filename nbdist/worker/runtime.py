@@ -38,6 +38,14 @@ def keras_own(model: Any, method: str) -> Any:
     return getattr(keras.Model, method).__get__(model, type(model))
 
 
+def overrides(model: Any, method: str) -> bool:
+    """Whether ``model``'s class has its own ``method`` (keras_hub's ``evaluate`` preprocesses, and takes arrays
+    or a tf.data pipeline, not a generator of batches)."""
+    import keras
+
+    return getattr(type(model), method) is not getattr(keras.Model, method)
+
+
 JAX_CACHE_BYTES = 512 * 2**20  # JAX evicts the least recently used entries beyond this
 
 

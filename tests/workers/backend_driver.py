@@ -588,7 +588,7 @@ def other_apis() -> dict[str, object]:
     features, labels = load_digits(return_X_y=True)
     x, y = (features[:ROWS] / 16).astype("float32"), labels[:ROWS].astype("int64")
     plain = {"epochs": EPOCHS, "shuffle": False}
-    out: dict[str, object] = {"backend": keras.backend.backend()}
+    out: dict[str, object] = {"backend": keras.backend.backend(), "own_methods": own_methods(features, labels)}
     if BACKEND == "torch":
         local, remote = torch_wrapped(), torch_wrapped()
         expected = local.fit(x, y, batch_size=GLOBAL_BATCH, verbose=0, **plain).history
@@ -651,6 +651,49 @@ def other_apis() -> dict[str, object]:
                                  "weight_gap": weight_gap(shell.user_ns["model"], local["model"]),
                                  "notices": [n for n in notices if "replaced" in n]}
     return out
+
+
+def own_methods(features: np.ndarray, labels: np.ndarray) -> dict[str, object]:
+    """A model whose class preprocesses in its own fit, evaluate and predict before calling Keras' (keras_hub's
+    models do, into a tf.data pipeline; here numpy's scaling, which a batch generator cannot take): the cell's
+    fit under %%dist_train, then nbdist.evaluate and nbdist.predict on raw rows, beside the local calls."""
+    def scaled(data):
+        return data if isinstance(data, tuple) and len(data) == 0 else (data[0] / 16.0, *data[1:])
+
+    class Scaling(keras.Sequential):
+        def fit(self, x=None, y=None, validation_data=None, **kwargs):
+            return super().fit(x / 16.0, y, validation_data=validation_data and scaled(validation_data), **kwargs)
+
+        def evaluate(self, x=None, y=None, **kwargs):
+            if kwargs.get("_use_cached_eval_dataset"):  # fit's validation, made by fit
+                return super().evaluate(x, y, **kwargs)
+            return super().evaluate(x / 16.0, y, **kwargs)
+
+        def predict(self, x=None, **kwargs):
+            return super().predict(x / 16.0, **kwargs)
+
+    def make() -> keras.Model:
+        model = Scaling([keras.Input((64,)), keras.layers.Dense(32, activation="relu", **seeded(0)),
+                         keras.layers.Dense(10, activation="softmax", **seeded(1))])
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+    x, y = features[:ROWS].astype("float32"), labels[:ROWS].astype("int64")
+    xv, yv = features[ROWS:ROWS + 200].astype("float32"), labels[ROWS:ROWS + 200].astype("int64")
+    cell = "history = model.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0, validation_data=(Xv, yv))\n"
+    local = make()
+    expected = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, validation_data=(xv, yv)).history
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbdist")
+    shell.user_ns.update(X=x, y=y, Xv=xv, yv=yv, model=make())
+    shell.run_cell_magic("dist_train", "--workers 2 --strategy allreduce --lr-scaling none --ui none", cell)
+    model = shell.user_ns["model"]
+    got = nbdist.evaluate(model, xv, yv, workers=2)
+    predicted = np.asarray(nbdist.predict(model, xv, workers=2))
+    return {"history": shell.user_ns["history"].history, "expected": expected, "weight_gap": weight_gap(model, local),
+            "evaluate": {"got": [float(got["loss"]), float(got["accuracy"])],
+                         "expected": local.evaluate(xv, yv, verbose=0)},
+            "predict_gap": float(np.abs(predicted - local.predict(xv, verbose=0)).max())}
 
 
 def lazy_loader() -> dict[str, object]:

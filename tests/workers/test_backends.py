@@ -204,9 +204,18 @@ def test_what_users_bring_from_other_apis_trains_as_locally(backend, driven):
     the modules' parameters were not the variables after travel); keras.io's MNIST convnet (on digits) under
     averaging every step with validation_split=0.1 and a short last batch holds the same step to 1e-5.
     JAX: the Keras distribution guide's cell (set_distribution(DataParallel(...))) trains as its local fit,
-    saying in one line that nbdist's workers replace the distribution (it was "cannot pickle 'Device'")."""
+    saying in one line that nbdist's workers replace the distribution (it was "cannot pickle 'Device'"). Both:
+    a model class with its own fit, evaluate and predict."""
     result = driven(backend, "other_apis")
     assert result["backend"] == backend
+    # A model class that preprocesses in its own fit, evaluate and predict (keras_hub's do): the notebook runs
+    # its fit around the one nbdist takes, the workers Keras' own (they ran the class's on nbdist's batches,
+    # which its preprocessing could not take); evaluate and predict run the class's own on the workers.
+    own = result["own_methods"]
+    assert_same_history(own["history"], own["expected"])
+    assert own["weight_gap"] < 1e-5, own["weight_gap"]
+    np.testing.assert_allclose(own["evaluate"]["got"], own["evaluate"]["expected"], rtol=1e-5)
+    assert own["predict_gap"] < 1e-6, own["predict_gap"]
     cases = ("torch_module", "convnet_averaging") if backend == "torch" else ("keras_distribution",)
     for case in cases:
         run = result[case]
