@@ -348,6 +348,10 @@ def check_inference_data(model: Any, data: FitData | PyDatasetData, what: str, n
     if batches and need_labels and len(data.first_row) < 2:
         raise NbdistError(f"the {what} is a PyDataset whose batches hold no labels; return (x, y) or "
                           "(x, y, sample_weight) from its __getitem__ to evaluate on it.")
+    from .model.spec import overrides
+
+    if overrides(model, "evaluate" if need_labels else "predict"):
+        return  # the class's own method runs on the workers and takes the rows as it wants them (keras_hub's resize)
     x = data.first_row[0] if batches else data.x
     expected = input_shape(model)
     if expected is not None and isinstance(x, np.ndarray) and not fits_input(x.shape[1:], expected):

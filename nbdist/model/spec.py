@@ -49,6 +49,24 @@ def _keras_if_loaded() -> Any:
     return sys.modules.get("keras")
 
 
+def keras_own(model: Any, method: str) -> Any:
+    """Keras' own ``fit``, ``train_on_batch`` or ``test_on_batch`` bound to ``model``, past an override in its
+    class: the override (keras_hub's models preprocess there, into a tf.data pipeline) ran in the notebook,
+    around the fit nbdist intercepted, and the worker's batches are what Keras' own fit was given. Evaluation
+    and prediction call the model's own: nothing ran them in the notebook."""
+    import keras
+
+    return getattr(keras.Model, method).__get__(model, type(model))
+
+
+def overrides(model: Any, method: str) -> bool:
+    """Whether ``model``'s class has its own ``method`` (keras_hub's ``evaluate`` preprocesses, and takes arrays
+    or a tf.data pipeline, not a generator of batches)."""
+    import keras
+
+    return getattr(type(model), method) is not getattr(keras.Model, method)
+
+
 def ensure_built(model: Any, x: Any, y: Any, *, width: int | None = None) -> None:
     """Create every weight now, as ``fit``'s first step would: a subclassed model built with
     ``model.build(shape)`` has no weights in its inner layers until it is called, and a model without

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from ..data.inputs import batch_rows
+from ..model.spec import keras_own
 from ..wire.commands import AsyncShared, Decision
 from ..wire.messages import JobMessage
 from ..wire.reports import AsyncPull, AsyncPush, Epoch, Progress
-from .runtime import keras_own
 
 log = logging.getLogger("nbdist.worker")
 

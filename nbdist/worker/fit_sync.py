@@ -19,12 +19,12 @@ import keras
 import numpy as np
 
 from ..machine.keras_backend import OPTIONAL_AT_IMPORT
+from ..model.spec import keras_own
 from ..strategies.backend_grads import synced_state
 from ..wire.commands import Decision
 from ..wire.messages import JobMessage
 from .callback_list import WorkerCallbacks
 from .callbacks import notebook_callbacks
-from .runtime import keras_own
 from .validation import KeepValidationIterator, reads_whole_passes
 
 log = logging.getLogger("nbdist.worker")

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from ..data.structures import flatten_outputs, has_text, map_struct
+from ..model.spec import overrides
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Evaluation, Predictions, Progress
 from .datasets import sample_count, tf_structure, uses_tf_data
-from .runtime import overrides
 
 log = logging.getLogger("nbdist.worker")
 

@@ -1,11 +1,9 @@
-"""What every job needs on a worker, whatever its kind: its message decoded, its thread budget, Keras' own fit
-of the model."""
+"""What every job needs on a worker, whatever its kind: its message decoded, its thread budget."""
 from __future__ import annotations
 
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from ..machine.keras_backend import configured_backend, optional_packages_hidden
 from ..machine.placement import interop_threads
@@ -26,24 +24,6 @@ def import_keras() -> None:
             import tensorflow  # noqa: F401
     if backend == "jax":
         use_jax_compilation_cache()
-
-
-def keras_own(model: Any, method: str) -> Any:
-    """Keras' own ``fit``, ``train_on_batch`` or ``test_on_batch`` bound to ``model``, past an override in its
-    class: the override (keras_hub's models preprocess there, into a tf.data pipeline) ran in the notebook,
-    around the fit nbdist intercepted, and the worker's batches are what Keras' own fit was given. Evaluation
-    and prediction call the model's own: nothing ran them in the notebook."""
-    import keras
-
-    return getattr(keras.Model, method).__get__(model, type(model))
-
-
-def overrides(model: Any, method: str) -> bool:
-    """Whether ``model``'s class has its own ``method`` (keras_hub's ``evaluate`` preprocesses, and takes arrays
-    or a tf.data pipeline, not a generator of batches)."""
-    import keras
-
-    return getattr(type(model), method) is not getattr(keras.Model, method)
 
 
 JAX_CACHE_BYTES = 512 * 2**20  # JAX evicts the least recently used entries beyond this

@@ -261,20 +261,22 @@ def test_an_imported_subclassed_functional_model_trains_as_locally(digits):
 
 
 PIPELINE_CELL = """
-history = model.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0, validation_data=(Xv, yv))
+history = model.fit(X.reshape(-1, 8, 8), y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                    validation_data=(Xv.reshape(-1, 8, 8), yv))
 """
 
 
 def pipeline_model():
     """A model whose class preprocesses in its own fit, evaluate and predict, as keras_hub's models do: the arrays
-    become a tf.data pipeline with the preprocessing mapped over it (here, scaling to [0, 1]), then Keras' own
-    method runs on that pipeline (keras_hub's ``PipelineModel``)."""
+    become a tf.data pipeline with the preprocessing mapped over it (here, 8 x 8 images flattened and scaled to
+    [0, 1], as keras_hub's image converters resize), then Keras' own method runs on that pipeline (keras_hub's
+    ``PipelineModel``)."""
     import tensorflow as tf
 
     def pipeline(x, y=None, batch_size=None):
         data = x if isinstance(x, tf.data.Dataset) else tf.data.Dataset.from_tensor_slices(
             x if y is None else (x, y)).batch(batch_size or 32)
-        return data.map(lambda *d: (d[0] / 16.0, *d[1:]))
+        return data.map(lambda *d: (tf.reshape(d[0], (-1, 64)) / 16.0, *d[1:]))
 
     class Preprocessing(keras.Sequential):
         def fit(self, x=None, y=None, batch_size=None, validation_data=None, **kwargs):
@@ -304,6 +306,7 @@ def test_a_model_that_preprocesses_in_its_own_fit_trains_and_evaluates_as_locall
     batches: preprocessed twice on TensorFlow, and on JAX and torch refused by tf.data ("Attempt to convert a
     value (<generator ...>)")."""
     x, y, xv, yv = (ip.user_ns[k] for k in ("X", "y", "Xv", "yv"))
+    x, xv = x.reshape(-1, 8, 8), xv.reshape(-1, 8, 8)  # the images the class's preprocessing flattens
     local = pipeline_model()
     expected = local.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, validation_data=(xv, yv)).history
     ip.user_ns["model"] = pipeline_model()
@@ -312,7 +315,7 @@ def test_a_model_that_preprocesses_in_its_own_fit_trains_and_evaluates_as_locall
     assert_same_fit(ip.user_ns["history"].history, expected, model, local)
     np.testing.assert_allclose(ip.user_ns["history"].history["val_loss"], expected["val_loss"], rtol=1e-5)
     # Evaluated and scored on the workers as the notebook's own calls would (nothing ran them in the notebook):
-    # the class's preprocessing applied there.
+    # the class's preprocessing applied there, and the rows not refused for their shape before it.
     got = nbdist.evaluate(model, xv, yv, workers=2)
     np.testing.assert_allclose([got["loss"], got["accuracy"]], local.evaluate(xv, yv, verbose=0), rtol=1e-5)
     np.testing.assert_allclose(nbdist.predict(model, xv, workers=2), local.predict(xv, verbose=0), rtol=1e-5)
