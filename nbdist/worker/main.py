@@ -151,6 +151,10 @@ def summarise(exc: BaseException) -> str:
     lines = [ln for ln in user_code_message(str(exc), type(exc).__name__).splitlines() if ln.strip()]
     useful = [ln for ln in lines if not ln[0].isspace() and not ln.startswith(_GENERIC)]
     head = (useful or lines or [""])[0].strip()
+    if head.endswith("Traceback (most recent call last):") and len(useful) > 1:
+        # A callback's error carried in the message (JAX's "CpuCallback error calling callback: Traceback ..."
+        # around nbdist's gradient sum): the line that says why is the inner exception's, the last.
+        head = useful[-1].strip()
     if isinstance(exc, NbdistError) and head:
         return head
     return f"{type(exc).__name__}: {head}" if head else type(exc).__name__

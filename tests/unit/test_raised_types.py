@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import sys
 
+import numpy as np
 import pytest
 
 from nbdist.driver.failures import rebuild
@@ -81,3 +82,19 @@ def test_an_exception_class_the_cell_defined_comes_back_as_itself(monkeypatch):
     assert keras_raised(info.value) == ("__main__:CellsError", "the cell's own")
     err = rebuild("__main__:CellsError", "the cell's own", "Traceback ...", 0)
     assert type(err) is CellsError and str(err) == "the cell's own" and raised_on_worker(err)
+
+
+def test_an_error_inside_a_jax_callback_is_told_by_its_own_line():
+    """JAX wraps what a host callback raised (nbdist's gradient sum runs in one) as "INTERNAL: CpuCallback error
+    calling callback: Traceback (most recent call last):", then the traceback: that head said nothing of why."""
+    jax = pytest.importorskip("jax")
+    from jax.experimental import io_callback
+
+    def stuck(x):
+        raise TimeoutError("worker 0 sent no gradients for 300 s (the collective timeout); it may be stuck")
+
+    step = jax.jit(lambda x: io_callback(stuck, jax.ShapeDtypeStruct((), np.float32), x, ordered=True))
+    with pytest.raises(Exception) as info:
+        step(np.float32(1.0)).block_until_ready()
+    assert summarise(info.value) == (f"{type(info.value).__name__}: TimeoutError: worker 0 sent no gradients for "
+                                     "300 s (the collective timeout); it may be stuck")
