@@ -249,7 +249,8 @@ def fit_and_report(link: Any, job: JobMessage, model: Any, collective: Any, inpu
     listed = WorkerCallbacks(callbacks + extra, model, int(job.train.epochs), inputs.get("steps_per_epoch"))
     try:
         keras_own(model, "fit")(**inputs, epochs=int(job.train.epochs), verbose=0, callbacks=listed,
-                  initial_epoch=int(job.train.initial_epoch), validation_freq=int(job.train.validation_freq))
+                                initial_epoch=int(job.train.initial_epoch),
+                                validation_freq=int(job.train.validation_freq))
     finally:
         if feed is not None:
             feed.close()
