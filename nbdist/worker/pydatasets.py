@@ -24,6 +24,7 @@ import numpy as np
 from ..data.inputs import PyDatasetData, batch_rows, standardize_batch
 from ..data.sharding import epoch_order, share_count, share_indices
 from ..strategies.allreduce_hook import AllreduceCallback
+from ..strategies.averaging import synced_state
 from ..wire.messages import JobMessage
 from .datasets import tf_structure, uses_tf_data
 from .readahead import put_until_stopped
@@ -322,6 +323,8 @@ class ShareAllreduceCallback(AllreduceCallback):
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if batch != self.reader.count - 1:
             return
+        if self.steps_per_epoch > self.reader.count or self.non_trainable is not None:
+            synced_state(self.model)  # JAX: pad steps and the statistics' average act on the variables
         for _ in range(self.reader.count, self.steps_per_epoch):
             self.reducer.pad_step(lambda grads: self._apply(grads, self._trainable), self._total(0))
             self.padded_steps += 1
