@@ -16,6 +16,16 @@ LOST_TASK = ("was lost with its Spark task (its Python process or executor died;
              "stage, so rerun, or pass --max-restarts N to relaunch the run from its last epoch)")
 
 
+# What a worker raises when a peer's end closed their collective's connections (Gloo's words): a symptom, whose
+# cause is that peer's own error.
+PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_symptom(text: str) -> bool:
+    """Whether a worker's error says only that a peer's end broke the collective."""
+    return any(words in text for words in PEER_SYMPTOMS)
+
+
 def describe_exit(code: int, handle: Any = None) -> str:
     """How a worker ended, in words; the out-of-memory killer named when its handle knows it was that."""
     end = getattr(handle, "end", None)

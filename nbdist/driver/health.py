@@ -25,6 +25,7 @@ class HealthChecks:
     _exited: dict[int, float]
     _left: set[int]  # workers an elastic run went on without (driver/membership.py): no more watched
     _silent: dict[int, float]  # workers silent past heartbeat_timeout: for how long
+    _awaiting_cause: bool  # in ``_cause_reported``: a second symptom does not wait again
     _coordinator: Any
     _backend: Any
     _launched_at: float
@@ -50,6 +51,24 @@ class HealthChecks:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+
+    def _cause_reported(self, wait: float = 2.0) -> bool:
+        """After a worker's error that is a peer's symptom (``peer_symptom``): the run's events handled for up to
+        ``wait`` s, so that the peer's own error, sent a moment later, ends the run as its cause; whether one did."""
+        if self._awaiting_cause:
+            return False
+        self._awaiting_cause = True
+        deadline = time.monotonic() + wait
+        try:
+            while self.status not in TERMINAL and time.monotonic() < deadline:
+                try:
+                    event = self._coordinator.events.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self._handle(event)
+        finally:
+            self._awaiting_cause = False
+        return self.status in TERMINAL
 
     def _check_health(self) -> None:
         now = time.monotonic()

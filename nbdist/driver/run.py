@@ -30,7 +30,7 @@ from ..wire import protocol
 from ..wire.messages import JobMessage
 from ..wire.reports import Done, Progress, State, WorkerError, WorkerWarning
 from .coordinator import Coordinator, Event
-from .failures import describe_exit, first_line, last_traceback, rebuild
+from .failures import describe_exit, first_line, last_traceback, peer_symptom, rebuild
 from .health import HealthChecks
 from .interrupts import interrupts_held
 from .resolve import resolve_backend, resolve_world
@@ -72,6 +72,7 @@ class Run(HealthChecks):
         self._exited: dict[int, float] = {}  # rank -> when its process was first seen to exit with 0
         self._left: set[int] = set()  # workers an elastic run went on without (training.py, membership.py)
         self._silent: dict[int, float] = {}  # workers silent past heartbeat_timeout, by rank: for how long
+        self._awaiting_cause = False  # health.py _cause_reported: handling events while a cause may come
         self._failure: BaseException | None = None  # what wait() raises
         self._warned: set[str] = set()
         self._launched_at = 0.0
@@ -440,6 +441,8 @@ class Run(HealthChecks):
                                       f"(then {self._name(rank)} failed: {first_line(text, 80)})",
                            last_traceback(dead.log_tail(400)))
                 return
+            if peer_symptom(f"{msg.message} {msg.exception}") and self._cause_reported():
+                return  # the peer's own error came: the run failed with it
             raised = None
             if msg.raised_type is not None:  # Keras' or the cell's: the notebook raises it as it is
                 raised = rebuild(msg.raised_type, msg.raised_message or "", msg.traceback, rank)

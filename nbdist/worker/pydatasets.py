@@ -117,7 +117,7 @@ class ShareReader:
                 raise TimeoutError(f"the PyDataset's batch {j} of epoch {epoch + 1} was not read within "
                                    f"{self.timeout:.0f} s")
             if (epoch, j) not in self._rows:
-                raise RuntimeError(f"reading the PyDataset failed: {self._error!r}") from self._error
+                raise self._error  # what the dataset raised, as Keras' fit would raise it
             return self._rows[(epoch, j)]
 
     def epoch_rows(self, epoch: int) -> int:

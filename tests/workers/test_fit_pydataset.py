@@ -159,3 +159,32 @@ def test_py_dataset_of_fewer_batches_than_workers_and_refusals(ip, digits):
         ip.run_cell_magic("dist_train", "--workers 2 --ui none", "small.fit(Batches(Xs, ys, 8), batch_size=8)")
     with pytest.raises(UsageError, match="was given a PyDataset and y; drop y"):
         ip.run_cell_magic("dist_train", "--workers 2 --ui none", "small.fit(Batches(Xs, ys, 8), ys)")
+
+
+FAILING_READ_CELL = """
+import keras
+class Files(keras.utils.PyDataset):
+    '''Batch 13 cannot be read (a corrupt image file): worker 1 reads it, while worker 0 waits for the step.'''
+    def __len__(self):
+        return 20
+    def __getitem__(self, i):
+        if i == 13:
+            raise ValueError(f"cannot decode image file {i}.png")
+        return Xf[i * 32:(i + 1) * 32], yf[i * 32:(i + 1) * 32]
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+model.compile("sgd", "sparse_categorical_crossentropy")
+model.fit(Files(), epochs=2, shuffle=False, verbose=0)
+"""
+
+
+def test_a_batch_that_cannot_be_read_raises_its_own_error_not_the_peers_broken_connection(ip, digits):
+    """The worker that reads the bad batch raises the dataset's ValueError; its peer, waiting in the step's
+    collective, fails a moment before with Gloo's "Connection closed by peer". The cell raises the cause, as
+    Keras' fit would raise it, from worker 1."""
+    from nbdist.errors import raised_on_worker
+
+    ip.user_ns.update(Xf=digits[0][:640], yf=digits[1][:640])
+    result = ip.run_cell("%%dist_train --workers 2 --ui none\n" + FAILING_READ_CELL)
+    error = result.error_in_exec
+    assert type(error) is ValueError and raised_on_worker(error), repr(error)
+    assert str(error) == "cannot decode image file 13.png" and error.rank == 1
