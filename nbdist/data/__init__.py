@@ -8,7 +8,7 @@ inputs.py: ``FitData`` / ``PyDatasetData``, built once at the door.
 structures.py: nested arrays (flatten, unflatten, leaves, conversions; an input's kind: ``to_struct``).
 ragged.py: a RaggedTensor's rows as numpy (gathered, joined).
 files.py: memory-mapped ``.npy`` files and the memory budget.
-sharding.py: which rows and batches each worker takes.
+sharding.py: which rows and batches each worker takes, and a PyDataset's epoch hooks alike on every worker.
 pipelines.py: tf.data / torch DataLoader input read once into arrays.
 torch_loaders.py: a DataLoader over a lazy map-style dataset, split by index over the workers.
 """

@@ -10,8 +10,13 @@ shuffling (``split_validation``); ``class_weight`` becomes per-row sample weight
 """
 from __future__ import annotations
 
+import inspect
+import io
 import logging
 import math
+import operator
+import threading
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -187,6 +192,46 @@ def batch_rows(batch: tuple[Any, ...]) -> int:
     return int(leaves(batch[0])[0].shape[0])  # an array's or a tf.RaggedTensor's rows
 
 
+_LOCKS = {type(threading.Lock()): threading.Lock, type(threading.RLock()): threading.RLock}
+
+
+def dump_dataset(dataset: Any) -> bytes:
+    """A PyDataset cloudpickled (its notebook classes by value), with what belongs to one process made anew on
+    arrival: a lock, and a generator the dataset made by calling one of its methods and never started (Keras'
+    image iterators, ``ImageDataGenerator().flow(...)``, keep both)."""
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if type(obj) in _LOCKS:
+                return _LOCKS[type(obj)], ()
+            if isinstance(obj, types.GeneratorType):
+                remade = _method_call(obj)
+                if remade is not None:
+                    return remade
+            return super().reducer_override(obj)
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=5).dump(dataset)
+    return buf.getvalue()
+
+
+def _method_call(gen: types.GeneratorType) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(methodcaller(name, *args), (owner,))`` for an unstarted generator made by ``owner.name(*args)``, where
+    ``name`` is a method of ``owner``'s class taking positional arguments only; None otherwise."""
+    if inspect.getgeneratorstate(gen) != inspect.GEN_CREATED:
+        return None
+    code, values = gen.gi_code, gen.gi_frame.f_locals
+    names = code.co_varnames[:code.co_argcount]
+    if not names or names[0] != "self" or code.co_kwonlyargcount or code.co_flags & (
+            inspect.CO_VARARGS | inspect.CO_VARKEYWORDS):
+        return None
+    owner = values.get("self")
+    if getattr(getattr(type(owner), gen.__name__, None), "__code__", None) is not code:
+        return None
+    return operator.methodcaller(gen.__name__, *(values[n] for n in names[1:])), (owner,)
+
+
 def make_py_dataset_data(dataset: Any, what: str, class_weight: dict[Any, float] | None = None) -> PyDatasetData:
     """Check a PyDataset here (its length, its first batch, that it can travel): one sentence otherwise."""
     try:
@@ -211,10 +256,8 @@ def make_py_dataset_data(dataset: Any, what: str, class_weight: dict[Any, float]
         table = {int(k): float(v) for k, v in class_weight.items()}
     parts = standardize_batch(first, table)
     rows = batch_rows(parts)
-    import cloudpickle
-
     try:
-        payload = cloudpickle.dumps(dataset)
+        payload = dump_dataset(dataset)
     except Exception as exc:
         raise NbdistError(f"{what}: the PyDataset cannot be sent to the workers ({type(exc).__name__}: {exc}); "
                           "keep arrays, file paths and plain values in it, not open files or connections.") from None

@@ -1,7 +1,12 @@
 """How many workers a run uses and which rows and batches each takes: the run's world (``run_world``),
-shard bounds, every global batch dealt over the workers, a PyDataset's shares."""
+shard bounds, every global batch dealt over the workers, a PyDataset's shares and its epoch hooks."""
 from __future__ import annotations
 
+import contextlib
+import random
+import sys
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -104,6 +109,41 @@ def epoch_order(batches: int, shuffle: bool, seed: int, epoch: int) -> np.ndarra
     if shuffle:
         np.random.default_rng([int(seed), int(epoch)]).shuffle(order)
     return order
+
+
+def epoch_window(batches: int, steps: int | None, first_pass: int, first_batch: int,
+                 epoch: int) -> tuple[int, int, int]:
+    """(pass, from, to): the batches of one pass that ``epoch`` reads, counted from the fit's first epoch. Without
+    ``steps`` a whole pass per epoch (pass = epoch); with fit's ``steps_per_epoch`` that many where the last epoch
+    stopped, from batch ``first_batch`` of pass ``first_pass`` on (the driver checked that no epoch crosses a
+    pass's end: ``driver/fit_call.py uniform_epoch_steps``)."""
+    if not steps:
+        return epoch, 0, batches
+    done, start = divmod(first_batch + epoch * steps, batches)
+    return first_pass + done, start, min(start + steps, batches)
+
+
+def epoch_hook(hook: Callable[[], Any], seed: int, epoch: int) -> None:
+    """A PyDataset's ``on_epoch_begin`` or ``on_epoch_end`` called with Python's, numpy's (and torch's, if imported)
+    global generators seeded by (``seed``, ``epoch``, the hook's name), then given back their state. Every worker
+    holds its own copy of the dataset: a hook that shuffles with them (``np.random.shuffle(self.indexes)``, Keras'
+    image iterators) orders the rows alike on every worker, so the shares stay disjoint as in the notebook's one
+    copy; the workers' own draws (augmentation, dropout) are untouched."""
+    name = zlib.crc32(getattr(hook, "__name__", "").encode())
+    keys = np.random.SeedSequence([int(seed) % 2**64, int(epoch) % 2**64, name]).generate_state(3)
+    python, numpy = random.getstate(), np.random.get_state()
+    torch = sys.modules.get("torch")
+    try:
+        with contextlib.ExitStack() as stack:
+            random.seed(int(keys[0]))
+            np.random.seed(int(keys[1]))
+            if torch is not None:
+                stack.enter_context(torch.random.fork_rng(devices=[]))
+                torch.manual_seed(int(keys[2]))
+            hook()
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 def share_indices(order: np.ndarray, rank: int, world: int) -> np.ndarray:

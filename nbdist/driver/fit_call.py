@@ -67,11 +67,18 @@ class FitRun:
         return uniform_epoch_steps(self.rows, self.batch(world, per_worker_batch), self.steps_per_epoch,
                                    self.epochs - self.initial_epoch)
 
-    def validation_rows(self, rows: int, world: int, per_worker_batch: int) -> int:
-        """The validation rows Keras reads under ``validation_steps``: its first batches, every time."""
+    def py_dataset_steps(self, batches: int) -> int | None:
+        """A PyDataset's batches read per epoch under ``steps_per_epoch`` (None: an epoch is one pass)."""
+        return uniform_epoch_steps(batches, 1, self.steps_per_epoch, self.epochs - self.initial_epoch,
+                                   f"the PyDataset's {batches} batches")
+
+    def validation_rows(self, rows: int, world: int, per_worker_batch: int | None) -> int:
+        """The validation rows Keras reads under ``validation_steps``: its first batches, every time, of
+        ``validation_batch_size`` rows, else the fit's batch (None: a PyDataset's fit, whose Keras default is 32)."""
         if self.validation_steps is None:
             return rows
-        return min(rows, self.validation_steps * (self.validation_batch or self.batch(world, per_worker_batch)))
+        batch = KERAS_DEFAULT_BATCH if per_worker_batch is None else self.batch(world, per_worker_batch)
+        return min(rows, self.validation_steps * (self.validation_batch or batch))
 
     def data_start(self, start_epoch: int, first_epoch: int, steps: int | None, batches: int) -> tuple[int, int]:
         """(pass, batch) where epoch ``start_epoch`` starts reading, for a fit whose data started at
@@ -98,22 +105,23 @@ def keras_epoch_steps(batches: int, steps_per_epoch: int | None, epochs: int) ->
     return out
 
 
-def uniform_epoch_steps(rows: int, batch: int, steps_per_epoch: int | None, epochs: int) -> int | None:
+def uniform_epoch_steps(rows: int, batch: int, steps_per_epoch: int | None, epochs: int,
+                        batches_are: str | None = None) -> int | None:
     """``steps_per_epoch`` as the workers run it: None for whole passes, else every epoch's step count.
 
     nbdist runs every epoch with the same steps and batch sizes on every worker, so Keras' epochs must
-    all be alike: one sentence otherwise."""
+    all be alike: one sentence otherwise (``batches_are``: how it names the data's batches)."""
     batches = -(-rows // batch)
     steps = keras_epoch_steps(batches, steps_per_epoch, epochs)
     if all(s == batches for s in steps):
         return None  # every epoch one pass: as without steps_per_epoch
     if len(set(steps)) > 1:
         shown = ", ".join(map(str, steps[:6])) + (", ..." if len(steps) > 6 else "")
-        raise NbdistError(f"steps_per_epoch={steps_per_epoch} does not divide the {batches} batches of "
-                          f"batch_size {batch} in the data, so Keras would cut some of these epochs short where "
-                          f"the data ends (steps per epoch: {shown}), which nbdist cannot keep in step over the "
-                          f"workers; use a steps_per_epoch that divides {batches}, or run at most "
-                          f"{batches // steps_per_epoch} epoch(s) in this call.")
+        named = batches_are or f"the {batches} batches of batch_size {batch} in the data"
+        raise NbdistError(f"steps_per_epoch={steps_per_epoch} does not divide {named}, so Keras would cut some of "
+                          f"these epochs short where the data ends (steps per epoch: {shown}), which nbdist cannot "
+                          f"keep in step over the workers; use a steps_per_epoch that divides {batches}, or run at "
+                          f"most {batches // steps_per_epoch} epoch(s) in this call.")
     short = rows % batch
     if short and sum(steps) >= batches:
         raise NbdistError(f"with steps_per_epoch={steps_per_epoch} some epoch ends with the short last batch "
@@ -144,17 +152,10 @@ def check_fit_arguments(fit: FitCall) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise NbdistError(f"{name} must be a whole number of at least 1 (or None), got {value!r}.")
-        streamed = is_py_dataset(fit.x) or is_py_dataset(fit.validation_data)
-        if name != "validation_batch_size" and streamed:
-            raise NbdistError(f"{name} is not supported with a PyDataset yet (each worker reads its share of "
-                              f"the PyDataset's batches every epoch); drop {name}, or make the PyDataset shorter.")
     freq = fit.validation_freq
     if isinstance(freq, bool) or not isinstance(freq, (int, np.integer)) or freq < 1:
         raise NbdistError(f"validation_freq must be a whole number of epochs of at least 1, got {freq!r} (Keras 3 "
                           "takes an integer: validate every that many epochs).")
-    if freq != 1 and (is_py_dataset(fit.x) or is_py_dataset(fit.validation_data)):
-        raise NbdistError("validation_freq other than 1 is not supported with a PyDataset yet (its reader reads "
-                          "every epoch's validation share); drop it to validate every epoch.")
     if fit.class_weight is not None and fit.sample_weight is not None:
         raise NbdistError("class_weight and sample_weight cannot be used together (as in Keras); fold the class "
                           "weights into sample_weight.")

@@ -9,6 +9,7 @@ callbacks run here on merged logs.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -127,8 +128,9 @@ class TrainingJob(Run):
     def _world_limits(self) -> dict[str, int]:
         """A fit's world: no more workers than rows in its global batch (each step is split into one part per
         worker) and in its data (each worker its rows), or than a PyDataset's batches (each worker whole ones)."""
-        if isinstance(self.data, PyDatasetData):
-            return {"batches": self.data.batches}
+        if isinstance(self.data, PyDatasetData):  # under steps_per_epoch, an epoch's batches
+            steps = self.fit.py_dataset_steps(self.data.batches) if self.fit is not None else None
+            return {"batches": steps or self.data.batches}
         limits = super()._world_limits()
         if self.fit is not None and self.fit.global_batch is not None and isinstance(self.data, FitData):
             limits["batch"] = self.fit.global_batch
@@ -154,12 +156,19 @@ class TrainingJob(Run):
         return [(0, len(rows)) for rows in self._rows]
 
     def _plan_py_dataset(self, world: int) -> list[tuple[int, int]]:
-        """Every worker reads whole batches of the PyDataset, strided (data.share_indices). Its rows per
-        batch are only known as they are read: batch 0's count stands in for progress until then."""
+        """Every worker reads whole batches of the PyDataset, strided (data.share_indices), an epoch's part of a
+        pass under fit's ``steps_per_epoch``. Its rows per batch are only known as they are read: batch 0's count
+        stands in for progress until then."""
         data: PyDatasetData = self.data
         self._initial_epoch = self.fit.initial_epoch
         self._rank_batches = [data.first_rows] * world
-        return [(0, share_count(data.batches, r, world) * data.first_rows) for r in range(world)]
+        self._epoch_steps = self.fit.py_dataset_steps(data.batches)
+        if self._epoch_steps is not None and self.config.strategy == "async":
+            raise NbdistError(f"--strategy async deals whole passes over the PyDataset's batches, but "
+                              f"steps_per_epoch={self.fit.steps_per_epoch} makes an epoch part of one; drop "
+                              "steps_per_epoch, or use --strategy allreduce.")
+        per_epoch = self._epoch_steps or data.batches
+        return [(0, share_count(per_epoch, r, world) * data.first_rows) for r in range(world)]
 
     def _batch_sizes(self) -> list[int]:
         return self._rank_batches
@@ -216,9 +225,13 @@ class TrainingJob(Run):
         if cfg.strategy == "async":
             self._async = start_async(self, cfg, world)
         if self.fit is not None and isinstance(self.validation_data, FitData):  # validation_steps: its first rows
-            keep = self.fit.validation_rows(len(self.validation_data), world, cfg.batch_size)
+            per_worker = None if isinstance(self.data, PyDatasetData) else cfg.batch_size
+            keep = self.fit.validation_rows(len(self.validation_data), world, per_worker)
             if keep < len(self.validation_data):
                 self.validation_data = self.validation_data.slice(0, keep)
+        steps = self.fit.validation_steps if self.fit is not None else None
+        if isinstance(self.validation_data, PyDatasetData) and steps and steps < self.validation_data.batches:
+            self.validation_data = dataclasses.replace(self.validation_data, batches=int(steps))  # its first batches
         self._val_shards = (shard_bounds(len(self.validation_data), world)
                             if isinstance(self.validation_data, FitData) else None)
         if isinstance(self.data, PyDatasetData) or isinstance(self.validation_data, PyDatasetData):
@@ -323,7 +336,8 @@ class TrainingJob(Run):
         """steps_per_epoch: where the workers' data starts, as the uninterrupted fit would read it there."""
         if self._epoch_steps is None:
             return {}
-        batches = -(-len(self.data) // sum(self._rank_batches))
+        batches = self.data.batches if isinstance(self.data, PyDatasetData) else \
+            -(-len(self.data) // sum(self._rank_batches))
         first_pass, first_batch = self.fit.data_start(self._initial_epoch, self._data_epoch, self._epoch_steps,
                                                       batches)
         return {"steps_per_epoch": self._epoch_steps, "first_pass": first_pass, "first_batch": first_batch}

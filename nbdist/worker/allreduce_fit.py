@@ -52,7 +52,7 @@ def fit_allreduce(link: Any, job: JobMessage, model: Any, collective: Any,
     reader = feed.train if feed else None
     shares: list[int] = []
     if reader is not None:  # rows known as read: each step's total is summed just before it
-        totals, steps = None, share_count(reader.data.batches, 0, collective.world_size)
+        totals, steps = None, share_count(reader.epoch_batches, 0, collective.world_size)
     else:
         # Every step's total samples, known up front: the gradients are scaled by n / total as they
         # are copied into the bucket. len(totals) is the steps every worker runs per epoch.

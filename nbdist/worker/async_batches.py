@@ -15,23 +15,25 @@ import numpy as np
 
 from ..data.inputs import standardize_batch
 from ..data.ragged import is_ragged
-from ..data.sharding import epoch_order
+from ..data.sharding import epoch_hook, epoch_order
 from ..data.structures import leaves, map_struct
 from ..wire.messages import JobMessage
 
 
 class PyDatasetBatches:
-    def __init__(self, dataset: Any, class_weight: dict[int, float] | None) -> None:
-        self.dataset, self.class_weight = dataset, class_weight
+    def __init__(self, dataset: Any, class_weight: dict[int, float] | None, seed: int) -> None:
+        self.dataset, self.class_weight, self.seed = dataset, class_weight, seed
+        self._epoch = 0
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def on_epoch_begin(self, epoch: int) -> None:
-        self.dataset.on_epoch_begin()
+        self._epoch = epoch
+        epoch_hook(self.dataset.on_epoch_begin, self.seed, epoch)  # batch i alike on every worker
 
     def on_epoch_end(self) -> None:
-        self.dataset.on_epoch_end()
+        epoch_hook(self.dataset.on_epoch_end, self.seed, self._epoch)
 
     def batch(self, i: int) -> tuple[Any, ...]:
         return standardize_batch(self.dataset[i], self.class_weight)
@@ -83,7 +85,7 @@ def job_batches(job: JobMessage) -> PyDatasetBatches | ArrayBatches:
         import cloudpickle  # the job came over the authenticated channel
 
         source = cloudpickle.loads(job.py_datasets)["train"]
-        return PyDatasetBatches(cloudpickle.loads(source.payload), source.class_weight)
+        return PyDatasetBatches(cloudpickle.loads(source.payload), source.class_weight, int(job.train.seed or 0))
     from .datasets import rank_batch_size
 
     x = file_array(job.data_file) if job.data_source == "file" else job.x

@@ -22,7 +22,7 @@ import keras
 import numpy as np
 
 from ..data.inputs import PyDatasetData, batch_rows, standardize_batch
-from ..data.sharding import epoch_order, share_count, share_indices
+from ..data.sharding import epoch_hook, epoch_order, epoch_window, share_count, share_indices
 from ..strategies.allreduce_hook import AllreduceCallback
 from ..strategies.averaging import synced_state
 from ..wire.messages import JobMessage
@@ -53,10 +53,13 @@ class ShareReader:
     """Reads this worker's share of the training batches epoch after epoch, ahead of training, in a thread."""
 
     def __init__(self, data: PyDatasetData, dataset: Any, rank: int, world: int, shuffle: bool, seed: int,
-                 first_epoch: int, timeout: float = 600.0) -> None:
+                 first_epoch: int, timeout: float = 600.0, window: tuple[int | None, int, int] = (None, 0, 0)) -> None:
+        """``window``: fit's (steps_per_epoch, first pass, first batch), as the driver set them (``epoch_window``)."""
         self.data, self.dataset = data, dataset
         self.rank, self.world, self.shuffle, self.seed = rank, world, shuffle, seed
-        self.count = share_count(data.batches, rank, world)
+        self.window = window
+        self.epoch_batches = window[0] or data.batches  # the batches all workers read in an epoch
+        self.count = share_count(self.epoch_batches, rank, world)
         self.first_epoch = first_epoch
         self.timeout = timeout
         self.epoch = first_epoch  # the epoch training is in (set by ShareEpochCallback)
@@ -65,7 +68,7 @@ class ShareReader:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=AHEAD)
         self._error: BaseException | None = None
         self._stop = threading.Event()
-        self.dataset.on_epoch_begin()
+        epoch_hook(self.dataset.on_epoch_begin, seed, first_epoch)
         indices = self.indices(first_epoch)
         self._peeked = [self._read(first_epoch, j, i) for j, i in enumerate(indices[:PEEK])]
         self.signature = signature(self._peeked) if uses_tf_data() else None
@@ -73,7 +76,13 @@ class ShareReader:
         self._thread.start()
 
     def indices(self, epoch: int) -> np.ndarray:
-        return share_indices(epoch_order(self.data.batches, self.shuffle, self.seed, epoch), self.rank, self.world)
+        """This worker's batch indices of ``epoch``: its share of the epoch's part of a pass, the pass's order
+        shuffled by (seed, pass) when ``shuffle``."""
+        steps, first_pass, first_batch = self.window
+        at, a, b = epoch_window(self.data.batches, steps, first_pass, first_batch, epoch - self.first_epoch)
+        if not steps:
+            at = epoch
+        return share_indices(epoch_order(self.data.batches, self.shuffle, self.seed, at)[a:b], self.rank, self.world)
 
     def _read(self, epoch: int, j: int, index: int) -> Any:
         batch = tf_structure(standardize_batch(self.dataset[int(index)], self.data.class_weight))
@@ -93,9 +102,9 @@ class ShareReader:
                     batch = self._peeked.pop(0) if self._peeked else self._read(epoch, j, index)
                     if not self._put(batch):
                         return
-                self.dataset.on_epoch_end()
+                epoch_hook(self.dataset.on_epoch_end, self.seed, epoch)
                 epoch += 1
-                self.dataset.on_epoch_begin()
+                epoch_hook(self.dataset.on_epoch_begin, self.seed, epoch)
         except BaseException as exc:  # the notebook's __getitem__ raised: training ends with its error
             with self._cond:
                 self._error = exc
@@ -145,21 +154,21 @@ class ValidationShare:
     """This worker's share of a validation PyDataset, in order: one self-contained pass per iterator.
     Evaluation and prediction on a PyDataset (worker/inference.py) read their share through it too."""
 
-    def __init__(self, data: PyDatasetData, dataset: Any, rank: int, world: int) -> None:
-        self.data, self.dataset = data, dataset
+    def __init__(self, data: PyDatasetData, dataset: Any, rank: int, world: int, seed: int = 0) -> None:
+        self.data, self.dataset, self.seed = data, dataset, seed
         self.indices = share_indices(epoch_order(data.batches, False, 0, 0), rank, world)
         self.count = len(self.indices)
         self.last_pass_rows = 0
         self.last_pass_batch_rows: list[int] = []  # rows of each batch of the last pass (prediction's order)
         self._passes = 0
-        self.dataset.on_epoch_begin()
+        epoch_hook(self.dataset.on_epoch_begin, seed, 0)
         self._peeked = [tf_structure(standardize_batch(dataset[int(i)])) for i in self.indices[:PEEK]]
         self.signature = signature(self._peeked) if self._peeked and uses_tf_data() else None
 
     def passes(self) -> Iterator[Any]:
         if self._passes:
-            self.dataset.on_epoch_end()
-            self.dataset.on_epoch_begin()
+            epoch_hook(self.dataset.on_epoch_end, self.seed, self._passes - 1)
+            epoch_hook(self.dataset.on_epoch_begin, self.seed, self._passes)
         self._passes += 1
         peeked, self._peeked = self._peeked, []  # the first pass reuses the batches read for the signature
         rows = 0
@@ -267,7 +276,8 @@ def job_feed(job: JobMessage, batch_size: int) -> Feed | None:
     feed = Feed({}, 0, 0)
     if train_data is not None:
         reader = ShareReader(train_data, cloudpickle.loads(train_data.payload), rank, world, bool(settings.shuffle),
-                             int(spec["order_seed"]), int(settings.initial_epoch), float(settings.sync_timeout))
+                             int(spec["order_seed"]), int(settings.initial_epoch), float(settings.sync_timeout),
+                             (settings.steps_per_epoch, int(settings.first_pass), int(settings.first_batch)))
         feed.train = reader
         feed.samples = sum(reader.rows(reader.first_epoch, j) for j in range(min(PEEK, reader.count)))
         feed.samples += max(0, reader.count - PEEK) * train_data.first_rows
@@ -278,7 +288,7 @@ def job_feed(job: JobMessage, batch_size: int) -> Feed | None:
         feed.samples = sample_count(job.x)
         job.x = job.y = job.sample_weight = None
     if val_data is not None:
-        share = ValidationShare(val_data, cloudpickle.loads(val_data.payload), rank, world)
+        share = ValidationShare(val_data, cloudpickle.loads(val_data.payload), rank, world, int(spec["order_seed"]) + 1)
         if share.count:  # fewer validation batches than workers: this one joins the metric sums with zeros
             feed.validation = share
             feed.inputs["validation_data"] = share.pipeline()

@@ -84,3 +84,56 @@ def test_where_a_relaunch_starts_reading_and_what_validation_reads():
     assert run.validation_rows(200, 2, 32) == 128 and run.validation_rows(100, 2, 32) == 100
     sized = FitRun(DriverCallbacks(None, [], 4), validation_steps=2, validation_batch=10)  # validation_batch_size
     assert sized.validation_rows(200, 2, 32) == 20
+
+
+def keras_own_py_dataset_epochs(batches: int, steps_per_epoch: int, epochs: int) -> list[int]:
+    """The steps Keras' own EpochIterator gives each epoch of a fit on a PyDataset of ``batches`` batches."""
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return batches
+
+        def __getitem__(self, i):
+            return np.full((2, 1), i, "float32"), np.zeros(2, "float32")
+
+    iterator = EpochIterator(Batches(), steps_per_epoch=steps_per_epoch, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [sum(1 for _ in iterator.enumerate_epoch()) for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("batches, steps", [(18, 6), (18, 18), (18, 25), (19, 18), (10, 4)])
+def test_a_py_datasets_epochs_are_keras_own_and_each_reads_its_part_of_a_pass(batches, steps):
+    """Under steps_per_epoch a PyDataset's epochs are Keras' (alike, or refused in one sentence), and epoch after
+    epoch the parts read (``epoch_window``) tile the passes, from where a relaunch starts (``data_start``)."""
+    from nbdist.data.sharding import epoch_window
+    from nbdist.driver.callbacks import DriverCallbacks
+    from nbdist.driver.fit_call import FitRun
+
+    epochs = 5
+    assert keras_epoch_steps(batches, steps, epochs) == keras_own_py_dataset_epochs(batches, steps, epochs)
+    run = FitRun(DriverCallbacks(None, [], epochs), epochs=epochs, steps_per_epoch=steps)
+    if len(set(keras_epoch_steps(batches, steps, epochs))) > 1:
+        with pytest.raises(NbdistError, match=f"does not divide the PyDataset's {batches} batches"):
+            run.py_dataset_steps(batches)
+        return
+    per_epoch = run.py_dataset_steps(batches)
+    windows = [epoch_window(batches, per_epoch, 0, 0, e) for e in range(epochs)]
+    if per_epoch is None:
+        assert steps >= batches and windows == [(e, 0, batches) for e in range(epochs)]
+        return
+    read = [(p, i) for p, a, b in windows for i in range(a, b)]
+    assert read == [divmod(k, batches) for k in range(epochs * per_epoch)]  # pass after pass, nothing skipped
+    for start in range(1, epochs):  # a relaunch at epoch `start` reads what the uninterrupted fit would
+        first_pass, first_batch = run.data_start(start, 0, per_epoch, batches)
+        again = [epoch_window(batches, per_epoch, first_pass, first_batch, e - start) for e in range(start, epochs)]
+        assert again == windows[start:]
+
+
+def test_validation_steps_beside_a_py_dataset_reads_keras_default_batches():
+    from nbdist.driver.callbacks import DriverCallbacks
+    from nbdist.driver.fit_call import FitRun
+
+    run = FitRun(DriverCallbacks(None, [], 2), validation_steps=3)
+    assert run.validation_rows(200, 2, None) == 96  # Keras' evaluate: batches of 32 when fit gave none

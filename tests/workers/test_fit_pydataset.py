@@ -161,6 +161,115 @@ def test_py_dataset_of_fewer_batches_than_workers_and_refusals(ip, digits):
         ip.run_cell_magic("dist_train", "--workers 2 --ui none", "small.fit(Batches(Xs, ys, 8), ys)")
 
 
+SHUFFLED_CELL = """
+import os
+import keras, numpy as np
+class Shuffled(keras.utils.PyDataset):
+    '''The classic Keras Sequence: its rows reshuffled by numpy's global generator at every epoch's end.'''
+    def __init__(self, x, y, batch, log):
+        super().__init__()
+        self.x, self.y, self.batch, self.log = x, y, batch, log
+        self.rows, self.epoch = np.arange(len(x)), 0
+    def __len__(self):
+        return -(-len(self.x) // self.batch)
+    def __getitem__(self, i):
+        ids = self.rows[i * self.batch:(i + 1) * self.batch]
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {self.epoch} {' '.join(map(str, ids))}\\n")
+        return self.x[ids], self.y[ids]
+    def on_epoch_end(self):
+        self.epoch += 1
+        np.random.shuffle(self.rows)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+model.compile("sgd", "sparse_categorical_crossentropy")
+model.fit(Shuffled(Xs, ys, 32, ROW_LOG), epochs=3, verbose=0)
+"""
+
+
+def test_a_py_dataset_that_reshuffles_its_rows_at_each_epoch_end_gives_each_row_once_an_epoch(ip, digits, tmp_path):
+    """Each worker calls its own copy's on_epoch_end, which shuffles with numpy's global generator (a different
+    stream on every worker): nbdist seeds it alike for the call, so in every epoch the workers' batches together
+    hold every row exactly once, as the notebook's one copy would give them."""
+    log = tmp_path / "rows.log"
+    ip.user_ns.update(Xs=digits[0][:320], ys=digits[1][:320], ROW_LOG=str(log))
+    ip.run_cell_magic("dist_train", "--workers 2 --ui none", SHUFFLED_CELL)
+    read: dict[int, list[int]] = defaultdict(list)
+    workers = set()
+    for line in log.read_text().splitlines():
+        pid, epoch, *ids = map(int, line.split())
+        if pid != os.getpid() and epoch < 3:  # the notebook's look at batch 0; the read-ahead of a 4th epoch
+            read[epoch] += ids
+            workers.add(pid)
+    assert len(workers) == 2
+    assert sorted(read) == [0, 1, 2]
+    for epoch, ids in read.items():
+        assert sorted(ids) == list(range(320)), (epoch, len(ids), len(set(ids)))
+
+
+STEPS_CELL = """
+keras.utils.set_random_seed(3)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+hist = model.fit(Batches(Xd, yd, 32, log=TRAIN_LOG), steps_per_epoch=STEPS, epochs=4, verbose=0,
+                 validation_data=Batches(Xt, yt, 40, log=VAL_LOG), validation_steps=2, validation_freq=2)
+"""
+
+
+def test_steps_per_epoch_validation_steps_and_freq_with_py_datasets(ip, digits, tmp_path):
+    """steps_per_epoch=6 over a shuffled PyDataset of 18 batches, 4 epochs: each epoch the workers read 6 batches
+    between them, the first three epochs one whole pass and the fourth the start of the next, as Keras' one
+    iterator reads them; validation_steps=2 reads the validation PyDataset's first 2 batches, at every 2nd epoch
+    (validation_freq). A steps_per_epoch that would make Keras' epochs unalike is one sentence."""
+    from IPython.core.error import UsageError
+
+    ip.run_cell(BATCHES_CELL)
+    train_log, val_log = tmp_path / "train.log", tmp_path / "val.log"
+    ip.user_ns.update(Xd=digits[0][:576], yd=digits[1][:576], Xt=digits[0][600:800], yt=digits[1][600:800],
+                      TRAIN_LOG=str(train_log), VAL_LOG=str(val_log), STEPS=6)
+    ip.run_cell_magic("dist_train", "--workers 2 --ui none --seed 4", STEPS_CELL)
+    history = ip.user_ns["hist"].history
+    assert len(history["loss"]) == 4 and len(history["val_loss"]) == 2
+    train = _shares(str(train_log), 4)
+    assert [sorted(len(v) for v in train[e].values()) for e in range(4)] == [[3, 3]] * 4
+    epochs = [sorted(sum(train[e].values(), [])) for e in range(4)]
+    assert all(len(set(e)) == 6 for e in epochs)
+    assert sorted(sum(epochs[:3], [])) == list(range(18))  # one pass over three epochs
+    assert len({tuple(e) for e in epochs}) == 4
+    val = _shares(str(val_log), 10)  # the validation PyDataset counts its own passes
+    assert [sorted(sum(val[p].values(), [])) for p in sorted(val)] == [[0, 1], [0, 1]]
+
+    ip.user_ns.update(STEPS=5)  # 5, 5, 5, 3: Keras cuts the 4th epoch short
+    with pytest.raises(UsageError, match=r"steps_per_epoch=5 does not divide the PyDataset's 18 batches.*5, 5, 5, 3"):
+        ip.run_cell_magic("dist_train", "--workers 2 --ui none", STEPS_CELL)
+
+
+IMAGE_CELL = """
+from tensorflow.keras.preprocessing.image import ImageDataGenerator
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
+                          keras.layers.Flatten(), keras.layers.Dense(10, activation="softmax")])
+model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+train_gen = ImageDataGenerator(rescale=1.0, width_shift_range=0.1, validation_split=0.25)
+hist = model.fit(train_gen.flow(Xi, yi, batch_size=32, subset="training"), steps_per_epoch=27 // STEPS_DIV,
+                 epochs=6, verbose=0, validation_data=train_gen.flow(Xi, yi, batch_size=32, subset="validation"))
+"""
+
+
+def test_keras_image_data_generator_flows_train_as_locally(ip, digits):
+    """tf.keras' ImageDataGenerator: an augmenting flow over images (its iterator holds a lock and a generator),
+    its validation subset as validation_data, steps_per_epoch as such notebooks write it: trains on 2 workers to
+    the accuracy the same cell reaches locally, within 5 points."""
+    x, y = digits[0][:1152].reshape(-1, 8, 8, 1), digits[1][:1152]
+    ip.user_ns.update(Xi=x, yi=y, STEPS_DIV=1)  # 864 training images: 27 batches of 32
+    ip.run_cell_magic("dist_train", "--workers 2 --ui none --seed 1", IMAGE_CELL)
+    remote = ip.user_ns["hist"].history
+    assert len(remote["val_accuracy"]) == 6
+    ip.run_cell(IMAGE_CELL)
+    local = ip.user_ns["hist"].history
+    assert remote["val_accuracy"][-1] > 0.8, remote
+    assert abs(remote["val_accuracy"][-1] - local["val_accuracy"][-1]) < 0.05, (remote, local)
+
+
 FAILING_READ_CELL = """
 import keras
 class Files(keras.utils.PyDataset):
