@@ -165,8 +165,8 @@ def fit_job(model: Any, config: TrainConfig, fit: FitCall, explicit: dict[str, A
     """A job for a cell's ``model.fit(...)`` (``%%dist_train``, a trial of ``%%dist_tune``): its arguments
     agreed with the magic line's ``explicit`` options, then checked as every in-memory run is."""
     fit, config = loaders_split(fit, config)
-    if is_generator(fit.x):  # its batches are drawn for the fit's epochs: the magic line's first
-        if "batch_size" in explicit:
+    if is_generator(fit.x) or is_generator(fit.validation_data):  # drawn for the fit's epochs: the magic's first
+        if "batch_size" in explicit and is_generator(fit.x):
             raise NbdistError("a generator makes its own batches: drop --batch-size from the magic line (each of "
                               "its batches is a global batch, split over the workers).")
         if "epochs" in explicit and "epochs" not in fit.given:

@@ -6,7 +6,8 @@ the workers instead (torch_loaders.py). Sound only for what reading once keeps: 
 numbers (augmentation in a ``map``) would freeze one draw for every epoch, and one that repeats forever has
 no end; both are refused in one sentence. The pipeline's shuffle becomes nbdist's per-epoch shuffle of the
 rows (a full one), its batch size the fit's global batch. TensorFlow and torch are imported only then. A
-generator as fit's x gives the batches Keras would draw from it for that fit, each a global batch.
+generator as fit's x gives the batches Keras would draw from it for that fit, each a global batch; one as
+validation_data, the batches each validation would read (``generator_validation``).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 from ..errors import NbdistError
 from ..fit_arguments import FitCall
 from .files import memory_budget, not_in_memory, pipeline_message
-from .inputs import is_py_dataset, standardize_batch
+from .inputs import PyDatasetData, is_py_dataset, make_py_dataset_data, standardize_batch
 from .ragged import RaggedRows, concat
 from .sharding import rank_batch_sizes
 from .structures import leaves
@@ -290,6 +291,37 @@ def is_generator(value: Any) -> bool:
     return not_in_memory(value) == "a generator or iterator" and not is_py_dataset(value)
 
 
+class GeneratorReader:
+    """Draws a generator's batches as Keras reads them (``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``), within
+    the notebook's memory budget; ``steps``: the fit's argument that bounds what is drawn, named in the refusal."""
+
+    def __init__(self, generator: Any, what: str, steps: str) -> None:
+        self.iterator, self.what, self.steps = iter(generator), what, steps
+        self.limit, self.size, self.drawn = memory_budget(), 0, 0
+
+    def draw(self, n: int | None) -> list[tuple[Any, ...]]:
+        """The next ``n`` batches, or those left (None: to its end); what the generator raises goes up, as
+        Keras' fit would raise it."""
+        what, out = self.what, []
+        while n is None or len(out) < n:
+            batch = next(self.iterator, _END)
+            if batch is _END:
+                break
+            if isinstance(batch, (tuple, list)) and len(batch) not in (1, 2, 3):
+                raise NbdistError(f"{what} is a generator whose batches have {len(batch)} parts; yield (x, y), "
+                                  "(x, y, sample_weight) or x, as model.fit expects.")
+            parts = standardize_batch(batch, source="a generator", ragged=True)
+            self.size += sum(a.nbytes for part in parts for a in leaves(part))
+            self.drawn += 1
+            if self.size > self.limit or self.drawn > MAX_GENERATOR_BATCHES:
+                raise NbdistError(f"{what} is a generator that yields more than {self.limit / 2**30:.1f} GiB or "
+                                  f"{MAX_GENERATOR_BATCHES} batches for this fit, which nbdist would read into the "
+                                  f"notebook's memory; pass {self.steps} (Keras draws that many batches each time), "
+                                  "or a keras.utils.PyDataset, whose batches each worker reads itself.")
+            out.append(parts)
+        return out
+
+
 def read_generator(fit: FitCall) -> PipelineRows:
     """The batches Keras would draw from ``model.fit(generator, ...)``'s generator, read once into arrays. Keras
     draws ``steps_per_epoch`` batches an epoch, the next ones each epoch; without ``steps_per_epoch`` one epoch to
@@ -297,29 +329,11 @@ def read_generator(fit: FitCall) -> PipelineRows:
     the workers, so every batch but the last must have the first's rows."""
     what = "the training data x"
     streamed = not_in_memory(fit.validation_data)
-    if streamed is not None and not is_pipeline(fit.validation_data):  # said before the generator is drawn from
-        raise NbdistError(pipeline_message(streamed, "validation_data"))
+    if streamed is not None and not is_pipeline(fit.validation_data) and not is_generator(fit.validation_data):
+        raise NbdistError(pipeline_message(streamed, "validation_data"))  # said before the generator is drawn from
     epochs = max(0, int(fit.epochs) - int(fit.initial_epoch or 0))
     wanted = None if fit.steps_per_epoch is None else int(fit.steps_per_epoch) * epochs
-    limit = memory_budget()
-    batches: list[tuple[Any, ...]] = []
-    size = 0
-    iterator = iter(fit.x)
-    while wanted is None or len(batches) < wanted:
-        batch = next(iterator, _END)  # what the generator raises, Keras' fit would raise too: it goes up
-        if batch is _END:
-            break
-        if isinstance(batch, (tuple, list)) and len(batch) not in (1, 2, 3):
-            raise NbdistError(f"{what} is a generator whose batches have {len(batch)} parts; yield (x, y), "
-                              "(x, y, sample_weight) or x, as model.fit expects.")
-        parts = standardize_batch(batch, source="a generator", ragged=True)
-        size += sum(a.nbytes for part in parts for a in leaves(part))
-        if size > limit or len(batches) >= MAX_GENERATOR_BATCHES:
-            raise NbdistError(f"{what} is a generator that yields more than {limit / 2**30:.1f} GiB or "
-                              f"{MAX_GENERATOR_BATCHES} batches for this fit, which nbdist would read into the "
-                              "notebook's memory; pass steps_per_epoch (Keras draws that many batches an epoch), "
-                              "or a keras.utils.PyDataset, whose batches each worker reads itself.")
-        batches.append(parts)
+    batches = GeneratorReader(fit.x, what, "steps_per_epoch").draw(wanted)
     if not batches:
         raise NbdistError(f"{what} is a generator that yields no batches; it needs at least one.")
     if wanted is None and epochs > 1:
@@ -341,9 +355,73 @@ def read_generator(fit: FitCall) -> PipelineRows:
     return PipelineRows(x, y, weights, rows[0], False)
 
 
+# Keras' data_adapter_utils.NUM_BATCHES_FOR_TENSOR_SPEC: the batches it peeks at from a generator and then
+# replays at the start of every pass over it.
+KERAS_PEEKS = 2
+
+
+class ValidationPasses:
+    """The batches each validation of a fit reads from a generator, as a PyDataset of their length: pass p's
+    batch i is ``passes[p][i]``; each ``on_epoch_end`` moves to the next pass (the last one stays)."""
+
+    def __init__(self, passes: list[list[tuple[Any, ...]]]) -> None:
+        self.passes, self.at = passes, 0
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.passes[0])
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        return self.passes[self.at][i]
+
+    def on_epoch_begin(self) -> None:
+        pass
+
+    def on_epoch_end(self) -> None:
+        self.at = min(self.at + 1, len(self.passes) - 1)
+
+
+def validations(fit: FitCall) -> int:
+    """How many epochs of the fit validate (Keras' rule: epoch e when (e + 1) % validation_freq == 0)."""
+    freq = fit.validation_freq if isinstance(fit.validation_freq, int) and fit.validation_freq >= 1 else 1
+    return sum(1 for e in range(int(fit.initial_epoch or 0), int(fit.epochs)) if (e + 1) % freq == 0)
+
+
+def generator_validation(fit: FitCall) -> PyDatasetData:
+    """A generator as ``validation_data``, drawn for the batches Keras reads at each validation: each pass
+    replays the two batches Keras peeked at, then reads on where the last stopped (``validation_steps`` in all,
+    or to the generator's end), as Keras' JAX and torch backends read it (TensorFlow's prefetch may skip a
+    batch between passes). Workers deal each pass's batches as a PyDataset's; passes must be alike."""
+    what, steps = "validation_data", fit.validation_steps
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
+        raise NbdistError(f"validation_steps must be a whole number of at least 1 (or None), got {steps!r}.")
+    draw = GeneratorReader(fit.validation_data, what, "validation_steps").draw
+    peeked = draw(KERAS_PEEKS)
+    if not peeked:
+        raise NbdistError(f"{what} is a generator that yields no batches; it needs at least one.")
+    passes = []
+    for _ in range(max(1, validations(fit))):
+        replayed = peeked[:steps] if steps is not None else list(peeked)
+        passes.append(replayed + draw(None if steps is None else steps - len(replayed)))
+    if any(len(p) != len(passes[0]) for p in passes):
+        lengths = ", ".join(str(len(p)) for p in passes[:6]) + (", ..." if len(passes) > 6 else "")
+        raise NbdistError(f"{what} is a generator that ends, so Keras would validate on fewer batches from some "
+                          f"epoch on (batches per validation: {lengths}; it replays the {len(peeked)} it peeked at), "
+                          "which nbdist cannot split alike over the workers; pass validation_steps and a generator "
+                          "that repeats, or the validation arrays.")
+    if any(len(b) < 2 for p in passes for b in p):
+        raise NbdistError(f"{what} is a generator whose batches hold no labels; yield (x, y) batches.")
+    log.info("read %d validation passes of %d batches from a generator", len(passes), len(passes[0]))
+    return make_py_dataset_data(ValidationPasses(passes), what)
+
+
 def reads_once(fit: FitCall) -> bool:
     """Whether the fit's x or validation_data is an input this module reads once (``fit_from_pipelines``)."""
-    return is_pipeline(fit.x) or is_generator(fit.x) or is_pipeline(fit.validation_data)
+    return (is_pipeline(fit.x) or is_generator(fit.x) or is_pipeline(fit.validation_data)
+            or is_generator(fit.validation_data))
 
 
 def fit_from_pipelines(fit: FitCall) -> FitCall:
@@ -375,6 +453,8 @@ def fit_from_pipelines(fit: FitCall) -> FitCall:
         if val.y is None:
             raise NbdistError("validation_data is an input pipeline whose batches hold no labels; yield (x, y).")
         out = out.replace(validation_data=tuple(p for p in (val.x, val.y, val.sample_weight) if p is not None))
+    elif is_generator(vd):
+        out = out.replace(validation_data=generator_validation(fit))
     return out
 
 

@@ -196,7 +196,9 @@ def fit_data(fit: FitCall) -> tuple[FitData | PyDatasetData, FitData | PyDataset
     data = make_fit_data(x, fit.y, fit.sample_weight, "training data")
     validation = None
     vd = fit.validation_data
-    if is_py_dataset(vd):
+    if isinstance(vd, PyDatasetData):  # a generator's validation passes (data/pipelines.py)
+        validation = vd
+    elif is_py_dataset(vd):
         validation = make_py_dataset_data(vd, "validation_data")
     elif vd is not None:
         if not isinstance(vd, (tuple, list)) or len(vd) not in (2, 3):
@@ -229,7 +231,9 @@ def py_dataset_fit_data(fit: FitCall) -> tuple[PyDatasetData, FitData | PyDatase
     data = make_py_dataset_data(fit.x, "training data", fit.class_weight)
     vd = fit.validation_data
     validation: FitData | PyDatasetData | None = None
-    if is_py_dataset(vd):
+    if isinstance(vd, PyDatasetData):  # a generator's validation passes (data/pipelines.py)
+        validation = vd
+    elif is_py_dataset(vd):
         validation = make_py_dataset_data(vd, "validation_data")
     elif vd is not None:
         if not isinstance(vd, (tuple, list)) or len(vd) not in (2, 3):

@@ -105,7 +105,9 @@ def _batches(*rows, labels=True):
     ("model.fit(_batches(4, 4), steps_per_epoch=2, epochs=2)", "ended after 2 batches, but steps_per_epoch=2 over "
                                                                "2 epochs draws 4"),
     ("%%--batch-size 2\nmodel.fit(_batches(4, 4))", "a generator makes its own batches: drop --batch-size"),
-    ("model.fit(G, validation_data=_batches(4))", "validation_data is a generator or iterator"),
+    ("model.fit(X[:8], y[:8], epochs=2, validation_data=_batches(4, 4, 4))",
+     "validation_data is a generator that ends, so Keras would validate on fewer batches from some epoch on "
+     "(batches per validation: 3, 2;"),
 ], ids=["and-y", "no-labels", "uneven", "finite-epochs", "too-short", "batch-size", "validation"])
 def test_a_generator_keras_could_not_draw_the_fit_from_is_one_sentence(ip, fit, words):
     """model.fit(generator): what reading it for the fit's batches cannot keep is said in one sentence, before any

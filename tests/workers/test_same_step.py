@@ -318,6 +318,42 @@ def test_a_generator_trains_on_the_batches_keras_draws_from_it(ip):
     np.testing.assert_allclose(got, ip.user_ns["hist"].history["loss"], rtol=1e-5)
 
 
+VALIDATION_GENERATOR_CELL = """
+import itertools
+import keras
+def labelled(n=None):  # batch k: 4 rows whose label is k
+    for k in itertools.count() if n is None else range(n):
+        yield np.full((4, 2), k, "float32"), np.full((4, 1), k, "float32")
+def label_mean(y_true, y_pred):  # the loss is the batch's label: val_loss says which batches were read
+    return keras.ops.mean(y_true, axis=-1) + 0.0 * keras.ops.mean(y_pred, axis=-1)
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+model.compile("sgd", label_mean)
+train = (labelled(),) if TRAIN_GEN else (np.zeros((48, 2), "float32"), np.zeros((48, 1), "float32"))
+hist = model.fit(*train, **EPOCHS, verbose=0, validation_data=labelled(VAL_BATCHES), validation_steps=VAL_STEPS,
+                 validation_freq=VAL_FREQ, **({"steps_per_epoch": 3} if TRAIN_GEN else {"batch_size": 8}))
+"""
+
+
+@pytest.mark.parametrize("train_gen, batches, steps, freq, expected", [
+    (False, None, 3, 1, [1, 4 / 3, 5 / 3, 2]),  # each validation: the 2 batches Keras peeked, then the next one
+    (True, None, 3, 2, [1, 4 / 3]),  # every 2nd epoch; the training data a generator too
+    (False, 2, None, 1, [0.5] * 4),  # a generator of 2 batches: both, every time
+    (False, None, 1, 1, [0.0] * 4),
+    (False, None, 4, 1, [1.5, 2.5, 3.5]),  # no epochs in the fit: the magic line's --epochs 3 draws for 3
+])
+def test_a_generator_as_validation_data_validates_on_the_batches_keras_reads(ip, train_gen, batches, steps, freq,
+                                                                              expected):
+    """model.fit(..., validation_data=generator, validation_steps=V): each validation reads the batches Keras'
+    generator adapter gives a new pass (it replays the 2 it peeked at, then reads on), dealt over the workers and
+    merged: the loss is each batch's label, so val_loss tells which were read. (Keras on TensorFlow may skip a
+    batch between passes, into its prefetch; JAX and torch read these: tests/unit/test_validation_generator.py.)"""
+    on_line = len(expected) == 3
+    ip.user_ns.update(np=np, TRAIN_GEN=train_gen, VAL_BATCHES=batches, VAL_STEPS=steps, VAL_FREQ=freq,
+                      EPOCHS={} if on_line else {"epochs": 4})
+    ip.run_cell_magic("dist_train", "--workers 2 --ui none" + " --epochs 3" * on_line, VALIDATION_GENERATOR_CELL)
+    np.testing.assert_allclose(ip.user_ns["hist"].history["val_loss"], expected, rtol=1e-6)
+
+
 # -- averaging with K > 1: what it is ----------------------------------------------------------------
 def sparse_model(optimizer: Any) -> Any:
     """The issue's Embedding model: its gradient is a tf.IndexedSlices of the rows a batch holds."""
