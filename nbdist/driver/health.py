@@ -25,7 +25,7 @@ class HealthChecks:
     _exited: dict[int, float]
     _left: set[int]  # workers an elastic run went on without (driver/membership.py): no more watched
     _silent: dict[int, float]  # workers silent past heartbeat_timeout: for how long
-    _awaiting_cause: bool  # in ``_cause_reported``: a second symptom does not wait again
+    _awaiting_cause: bool  # in ``_cause_reported``: another symptom meanwhile is passed over
     _coordinator: Any
     _backend: Any
     _launched_at: float
@@ -55,8 +55,6 @@ class HealthChecks:
     def _cause_reported(self, wait: float = 2.0) -> bool:
         """After a worker's error that is a peer's symptom (``peer_symptom``): the run's events handled for up to
         ``wait`` s, so that the peer's own error, sent a moment later, ends the run as its cause; whether one did."""
-        if self._awaiting_cause:
-            return False
         self._awaiting_cause = True
         deadline = time.monotonic() + wait
         try:

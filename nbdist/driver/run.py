@@ -441,8 +441,9 @@ class Run(HealthChecks):
                                       f"(then {self._name(rank)} failed: {first_line(text, 80)})",
                            last_traceback(dead.log_tail(400)))
                 return
-            if peer_symptom(f"{msg.message} {msg.exception}") and self._cause_reported():
-                return  # the peer's own error came: the run failed with it
+            # A peer's symptom: passed over while the first one waits for the cause, or the cause came and ended it.
+            if peer_symptom(f"{msg.message} {msg.exception}") and (self._awaiting_cause or self._cause_reported()):
+                return
             raised = None
             if msg.raised_type is not None:  # Keras' or the cell's: the notebook raises it as it is
                 raised = rebuild(msg.raised_type, msg.raised_message or "", msg.traceback, rank)
