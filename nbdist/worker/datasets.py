@@ -21,6 +21,7 @@ from ..data.sharding import batches_per_epoch
 from ..data.structures import tf_structure
 from ..wire.messages import JobMessage
 from .tfdata import without_autotune
+from .validation import whole_passes
 
 log = logging.getLogger("nbdist.worker")
 
@@ -152,9 +153,7 @@ def validation_batches(x: Any, y: Any, batch_size: int, sample_weight: Any = Non
     parts = tf_structure(x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight))
     as_tensor = lambda a: a if a is None or isinstance(a, tf.RaggedTensor) else tf.convert_to_tensor(a)
     data = tf.nest.map_structure(as_tensor, parts)
-    dataset = without_autotune(tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat())
-    dataset.nbdist_one_pass_per_validation = True  # read whole passes: one iterator serves them all
-    return dataset
+    return whole_passes(without_autotune(tf.data.Dataset.from_tensor_slices(data).batch(batch_size).repeat()))
 
 
 def validation_inputs(validation: tuple[Any, ...], batch_size: int, val_steps: int) -> dict[str, Any]:
@@ -245,11 +244,8 @@ def streamed_validation(reader: Any, batch_size: int, val_steps: int, buffer_byt
     from .streams import ShardStream, streamed_batches
 
     stream = ShardStream(reader, batch_size, False, 0, 0, buffer_bytes)
-    if not uses_tf_data():
-        return {"validation_data": stream_batches(stream), "validation_steps": val_steps}
-    dataset = streamed_batches(stream)
-    dataset.nbdist_one_pass_per_validation = True  # whole passes: one kept iterator reads them all (validation.py)
-    return {"validation_data": dataset, "validation_steps": val_steps}
+    batches = streamed_batches(stream) if uses_tf_data() else stream_batches(stream)
+    return {"validation_data": whole_passes(batches), "validation_steps": val_steps}
 
 
 def job_inputs(job: JobMessage) -> tuple[dict[str, Any], int, int]:

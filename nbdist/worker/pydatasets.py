@@ -29,6 +29,7 @@ from ..wire.messages import JobMessage
 from .datasets import tf_structure, uses_tf_data
 from .readahead import put_until_stopped
 from .tfdata import without_autotune
+from .validation import whole_passes
 
 log = logging.getLogger("nbdist.worker")
 
@@ -188,7 +189,7 @@ class ValidationShare:
         """tf.data (one pass per iterator) on TensorFlow; on JAX and torch one generator of all passes in
         turn: Keras keeps the validation iterator across epochs there and reads ``count`` batches a pass."""
         if not uses_tf_data():
-            return self.endless()
+            return whole_passes(self.endless())  # read through one kept iterator (validation.py)
         import tensorflow as tf
 
         return tf.data.Dataset.from_generator(self.passes, output_signature=self.signature)

@@ -1,16 +1,38 @@
-"""The validation pass's iterator, kept across epochs."""
+"""The validation pass's iterator, kept across epochs: validation data that yields its passes one after
+another (``whole_passes``) is read through one iterator, a pass per validation.
+
+On TensorFlow that saves making an iterator every epoch. On JAX and torch it is what makes the passes right:
+Keras reads a generator through its adapter, which replays the 2 batches it peeked at at the start of every
+pass and then reads on, so without one kept iterator every validation after the first read 2 batches twice
+and missed 2 (the invariant: validation p reads exactly pass p's batches)."""
 from __future__ import annotations
 
 import logging
+import types
+import weakref
 from typing import Any
 
 import keras
 
 log = logging.getLogger("nbdist.worker")
 
+_WHOLE_PASSES: weakref.WeakSet[Any] = weakref.WeakSet()  # generators of passes (no attribute can be set on them)
+
+
+def whole_passes(data: Any) -> Any:
+    """Mark ``data`` (a repeated pipeline, or a generator of passes) as yielding one whole validation pass after
+    another, ``validation_steps`` batches each; returns it."""
+    if isinstance(data, types.GeneratorType):
+        _WHOLE_PASSES.add(data)
+    else:
+        data.nbdist_one_pass_per_validation = True
+    return data
+
 
 def reads_whole_passes(dataset: Any) -> bool:
-    """Whether ``dataset`` is a repeated validation pipeline read one whole pass per epoch (datasets.py)."""
+    """Whether ``dataset`` was marked by ``whole_passes``."""
+    if isinstance(dataset, types.GeneratorType):
+        return dataset in _WHOLE_PASSES
     return bool(getattr(dataset, "nbdist_one_pass_per_validation", False))
 
 

@@ -455,16 +455,20 @@ def more() -> dict[str, object]:
                           "resumed_gap": weight_gap(resumed_model, local)}
 
     # A PyDataset in the cell's own fit: each worker reads every other batch of 32, one step joins two; of 15
-    # batches, so worker 1 takes part in the last step of each epoch without rows (a pad step).
+    # batches, so worker 1 takes part in the last step of each epoch without rows (a pad step). Validation on a
+    # PyDataset of 9 batches: a share of 5 and of 4, each validation all of it (Keras' generator adapter, which
+    # JAX and torch read it through, replays 2 peeked batches at every pass: one kept iterator reads each pass).
     local = mlp(keras.optimizers.SGD(0.1))
-    expected = local.fit(x[:480], y[:480], epochs=2, verbose=0, **plain).history
+    expected = local.fit(x[:480], y[:480], epochs=2, verbose=0, validation_data=(x_test[:288], y_test[:288]),
+                         **plain).history
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "nbdist")
-    shell.user_ns.update(X=x, y=y, mlp=mlp, keras=keras)
+    shell.user_ns.update(X=x, y=y, Xt=x_test, yt=y_test, mlp=mlp, keras=keras)
     shell.run_cell(BATCHES_CELL)
     shell.run_cell_magic("dist_train", "--workers 2 --strategy allreduce --lr-scaling none --ui none",
                          "model = mlp(keras.optimizers.SGD(0.1))\n"
-                         "history = model.fit(Batches(X[:480], y[:480], 32), epochs=2, shuffle=False)\n")
+                         "history = model.fit(Batches(X[:480], y[:480], 32), epochs=2, shuffle=False,\n"
+                         "                    validation_data=Batches(Xt, yt, 32))\n")
     tensorflow["py_dataset"] = "tensorflow" in sys.modules
     out["py_dataset"] = {"history": shell.user_ns["history"].history, "expected": expected,
                          "weight_gap": weight_gap(shell.user_ns["model"], local)}

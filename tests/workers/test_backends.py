@@ -122,18 +122,17 @@ def test_a_notebook_on_jax_or_torch_trains_evaluates_and_predicts_as_locally(bac
     "the same cases through a non-TensorFlow backend's hook: the torch case")), "torch"])
 def test_the_paths_that_differ_per_backend(backend, driven):
     """C25, one run per backend: 1 worker equals the local fit; a small CNN under allreduce with
-    EarlyStopping(restore_best_weights=True) stops where the local fit stops, with its weights; a subclassed
-    model with its own train_step for the backend (torch: backward then optimizer.apply; JAX: stateless,
-    value_and_grad then stateless_apply) under allreduce equals the local fit; evaluate's loss, accuracy
-    and AUC equal model.evaluate to 1e-6; worker 1 killed after epoch 2 with --max-restarts 1 resumes
-    from the checkpoint and --resume continues it, both where the local fit is; a PyDataset in the
-    cell's fit equals the local fit of joined batches; two masked losses (Embedding(mask_zero=True),
-    Masking) under allreduce, each worker's half of a batch holding its own number of valid timesteps,
-    are normalised by the global batch's valid entries as the local fit's (weights and every History
-    entry to 1e-5; each worker's own normalisation was 2e-3 away), on torch under jit_compile=True (torch.compile
-    traces the step; nbdist's sums run eagerly); mixed_float16 (its loss scale) and
-    mixed_bfloat16 under allreduce equal the local fit to their precision; the notebook never imported
-    TensorFlow."""
+    EarlyStopping(restore_best_weights=True) stops where the local fit stops, with its weights; a subclassed model
+    with its own train_step for the backend (torch: backward then optimizer.apply; JAX: stateless, value_and_grad
+    then stateless_apply) under allreduce equals the local fit; evaluate's loss, accuracy and AUC equal
+    model.evaluate to 1e-6; worker 1 killed after epoch 2 with --max-restarts 1 resumes from the checkpoint and
+    --resume continues it, both where the local fit is; a PyDataset in the cell's fit (a shorter share padding, a
+    PyDataset as validation data) equals the local fit of joined batches; two masked losses
+    (Embedding(mask_zero=True), Masking) under allreduce, each worker's half of a batch holding its own number of
+    valid timesteps, are normalised by the global batch's valid entries as the local fit's (weights and every
+    History entry to 1e-5; each worker's own normalisation was 2e-3 away), on torch under jit_compile=True
+    (torch.compile traces the step; nbdist's sums run eagerly); mixed_float16 (its loss scale) and mixed_bfloat16
+    under allreduce equal the local fit to their precision; the notebook never imported TensorFlow."""
     result = driven(backend, "more")
     assert result["backend"] == backend
     # Issue 36: one allreduce worker is Keras' own step (no hook, no host copy, no collective), on the device
