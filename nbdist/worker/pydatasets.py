@@ -187,7 +187,7 @@ class ValidationShare:
 
     def pipeline(self) -> Any:
         """tf.data (one pass per iterator) on TensorFlow; on JAX and torch one generator of all passes in
-        turn: Keras keeps the validation iterator across epochs there and reads ``count`` batches a pass."""
+        turn, ``count`` batches each, read through one kept iterator (validation.py)."""
         if not uses_tf_data():
             return whole_passes(self.endless())  # read through one kept iterator (validation.py)
         import tensorflow as tf
