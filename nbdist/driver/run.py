@@ -32,7 +32,7 @@ from ..wire.reports import Done, Progress, State, WorkerError, WorkerWarning
 from .coordinator import Coordinator, Event
 from .failures import describe_exit, first_line, last_traceback, peer_symptom, rebuild
 from .health import HealthChecks
-from .interrupts import interrupts_held
+from .interrupts import interrupts_held, interrupts_noted
 from .resolve import resolve_backend, resolve_world
 from .state import TERMINAL, RunState
 
@@ -296,17 +296,20 @@ class Run(HealthChecks):
         """Follow the run until it ends. Raises TrainingFailed, or what Keras or the cell's code raised (on a
         worker, or a notebook callback) as itself; on interrupt stops every worker."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while self.status not in TERMINAL:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"training still running after {timeout} s")
-                if self._in_background():
-                    self._pump_thread.join(0.2)  # the pump thread handles the events
-                else:
-                    self.pump(0.2)
-        except KeyboardInterrupt:
-            self.stop("interrupted")
-            raise
+        with interrupts_noted() as pressed:  # an interrupt acted on between steps: never lost (interrupts.py)
+            try:
+                while self.status not in TERMINAL:
+                    if pressed:
+                        raise KeyboardInterrupt
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(f"training still running after {timeout} s")
+                    if self._in_background():
+                        self._pump_thread.join(0.2)  # the pump thread handles the events
+                    else:
+                        self.pump(0.2)
+            except KeyboardInterrupt:
+                self.stop("interrupted")
+                raise
         if self._failure is not None:
             raise self._failure
         return self.history
