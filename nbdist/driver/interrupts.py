@@ -22,14 +22,21 @@ def interrupts_noted() -> Iterator[list[int]]:
     """On the main thread, SIGINT only noted for the duration (the list it yields fills up), for the caller to
     raise KeyboardInterrupt between its steps. Raised where the signal lands, a KeyboardInterrupt inside a
     garbage collector's callback (a weakref's, a ``__del__``) is printed as "Exception ignored" and lost, and the
-    run would go on (seen in about 1 of 4 interrupted runs). Elsewhere, or under ``interrupts_held``, nothing
-    changes (the list stays empty)."""
+    run would go on (seen in about 1 of 4 interrupted runs). A second press before the caller acted raises at
+    once, as Python would (a notebook callback that hangs can still be broken out of). Elsewhere, or under
+    ``interrupts_held``, nothing changes (the list stays empty)."""
     current = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or current is None or getattr(current, HOLDS, False):
         yield []
         return
     pressed: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+
+    def note(signum: int, frame: Any) -> None:
+        pressed.append(signum)
+        if len(pressed) > 1:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, note)
     try:
         yield pressed
     finally:

@@ -64,6 +64,18 @@ def test_an_interrupt_noted_while_a_run_is_followed_is_kept_and_the_handler_give
     assert inner == []
 
 
+def test_a_second_press_before_the_first_was_acted_on_raises_at_once():
+    """A notebook callback that hangs (the run's loop never gets to act on the first press) can be broken out of."""
+    reached = []
+    with pytest.raises(KeyboardInterrupt), interrupts_noted() as pressed:
+        os.kill(os.getpid(), signal.SIGINT)
+        reached.append(1)  # the first press is only noted
+        os.kill(os.getpid(), signal.SIGINT)
+        reached.append(2)
+    assert reached == [1] and pressed == [signal.SIGINT, signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_wait_stops_the_run_and_raises_the_noted_interrupt():
     from nbdist.driver.run import Run
 
