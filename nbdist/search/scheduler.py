@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrainConfig
-from ..driver.interrupts import interrupts_held
+from ..driver.interrupts import interrupts_held, interrupts_noted
 from ..driver.search_state import SearchState, TrialRow
 from ..driver.state import TERMINAL
 from ..errors import NbdistError
@@ -105,8 +105,9 @@ class Search:
         (KeyboardInterrupt after stopping every trial's workers, NbdistError for a bad cell)."""
         self._notify("start")
         try:
-            self._warm_trials()
-            self._loop()
+            with interrupts_noted() as pressed:  # acted on between the trials' steps: never lost (driver/interrupts.py)
+                self._warm_trials()
+                self._loop(pressed)
         except BaseException as exc:
             interrupted = isinstance(exc, KeyboardInterrupt)
             self._stop_all("interrupted" if interrupted else "the search failed")
@@ -137,8 +138,10 @@ class Search:
         """The lowest share of the machine no running trial holds."""
         return min(set(range(self.state.parallel)) - {tr.slot for tr in self.running.values()})
 
-    def _loop(self) -> None:
+    def _loop(self, pressed: list[int]) -> None:
         while True:
+            if pressed:
+                raise KeyboardInterrupt
             while len(self.running) < self.state.parallel and self._remaining() > 0:
                 self._start_next()
             if not self.running:

@@ -1,8 +1,8 @@
-"""An interrupt while a run is followed (nbdist/driver/run.py ``wait``, driver/interrupts.py ``interrupts_noted``):
-the kernel's SIGINT is noted and acted on between steps. Raised where it landed, a KeyboardInterrupt inside a
-garbage collector's callback was printed as "Exception ignored" and lost, and the run went on to its last epoch
-(tests/notebook/test_dashboard.py saw it in 2 of 3 full-suite runs). The kernel's interrupt is this process's
-own SIGINT, here sent from inside a weakref's callback."""
+"""An interrupt while a run or a search is followed (driver/run.py ``wait``, search/scheduler.py ``run``;
+driver/interrupts.py ``interrupts_noted``): the kernel's SIGINT is noted and acted on between steps. Raised where it
+landed, a KeyboardInterrupt inside a garbage collector's callback was printed as "Exception ignored" and lost, and
+the run went on to its last epoch (tests/notebook/test_dashboard.py saw it in 2 of 3 full-suite runs). The kernel's
+interrupt is this process's own SIGINT, here sent from inside a weakref's callback."""
 from __future__ import annotations
 
 import gc
@@ -101,3 +101,44 @@ def test_wait_stops_the_run_and_raises_the_noted_interrupt():
     with pytest.raises(KeyboardInterrupt):
         run.wait()
     assert run.stopped == "interrupted" and run.pumps == 1
+
+
+def test_a_search_stops_its_trials_and_raises_the_noted_interrupt():
+    """%%dist_tune's loop pumps its trials' jobs itself (nbdist/search/scheduler.py): the same noted interrupt."""
+    pytest.importorskip("optuna")
+    from nbdist.search.scheduler import Search
+
+    class Job:
+        status, pumps = "running", 0
+
+        def pump(self, timeout: float) -> None:
+            self.pumps += 1
+            assert self.pumps < 10, "the interrupt was lost: the search went on"
+            interrupt_inside_a_weakref_callback()
+
+    class Searching(Search):
+        """The loop of ``run`` alone, one trial running: its pump's SIGINT lands in a garbage collector's callback."""
+
+        def __init__(self) -> None:  # only what run and its loop read
+            self.running = {0: SimpleNamespace(job=Job(), prune=False)}
+            self.state = SimpleNamespace(parallel=1, finished=None, finish=lambda status, message="": setattr(
+                self.state, "finished", status))
+            self.listeners, self._error, self.stopped = [], None, None
+
+        def _warm_trials(self) -> None:
+            pass
+
+        def _remaining(self) -> int:
+            return 0
+
+        def _stop_all(self, reason: str) -> None:
+            self.stopped = reason
+
+        def _end(self) -> None:
+            pass
+
+    search = Searching()
+    with pytest.raises(KeyboardInterrupt):
+        search.run()
+    assert search.stopped == "interrupted" and search.state.finished == "interrupted"
+    assert search.running[0].job.pumps == 1
