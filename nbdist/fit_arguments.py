@@ -1,11 +1,16 @@
 """One ``model.fit(...)`` call's arguments as a typed value: a cell's own call (driver/fit_call.py
 ``bind_fit``) or ``nbdist.train``'s (api.py ``fit_arguments``). Defaults are Keras' fit's; ``given`` names the
-arguments the cell spelled out, which the magic line's options must agree with (driver/fit_call.py ``reconcile``)."""
+arguments the cell spelled out, which the magic line's options must agree with (driver/fit_call.py ``reconcile``).
+Also Keras' own rules on them that several places apply: ``validates`` and ``check_count``."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from .errors import NbdistError
 
 
 @dataclass(frozen=True)
@@ -40,4 +45,16 @@ class FitCall:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["FitCall"]
+def validates(epoch: int, validation_freq: int) -> bool:
+    """Whether Keras' fit validates after 0-based ``epoch``: every ``validation_freq``-th epoch."""
+    return (epoch + 1) % validation_freq == 0
+
+
+def check_count(name: str, value: Any) -> None:
+    """``steps_per_epoch``, ``validation_steps`` or ``validation_batch_size``: None or a whole number of at least 1,
+    else one sentence."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+        raise NbdistError(f"{name} must be a whole number of at least 1 (or None), got {value!r}.")
+
+
+__all__ = ["FitCall", "check_count", "validates"]

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import NbdistError
-from ..fit_arguments import FitCall
+from ..fit_arguments import FitCall, check_count, validates
 from .files import memory_budget, not_in_memory, pipeline_message
 from .inputs import PyDatasetData, is_py_dataset, make_py_dataset_data, standardize_batch
 from .ragged import RaggedRows, concat
@@ -385,9 +385,9 @@ class ValidationPasses:
 
 
 def validations(fit: FitCall) -> int:
-    """How many epochs of the fit validate (Keras' rule: epoch e when (e + 1) % validation_freq == 0)."""
+    """How many epochs of the fit validate (Keras' rule, ``validates``)."""
     freq = fit.validation_freq if isinstance(fit.validation_freq, int) and fit.validation_freq >= 1 else 1
-    return sum(1 for e in range(int(fit.initial_epoch or 0), int(fit.epochs)) if (e + 1) % freq == 0)
+    return sum(1 for e in range(int(fit.initial_epoch or 0), int(fit.epochs)) if validates(e, freq))
 
 
 def generator_validation(fit: FitCall) -> PyDatasetData:
@@ -396,8 +396,7 @@ def generator_validation(fit: FitCall) -> PyDatasetData:
     or to the generator's end), as Keras' JAX and torch backends read it (TensorFlow's prefetch may skip a
     batch between passes). Workers deal each pass's batches as a PyDataset's; passes must be alike."""
     what, steps = "validation_data", fit.validation_steps
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
-        raise NbdistError(f"validation_steps must be a whole number of at least 1 (or None), got {steps!r}.")
+    check_count("validation_steps", steps)
     draw = GeneratorReader(fit.validation_data, what, "validation_steps").draw
     peeked = draw(KERAS_PEEKS)
     if not peeked:

@@ -32,7 +32,7 @@ from ..data.inputs import (
 from ..data.sharding import deal_rows, rank_batch_sizes
 from ..data.structures import to_struct
 from ..errors import NbdistError
-from ..fit_arguments import FitCall
+from ..fit_arguments import FitCall, check_count
 from .callbacks import DriverCallbacks
 
 log = logging.getLogger(__name__)
@@ -147,11 +147,7 @@ def bind_fit(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sig: ins
 def check_fit_arguments(fit: FitCall) -> None:
     """One sentence for what cannot be distributed soundly, before any worker starts."""
     for name in ("steps_per_epoch", "validation_steps", "validation_batch_size"):
-        value = getattr(fit, name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise NbdistError(f"{name} must be a whole number of at least 1 (or None), got {value!r}.")
+        check_count(name, getattr(fit, name))
     freq = fit.validation_freq
     if isinstance(freq, bool) or not isinstance(freq, (int, np.integer)) or freq < 1:
         raise NbdistError(f"validation_freq must be a whole number of epochs of at least 1, got {freq!r} (Keras 3 "

@@ -17,6 +17,14 @@ log = logging.getLogger(__name__)
 HOLDS = "nbdist_holds_interrupts"  # marks the SIGINT handler of an enclosing ``interrupts_held``
 
 
+def _ours_to_swap() -> bool:
+    """Whether this thread may swap SIGINT's handler: the main thread, a Python handler in place, and no enclosing
+    ``interrupts_held`` (which decides what a press does)."""
+    current = signal.getsignal(signal.SIGINT)
+    return threading.current_thread() is threading.main_thread() and current is not None and not getattr(
+        current, HOLDS, False)
+
+
 @contextlib.contextmanager
 def interrupts_noted() -> Iterator[list[int]]:
     """On the main thread, SIGINT only noted for the duration (the list it yields fills up), for the caller to
@@ -25,8 +33,7 @@ def interrupts_noted() -> Iterator[list[int]]:
     run would go on (seen in about 1 of 4 interrupted runs). A second press before the caller acted raises at
     once, as Python would (a notebook callback that hangs can still be broken out of). Elsewhere, or under
     ``interrupts_held``, nothing changes (the list stays empty)."""
-    current = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or current is None or getattr(current, HOLDS, False):
+    if not _ours_to_swap():
         yield []
         return
     pressed: list[int] = []
@@ -50,8 +57,7 @@ def interrupts_held(defer: bool = False) -> Iterator[None]:
 
     ``defer``: raise it once the block ends instead, so a few steps that must happen together (a
     search's trial asked for and registered) are never cut between."""
-    current = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or current is None or getattr(current, HOLDS, False):
+    if not _ours_to_swap():
         yield  # not ours to hold, or held already by an enclosing block, which decides what a press does
         return
     pressed: list[int] = []

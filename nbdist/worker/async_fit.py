@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..data.inputs import batch_rows
+from ..fit_arguments import validates
 from ..model.spec import keras_own
 from ..wire.commands import AsyncShared, Decision
 from ..wire.messages import JobMessage
@@ -104,7 +105,7 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
         logs = dict(logs)
         val_samples = 0
         t0 = time.perf_counter()
-        if job.x_val is not None and (epoch + 1) % int(train.validation_freq or 1) == 0:  # Keras' rule
+        if job.x_val is not None and validates(epoch, int(train.validation_freq or 1)):
             val_samples = batch_rows((job.x_val,))
             logs.update(_validate(model, job, val_samples))
         validating += time.perf_counter() - t0

@@ -18,6 +18,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from ..fit_arguments import validates
 from ..machine.keras_backend import OPTIONAL_AT_IMPORT
 from ..model.spec import keras_own
 from ..strategies.backend_grads import synced_state
@@ -148,7 +149,7 @@ class MetricSumCallback(keras.callbacks.Callback):
         self.validation_freq = validation_freq
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        if self.join_with_zeros and (epoch + 1) % self.validation_freq == 0:  # the epochs Keras validates
+        if self.join_with_zeros and validates(epoch, self.validation_freq):
             self.summer.sum(contribute=False)
 
     def on_train_end(self, logs: Any = None) -> None:
