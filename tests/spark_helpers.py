@@ -1,10 +1,15 @@
 """Shared pieces of the Spark tests: a SparkSession, digits as a DataFrame, a reference model."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +206,115 @@ def partition_order(n: int, workers: int, batch: int) -> np.ndarray:
     steps = -(-len(parts[0]) // batch)
     return np.concatenate([p[j * batch:(j + 1) * batch] for j in range(steps) for p in parts])
 
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"Spark daemon exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+
+
+@contextlib.contextmanager
+def standalone_cluster(tmp_path_factory: Any, cores: int = 2, memory: str = "2g") -> Iterator[str]:
+    """A standalone master and one worker of ``cores`` cores on 127.0.0.1; yields the master's URL. Both daemons
+    (and their executors) are gone afterwards."""
+    import pyspark
+
+    home = Path(pyspark.__file__).parent
+    spark_class = str(home / "bin" / "spark-class")
+    env = dict(os.environ, SPARK_HOME=str(home), SPARK_LOCAL_IP="127.0.0.1",
+               SPARK_WORKER_DIR=str(tmp_path_factory.mktemp("spark-work")), PYSPARK_PYTHON=PYTHON)
+    port = _free_port()
+    logs = tmp_path_factory.mktemp("spark-logs")
+    procs = []
+    try:
+        with open(logs / "master.log", "wb") as log:  # the daemon keeps its own copy of the descriptor
+            procs.append(subprocess.Popen(
+                [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                 "--webui-port", str(_free_port())],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_for_port(port, procs[0], 120)
+        wport = _free_port()
+        with open(logs / "worker.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [spark_class, "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
+                 "--host", "127.0.0.1", "--port", str(wport), "--webui-port", str(_free_port()),
+                 "--cores", str(cores), "--memory", memory],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_for_port(wport, procs[1], 120)
+        yield f"spark://127.0.0.1:{port}"
+    finally:
+        for proc in reversed(procs):  # each daemon leads its own group, executors included
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=15)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+
+
+@contextlib.contextmanager
+def connect_server(tmp_path_factory: Any, master: str, **conf: str) -> Iterator[tuple[Any, str]]:
+    """A Spark Connect server (PySpark's own) of ``master`` with ``conf`` on a free loopback port; yields a client
+    session to it and its URL. The server is gone afterwards, and so are the variables ``remote()`` set."""
+    import pyspark
+    from pyspark.sql import SparkSession
+
+    home = str(Path(pyspark.__file__).parent)
+    port = _free_port()
+    environ_before = set(os.environ)
+    log_path = tmp_path_factory.mktemp("connect") / "server.log"
+    env = {**os.environ, "SPARK_HOME": home, "PYSPARK_PYTHON": PYTHON, "SPARK_LOCAL_IP": "127.0.0.1"}
+    conf = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.connect.grpc.binding.port": str(port),
+            "spark.ui.enabled": "false", "spark.pyspark.python": PYTHON, "spark.driver.host": "127.0.0.1",
+            "spark.driver.bindAddress": "127.0.0.1", **conf}
+    cmd = [os.path.join(home, "bin", "spark-submit"), "--master", master,
+           "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
+    for key, value in conf.items():
+        cmd += ["--conf", f"{key}={value}"]
+    with open(log_path, "wb") as out:
+        server = subprocess.Popen([*cmd, "spark-internal"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the Connect server did not open its port"
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        url = f"sc://127.0.0.1:{port}"
+        session = SparkSession.builder.remote(url).getOrCreate()
+        yield session, url
+        session.stop()
+    finally:
+        # remote() leaves SPARK_CONNECT_MODE_ENABLED (and friends) in os.environ, which turns every later
+        # SparkSession.builder...getOrCreate() in this process into a Connect client: the next test
+        # modules' local[2] sessions would fail.
+        for key in set(os.environ) - environ_before:
+            del os.environ[key]
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

@@ -583,7 +583,8 @@ class TrainingJob(Run):
         ``free_slots``), rather than waiting for slots that are gone; the words saying so ('' when all fit).
         Each worker keeps its --batch-size (an elastic run: the launch's global batch, dealt by the caller)."""
         free = getattr(backend, "free_slots", None)
-        world = self.world_size if free is None else max(1, min(self.world_size, free()))
+        room = None if free is None else free()  # None: no bound known (Spark under dynamic allocation)
+        world = self.world_size if room is None else max(1, min(self.world_size, room))
         if world == self.world_size:
             return ""
         said = (f", with {world} worker{'' if world == 1 else 's'} instead of {self.world_size}: the "

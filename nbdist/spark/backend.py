@@ -3,12 +3,13 @@
 One launcher serves both: the barrier stage is ``df.mapInArrow(arrow_task, schema, barrier=True)`` over the
 training DataFrame (one partition per worker, rebalanced into equal shares: balance.py) or over ``spark.range``
 when the data travels over the wire; an RDD of pairs (classic only) runs as ``rdd.barrier().mapPartitions``.
-A background thread ``collect()``s the stage under a tag of its own, so stopping the run cancels exactly its
-tasks. Each task starts the worker program and reports over an authenticated side channel its rows, its process
-and how it ended. The coordinator stays in the notebook, also over Connect. An elastic run (``workers="MIN:MAX"``,
-classic, data over the wire: docs/elastic.md) runs each worker as a Spark job of one ordinary task under the run's
-job tag: a lost task fails only its own job. Jobs beyond the free slots, and replacements (``add_worker``), wait
-for a slot until the run ends; such a worker joins at the members' first commit after it connected.
+Under dynamic allocation, which refuses barrier stages, it is an ordinary stage (Spark adds executors for its
+waiting tasks; a retried task starts no worker). A background thread ``collect()``s the stage under a tag of its
+own, so stopping the run cancels exactly its tasks. Each task starts the worker program and reports its rows, its
+process and how it ended over an authenticated side channel. An elastic run (``workers="MIN:MAX"``, classic, data
+over the wire: docs/elastic.md) runs each worker as a Spark job of one ordinary task under the run's job tag: a
+lost task fails only its own job; jobs beyond the free slots, and replacements (``add_worker``), wait for a slot
+and join at the members' first commit after they connected.
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ from .task import RESULT_SCHEMA, TaskSpec, arrow_task, run_task, single_task
 
 log = logging.getLogger(__name__)
 
-# How an elastic run's lost task is said (failures.describe_exit): its peers are not affected.
-ELASTIC_LOST = "was lost with its Spark task (its executor or the task's Python process died)"
+# How a lost ordinary task is said (failures.describe_exit): an elastic run's, or one under dynamic allocation.
+TASK_LOST = "was lost with its Spark task (its executor or the task's Python process died)"
 
 # Spark's status store (AppStatusListener) flushes live counts at least every spark.ui.liveUpdate.minFlushPeriod
 # (1 s): read that long, this many times, for the free task slots of a relaunch.
@@ -215,6 +216,8 @@ class SparkTaskWorker:
         # replacement): why. The run does not wait for it; it joins if its task starts.
         self.unplaced = ""
         self.check_lost: Callable[[], bool] | None = None  # an elastic run's: asks Spark whether its task failed
+        # Under dynamic allocation: what it means when its task never starts (Spark found it no slot).
+        self.unstarted = ""
         self._checked_at = 0.0
 
     def exit_status(self) -> int | None:
@@ -224,8 +227,9 @@ class SparkTaskWorker:
         return self.code
 
     def mark_lost(self, lost: bool = True) -> None:
-        """An elastic run's worker ended with its task, unreported (``lost``: not by the run's own stop)."""
-        self.lost, self.lost_why, self.code = lost, ELASTIC_LOST, 1
+        """The worker of an ordinary task (elastic, or under dynamic allocation) ended with its task, unreported
+        (``lost``: not by the run's own stop)."""
+        self.lost, self.lost_why, self.code = lost, TASK_LOST, 1
 
     def _check_lost(self) -> bool:
         self._checked_at = time.monotonic()
@@ -244,6 +248,7 @@ class SparkTaskWorker:
         where = f", pid {self.pid} on {self.host}" if self.pid else ""
         why = f"; its Spark job failed: {self.spark_error}" if self.spark_error and not self.lost else ""
         why = f": {self.error}" if self.error else why
+        why = f"; {self.unstarted}" if self.unstarted and self.pid is None and not why else why
         return f"worker {self.rank} (Spark task {self.rank}{where}{why})"
 
     def log_tail(self, lines: int = 20) -> str:
@@ -273,6 +278,12 @@ class SparkBackend:
         # on as many task slots as exist (at least min_workers).
         self.elastic, self.min_workers = config.elastic and not self.connect, config.min_workers or 1
         self.startup_timeout = config.startup_timeout
+        # Under dynamic allocation Spark refuses barrier stages: the workers' stage is an ordinary one.
+        self._conf = cluster.conf_of(session.sparkContext) if not self.connect else (
+            lambda key: session.conf.get(key, None))
+        self.barrier = not cluster.dynamic_allocation(self._conf)
+        if self.elastic or not self.barrier:
+            cluster.refuse_speculation(self._conf)
         # Classic sessions, before any Spark job: executors registered, and the address they reach us at.
         self.executors = None if self.connect else cluster.wait_for_executors(session.sparkContext, 1,
                                                                               self.executor_wait)
@@ -294,14 +305,22 @@ class SparkBackend:
 
     def default_workers(self) -> int:
         if self.connect:
-            return connect_slots(lambda key: self.session.conf.get(key, None))
+            return connect_slots(self._conf)
         if self.executors is not None:  # a cluster: the slots of the executors registered now
-            return max(1, cluster.registered(self.session.sparkContext).slots)
+            slots = cluster.registered(self.session.sparkContext).slots
+            if self.barrier:
+                return max(1, slots)
+            # Dynamic allocation adds executors for waiting tasks: at least 2, within what it may allocate.
+            wanted, ceiling = max(2, slots), cluster.allocation_ceiling(self._conf)
+            return wanted if ceiling is None else max(1, min(wanted, ceiling))
         return task_slots(self.session.sparkContext)
 
-    def free_slots(self) -> int:
+    def free_slots(self) -> int | None:
         """Task slots no job holds now: what a relaunch asks for at most (training.py). The slots of the
-        executors registered now, less the tasks they run; over Connect, the server's configuration's."""
+        executors registered now, less the tasks they run; over Connect, the server's configuration's; under
+        dynamic allocation, which adds executors for waiting tasks, what it may allocate (None: no bound known)."""
+        if not self.barrier:
+            return cluster.allocation_ceiling(self._conf)
         slots = self.default_workers()
         if self.connect:
             return slots
@@ -338,23 +357,33 @@ class SparkBackend:
         if self.executors is not None:  # one sentence within seconds, rather than Spark's wait for slots
             cluster.wait_for_executors(self.session.sparkContext, world_size, self.executor_wait)
         slots = self.default_workers()
-        if world_size > slots and not self.connect:  # Connect: the server's conf is only a guess
+        if world_size > slots and not self.connect and self.barrier:  # Connect: the server's conf is only a guess
             raise NbdistError(f"{world_size} workers need {world_size} Spark task slots at once (barrier mode) "
                               f"but this SparkContext has {slots}; use --workers {slots} or fewer.")
+        if not self.barrier:
+            cluster.check_ceiling(self._conf, world_size)
         # Before the status listener starts: the counting job may end in an interrupt.
-        source = None if data is None else self._balanced(world_size, data)
+        if data is not None:
+            with cluster.executors_for(None if self.connect else self.session.sparkContext, self.executor_wait):
+                source = self._balanced(world_size, data)
+        else:
+            source = None
         self._secret = secret
         self.workers = [SparkTaskWorker(r) for r in range(world_size)]
+        for w in self.workers if not self.barrier else ():
+            w.unstarted = ("its task got no slot: under dynamic allocation Spark adds executors for waiting tasks "
+                           "only as far as the cluster has room and spark.dynamicAllocation.maxExecutors allows")
         self._listen()
         spec = TaskSpec(address=tuple(address), status_address=self._status_address, secret_hex=secret.hex(),
                         threads=threads_per_worker, layout=None if data is None else data.layout,
                         warm=self.warm,  # TrainConfig.warm_workers=False turns executors' warm workers off
                         keras_backend=notebook_backend(),
-                        validation=data is not None and data.validation is not None)
+                        validation=data is not None and data.validation is not None, barrier=self.barrier)
         stage = self._stage(world_size, source, spec)
         self._thread = threading.Thread(target=self._run, args=(stage,), name="nbdist-spark-job", daemon=True)
         self._thread.start()
-        log.info("started Spark job %s with %d barrier tasks%s", self.group, world_size,
+        log.info("started Spark job %s with %d %s tasks%s", self.group, world_size,
+                 "barrier" if self.barrier else "ordinary (dynamic allocation)",
                  " over Spark Connect" if self.connect else "")
         return list(self.workers)
 
@@ -369,7 +398,8 @@ class SparkBackend:
                               "(df.toPandas()), or give --workers a single number to train on the DataFrame.")
         if self.executors is not None:  # a cluster: at least MIN slots, within executor_wait
             cluster.wait_for_executors(self.session.sparkContext, self.min_workers, self.executor_wait)
-        slots = self.free_slots()
+        free = self.free_slots()  # None: dynamic allocation, no bound known (Spark adds executors)
+        slots = world_size if free is None else free
         if slots < self.min_workers:
             raise NbdistError(f"--workers {self.min_workers}:{world_size} needs at least {self.min_workers} free Spark "
                               f"task slots but this SparkContext has {slots} free now; lower MIN to {max(1, slots)} "
@@ -451,7 +481,7 @@ class SparkBackend:
         for result in results:
             if w.code is None:  # a retry after its first attempt was lost (single_task starts no worker then)
                 w.error = str(result.get("error") or "")
-                w.lost, w.lost_why = bool(result.get("lost")), ELASTIC_LOST
+                w.lost, w.lost_why = bool(result.get("lost")), TASK_LOST
                 w.code, w.log = int(result["code"]), str(result.get("log") or "")
 
     def _task_failed(self, rank: int) -> bool:
@@ -493,14 +523,16 @@ class SparkBackend:
         return Balanced(dataframe=df)
 
     def _stage(self, world_size: int, data: Balanced | None, spec: TaskSpec) -> Callable[[], list[Any]]:
-        """The barrier stage, as a function that runs it and returns one result per task."""
+        """The barrier stage (an ordinary one under dynamic allocation), as a function that runs it and returns
+        one result per task."""
         if data is not None and data.rdd is not None:  # an RDD of pairs: classic sessions only
-            return data.rdd.barrier().mapPartitions(functools.partial(run_task, spec)).collect
+            rdd = data.rdd.barrier() if spec.barrier else data.rdd
+            return rdd.mapPartitions(functools.partial(run_task, spec)).collect
         if data is None:  # numpy/pandas data travels over the wire; the tasks only host the workers
             df = self.session.range(world_size, numPartitions=world_size)
         else:
             df = data.dataframe
-        return df.mapInArrow(functools.partial(arrow_task, spec), RESULT_SCHEMA, barrier=True).collect
+        return df.mapInArrow(functools.partial(arrow_task, spec), RESULT_SCHEMA, barrier=spec.barrier).collect
 
     def _run(self, stage: Callable[[], list[Any]]) -> None:
         # Job groups and tags are per thread, so set them on the thread that runs the job.
@@ -585,10 +617,11 @@ class SparkBackend:
             pass
         finally:
             channel.close()
-        if self.elastic and w is not None and w.code is None and w.pid is not None and not self._closed.is_set() \
-                and w.rank not in self._withdrawn:
-            # An elastic run's task whose channel closed before it said how its worker ended: its Python process
-            # died (killed, or its executor gone), and its worker with it. Known now, before Spark's own news.
+        if (self.elastic or not self.barrier) and w is not None and w.code is None and w.pid is not None \
+                and not self._closed.is_set() and w.rank not in self._withdrawn:
+            # An ordinary task whose channel closed before it said how its worker ended: its Python process died
+            # (killed, or its executor gone), and its worker with it. Known now, before Spark's own news (a
+            # barrier stage's failure ends its job, which says so).
             w.mark_lost()
 
     # -- ending -------------------------------------------------------------

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..checks import input_shape
 from ..errors import NbdistError
-from .cluster import EXECUTOR_WAIT, wait_for_dataframe_executors
+from .cluster import EXECUTOR_WAIT, dataframe_context, executors_for
 from .data import SparkData
 
 SPARK_BACKENDS = ("auto", "spark")
@@ -37,8 +37,8 @@ def feature_width(data: SparkData, wait: float = EXECUTOR_WAIT) -> int | None:
     sized = [c for c in cols if not isinstance(fields[c], T.NumericType)]
     width = len(cols) - len(sized)
     if sized:
-        wait_for_dataframe_executors(df, wait)  # without executors the row below would wait forever
-        rows = df.select(*sized).head(1)  # one row, to learn the array/vector lengths
+        with executors_for(dataframe_context(df), wait):  # without executors the row would wait forever
+            rows = df.select(*sized).head(1)  # one row, to learn the array/vector lengths
         if not rows:
             raise NbdistError("the DataFrame has no rows; pass data with at least one row per worker.")
         for name, value in zip(sized, rows[0]):
@@ -65,10 +65,10 @@ def check_label_classes(data: SparkData, classes: int, wait: float = EXECUTOR_WA
 
     label = data.layout.label
     col = F.col(label)
-    wait_for_dataframe_executors(data.dataframe, wait)
-    low, high, fractional, nulls = data.dataframe.agg(
-        F.min(col), F.max(col), F.sum((col != F.floor(col)).cast("long")),
-        F.sum(col.isNull().cast("long"))).first()
+    with executors_for(dataframe_context(data.dataframe), wait):
+        low, high, fractional, nulls = data.dataframe.agg(
+            F.min(col), F.max(col), F.sum((col != F.floor(col)).cast("long")),
+            F.sum(col.isNull().cast("long"))).first()
     if nulls:
         raise NbdistError(f"label column {label!r} holds {nulls} nulls; drop them first (e.g. df.na.drop()).")
     if low is None:

@@ -4,17 +4,22 @@ Two things Spark does not check for us before a job:
 - Whether any executor is there at all. A row count or a barrier stage submitted to an
   application without executors waits forever (executors that cannot connect back to the driver
   never register, and Spark only logs "Initial job has not accepted any resources" on the driver).
-  So nbdist waits a bounded time for them and then says why, naming ``spark.driver.host``.
+  So nbdist waits a bounded time for them and then says why, naming ``spark.driver.host``. Under dynamic
+  allocation executors come only for waiting tasks: a job then runs at once, and is cancelled with that
+  sentence if still no executor registered after the same wait (``executors_for``).
 - Which of the driver's addresses the executors reach. The coordinator listens on the address
   this machine uses on its route to the executors: that is the network they connect back through,
   whatever the driver's hostname resolves to (often 127.0.1.1 on Debian).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
+import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -61,19 +66,62 @@ def registered(sc: Any) -> Executors:
     return Executors(count, slots, tuple(sorted(set(hosts))))
 
 
+def dynamic_allocation(conf: Callable[[str], str | None]) -> bool:
+    """Whether Spark adds executors for waiting tasks and removes idle ones (``spark.dynamicAllocation.enabled``
+    on a cluster manager: EMR's and Dataproc's default); a local master has no executors to add. ``conf``: a
+    session's setting by name (None where unset)."""
+    master = conf("spark.master") or ""
+    return not is_local(master) and (conf("spark.dynamicAllocation.enabled") or "").strip().lower() == "true"
+
+
+def allocation_ceiling(conf: Callable[[str], str | None]) -> int | None:
+    """The most task slots dynamic allocation may reach (maxExecutors x spark.executor.cores / spark.task.cpus);
+    None when either is unset (no bound nbdist can tell)."""
+    most, cores = conf("spark.dynamicAllocation.maxExecutors"), conf("spark.executor.cores")
+    if not most or not cores:
+        return None
+    cpus = max(1, int(conf("spark.task.cpus") or 1))
+    return int(most) * int(cores) // cpus
+
+
+def check_ceiling(conf: Callable[[str], str | None], slots: int) -> None:
+    """One sentence when dynamic allocation can never give ``slots`` tasks a slot at once."""
+    ceiling = allocation_ceiling(conf)
+    if ceiling is not None and ceiling < slots:
+        raise NbdistError(f"{slots} workers need {slots} Spark task slots at once but dynamic allocation stops at "
+                          f"{conf('spark.dynamicAllocation.maxExecutors')} executors of "
+                          f"{conf('spark.executor.cores')} cores ({ceiling} slots); use --workers "
+                          f"{max(1, ceiling)} or fewer, or raise spark.dynamicAllocation.maxExecutors.")
+
+
+def refuse_speculation(conf: Callable[[str], str | None]) -> None:
+    """Workers in ordinary tasks (no barrier stage): Spark's speculation would start a copy of a slow one's task,
+    which starts no worker and ends at once, and Spark would then kill the task that holds the worker."""
+    if (conf("spark.speculation") or "").strip().lower() == "true":
+        raise NbdistError("spark.speculation=true would start a second copy of a slow worker's Spark task and kill "
+                          "the first when the copy ends; create the session with spark.speculation=false.")
+
+
+def conf_of(sc: Any) -> Callable[[str], str | None]:
+    """A classic session's setting by name (its master included), None where unset."""
+    conf = sc.getConf()
+    return lambda key: sc.master if key == "spark.master" else conf.get(key, None)
+
+
 def wait_for_executors(sc: Any, slots: int, timeout: float = EXECUTOR_WAIT,
                        poll: float = 0.5) -> Executors | None:
     """Executors with at least ``slots`` task slots, waiting up to ``timeout`` s; None for a local master.
+    Under dynamic allocation the executors registered now, at once (Spark adds more for waiting tasks), once
+    the slots are within what it may allocate (``check_ceiling``).
 
     Raises NbdistError with one sentence when they are not there in time.
     """
     conf = sc.getConf()
     if is_local(sc.master):
         return None
-    if (conf.get("spark.dynamicAllocation.enabled", "false") or "").lower() == "true":
-        raise NbdistError("nbdist's workers run as one Spark barrier stage, which Spark refuses under dynamic "
-                          "allocation; create the session with spark.dynamicAllocation.enabled=false and a "
-                          "fixed number of executors (spark.executor.instances).")
+    if dynamic_allocation(conf_of(sc)):
+        check_ceiling(conf_of(sc), slots)
+        return registered(sc)
     deadline = time.monotonic() + timeout
     while True:
         found = registered(sc)
@@ -90,11 +138,44 @@ def wait_for_executors(sc: Any, slots: int, timeout: float = EXECUTOR_WAIT,
                       "or cores.")
 
 
-def wait_for_dataframe_executors(df: Any, timeout: float = EXECUTOR_WAIT) -> None:
-    """Before a small job on ``df`` (one row, an aggregate): an executor to run it (classic sessions)."""
+@contextlib.contextmanager
+def executors_for(sc: Any, timeout: float = EXECUTOR_WAIT) -> Iterator[None]:
+    """Around small jobs of this thread (a row count, one row, an aggregate; classic sessions; None: Connect, the
+    server's business): an executor to run them, waited for up to ``timeout`` s before they start; under
+    dynamic allocation, which adds executors only for waiting tasks, they start at once and are cancelled if
+    no executor registered within ``timeout`` s. Either way a missing executor is ``no_executors_message``."""
+    if sc is None or is_local(sc.master):
+        yield
+        return
+    if not dynamic_allocation(conf_of(sc)):
+        wait_for_executors(sc, 1, timeout)
+        yield
+        return
+    tag, done, gave_up = f"nbdist-wait-{uuid.uuid4().hex[:12]}", threading.Event(), threading.Event()
+
+    def watch() -> None:
+        if not done.wait(timeout) and registered(sc).count == 0:
+            gave_up.set()
+            sc.cancelJobsWithTag(tag)
+
+    sc.addJobTag(tag)  # this thread's jobs from now on
+    threading.Thread(target=watch, name="nbdist-executor-wait", daemon=True).start()
+    try:
+        yield
+    except Exception:
+        if gave_up.is_set():
+            raise NbdistError(no_executors_message(sc.master, sc.getConf().get("spark.driver.host", None),
+                                                   timeout)) from None
+        raise
+    finally:
+        done.set()
+        sc.removeJobTag(tag)
+
+
+def dataframe_context(df: Any) -> Any:
+    """The SparkContext behind ``df``'s session; None over Connect (its executors are the server's business)."""
     session = df.sparkSession
-    if not type(session).__module__.startswith("pyspark.sql.connect"):  # Connect: the server's business
-        wait_for_executors(session.sparkContext, 1, timeout)
+    return None if type(session).__module__.startswith("pyspark.sql.connect") else session.sparkContext
 
 
 def no_executors_message(master: str, driver_host: str | None, waited: float,

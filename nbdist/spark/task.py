@@ -1,6 +1,7 @@
 """What one Spark task does on its executor: write its partition, start a worker, watch it.
 
-A task of the run's barrier stage, or in an elastic run the one task of a worker's own job (``single_task``).
+A task of the run's barrier stage (an ordinary stage under dynamic allocation), or in an elastic run the one task
+of a worker's own job (``single_task``).
 
 Everything here runs on the executor, so it imports only the standard library
 and numpy at module level (pyspark is imported inside the task). The pure parts
@@ -264,6 +265,7 @@ class TaskSpec:
     warm: bool = False  # take a warm worker if one waits, and leave one for the next job (warm.py)
     keras_backend: str | None = None  # the notebook's (machine/keras_backend.py), whatever the executor's
     validation: bool = False  # the partition also holds validation rows (VALIDATION_COLUMN true)
+    barrier: bool = True  # False: an ordinary stage (dynamic allocation), whose retried task starts no worker
 
 
 class _Reporter:
@@ -330,25 +332,47 @@ def local_dir() -> str | None:
     return dirs[0] if dirs else None
 
 
-def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
-    """``rdd.barrier().mapPartitions`` body (an RDD of pairs on a classic session): one result dict."""
-    from pyspark import BarrierTaskContext
+def task_context(spec: TaskSpec) -> Any:
+    """This task's context: a barrier stage's, or an ordinary stage's (``spec.barrier`` False)."""
+    from pyspark import BarrierTaskContext, TaskContext
 
-    ctx = BarrierTaskContext.get()
+    return BarrierTaskContext.get() if spec.barrier else TaskContext.get()
+
+
+def retried(ctx: Any, rank: int) -> dict[str, Any] | None:
+    """An ordinary stage's retried task (Spark retries a task whose executor was lost): it starts no worker, since
+    the run lost that worker with the first attempt; its result says so. None for a first attempt."""
+    if ctx.attemptNumber() == 0:
+        return None
+    return {"rank": rank, "code": 1, "rows": -1, "log": "", "error": "", "lost": True}
+
+
+def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
+    """``rdd.barrier().mapPartitions`` body (an RDD of pairs on a classic session; ``rdd.mapPartitions`` under
+    dynamic allocation): one result dict."""
+    ctx = task_context(spec)
+    again = None if spec.barrier else retried(ctx, ctx.partitionId())
+    if again is not None:
+        yield again
+        return
     write = None if spec.layout is None else (lambda d: write_partition(rows, spec.layout, d))
     yield task_body(spec, ctx.partitionId(), ctx.resources(), write)
 
 
 def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
-    """``DataFrame.mapInArrow(..., barrier=True)`` body, for classic and Connect sessions alike:
-    this task's partition arrives as Arrow record batches; one result row goes back."""
+    """``DataFrame.mapInArrow(..., barrier=True)`` body (``barrier=False`` under dynamic allocation), for classic
+    and Connect sessions alike: this task's partition arrives as Arrow record batches; one result row goes back."""
     import pyarrow as pa
-    from pyspark import BarrierTaskContext
 
-    ctx = BarrierTaskContext.get()
+    ctx = task_context(spec)
     write = None if spec.layout is None else (
         lambda d: write_split_batches(batches, spec.layout, d, spec.validation))
-    result = task_body(spec, ctx.partitionId(), ctx.resources(), write)
+    again = None if spec.barrier else retried(ctx, ctx.partitionId())
+    if again is not None:
+        write = None
+        result = {key: again[key] for key in ("rank", "code", "rows", "log", "error")}
+    else:
+        result = task_body(spec, ctx.partitionId(), ctx.resources(), write)
     if write is None:
         for _ in batches:  # spark.range's rows: nothing to read, but the input is consumed
             pass
@@ -367,10 +391,7 @@ def single_task(spec: TaskSpec, rank: int, rows: Iterator[Any]) -> Iterator[dict
     for _ in rows:  # its one row, the rank
         pass
     ctx = TaskContext.get()
-    if ctx.attemptNumber() > 0:
-        yield {"rank": rank, "code": 1, "rows": -1, "log": "", "error": "", "lost": True}
-        return
-    yield task_body(spec, rank, ctx.resources())
+    yield retried(ctx, rank) or task_body(spec, rank, ctx.resources())
 
 
 def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import threading
 import time
 
@@ -18,8 +16,8 @@ import pytest
 
 from ..conftest import wait_no_workers
 from ..spark_helpers import (
-    PYTHON,
     accuracy,
+    connect_server,
     digits,
     need_spark,
     partition_order,
@@ -44,61 +42,14 @@ EPOCHS = 20
 CONNECT_URL: list[str] = []  # the module's server, while it runs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def spark(tmp_path_factory):
     """A Spark Connect server (local[2]) on a free loopback port, and a client session to it."""
-    import pyspark
-    from pyspark.sql import SparkSession
-
     stop_shared_session()  # the local[2] session of the modules before: this process is the Connect client only
-    home = os.path.dirname(pyspark.__file__)
-    port = _free_port()
-    environ_before = set(os.environ)
-    log_path = tmp_path_factory.mktemp("connect") / "server.log"
-    env = {**os.environ, "SPARK_HOME": home, "PYSPARK_PYTHON": PYTHON, "SPARK_LOCAL_IP": "127.0.0.1"}
-    conf = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.connect.grpc.binding.port": str(port),
-            "spark.ui.enabled": "false", "spark.pyspark.python": PYTHON, "spark.driver.host": "127.0.0.1",
-            "spark.driver.bindAddress": "127.0.0.1"}
-    cmd = [os.path.join(home, "bin", "spark-submit"), "--master", "local[2]",
-           "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
-    for key, value in conf.items():
-        cmd += ["--conf", f"{key}={value}"]
-    with open(log_path, "wb") as out:
-        server = subprocess.Popen([*cmd, "spark-internal"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, log_path.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "the Connect server did not open its port"
-            try:
-                socket.create_connection(("127.0.0.1", port), 1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
-        session = SparkSession.builder.remote(f"sc://127.0.0.1:{port}").getOrCreate()
-        CONNECT_URL.append(f"sc://127.0.0.1:{port}")  # for notebooks of other backends (their own processes)
+    with connect_server(tmp_path_factory, "local[2]") as (session, url):
+        CONNECT_URL.append(url)  # for notebooks of other backends (their own processes)
         yield session
         CONNECT_URL.clear()
-        session.stop()
-    finally:
-        # remote() leaves SPARK_CONNECT_MODE_ENABLED (and friends) in os.environ, which turns every later
-        # SparkSession.builder...getOrCreate() in this process into a Connect client: the next test
-        # modules' local[2] sessions would fail.
-        for key in set(os.environ) - environ_before:
-            del os.environ[key]
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
 
 
 @pytest.fixture(scope="module")

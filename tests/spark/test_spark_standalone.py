@@ -1,12 +1,7 @@
 """The Spark backend on a real standalone cluster: a master and one worker on 127.0.0.1."""
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,6 +12,7 @@ from ..spark_helpers import (
     need_spark,
     small_model,
     spark_session,
+    standalone_cluster,
     wait_until_no_workers,
     wait_warm_ready,
     warm_socket_workers,
@@ -30,64 +26,10 @@ EPOCHS = 30
 LOCAL_BATCH = 64  # 2 workers x 32: see test_spark_local.py
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"Spark daemon exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    import pyspark
-
-    home = Path(pyspark.__file__).parent
-    spark_class = str(home / "bin" / "spark-class")
-    env = dict(os.environ, SPARK_HOME=str(home), SPARK_LOCAL_IP="127.0.0.1",
-               SPARK_WORKER_DIR=str(tmp_path_factory.mktemp("spark-work")), PYSPARK_PYTHON=os.sys.executable)
-    port = _free_port()
-    logs = tmp_path_factory.mktemp("spark-logs")
-    procs = []
-    try:
-        with open(logs / "master.log", "wb") as log:  # the daemon keeps its own copy of the descriptor
-            procs.append(subprocess.Popen(
-                [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-                 "--webui-port", str(_free_port())],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_for_port(port, procs[0], 120)
-        wport = _free_port()
-        with open(logs / "worker.log", "wb") as log:
-            procs.append(subprocess.Popen(
-                [spark_class, "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
-                 "--host", "127.0.0.1", "--port", str(wport), "--webui-port", str(_free_port()),
-                 "--cores", "2", "--memory", "2g"],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_for_port(wport, procs[1], 120)
-        yield f"spark://127.0.0.1:{port}"
-    finally:
-        for proc in reversed(procs):  # each daemon leads its own group, executors included
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=15)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+    with standalone_cluster(tmp_path_factory) as master:
+        yield master
 
 
 @pytest.fixture(scope="module")

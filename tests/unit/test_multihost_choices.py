@@ -101,10 +101,32 @@ def test_too_few_slots_names_the_count():
         cluster.wait_for_executors(_FakeSc("spark://m:7077", ["hostA"]), 2, timeout=0.1, poll=0.05)
 
 
-def test_dynamic_allocation_is_refused_before_waiting():
+def test_dynamic_allocation_does_not_wait_for_executors_it_adds_for_waiting_tasks():
+    """Executors come only for waiting tasks: waiting for them before any task would always time out."""
     sc = _FakeSc("yarn", [], {"spark.dynamicAllocation.enabled": "true"})
-    with pytest.raises(NbdistError, match="spark.dynamicAllocation.enabled=false"):
-        cluster.wait_for_executors(sc, 2, timeout=30)
+    start = time.monotonic()
+    found = cluster.wait_for_executors(sc, 2, timeout=30)
+    assert time.monotonic() - start < 1 and found is not None and found.count == 0
+    assert not cluster.dynamic_allocation(cluster.conf_of(_FakeSc("local[2]", [], {
+        "spark.dynamicAllocation.enabled": "true"})))
+
+
+def test_dynamic_allocation_that_can_never_give_the_slots_is_one_sentence():
+    conf = {"spark.dynamicAllocation.enabled": "true", "spark.dynamicAllocation.maxExecutors": "2",
+            "spark.executor.cores": "4", "spark.task.cpus": "2"}
+    sc = _FakeSc("yarn", [], conf)
+    assert cluster.allocation_ceiling(cluster.conf_of(sc)) == 4
+    cluster.wait_for_executors(sc, 4, timeout=30)
+    with pytest.raises(NbdistError, match=r"stops at 2 executors of 4 cores \(4 slots\); use --workers 4 or fewer"):
+        cluster.wait_for_executors(sc, 5, timeout=30)
+    unbounded = _FakeSc("yarn", [], {"spark.dynamicAllocation.enabled": "true"})
+    assert cluster.allocation_ceiling(cluster.conf_of(unbounded)) is None
+
+
+def test_speculation_is_refused_for_ordinary_tasks():
+    cluster.refuse_speculation(cluster.conf_of(_FakeSc("yarn", [])))
+    with pytest.raises(NbdistError, match="spark.speculation=false"):
+        cluster.refuse_speculation(cluster.conf_of(_FakeSc("yarn", [], {"spark.speculation": "true"})))
 
 
 def test_driver_host_other_than_the_route_to_the_master():
@@ -132,7 +154,9 @@ def test_coordinator_on_the_route_to_the_executors(monkeypatch):
 
 
 def test_gloo_interface_toward_the_store(monkeypatch):
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # Set, not deleted: the choice below writes os.environ, and only a set variable is put back afterwards (a
+    # "lo" left over sent later tests' Gloo on other hosts to loopback). Empty counts as unset.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
     monkeypatch.setattr(collective, "_auto_choice", None)
     assert collective.choose_gloo_interface("127.0.0.1") == "lo"
     assert collective.interface_of("127.0.0.1") == "lo"
