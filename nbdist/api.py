@@ -28,7 +28,7 @@ from .fit_arguments import FitCall
 from .inference_api import evaluate, predict
 from .model.spec import chosen_strategy, ensure_built, is_keras_model, other_distribution
 from .spark.checks import feature_width
-from .spark.data import is_spark_data, spark_dataset, spark_validation
+from .spark.data import is_spark_data, named_frames, spark_dataset, spark_validation
 from .ui import make_renderer
 from .ui.tracking import track, wanted
 
@@ -68,6 +68,7 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
         raise NbdistError(f"unknown option(s) {', '.join(sorted(unknown))}; see help(nbdist.TrainConfig).")
     options.setdefault("ui", "none")
     config = TrainConfig(**implied_strategy(options))
+    x, validation_data = named_frames(x, validation_data, features, label)
     if is_spark_data(x):
         if (callbacks is not None or class_weight is not None or sample_weight is not None
                 or bool(validation_split) or bool(initial_epoch)):
@@ -108,6 +109,7 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
             weight_col: str | None = None) -> TrainingJob:
     """Check the inputs and build a job for ``--data X,y``, not yet started: nothing has touched the model.
     In-memory data is ``model.fit(x, y, validation_data=...)`` (``prepare_fit``); Spark data stays where it is."""
+    x, validation_data = named_frames(x, validation_data, features, label)
     if not is_spark_data(x):
         no_columns(features, label, weight_col)
         fit = fit_arguments(x, y, config, validation_data=validation_data)
@@ -273,6 +275,7 @@ def _build_on(model: Any, train_set: Any) -> None:
 def training_data(x: Any, y: Any, features: str | list[str] | None = None, label: str | None = None,
                   weight_col: str | None = None) -> Any:
     """In-memory data as FitData (what ``model.fit(x, y)`` takes), Spark data as SparkData (left on the executors)."""
+    x, _ = named_frames(x, None, features, label)
     if is_spark_data(x):
         return spark_dataset(x, y, features, label, weight_col=weight_col)
     no_columns(features, label, weight_col)
@@ -286,5 +289,5 @@ def training_data(x: Any, y: Any, features: str | list[str] | None = None, label
 
 
 __all__ = ["FitCall", "TrainingJob", "check_training_line", "evaluate", "fit_arguments", "fit_job", "intercept_fit",
-           "is_keras_model", "is_spark_data", "labels_in_batches", "predict", "prepare", "prepare_fit", "train",
-           "training_data"]
+           "is_keras_model", "is_spark_data", "labels_in_batches", "named_frames", "predict", "prepare", "prepare_fit",
+           "train", "training_data"]

@@ -33,7 +33,7 @@ from .model.spec import ensure_built
 from .model.tensors import keras_data
 from .spark.backend import is_connect_session
 from .spark.checks import SPARK_BACKENDS, check_label_classes, check_width
-from .spark.data import is_spark_data, is_spark_rdd, spark_dataset, sql_types, vector_label
+from .spark.data import is_spark_data, is_spark_rdd, named_frames, spark_dataset, sql_types, vector_label
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ def evaluate(model: Any, x: Any, y: Any = None, *, sample_weight: Any = None, st
     ``steps`` and ``return_dict`` as ``model.evaluate`` takes them for arrays: the first ``steps`` batches of
     ``batch_size`` rows (Keras' 32 when not given); ``return_dict=False`` gives Keras' list (or one scalar).
     """
+    x, _ = named_frames(x, None, features, label)
     if steps is not None and (is_spark_data(x) or is_py_dataset(x) or is_pipeline(x)):
         raise NbdistError("steps applies to in-memory arrays here; evaluate the rows you want (e.g. the first "
                           "steps × batch_size) or drop steps.")
@@ -177,6 +178,7 @@ def predict(model: Any, x: Any, *, namespace: dict[str, Any] | None = None,
     For a Spark DataFrame (``features`` names its columns) it returns a new DataFrame with
     ``prediction_col`` added, computed lazily on the executors; no row visits the driver.
     """
+    x, _ = named_frames(x, None, features, None)
     if is_spark_data(x):
         return predict_spark(model, x, features, namespace, options, prediction_col)
     no_columns(features, None)

@@ -8,7 +8,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..api import evaluate, is_spark_data, labels_in_batches, predict
+from ..api import evaluate, is_spark_data, labels_in_batches, named_frames, predict
 from ..errors import NbdistError, TrainingFailed
 from .args import apply, data_arguments, lookup_pair, weight_col_argument, worker_arguments
 from .train import session_options
@@ -56,7 +56,9 @@ class EvaluateMagics(Magics):
         ns = self.shell.user_ns
         out = _out(args.out)
         model = _model(args.model, ns)
-        return args, ns, out, model, lookup_pair(args.data, ns, "--data")
+        x, y = lookup_pair(args.data, ns, "--data")
+        x, _ = named_frames(x, None, args.features, getattr(args, "label", None))  # pandas-on-Spark: its Spark frame
+        return args, ns, out, model, (x, y)
 
     @magic_arguments()
     @argument("model", help="the notebook variable holding the trained, compiled Keras model")

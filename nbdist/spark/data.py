@@ -35,6 +35,28 @@ def is_spark_data(obj: Any) -> bool:
     return is_spark_dataframe(obj) or is_spark_rdd(obj)
 
 
+def is_pandas_on_spark(obj: Any) -> bool:
+    """A pandas-on-Spark DataFrame (``pyspark.pandas``, ``df.pandas_api()``)."""
+    kind = type(obj)
+    return kind.__module__.startswith("pyspark.pandas") and kind.__name__ == "DataFrame"
+
+
+def named_frames(x: Any, validation_data: Any, features: Any, label: Any) -> tuple[Any, Any]:
+    """``x`` and ``validation_data`` (alone or first in a tuple) with each pandas-on-Spark DataFrame, when columns
+    are named (``features``, ``label``), as the Spark DataFrame behind it (``to_spark()``, its index left out): it
+    is then read where it lies. Without names it stays pandas-like data, read into the notebook as ``model.fit``
+    reads it."""
+    if features is None and label is None:
+        return x, validation_data
+
+    def frame(obj: Any) -> Any:
+        return obj.to_spark() if is_pandas_on_spark(obj) else obj
+
+    if isinstance(validation_data, (tuple, list)) and validation_data:
+        validation_data = type(validation_data)([frame(validation_data[0]), *validation_data[1:]])
+    return frame(x), frame(validation_data)
+
+
 def _names(features: str | Sequence[str] | None) -> tuple[str, ...]:
     if features is None:
         return ()

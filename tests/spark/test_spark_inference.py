@@ -248,3 +248,38 @@ def test_uncached_vector_assembler_frame_trains_and_evaluates(spark, data, no_le
     assert got["samples"] == len(Xte)
     assert abs(got["loss"] - want["loss"]) < TOL and abs(got["accuracy"] - want["accuracy"]) < TOL
     assert want["accuracy"] > 0.5  # it learned
+
+
+def test_a_pandas_on_spark_frame_with_named_columns_stays_on_the_executors(spark, data, no_leftover_workers):
+    """``df.pandas_api()`` (pandas-on-Spark) with --features/--label is the Spark DataFrame behind it: the tasks
+    read its partitions (they count its rows), evaluate merges exactly, predict is a lazy DataFrame."""
+    import pandas as pd
+
+    Xtr, Xte, ytr, yte = data
+    cols = [f"p{i}" for i in range(64)]
+
+    def frame(X, y):
+        pdf = pd.DataFrame(X.astype("float64"), columns=cols)
+        pdf["digit"] = y.astype("int64")
+        return spark.createDataFrame(pdf).pandas_api()
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    train = frame(Xtr, ytr)
+    job = nbdist.train(model, train, features=cols, label="digit", epochs=3, workers=2, ui="none",
+                       validation_data=frame(Xte, yte))
+    assert job.status == "done" and job._backend.partition_rows() is not None  # read by the tasks
+    assert sum(job._backend.partition_rows()) == len(Xtr) and len(job.history["val_loss"]) == 3
+    got = nbdist.evaluate(model, frame(Xte, yte), features=cols, label="digit", workers=2)
+    want = model.evaluate(Xte, yte, batch_size=256, verbose=0, return_dict=True)
+    assert abs(got["loss"] - want["loss"]) < TOL and abs(got["accuracy"] - want["accuracy"]) < TOL
+    scored = nbdist.predict(model, frame(Xte, yte), features=cols)
+    assert type(scored).__module__.startswith("pyspark.sql") and "prediction" in scored.columns
+    assert type(train).__module__.startswith("pyspark.pandas")  # the notebook's frame is left as it was
+    shell = ipython_shell()
+    shell.user_ns.update(model=model, test_psdf=frame(Xte, yte))
+    shell.run_line_magic("dist_evaluate", f"model --data test_psdf --features {','.join(cols)} --label digit "
+                                          "--workers 2 --out ev")
+    assert shell.user_ns["ev"]["loss"] == pytest.approx(want["loss"], abs=TOL)
