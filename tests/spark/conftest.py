@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ..spark_helpers import digits, shared_local_session, stop_shared_session
+from ..spark_helpers import digits, shared_local_session, standalone_cluster, stop_shared_session
 
 
 def on_shared(item) -> bool:
@@ -67,6 +67,13 @@ def no_warm_executor_workers(request, monkeypatch):
 def spark():
     """The local[2] SparkSession these modules share (stopped at the package's end or by another's start)."""
     return shared_local_session()
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory) -> Iterator[str]:
+    """A standalone master and one worker of 2 cores on 127.0.0.1, for a module; its URL."""
+    with standalone_cluster(tmp_path_factory) as master:
+        yield master
 
 
 @pytest.fixture(autouse=True, scope="package")

@@ -21,7 +21,6 @@ from ..spark_helpers import (
     need_spark,
     small_model,
     spark_session,
-    standalone_cluster,
     wait_until_no_workers,
 )
 
@@ -43,14 +42,8 @@ DYNAMIC = {"spark.dynamicAllocation.enabled": "true", "spark.dynamicAllocation.s
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with standalone_cluster(tmp_path_factory) as master:
-        yield master
-
-
-@pytest.fixture(scope="module")
-def spark(cluster):
-    session = spark_session(cluster, **DYNAMIC)
+def spark(standalone):
+    session = spark_session(standalone, **DYNAMIC)
     yield session
     session.stop()
 
@@ -91,10 +84,10 @@ def test_a_worker_whose_task_dies_is_named_and_relaunched(spark, tmp_path, capsy
     assert not wait_no_workers(5)
 
 
-def test_no_executor_or_no_slot_is_one_sentence_within_the_wait(cluster, spark):
+def test_no_executor_or_no_slot_is_one_sentence_within_the_wait(standalone, spark):
     """Executors of 8 GiB on a worker of 2: Spark can never start one, and would wait forever."""
     spark.stop()  # else the builder hands back this module's session, whatever the settings
-    session = spark_session(cluster, **{**DYNAMIC, "spark.executor.memory": "8g"})
+    session = spark_session(standalone, **{**DYNAMIC, "spark.executor.memory": "8g"})
     try:
         Xtr, _, ytr, _ = digits()
         start = time.monotonic()
@@ -113,7 +106,7 @@ def test_no_executor_or_no_slot_is_one_sentence_within_the_wait(cluster, spark):
     finally:
         session.stop()
 
-    session = spark_session(cluster, **{**DYNAMIC, "spark.speculation": "true"})
+    session = spark_session(standalone, **{**DYNAMIC, "spark.speculation": "true"})
     try:  # a copy of a slow worker's task would start no worker, and Spark would kill the one that has it
         with pytest.raises(NbdistError, match="spark.speculation=false"):
             nbdist.train(small_model(), Xtr, ytr, backend="spark", epochs=1, workers=2, ui="none")
@@ -121,13 +114,13 @@ def test_no_executor_or_no_slot_is_one_sentence_within_the_wait(cluster, spark):
         session.stop()
 
 
-def test_a_connect_client_trains_on_the_executors_spark_adds(cluster, spark, tmp_path_factory):
+def test_a_connect_client_trains_on_the_executors_spark_adds(standalone, spark, tmp_path_factory):
     """The Connect server's session has dynamic allocation; the client reads it from the server's settings."""
     import pandas as pd
 
     spark.stop()
     Xtr, Xte, ytr, yte = digits()
-    with connect_server(tmp_path_factory, cluster, **DYNAMIC) as (session, _):
+    with connect_server(tmp_path_factory, standalone, **DYNAMIC) as (session, _):
         df = session.createDataFrame(pd.DataFrame({"pixels": list(Xtr.astype(float)), "digit": ytr.astype(int)}))
         model = small_model()
         job = nbdist.train(model, df, features="pixels", label="digit", epochs=EPOCHS, batch_size=32, workers=2,

@@ -12,7 +12,6 @@ from ..spark_helpers import (
     need_spark,
     small_model,
     spark_session,
-    standalone_cluster,
     wait_until_no_workers,
     wait_warm_ready,
     warm_socket_workers,
@@ -27,14 +26,8 @@ LOCAL_BATCH = 64  # 2 workers x 32: see test_spark_local.py
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with standalone_cluster(tmp_path_factory) as master:
-        yield master
-
-
-@pytest.fixture(scope="module")
-def spark(cluster):
-    session = spark_session(cluster, **{"spark.executor.memory": "1g", "spark.cores.max": "2"})
+def spark(standalone):
+    session = spark_session(standalone, **{"spark.executor.memory": "1g", "spark.cores.max": "2"})
     # Wait until the worker's executor has registered, so both barrier slots exist.
     deadline = time.monotonic() + 120
     while session.sparkContext.defaultParallelism < 2 or \
