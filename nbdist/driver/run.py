@@ -245,6 +245,18 @@ class Run(HealthChecks):
         with the other runs sharing it (``local_share``: a search's parallel trials)."""
         return threads_per_worker(self.world_size * (self.config.local_share if self._local else 1))
 
+    def _slots(self) -> list[int]:
+        """The workers by rank: their launch ranks (an elastic run's generation maps them: training.py)."""
+        return list(range(self.world_size))
+
+    def _worker_threads(self, rank: int) -> int:
+        """Worker ``rank``'s thread budget: the one its launcher gave it where that knows better (a Spark task on
+        a cluster: the task's CPUs, ``SparkTaskWorker.threads``), else ``_threads``."""
+        slots = self._slots()
+        handle = self._handles[slots[rank]] if rank < len(slots) and slots[rank] < len(self._handles) else None
+        told = getattr(handle, "told_threads", None)
+        return (told() if told is not None else 0) or self._threads()
+
     @property
     def _local(self) -> bool:
         """The workers are local processes: they share this machine's cores and filesystem."""
@@ -288,7 +300,7 @@ class Run(HealthChecks):
             x = None
         return JobMessage(
             kind=kind, rank=rank, world_size=self.world_size, batch_size=self.config.batch_size,
-            heartbeat_timeout=self.config.heartbeat_timeout, threads=self._threads(),
+            heartbeat_timeout=self.config.heartbeat_timeout, threads=self._worker_threads(rank),
             model=self._spec, x=x, y=y, sample_weight=weights, data_source=source, data_file=data_file,
             has_y=shard is None or y is not None, **fields)
 

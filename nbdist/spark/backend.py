@@ -46,6 +46,8 @@ TASK_LOST = "was lost with its Spark task (its executor or the task's Python pro
 # Spark's status store (AppStatusListener) flushes live counts at least every spark.ui.liveUpdate.minFlushPeriod
 # (1 s): read that long, this many times, for the free task slots of a relaunch.
 STATUS_FLUSH, STATUS_READS = 1.5, 7
+# How long a job message waits for its worker's task to say it started (and with what thread budget).
+REPORT_WAIT = 2.0
 
 NO_SPARK = ("--backend spark needs an active SparkContext and there is none; start one first, e.g. "
             "spark = SparkSession.builder.master('local[2]').getOrCreate().")
@@ -218,7 +220,16 @@ class SparkTaskWorker:
         self.check_lost: Callable[[], bool] | None = None  # an elastic run's: asks Spark whether its task failed
         # Under dynamic allocation: what it means when its task never starts (Spark found it no slot).
         self.unstarted = ""
+        self.threads = 0  # the thread budget its task gave it (a cluster's: the task's CPUs); 0: not said
         self._checked_at = 0.0
+
+    def told_threads(self, wait: float = REPORT_WAIT) -> int:
+        """The thread budget its task gave it (0: not said; the driver then uses this machine's share), once the
+        task's ``TaskStarted`` is here: a warm worker may connect before it, so it is waited for, up to ``wait`` s."""
+        deadline = time.monotonic() + wait
+        while self.pid is None and self.code is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.threads
 
     def exit_status(self) -> int | None:
         if self.code is None and self.check_lost is not None and time.monotonic() - self._checked_at > 1.0 \
@@ -340,6 +351,12 @@ class SparkBackend:
             time.sleep(STATUS_FLUSH / (STATUS_READS - 1))
         return max(0, slots - running)
 
+    def _task_threads(self, share: int) -> int:
+        """A worker's thread budget as its task is told it: ``share`` of this machine's cores on a local master
+        (the tasks run here), else 0: the task's own CPUs (``spark.task.cpus``, what Spark reserved for it on
+        its executor), which it reports (``SparkTaskWorker.threads``) for the job message."""
+        return share if cluster.is_local(self._conf("spark.master") or "local") else 0
+
     def partition_rows(self) -> list[int] | None:
         """Each task's row count once every task has written its partition, else None."""
         rows = [w.rows for w in self.workers]
@@ -375,7 +392,7 @@ class SparkBackend:
                            "only as far as the cluster has room and spark.dynamicAllocation.maxExecutors allows")
         self._listen()
         spec = TaskSpec(address=tuple(address), status_address=self._status_address, secret_hex=secret.hex(),
-                        threads=threads_per_worker, layout=None if data is None else data.layout,
+                        threads=self._task_threads(threads_per_worker), layout=None if data is None else data.layout,
                         warm=self.warm,  # TrainConfig.warm_workers=False turns executors' warm workers off
                         keras_backend=notebook_backend(),
                         validation=data is not None and data.validation is not None, barrier=self.barrier)
@@ -408,7 +425,8 @@ class SparkBackend:
         self.workers = [SparkTaskWorker(r) for r in range(world_size)]
         self._listen()
         self._spec = TaskSpec(address=tuple(address), status_address=self._status_address, secret_hex=secret.hex(),
-                              threads=threads_per_worker, warm=self.warm, keras_backend=notebook_backend())
+                              threads=self._task_threads(threads_per_worker), warm=self.warm,
+                              keras_backend=notebook_backend())
         for w in self.workers[slots:]:
             w.unplaced = f"found no free Spark task slot ({slots} were free; it joins when it gets one)"
         placed = min(slots, world_size)
@@ -601,7 +619,7 @@ class SparkBackend:
                     continue
                 w = self.workers[msg.rank]
                 if isinstance(msg, TaskStarted):
-                    w.pid, w.host, w.warm = msg.pid, msg.host, msg.warm
+                    w.pid, w.host, w.warm, w.threads = msg.pid, msg.host, msg.warm, msg.threads
                     if w.warm:
                         log.info("worker %d: a warm worker on %s (pid %d)", msg.rank, w.host, w.pid)
                 elif isinstance(msg, TaskRows):

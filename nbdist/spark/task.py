@@ -260,7 +260,7 @@ class TaskSpec:
     address: tuple[str, int]  # the coordinator
     status_address: tuple[str, int]  # the backend's status listener
     secret_hex: str  # travels inside the Spark task: protect Spark RPC (spark.authenticate) on shared clusters
-    threads: int
+    threads: int  # the worker's thread budget; 0: the task's CPUs (a cluster: what Spark reserved for it)
     layout: Layout | None = None  # None: the data comes over the wire from the driver
     warm: bool = False  # take a warm worker if one waits, and leave one for the next job (warm.py)
     keras_backend: str | None = None  # the notebook's (machine/keras_backend.py), whatever the executor's
@@ -356,7 +356,7 @@ def run_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
         yield again
         return
     write = None if spec.layout is None else (lambda d: write_partition(rows, spec.layout, d))
-    yield task_body(spec, ctx.partitionId(), ctx.resources(), write)
+    yield task_body(spec, ctx.partitionId(), ctx.resources(), write, ctx.cpus())
 
 
 def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
@@ -372,7 +372,7 @@ def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
         write = None
         result = {key: again[key] for key in ("rank", "code", "rows", "log", "error")}
     else:
-        result = task_body(spec, ctx.partitionId(), ctx.resources(), write)
+        result = task_body(spec, ctx.partitionId(), ctx.resources(), write, ctx.cpus())
     if write is None:
         for _ in batches:  # spark.range's rows: nothing to read, but the input is consumed
             pass
@@ -391,14 +391,15 @@ def single_task(spec: TaskSpec, rank: int, rows: Iterator[Any]) -> Iterator[dict
     for _ in rows:  # its one row, the rank
         pass
     ctx = TaskContext.get()
-    yield retried(ctx, rank) or task_body(spec, rank, ctx.resources())
+    yield retried(ctx, rank) or task_body(spec, rank, ctx.resources(), cpus=ctx.cpus())
 
 
 def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
-              write: Any = None) -> dict[str, Any]:
+              write: Any = None, cpus: int = 1) -> dict[str, Any]:
     """One barrier task: write its partition (``write(directory) -> rows``), start or claim a worker,
     wait for it. Never raises: a failed barrier stage would be retried with workers the coordinator
-    already counted, so failures are reported to the driver (and returned) instead."""
+    already counted, so failures are reported to the driver (and returned) instead. ``cpus``: the task's
+    (``TaskContext.cpus()``), the worker's thread budget where the driver leaves it to the task."""
     from ..wire.handover import job_line
     from ..wire.secret import hand_over
     from . import warm as spark_warm
@@ -412,7 +413,8 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
     proc: subprocess.Popen | spark_warm.ClaimedWorker | None = None
     code, tail, rows, error = 1, "", -1, ""
     end: ChildEnd | None = None
-    env = worker_env(spec.threads, backend=spec.keras_backend)
+    threads = spec.threads or max(1, int(cpus))
+    env = worker_env(threads, backend=spec.keras_backend)
     executor = executor_id()
     pool = None  # this executor's warm workers, if it keeps any
     try:
@@ -441,7 +443,8 @@ def task_body(spec: TaskSpec, rank: int, resources: Mapping[str, Any],
                     env={**env, **job_env}, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True)
                 hand_over(proc, secret)  # on stdin, not in the worker's command line or environment
-        reporter.send(TaskStarted(rank, proc.pid, socket.gethostname(), isinstance(proc, spark_warm.ClaimedWorker)))
+        reporter.send(TaskStarted(rank, proc.pid, socket.gethostname(), isinstance(proc, spark_warm.ClaimedWorker),
+                                  threads))
         if isinstance(proc, subprocess.Popen):  # its own child: reaped with its peak memory
             end = reap(proc.pid, oom_kills, block=True)
             proc.returncode = code = end.code if end is not None else proc.wait()

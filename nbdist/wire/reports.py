@@ -291,6 +291,7 @@ class TaskStarted(Typed):
     pid: int
     host: str
     warm: bool = False  # a warm worker was taken (spark/warm.py)
+    threads: int = 0  # the thread budget the task gave its worker (on a cluster: the task's CPUs); 0: not said
 
 
 @dataclass(frozen=True)
