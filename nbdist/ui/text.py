@@ -41,8 +41,9 @@ class TextRenderer:
     def __call__(self, kind: str, state: RunState, payload: Any) -> None:
         if kind == "start":
             note = f"; {state.data_note}" if state.data_note else ""
-            elastic = (f" (elastic: goes on while {state.min_workers} are left)"
-                       if state.min_workers is not None else "")
+            left = state.min_workers
+            verb = "is" if left == 1 else "are"
+            elastic = f" (elastic: goes on while {left} {verb} left)" if left is not None else ""
             self._write(f"nbdist: {state.strategy} on {state.world_size} {state.backend} workers{elastic}, "
                         f"{state.epochs} epochs{note}")
         elif kind == "epoch":

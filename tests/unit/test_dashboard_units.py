@@ -403,3 +403,10 @@ def test_zeppelin_is_known_by_the_launcher_it_starts_kernels_with():
     lab = ["/usr/bin/python3", "/usr/local/bin/jupyter-lab", "--no-browser"]
     assert not in_zeppelin(parent_command=lab, pythonpath="/opt/zeppelin/interpreter/python")
     assert not in_zeppelin(parent_command=["python", "/srv/app/kernel_server.py"], pythonpath="")
+
+
+def test_the_elastic_start_line_says_how_many_it_goes_on_with():
+    for least, words in ((1, "goes on while 1 is left"), (2, "goes on while 2 are left")):
+        out = io.StringIO()
+        TextRenderer(out)("start", RunState(world_size=3, epochs=5, strategy="allreduce", min_workers=least), None)
+        assert f"on 3 local workers (elastic: {words}), 5 epochs" in out.getvalue(), out.getvalue()
