@@ -31,8 +31,8 @@ from .errors import NbdistError
 from .model.metrics import ClassifierSpec, classifier_spec, compiled_loss
 from .model.spec import ensure_built
 from .model.tensors import keras_data
-from .spark.backend import is_connect_session
 from .spark.checks import SPARK_BACKENDS, check_label_classes, check_width
+from .spark.cluster import is_connect_session
 from .spark.data import is_spark_data, is_spark_rdd, named_frames, spark_dataset, sql_types, vector_label
 
 log = logging.getLogger(__name__)

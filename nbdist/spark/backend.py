@@ -68,11 +68,6 @@ def active_spark_context() -> Any | None:
     return sc
 
 
-def is_connect_session(session: Any) -> bool:
-    """A Spark Connect client session: no SparkContext, no RDDs."""
-    return type(session).__module__.startswith("pyspark.sql.connect")
-
-
 def active_spark_session() -> Any | None:
     """The notebook's SparkSession: a Spark Connect client's, else a classic one with a running context.
 
@@ -138,7 +133,7 @@ def session_hosts(session: Any, advertise: str | None = None,
     """
     if advertise:
         return "0.0.0.0", advertise
-    if is_connect_session(session):
+    if cluster.is_connect_session(session):
         host = route_to(session.client.host)
     else:
         host = cluster.coordinator_host(session.sparkContext, executors)
@@ -284,7 +279,7 @@ class SparkBackend:
         # The run's choices for Spark (TrainConfig): how long to wait for executors, the address they reach
         # the notebook at, and whether they keep warm workers.
         self.executor_wait, self.warm = config.executor_wait, config.warm_workers
-        self.connect = is_connect_session(session)
+        self.connect = cluster.is_connect_session(session)
         # An elastic run (classic sessions; training.py refuses it over Connect): one job per worker, launched
         # on as many task slots as exist (at least min_workers).
         self.elastic, self.min_workers = config.elastic and not self.connect, config.min_workers or 1

@@ -40,6 +40,11 @@ class Executors:
     hosts: tuple[str, ...]  # their host names or addresses, as they registered
 
 
+def is_connect_session(session: Any) -> bool:
+    """A Spark Connect client session: no SparkContext, no RDDs."""
+    return type(session).__module__.startswith("pyspark.sql.connect")
+
+
 def is_local(master: str) -> bool:
     return master.startswith("local")
 
@@ -119,8 +124,9 @@ def wait_for_executors(sc: Any, slots: int, timeout: float = EXECUTOR_WAIT,
     conf = sc.getConf()
     if is_local(sc.master):
         return None
-    if dynamic_allocation(conf_of(sc)):
-        check_ceiling(conf_of(sc), slots)
+    settings = conf_of(sc)
+    if dynamic_allocation(settings):
+        check_ceiling(settings, slots)
         return registered(sc)
     deadline = time.monotonic() + timeout
     while True:
@@ -175,7 +181,7 @@ def executors_for(sc: Any, timeout: float = EXECUTOR_WAIT) -> Iterator[None]:
 def dataframe_context(df: Any) -> Any:
     """The SparkContext behind ``df``'s session; None over Connect (its executors are the server's business)."""
     session = df.sparkSession
-    return None if type(session).__module__.startswith("pyspark.sql.connect") else session.sparkContext
+    return None if is_connect_session(session) else session.sparkContext
 
 
 def no_executors_message(master: str, driver_host: str | None, waited: float,
