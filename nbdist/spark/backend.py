@@ -274,6 +274,9 @@ class SparkBackend:
     store_on_link = True  # rank 0 binds the rendezvous store on its own executor, not the driver's host
 
     def __init__(self, session: Any, config: TrainConfig | None = None) -> None:
+        import pyspark
+
+        cluster.check_spark_version(pyspark.__version__)
         self.session = session
         config = config or TrainConfig()
         # The run's choices for Spark (TrainConfig): how long to wait for executors, the address they reach

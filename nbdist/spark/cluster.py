@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
 import threading
 import time
@@ -31,6 +32,16 @@ log = logging.getLogger(__name__)
 # How long to wait for executors before saying why there are none, by default (TrainConfig.executor_wait).
 EXECUTOR_WAIT = 20.0
 LOOPBACK = "127.0.0.1"
+# The oldest Spark nbdist runs on: barrier stages of DataFrames (mapInArrow(barrier=True)) and job tags came in 3.5.
+OLDEST_SPARK = (3, 5)
+
+
+def check_spark_version(version: str) -> None:
+    """Refuse, in one sentence, a PySpark older than ``OLDEST_SPARK`` (its ``__version__``, ``version``)."""
+    if tuple(int(n) for n in re.findall(r"\d+", version)[:2]) < OLDEST_SPARK:
+        raise NbdistError(f"nbdist runs on Spark 3.5 or later, and this notebook's PySpark is {version}; use a "
+                          "Spark 3.5+ cluster and its PySpark (pip install 'pyspark>=3.5'), or train on arrays "
+                          "with --backend local.")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import NbdistError
+from .cluster import check_spark_version
 from .task import Layout
 
 
@@ -112,6 +113,9 @@ def spark_dataset(x: Any, y: Any, features: str | Sequence[str] | None, label: s
     ``label_required=False`` (prediction) accepts a DataFrame with feature columns only. ``weight_col``
     names a numeric column whose values are each row's ``sample_weight``, as in ``model.fit``/``evaluate``.
     """
+    import pyspark
+
+    check_spark_version(pyspark.__version__)
     if y is not None:
         raise NbdistError("with Spark data, pass the DataFrame or RDD alone (--data df) and name its columns "
                           "with --features and --label, not a second variable.")

@@ -38,8 +38,8 @@ class PredictSpec:
     input_shape: tuple[int, ...] | None  # reshape flat feature rows to this when the model wants images
     scalar: bool  # one output value per row: a double column, else an array<double> column
     threads: int = 1
-    # Columns of a user-defined type (ML Vectors): Arrow hands them over as their struct, and
-    # Spark needs the objects back, so each is rebuilt with its own type's deserialize().
+    # Columns of a user-defined type (ML Vectors): Arrow hands them over as their struct. Spark 4 needs the
+    # objects back, so each is rebuilt with its own type's deserialize(); Spark 3.5 takes the struct back.
     udt_columns: tuple[tuple[str, Any], ...] = ()
 
 
@@ -88,9 +88,17 @@ def predict_batches(spec: PredictSpec, batches: Iterator[Any]) -> Iterator[Any]:
             x = x.reshape((len(x), *spec.input_shape))
         out = model.predict(x, batch_size=spec.batch_size, verbose=0)
         pdf[spec.column] = as_column(out, spec.scalar)
-        for name, udt in spec.udt_columns:
+        for name, udt in spec.udt_columns if udt_objects_back() else ():
             pdf[name] = [_udt_value(udt, cell) for cell in pdf[name]]
         yield pdf
+
+
+def udt_objects_back() -> bool:
+    """Whether this Spark converts a returned column of a user-defined type from its objects (Spark 4, which
+    refuses the struct Arrow handed over), else from that struct (Spark 3.5, which refuses the objects)."""
+    import pyspark
+
+    return int(pyspark.__version__.split(".")[0]) >= 4
 
 
 def _udt_value(udt: Any, cell: Any) -> Any:

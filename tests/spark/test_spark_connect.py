@@ -60,7 +60,7 @@ def data():
 def _frame(spark, X, y):
     import pandas as pd
 
-    pdf = pd.DataFrame({"pixels": list(X.astype("float64")), "digit": y.astype("int64")})
+    pdf = pd.DataFrame({"pixels": X.astype("float64").tolist(), "digit": y.astype("int64")})
     return spark.createDataFrame(pdf)
 
 

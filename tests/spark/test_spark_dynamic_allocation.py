@@ -121,7 +121,7 @@ def test_a_connect_client_trains_on_the_executors_spark_adds(standalone, spark, 
     spark.stop()
     Xtr, Xte, ytr, yte = digits()
     with connect_server(tmp_path_factory, standalone, **DYNAMIC) as (session, _):
-        df = session.createDataFrame(pd.DataFrame({"pixels": list(Xtr.astype(float)), "digit": ytr.astype(int)}))
+        df = session.createDataFrame(pd.DataFrame({"pixels": Xtr.astype(float).tolist(), "digit": ytr.astype(int)}))
         model = small_model()
         job = nbdist.train(model, df, features="pixels", label="digit", epochs=EPOCHS, batch_size=32, workers=2,
                            seed=0, ui="none")

@@ -254,6 +254,10 @@ def test_a_pandas_on_spark_frame_with_named_columns_stays_on_the_executors(spark
     """``df.pandas_api()`` (pandas-on-Spark) with --features/--label is the Spark DataFrame behind it: the tasks
     read its partitions (they count its rows), evaluate merges exactly, predict is a lazy DataFrame."""
     import pandas as pd
+    import pyspark
+
+    if pyspark.__version__.startswith("3.") and int(np.__version__.split(".")[0]) >= 2:
+        pytest.skip(f"PySpark {pyspark.__version__}'s pandas API uses np.NaN, which NumPy {np.__version__} removed")
 
     Xtr, Xte, ytr, yte = data
     cols = [f"p{i}" for i in range(64)]

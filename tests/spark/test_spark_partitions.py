@@ -46,7 +46,8 @@ def rows(data):
 
     Xtr, _, ytr, _ = data
     X, y = Xtr[:ROWS], ytr[:ROWS]
-    return X, y, pd.DataFrame({"i": np.arange(ROWS), "pixels": list(X.astype("float64")), "digit": y.astype("int64")})
+    pixels = X.astype("float64").tolist()
+    return X, y, pd.DataFrame({"i": np.arange(ROWS), "pixels": pixels, "digit": y.astype("int64")})
 
 
 def frame(spark, rows, case, tmp_path):

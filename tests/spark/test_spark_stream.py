@@ -30,7 +30,7 @@ def frame(spark, data):
     Xtr, _, ytr, _ = data
     n = len(Xtr) - len(Xtr) % 2
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", str(ROWS_PER_BLOCK))
-    pdf = pd.DataFrame({"pixels": list(Xtr[:n].astype("float64")), "digit": ytr[:n].astype("int64")})
+    pdf = pd.DataFrame({"pixels": Xtr[:n].astype("float64").tolist(), "digit": ytr[:n].astype("int64")})
     df = spark.createDataFrame(pdf)
     parts = df.rdd.glom().map(len).collect()
     assert parts == [n // 2, n // 2], parts  # contiguous halves: the local backend's shards
@@ -75,7 +75,7 @@ def test_validation_dataframe_on_the_magic_line_streams_with_exact_metrics(spark
 
     df, _, _ = frame
     _, Xte, _, yte = data
-    val = spark.createDataFrame(pd.DataFrame({"pixels": list(Xte.astype("float64")), "digit": yte.astype("int64")}))
+    val = spark.createDataFrame(pd.DataFrame({"pixels": Xte.astype("float64").tolist(), "digit": yte.astype("int64")}))
     shell = ipython_shell()
     shell.user_ns.update(df=df, val_df=val, small_model=small_model)
     shell.run_cell_magic("dist_train", "--data df --features pixels --label digit --validation-data val_df "
@@ -119,7 +119,7 @@ def test_a_relaunched_run_writes_and_streams_every_partition_afresh(spark, frame
 
     df, X, _ = frame
     _, Xte, _, yte = data
-    val = spark.createDataFrame(pd.DataFrame({"pixels": list(Xte.astype("float64")), "digit": yte.astype("int64")}))
+    val = spark.createDataFrame(pd.DataFrame({"pixels": Xte.astype("float64").tolist(), "digit": yte.astype("int64")}))
     tasks: list[str] = []  # the killed task process's command line
     causes: list[str] = []
 
@@ -234,9 +234,9 @@ def test_a_weight_column_is_sample_weight_for_training_and_evaluation(spark, fra
     _, Xte, _, yte = data
     rng = np.random.default_rng(0)
     w = np.where(rng.random(len(X)) < 0.5, 0.0, rng.uniform(0.5, 2.0, len(X))).astype("float32")
-    pdf = pd.DataFrame({"pixels": list(X.astype("float64")), "digit": y.astype("int64"), "w": w.astype("float64")})
+    pdf = pd.DataFrame({"pixels": X.astype("float64").tolist(), "digit": y.astype("int64"), "w": w.astype("float64")})
     df = spark.createDataFrame(pdf)
-    val = spark.createDataFrame(pd.DataFrame({"pixels": list(Xte.astype("float64")), "digit": yte.astype("int64")}))
+    val = spark.createDataFrame(pd.DataFrame({"pixels": Xte.astype("float64").tolist(), "digit": yte.astype("int64")}))
     streamed = _weighted_model()
     job = nbdist.train(streamed, df, features="pixels", label="digit", weight_col="w", validation_data=val,
                        backend="spark", epochs=2, batch_size=32, workers=2, strategy="allreduce", shuffle=False,
@@ -255,8 +255,8 @@ def test_a_weight_column_is_sample_weight_for_training_and_evaluation(spark, fra
     assert max(np.abs(a - b).max() for a, b in zip(unweighted.get_weights(), local.get_weights())) > 1e-2
 
     wte = np.where(np.arange(len(Xte)) % 2 == 0, 0.0, 1.0 + (yte % 3)).astype("float32")
-    test_df = spark.createDataFrame(pd.DataFrame({"pixels": list(Xte.astype("float64")), "digit": yte.astype("int64"),
-                                                  "wt": wte.astype("float64")}))
+    test_df = spark.createDataFrame(pd.DataFrame({"pixels": Xte.astype("float64").tolist(),
+                                                  "digit": yte.astype("int64"), "wt": wte.astype("float64")}))
     shell = ipython_shell()
     shell.user_ns.update(weighted=streamed, test_df=test_df)
     shell.run_line_magic("dist_evaluate", "weighted --data test_df --features pixels --label digit --weight-col wt "

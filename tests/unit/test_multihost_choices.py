@@ -180,3 +180,13 @@ def test_missing_nbdist_on_the_executors_says_how_to_give_them_a_python():
     message = summarize_spark_error(RuntimeError("Python worker failed\nModuleNotFoundError: No module named 'nbdist'"))
     assert message.startswith("the executors cannot import nbdist") and "os.environ['PYSPARK_PYTHON']" in message
     assert "spark.pyspark.python is ignored" in message
+
+
+def test_a_pyspark_older_than_3_5_is_refused_in_one_sentence():
+    """mapInArrow's barrier stages and job tags came in Spark 3.5: an older PySpark is one sentence, not a
+    TypeError from deep inside a launch."""
+    for version in ("3.5.0", "3.5.9", "4.0.0.dev1", "4.3.0", "10.0.0"):
+        cluster.check_spark_version(version)
+    for version in ("3.4.4", "3.3.0", "2.4.8"):
+        with pytest.raises(NbdistError, match=rf"Spark 3.5 or later, and this notebook's PySpark is {version}; "):
+            cluster.check_spark_version(version)
