@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install system-deps demo lint test test-full test-install test-spark35 bench clean
+.PHONY: install system-deps demo lint test test-full test-install test-oldest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,22 +43,22 @@ lint: install
 test: lint system-deps
 	$(BIN)/python -m pytest -q -rs --durations=30
 	$(MAKE) test-install
-	$(MAKE) test-spark35
+	$(MAKE) test-oldest
 
 # CI's suite plus the further cases it leaves out (marker full), the issue's 20 soak trials of each kind and
 # 10,000 hostile frames against a live run.
 test-full: lint system-deps
 	NBDIST_SOAK_TRIALS=20 NBDIST_FUZZ_FRAMES=10000 NBDIST_BENCH_ROWS=P1,P8 $(BIN)/python -m pytest -q -rs --durations=30 --full
 	$(MAKE) test-install
-	$(MAKE) test-spark35
+	$(MAKE) test-oldest
 
 # The install tiers (CONTRIBUTING.md): fresh venvs with one extra each, from nbdist's wheel built once.
 test-install: install
 	bash scripts/install_tiers.sh $(BIN)/python
 
-# The Spark tests that reach PySpark's API, again on PySpark 3.5 (the oldest nbdist runs on).
-test-spark35: install system-deps
-	bash scripts/spark35_tier.sh $(BIN)/python
+# The Keras contract and the Spark tests that reach PySpark's API, again on the oldest Keras and Spark.
+test-oldest: install system-deps
+	bash scripts/oldest_tier.sh $(BIN)/python
 
 bench: install
 	PYTHONPATH=. $(BIN)/python benchmarks/run.py

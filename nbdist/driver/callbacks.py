@@ -141,8 +141,14 @@ class DriverCallbacks:
             if isinstance(cb, keras.callbacks.SwapEMAWeights) and (validates or cb.swap_on_epoch):
                 opt = self.model.optimizer
                 if not any(uses_ema(o) for o in getattr(opt, "optimizers", [opt])):
+                    # Keras' own checks, which raise its ValueError before anything is swapped (Keras 3.14's
+                    # _swap_variables holds them; 3.15 moved them into _apply_to_ema_optimizers)
+                    swap = getattr(cb, "_apply_to_ema_optimizers", None)
                     try:
-                        cb._apply_to_ema_optimizers(_nothing, _nothing)  # raises Keras' own ValueError
+                        if swap is not None:
+                            swap(_nothing, _nothing)
+                        else:
+                            cb._swap_variables()
                     except ValueError as exc:  # IPython shows Keras' sentence, not this check's traceback
                         exc._render_traceback_ = lambda exc=exc: [f"{type(exc).__name__}: {exc}"]
                         raise exc.with_traceback(None) from None
