@@ -56,7 +56,7 @@ test-full: lint system-deps
 test-install: install
 	bash scripts/install_tiers.sh $(BIN)/python
 
-# The Keras contract and the Spark tests that reach PySpark's API, again on the oldest Keras and Spark.
+# The Keras contract, JAX's cases and the Spark tests that reach PySpark's API, again on pyproject's floors.
 test-oldest: install system-deps
 	bash scripts/oldest_tier.sh $(BIN)/python
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The oldest tier: the oldest Keras and Spark nbdist supports (pyproject's floors), beside the test venv's newest.
+# The oldest tier: the floors of pyproject's ranges, beside the test venv's newest releases.
 # Keras 3.14 on TensorFlow 2.20 (the Keras contract: the conformance and callback tests), JAX 0.8.1 (a JAX
 # notebook's workers and JAX's own collective) and PySpark 3.5, the Spark of EMR 7, Dataproc 2.2 and Databricks
 # 15.4 LTS (the Spark modules that reach PySpark's API: barrier and ordinary stages, RDDs, Arrow streams,
