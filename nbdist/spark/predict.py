@@ -76,6 +76,7 @@ def _model(spec: PredictSpec) -> Any:
 def predict_batches(spec: PredictSpec, batches: Iterator[Any]) -> Iterator[Any]:
     """The ``mapInPandas`` function: each pandas batch comes back with the prediction column added."""
     model = None
+    udt_columns = spec.udt_columns if udt_objects_back() else ()  # decided once per partition, not per batch
     for pdf in batches:
         if len(pdf) == 0:
             pdf[spec.column] = np.zeros(0) if spec.scalar else []
@@ -88,7 +89,7 @@ def predict_batches(spec: PredictSpec, batches: Iterator[Any]) -> Iterator[Any]:
             x = x.reshape((len(x), *spec.input_shape))
         out = model.predict(x, batch_size=spec.batch_size, verbose=0)
         pdf[spec.column] = as_column(out, spec.scalar)
-        for name, udt in spec.udt_columns if udt_objects_back() else ():
+        for name, udt in udt_columns:
             pdf[name] = [_udt_value(udt, cell) for cell in pdf[name]]
         yield pdf
 
