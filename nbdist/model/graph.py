@@ -12,6 +12,7 @@ TensorFlow resource without an assets protocol is refused by ``check_resources``
 from __future__ import annotations
 
 import collections.abc as cabc
+import contextlib
 import copyreg
 import io
 import os
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import weakref
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -504,7 +506,8 @@ def save_assets(model: Any) -> bytes | None:
                 continue
             folder = os.path.join(root, str(i))
             os.makedirs(folder)
-            layer.save_assets(folder)
+            with _vocabulary_as_asset(layer):
+                layer.save_assets(folder)
             for name in sorted(os.listdir(folder)):
                 archive.write(os.path.join(folder, name), f"{i}/{name}")
     return buf.getvalue()
@@ -526,4 +529,21 @@ def load_assets(model: Any, blob: bytes | None) -> None:
             if hasattr(layer, "load_assets"):
                 folder = os.path.join(root, str(i))
                 os.makedirs(folder, exist_ok=True)
-                layer.load_assets(folder)
+                with _vocabulary_as_asset(layer):
+                    layer.load_assets(folder)
+
+
+@contextlib.contextmanager
+def _vocabulary_as_asset(layer: Any) -> Iterator[None]:
+    """A lookup layer given its vocabulary at construction (``StringLookup(vocabulary=[...])``) keeps it in its
+    config, and Keras' ``save_assets`` and ``load_assets`` skip it; the model travels without configs, so for
+    the length of one such call the layer's vocabulary is an asset, as an adapted layer's is."""
+    given = getattr(layer, "input_vocabulary", None)
+    if given is None:
+        yield
+        return
+    layer.input_vocabulary = None
+    try:
+        yield
+    finally:
+        layer.input_vocabulary = given

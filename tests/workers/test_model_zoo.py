@@ -71,6 +71,16 @@ def string_lookup(x, y):
     return _compile(model, keras.optimizers.SGD(0.1)), words.reshape(-1, 1), y
 
 
+def given_vocabulary(x, y):
+    words = np.array([f"w{int(v)}" for v in (x[:, 20] * 16)])
+    # A vocabulary given to the constructor: Keras keeps it in the config, not in the layer's assets.
+    lookup = keras.layers.StringLookup(vocabulary=sorted(set(words.tolist()))[::2])  # half are out of it
+    model = keras.Sequential([keras.Input((1,), dtype="string"), lookup,
+                              keras.layers.Embedding(lookup.vocabulary_size(), 4), keras.layers.Flatten(),
+                              keras.layers.Dense(10, activation="softmax")])
+    return _compile(model, keras.optimizers.SGD(0.1)), words.reshape(-1, 1), y
+
+
 def text_vectorization(x, y):
     text = [" ".join(f"t{int(v)}" for v in row[18:30:3] * 16) for row in x]  # a list of str
     vectorize = keras.layers.TextVectorization(max_tokens=40, output_sequence_length=4)
@@ -307,6 +317,7 @@ ZOO = {
     "integer_lookup": Case(integer_lookup),
     "string_lookup": Case(string_lookup, local_input=lambda x: __import__("tensorflow").constant(x)),
     "text_vectorization": Case(text_vectorization, local_input=lambda x: __import__("tensorflow").constant(x)),
+    "given_vocabulary": Case(given_vocabulary, local_input=lambda x: __import__("tensorflow").constant(x)),
     "discretization": Case(discretization),
     "category_and_hashing": Case(category_and_hashing),
     "counter_layer": Case(counter_layer),
@@ -405,13 +416,14 @@ def test_two_workers_under_allreduce_train_the_whole_model_as_the_local_global_b
     # The notebook's model holds what the workers trained: its whole state, its step count included.
     assert int(model.optimizer.iterations.numpy()) == int(local.optimizer.iterations.numpy())
     # And it evaluates and predicts as the workers' evaluation and prediction of it say.
-    if name in ("normalization", "integer_lookup", "mixed_float16", "batch_norm"):
+    if name in ("normalization", "integer_lookup", "given_vocabulary", "mixed_float16", "batch_norm"):
         merged = nbdist.evaluate(model, x, y, workers=1, backend="local")
-        here = model.evaluate(x, y, verbose=0, return_dict=True)
+        here_x = case.local_input(x) if case.local_input else x
+        here = model.evaluate(here_x, y, verbose=0, return_dict=True)
         assert merged["accuracy"] == pytest.approx(here["accuracy"], abs=1e-6)
         assert merged["loss"] == pytest.approx(here["loss"], rel=1e-4)
         predicted = nbdist.predict(model, x, workers=1, backend="local")
-        np.testing.assert_allclose(predicted, model.predict(x, verbose=0), atol=2e-3 if "mixed" in name else 1e-6)
+        np.testing.assert_allclose(predicted, model.predict(here_x, verbose=0), atol=2e-3 if "mixed" in name else 1e-6)
 
 
 @pytest.mark.full  # the two-worker test below covers the same travel and more; this one tells travel from sync
