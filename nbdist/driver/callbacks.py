@@ -166,10 +166,11 @@ class DriverCallbacks:
         self.list.on_epoch_begin(self.initial_epoch)
         return learning_rate(self.model)
 
-    def epoch_end(self, epoch: int, logs: dict[str, Any]) -> Decision:
+    def epoch_end(self, epoch: int, logs: dict[str, Any], directions: dict[str, str] | None = None) -> Decision:
         """Run the epoch's end with merged logs (its validation's hooks first, where it validated); the
-        decision every worker applies before going on."""
+        decision every worker applies before going on. ``directions``: the compiled metrics' (the workers')."""
         logs = dict(logs)
+        self._settle_monitors(directions or {})
         validation = {k[len("val_"):]: v for k, v in logs.items() if k.startswith("val_")}
         if validation:
             self.list.on_test_begin()
@@ -182,12 +183,44 @@ class DriverCallbacks:
             stop = bool(getattr(self.model, "stop_training", False))
         return Decision(epoch, stop, learning_rate(self.model))
 
+    def _settle_monitors(self, directions: dict[str, str]) -> None:
+        """Whether each monitoring callback in mode "auto" (EarlyStopping, ModelCheckpoint, ReduceLROnPlateau)
+        maximises its metric, decided by Keras' own rule before its first epoch end. That rule looks among the
+        model's built metrics, and the notebook's model never ran a step: it reads the workers' (``directions``)
+        instead, so ``monitor="val_accuracy"`` maximises, and a metric no model has raises Keras' ValueError."""
+        from keras.src.callbacks.monitor_callback import MonitorCallback
+        from keras.src.trainers.compile_utils import MetricsList
+
+        for cb in self.user:
+            if not isinstance(cb, MonitorCallback) or cb.monitor_op is not None or cb.mode != "auto":
+                continue
+            built = MetricsList([_Direction(name, way) for name, way in directions.items()])
+            cb.set_model(_BuiltMetrics([built]))
+            try:
+                cb._set_monitor_op()
+            finally:
+                cb.set_model(self.model)
+
     def end(self) -> None:
         """After the final weights are in the model (EarlyStopping may then restore its best)."""
         if self.ended:
             return
         self.ended = True
         self.list.on_train_end(self._last_logs)
+
+
+class _Direction:
+    """A built metric as Keras' monitor rule reads it: its name and direction."""
+
+    def __init__(self, name: str, direction: str) -> None:
+        self.name, self._direction = name, direction
+
+
+class _BuiltMetrics:
+    """A model as Keras' monitor rule reads it: its metrics."""
+
+    def __init__(self, metrics: list[Any]) -> None:
+        self.metrics = metrics
 
 
 def _nothing(optimizer: Any) -> None:

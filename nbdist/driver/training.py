@@ -95,6 +95,7 @@ class TrainingJob(Run):
         self._weights_every_epoch = True  # decided per launch (_wants_weights_every_epoch)
         self._async: Any = None  # --strategy async: the shared model (async_server.py)
         self._said_non_finite = False  # a metric became NaN or infinite: said once per run
+        self._directions: dict[str, str] = {}  # the compiled metrics' directions, as the workers' models hold them
         # An elastic run (workers="MIN:MAX"): who trains, by generation (membership.py); the global batch of a
         # plain run's launch, dealt again over the survivors.
         self._membership: Membership | None = None
@@ -395,6 +396,7 @@ class TrainingJob(Run):
 
     def _on_message(self, rank: int, msg: Any) -> bool:
         if isinstance(msg, Epoch):
+            self._directions = msg.directions or self._directions
             merged = self.state.worker_epoch(rank, msg)
             if merged is not None:
                 self._epoch_merged(msg.epoch, merged)
@@ -506,7 +508,7 @@ class TrainingJob(Run):
             if self._last_weights is not None:
                 self._applied_epoch = self._last_weights[0]
         try:
-            decision = self.fit.callbacks.epoch_end(epoch, merged)
+            decision = self.fit.callbacks.epoch_end(epoch, merged, self._directions)
         except Exception as exc:  # the notebook's own callback raised: the fit raises it, as Keras' would
             self._fail(None, f"callback failed at the end of epoch {epoch + 1}: {type(exc).__name__}: {exc}", "",
                        exc)

@@ -82,6 +82,9 @@ class Epoch(Typed):
     sync_seconds: float | None = None
     array_names: list[str] = field(default_factory=list)
     array_logs: list[np.ndarray] = arrays()
+    # Each compiled metric's direction ("up" or "down") by name, as the worker's built model holds them: what a
+    # notebook's EarlyStopping or ModelCheckpoint in mode "auto" reads to tell a metric to maximise.
+    directions: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
         if len(self.array_names) != len(self.array_logs):

@@ -57,7 +57,7 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
             timeout: float) -> dict[str, Any]:
     import keras
 
-    from .callbacks import split_logs
+    from .callbacks import metric_directions, split_logs
     from .fit_sync import apply_decision
 
     train = job.train
@@ -111,7 +111,8 @@ def _epochs(link: Any, job: JobMessage, model: Any, data: Any, variables: list[A
         validating += time.perf_counter() - t0
         scalars, results = split_logs(logs)  # an array result (F1Score per class) travels as an array
         link.send(Epoch(epoch, scalars, samples, val_samples, time.perf_counter() - started,
-                        array_names=list(results), array_logs=list(results.values())))
+                        array_names=list(results), array_logs=list(results.values()),
+                        directions=metric_directions(model)))
         if train.epoch_decisions:
             apply_decision(model, link.expect(Decision, timeout))
         if getattr(model, "stop_training", False):

@@ -114,6 +114,22 @@ def split_logs(logs: Any) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     return scalars, results
 
 
+def metric_directions(model: Any) -> dict[str, str]:
+    """Each compiled metric's direction ("up" or "down") by name, from the metrics Keras' ``MonitorCallback``
+    looks among (its ``_set_monitor_op``): they exist once a step has built them, which the notebook's model
+    never takes, so the workers send them (``Epoch.directions``)."""
+    from keras.src.trainers.compile_utils import CompileMetrics, MetricsList
+
+    out: dict[str, str] = {}
+    for group in getattr(model, "metrics", None) or []:
+        if isinstance(group, (CompileMetrics, MetricsList)):
+            for metric in group.metrics:
+                direction = getattr(metric, "_direction", None)
+                if direction in ("up", "down"):
+                    out[metric.name] = direction
+    return out
+
+
 class EventCallback(keras.callbacks.Callback):
     """Streams progress and per-epoch metrics to the driver; rank 0 also ships the weights."""
 
@@ -167,7 +183,8 @@ class EventCallback(keras.callbacks.Callback):
         scalars, results = split_logs(logs)
         self.send(Epoch(epoch, scalars, self.samples, self.val_samples, time.perf_counter() - self._epoch_start,
                         batch=len(self.sizes), batches=len(self.sizes), samples_done=self._samples_done,
-                        array_names=list(results), array_logs=list(results.values()), **self._timing()))
+                        array_names=list(results), array_logs=list(results.values()),
+                        directions=metric_directions(self.model), **self._timing()))
 
 
 def weights_and_optimizer(model: Any) -> tuple[list[np.ndarray], list[list[int]]]:

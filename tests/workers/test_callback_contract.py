@@ -104,6 +104,38 @@ hist = model.fit(X[:320], y[:320], batch_size=64, epochs=5, shuffle=False, verbo
 """
 
 
+# Monitors on a compiled metric in mode "auto": Keras tells from the built model's metrics that accuracy is to be
+# maximised (the notebook's model never took a step). The validation accuracy stops rising at epoch 7 of 8.
+METRIC_MONITORS = MODEL + """
+hist = model.fit(X[:320], y[:320], batch_size=64, epochs=8, shuffle=False, verbose=0,
+                 validation_data=(Xv[:160], yv[:160]), callbacks=[
+    keras.callbacks.EarlyStopping(monitor="val_accuracy", patience=0, restore_best_weights=True),
+    keras.callbacks.ReduceLROnPlateau(monitor="accuracy", factor=0.5, patience=0, min_delta=0.05),
+    keras.callbacks.ModelCheckpoint(OUT + "/best.keras", monitor="val_accuracy", save_best_only=True)])
+"""
+
+
+def test_monitors_of_a_metric_maximise_it_as_locally(ip, tmp_path):
+    local = run(ip, METRIC_MONITORS, tmp_path / "local", magic=False)
+    remote = run(ip, METRIC_MONITORS, tmp_path / "remote", magic=True)
+    history = local["history"]
+    accuracy = history["val_accuracy"]
+    assert len(accuracy) < 8 and accuracy.index(max(accuracy)) < len(accuracy) - 1, "EarlyStopping never fired"
+    rates = history["learning_rate"]
+    assert any(b < 0.8 * a for a, b in zip(rates, rates[1:])), "ReduceLROnPlateau on accuracy never fired"
+    assert_same_history(remote["history"], history)
+    assert_close(remote["weights"], local["weights"], "the weights of the best val_accuracy")
+    assert_close(keras.saving.load_model(tmp_path / "remote" / "best.keras").get_weights(),
+                 keras.saving.load_model(tmp_path / "local" / "best.keras").get_weights(), "ModelCheckpoint")
+    # A metric the model does not have: Keras' own ValueError, at the first epoch's end, as locally.
+    cell = METRIC_MONITORS.replace('monitor="val_accuracy", patience=0', 'monitor="val_auc", patience=0')
+    ip.user_ns["OUT"] = str(tmp_path / "remote")
+    local_error = ip.run_cell(cell).error_in_exec
+    remote_error = ip.run_cell("%%dist_train --workers 2 --ui none\n" + cell).error_in_exec
+    assert type(local_error) is type(remote_error) is ValueError, (local_error, remote_error)
+    assert str(remote_error) == str(local_error) and "monitor=val_auc" in str(local_error)
+
+
 def backed_up_run(ip, out, magic: bool) -> dict:
     """The run interrupted at the end of epoch 2 (its backup kept), then the same cell rerun without the
     interruption: it restores the backup and trains epochs 3 to 5. The callback's RuntimeError comes out of
