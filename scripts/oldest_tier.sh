@@ -33,7 +33,8 @@ B=tests/workers/test_backends.py
 JAX_TESTS=("$B::test_a_notebook_on_jax_or_torch_trains_evaluates_and_predicts_as_locally[jax]"
            "$B::test_the_paths_that_differ_per_backend[jax]" "$B::test_what_users_bring_from_other_apis_trains_as_locally[jax]"
            "$B::test_a_seeded_cell_reproduces_on_jax_and_torch_workers_without_tensorflow[jax]"
-           "$B::test_two_jax_workers_sum_inside_the_step_as_the_local_fit_and_a_killed_one_fails_the_run")
+           "$B::test_two_jax_workers_sum_inside_the_step_as_the_local_fit_and_a_killed_one_fails_the_run"
+           "$B::test_a_jax_worker_on_one_core_takes_large_arrays_into_its_host_callback")
 "$OUT/bin/python" -m pytest -q -rs -p no:cacheprovider tests/workers/test_keras_conformance.py \
   tests/workers/test_callback_contract.py "${JAX_TESTS[@]}" tests/spark/test_spark_local.py \
   tests/spark/test_spark_stream.py tests/spark/test_spark_inference.py tests/spark/test_spark_partitions.py

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nbdist.backends.command import package_root
+from nbdist.backends.command import package_root, worker_env
 
 pytestmark = pytest.mark.usefixtures("no_leftover_workers")
 
@@ -318,3 +318,31 @@ def test_two_jax_workers_sum_inside_the_step_as_the_local_fit_and_a_killed_one_f
     dead = result["dead"]
     assert dead["error"] and "worker 1" in dead["error"] and "SIGKILL" in dead["error"], dead
     assert dead["status"] == "failed" and dead["seconds"] < 30, dead
+
+
+# The gradient sum's path inside a JAX worker's step: an ordered io_callback handed a large array.
+HOST_CALLBACK = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import io_callback
+@jax.jit
+def step(x):
+    return io_callback(lambda a: np.asarray(a) * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x + 1, ordered=True)
+x = jnp.ones(1_000_000, jnp.float32)
+for _ in range(3):
+    x = step(x) * 0.5
+print(float(x[0]))
+"""
+
+
+def test_a_jax_worker_on_one_core_takes_large_arrays_into_its_host_callback():
+    """JAX's io_callback copies its operands through XLA's CPU client's pool, sized by the cores a process may
+    use: on one core that pool's one thread ran the very step calling back, and a worker hung for good (a
+    MobileNetV3 on 2 workers of this 2-core machine, 2 runs of 3). A JAX worker's environment gives it two."""
+    core = min(os.sched_getaffinity(0))
+    try:
+        done = subprocess.run([sys.executable, "-c", HOST_CALLBACK], env=worker_env(1, backend="jax"),
+                              capture_output=True, text=True, timeout=60,
+                              preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    except subprocess.TimeoutExpired:
+        pytest.fail("a JAX process on one core hung in its host callback")
+    assert done.returncode == 0 and done.stdout.split()[-1] == "4.0", done.stderr[-2000:]
