@@ -53,7 +53,8 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
     ``sample_weight``) or an RDD of (features, label) pairs: each Spark task then reads its own
     partition on its executor. With a training DataFrame,
     ``validation_data`` may be a DataFrame with the same columns: each task writes its share of
-    it too, and the workers stream it as they stream their training rows.
+    it too, and the workers stream it as they stream their training rows. ``callbacks`` run here at its epochs'
+    ends as at a fit's; the other arguments below need in-memory data.
 
     Otherwise this is ``model.fit(x, y, ...)`` on the workers (the same data path, data/):
     ``x``/``y`` as arrays, pandas, dicts or lists of them, or a ``keras.utils.PyDataset``;
@@ -70,13 +71,12 @@ def train(model: Any, x: Any, y: Any = None, *, validation_data: tuple[Any, ...]
     config = TrainConfig(**implied_strategy(options))
     x, validation_data = named_frames(x, validation_data, features, label)
     if is_spark_data(x):
-        if (callbacks is not None or class_weight is not None or sample_weight is not None
-                or bool(validation_split) or bool(initial_epoch)):
-            raise NbdistError("callbacks, class_weight, sample_weight, validation_split and initial_epoch need "
-                              "in-memory data (numpy or pandas); a Spark DataFrame trains without them (its "
-                              "per-row weights are a column: weight_col='w').")
+        if class_weight is not None or sample_weight is not None or bool(validation_split) or bool(initial_epoch):
+            raise NbdistError("class_weight, sample_weight, validation_split and initial_epoch need in-memory data "
+                              "(numpy or pandas); a Spark DataFrame trains without them (its per-row weights are a "
+                              "column: weight_col='w'; its validation data a DataFrame or arrays: validation_data).")
         job = prepare(model, config, x, y, validation_data, namespace, features=features, label=label,
-                      weight_col=weight_col)
+                      weight_col=weight_col, callbacks=callbacks)
     else:
         no_columns(features, label, weight_col)
         fit = fit_arguments(x, y, config, validation_data=validation_data, callbacks=callbacks,
@@ -106,14 +106,17 @@ def fit_arguments(x: Any, y: Any, config: TrainConfig, **given: Any) -> FitCall:
 def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tuple[Any, ...] | None,
             namespace: dict[str, Any] | None = None, listeners: list[Any] | None = None,
             features: str | list[str] | None = None, label: str | None = None,
-            weight_col: str | None = None) -> TrainingJob:
+            weight_col: str | None = None, callbacks: list[Any] | None = None) -> TrainingJob:
     """Check the inputs and build a job for ``--data X,y``, not yet started: nothing has touched the model.
-    In-memory data is ``model.fit(x, y, validation_data=...)`` (``prepare_fit``); Spark data stays where it is."""
+    In-memory data is ``model.fit(x, y, validation_data=...)`` (``prepare_fit``); Spark data stays where it is,
+    and the notebook's ``callbacks`` run at its epochs' ends as at a fit's."""
     x, validation_data = named_frames(x, validation_data, features, label)
     if not is_spark_data(x):
         no_columns(features, label, weight_col)
-        fit = fit_arguments(x, y, config, validation_data=validation_data)
+        fit = fit_arguments(x, y, config, validation_data=validation_data, callbacks=callbacks)
         return prepare_fit(model, config, fit, None, namespace, listeners)
+    callbacks_only = FitCall(epochs=config.epochs, callbacks=callbacks)
+    check_fit_arguments(callbacks_only)
     train_set = spark_dataset(x, y, features, label, weight_col=weight_col)
     val_set = None
     if spark_validation_data(validation_data):
@@ -132,7 +135,8 @@ def prepare(model: Any, config: TrainConfig, x: Any, y: Any, validation_data: tu
     if not model.built and not model.weights:  # no input shape: built on a zero row as wide as the columns
         ensure_built(model, None, None, width=feature_width(train_set, config.executor_wait))
     check_built(model)
-    return _job(model, config, train_set, val_set, namespace, listeners)
+    run = None if callbacks is None else prepare_fit_run(model, callbacks_only, config.epochs, None, 0)
+    return _job(model, config, train_set, val_set, namespace, listeners, fit_run=run)
 
 
 def prepare_fit(model: Any, config: TrainConfig, fit: FitCall, global_batch: int | None,

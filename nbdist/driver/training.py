@@ -177,7 +177,7 @@ class TrainingJob(Run):
     def _shard(self, rank: int) -> FitData | PyDatasetData | None:
         if isinstance(self.data, PyDatasetData):
             return self.data  # the worker reads its own share of it
-        if self.fit is not None:
+        if self.fit is not None and isinstance(self.data, FitData):  # Spark's rows: the tasks' (super)
             rows = slice(None) if self.config.strategy == "async" else self._rows[rank]  # async: all of them
             if self._x_file() is not None:  # the worker reads its features from the file (_file_rows)
                 pick = lambda a: a[rows]
@@ -196,7 +196,7 @@ class TrainingJob(Run):
         return super()._x_file()
 
     def _file_rows(self, rank: int) -> dict[str, Any] | None:
-        if self.fit is None:
+        if self.fit is None or isinstance(self.data, SparkData):
             return None
         deal = (sum(self._rank_batches), self.world_size, rank)
         where = (lambda f: f.rows(0, len(self.data))) if self.config.strategy == "async" else (lambda f: f.dealt(*deal))
@@ -880,7 +880,7 @@ class TrainingJob(Run):
     def _deal_again(self, world: int) -> None:
         """Each survivor's rows and batch for ``world`` workers: a plain run's launch global batch split over
         them (data/sharding.py), an intercepted fit's global batches dealt again (fit_call.py)."""
-        if self.fit is None:
+        if self.fit is None or isinstance(self.data, SparkData):  # a plain run's, or Spark's rows with callbacks
             self._rank_batches = rank_batch_sizes(self._global_batch, world)
             shards = shard_bounds(len(self.data), world)
         else:  # the global batch is the fit's (fixed at launch: _elastic_membership)

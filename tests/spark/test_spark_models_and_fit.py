@@ -32,6 +32,31 @@ def test_intercepted_fit_with_callbacks_and_class_weight(spark, ip, tmp_path):
     check_intercepted_fit(ip, "--workers 2 --backend spark --strategy allreduce --ui none", tmp_path)
 
 
+def test_a_dataframe_trains_with_the_notebooks_callbacks(spark, data, tmp_path):
+    """The notebook's callbacks act at a DataFrame's epoch ends as at a fit's, on the merged logs of a validation
+    DataFrame: EarlyStopping on val_accuracy asking for a gain no epoch can make (min_delta=1) stops after 2 epochs,
+    ModelCheckpoint keeps the best epoch's model, CSVLogger writes each epoch."""
+    import csv
+
+    import keras
+
+    from ..spark_helpers import small_model
+
+    Xtr, Xte, ytr, yte = data
+    model = small_model()
+    stop = keras.callbacks.EarlyStopping(monitor="val_accuracy", patience=0, min_delta=1.0)
+    best = keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), monitor="val_accuracy", save_best_only=True)
+    job = nbdist.train(model, digits_frame(spark, Xtr, ytr), features="pixels", label="digit", epochs=EPOCHS,
+                       validation_data=digits_frame(spark, Xte, yte), batch_size=32, workers=2, backend="spark",
+                       callbacks=[stop, best, keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))])
+    accuracy = job.history["val_accuracy"]
+    assert job.status == "done" and len(accuracy) == 2 and job.fit_history.history["val_accuracy"] == accuracy
+    with open(tmp_path / "log.csv") as f:
+        assert [float(row["val_accuracy"]) for row in csv.DictReader(f)] == pytest.approx(accuracy, rel=1e-6)
+    saved = keras.saving.load_model(tmp_path / "best.keras")
+    assert saved.evaluate(Xte, yte, verbose=0)[1] == pytest.approx(max(accuracy), abs=1e-6)
+
+
 def test_a_model_without_an_input_shape_trains_from_a_dataframe(spark, data):
     """Built before launch on a zero row as wide as the feature columns (the rows stay on the executors), so
     the workers' weights have a model to come back into."""
