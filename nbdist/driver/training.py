@@ -137,9 +137,15 @@ class TrainingJob(Run):
             limits["batch"] = self.fit.global_batch
         return limits
 
+    @property
+    def _fit_deals_rows(self) -> bool:
+        """Whether the fit's batch plan deals this run's rows (in-memory data, a PyDataset); Spark's rows stay
+        with their tasks, as in a run without a fit (a DataFrame run's FitRun holds only its callbacks)."""
+        return self.fit is not None and not isinstance(self.data, SparkData)
+
     def _plan_shards(self, backend: Any, world: int) -> list[tuple[int, int]] | None:
         self._rank_batches = [self.config.batch_size] * world
-        if self.fit is None or isinstance(self.data, SparkData):
+        if not self._fit_deals_rows:
             return super()._plan_shards(backend, world)
         if isinstance(self.data, PyDatasetData):
             return self._plan_py_dataset(world)
@@ -177,7 +183,7 @@ class TrainingJob(Run):
     def _shard(self, rank: int) -> FitData | PyDatasetData | None:
         if isinstance(self.data, PyDatasetData):
             return self.data  # the worker reads its own share of it
-        if self.fit is not None and isinstance(self.data, FitData):  # Spark's rows: the tasks' (super)
+        if self._fit_deals_rows:
             rows = slice(None) if self.config.strategy == "async" else self._rows[rank]  # async: all of them
             if self._x_file() is not None:  # the worker reads its features from the file (_file_rows)
                 pick = lambda a: a[rows]
@@ -196,7 +202,7 @@ class TrainingJob(Run):
         return super()._x_file()
 
     def _file_rows(self, rank: int) -> dict[str, Any] | None:
-        if self.fit is None or isinstance(self.data, SparkData):
+        if not self._fit_deals_rows:
             return None
         deal = (sum(self._rank_batches), self.world_size, rank)
         where = (lambda f: f.rows(0, len(self.data))) if self.config.strategy == "async" else (lambda f: f.dealt(*deal))
@@ -306,7 +312,7 @@ class TrainingJob(Run):
             cfg, seed=self.run_seed, rounds_per_epoch=self._rounds, initial_epoch=self._initial_epoch,
             validation_anywhere=self.validation_data is not None or self._validation_on_tasks(),
             validation_on_tasks=self._validation_on_tasks(),
-            batch_sizes=list(self._rank_batches) if fit is not None or cfg.elastic else None,
+            batch_sizes=list(self._rank_batches) if self._fit_deals_rows or cfg.elastic else None,
             learning_rate=self._first_lr, elastic=cfg.elastic,
             generation=self._membership.generation if self._membership is not None else 0,
             resume_step=self._resume_step,
@@ -880,7 +886,7 @@ class TrainingJob(Run):
     def _deal_again(self, world: int) -> None:
         """Each survivor's rows and batch for ``world`` workers: a plain run's launch global batch split over
         them (data/sharding.py), an intercepted fit's global batches dealt again (fit_call.py)."""
-        if self.fit is None or isinstance(self.data, SparkData):  # a plain run's, or Spark's rows with callbacks
+        if not self._fit_deals_rows:
             self._rank_batches = rank_batch_sizes(self._global_batch, world)
             shards = shard_bounds(len(self.data), world)
         else:  # the global batch is the fit's (fixed at launch: _elastic_membership)
