@@ -86,7 +86,7 @@ def _worker_variables(threads: int, environ: Mapping[str, str], backend: str | N
         name == "tensorflow") else {}
     # XLA's CPU client (JAX's) sizes its thread pool by NPROC, else by the cores the process may use. With one
     # core the gradient sum's host callback waited forever: JAX's io_callback copies its operands through that
-    # pool, whose one thread runs the very step calling back. Two threads, whatever the budget.
+    # pool, whose one thread runs the very step calling back. At least two threads, whatever the budget.
     pool = {"NPROC": environ.get("NPROC") or str(max(2, threads))} if name == "jax" else {}
     return {BACKEND_ENV: name, "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
             **thread_env(threads), "PYTHONUNBUFFERED": "1", **growth, **pool}
